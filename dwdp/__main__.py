@@ -1,0 +1,3 @@
+from dwdp.cli import main
+
+raise SystemExit(main())

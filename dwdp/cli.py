@@ -1,0 +1,66 @@
+"""The ``dwdp`` command line: one entry point, sub-commands contributed by the sub-packages.
+
+Each contributing module exposes ``register(subparsers)``, which adds its sub-commands
+and sets ``func`` (``args -> int`` exit status) on each. Contributing modules keep their
+top-level imports light (no torch, no kopf): heavy imports happen inside ``func``, so
+``dwdp validate`` works where only pydantic and PyYAML are installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# Modules that contribute sub-commands, in help order.
+COMMAND_MODULES: tuple[str, ...] = (
+    "dwdp.api.cli",
+    "dwdp.worker.cli",
+    "dwdp.operator.cli",
+    "dwdp.devcluster.cli",
+)
+
+
+class UserError(Exception):
+    """An error caused by the user's input; printed as one line, exit status 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with every available sub-command registered."""
+    parser = argparse.ArgumentParser(
+        prog="dwdp",
+        description="DWDP for mixture-of-experts inference: operator, worker and tools.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that part of the project is not built yet
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``dwdp`` command line; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"dwdp {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The README's test command. From nothing on a fresh machine: installs the system packages
+# the tests need (MPI), makes the virtual environment .venv with every Python package,
+# builds the local control plane, checks lint, and runs every test but the `gpu` ones.
+# Extra arguments go to pytest (e.g. scripts/test.sh -m unit -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+# 1. System packages: MPI for the mpirun tests.
+if ! command -v mpirun >/dev/null 2>&1; then
+  log "installing system packages (openmpi)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+fi
+
+# 2. Python packages in .venv.
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  "$PY" -m venv .venv
+fi
+log "installing Python packages"
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+export PATH="$PWD/.venv/bin:$PATH"
+
+# 3. The local control plane (built once, reused while its inputs are unchanged).
+if dwdp dev --help >/dev/null 2>&1; then
+  log "building the local control plane (cached)"
+  dwdp dev build
+fi
+
+# 4. Lint.
+log "ruff check"
+ruff check .
+
+# 5. Tests: everything but gpu.
+log "pytest -m 'not gpu'"
+exec pytest -m "not gpu" "$@"
