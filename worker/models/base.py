@@ -1,0 +1,248 @@
+"""What DWDP needs to know about a model architecture, declared once per architecture.
+
+An *architecture adapter* names, for a loaded Hugging Face causal LM, its decoder layers,
+the MoE layers among them (with their fused expert tables), and for each MoE layer the
+*dense roots*: the attention root whose tensors form blob A(l), the roots whose tensors form
+blob D(l) (router, shared expert, latent projections, norms) and the tensors that never move
+(routing bias, scratch). The runtime walks these declarations; it never guesses module names.
+
+Invariant: an adapter only reads the model; it never changes a tensor or a module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model's architecture has no adapter for the DWDP feature that was asked for."""
+
+
+EXPERT_PARAMS: tuple[str, str] = ("gate_up_proj", "down_proj")
+"""The fused expert tables of a transformers 5 experts module: ``gate_up_proj`` of shape
+[E, 2*I, H] and ``down_proj`` of shape [E, H, I] (E experts, H hidden, I expert width)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DenseTensor:
+    """One tensor of a dense blob: where it lives and what it is.
+
+    ``name`` is the fully qualified state-dict style name (``model.layers.3.self_attn.o_proj
+    .weight``); ``module`` and ``attr`` locate it (``getattr(module, attr)``); ``kind`` is
+    ``"parameter"`` or ``"buffer"``.
+    """
+
+    name: str
+    module: Any
+    attr: str
+    kind: str
+
+    def get(self) -> torch.Tensor:
+        """The tensor as the module holds it now."""
+        return getattr(self.module, self.attr)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeLayer:
+    """One MoE decoder layer as DWDP sees it.
+
+    ``layer_index`` is the index among all decoder layers; ``moe_index`` the order among MoE
+    layers (the expert prefetch ring cycles over it). Root and never-move names are relative
+    to ``decoder_layer`` (``"mlp.gate"``); ``prefix`` makes them fully qualified.
+    """
+
+    layer_index: int
+    moe_index: int
+    prefix: str
+    decoder_layer: Any
+    moe_block: Any
+    experts: Any
+    attention_roots: tuple[str, ...] = ()
+    moe_dense_roots: tuple[str, ...] = ()
+    never_move: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def num_experts(self) -> int:
+        """E, the number of routed experts of this layer."""
+        return int(self.experts.gate_up_proj.shape[0])
+
+    @property
+    def attention(self) -> Any:
+        """The attention module (the module H2 hooks after)."""
+        return self.decoder_layer.get_submodule(self.attention_roots[0])
+
+    def expert_tensors(self) -> dict[str, torch.Tensor]:
+        """The fused expert tables by parameter name (``gate_up_proj``, ``down_proj``)."""
+        return {name: getattr(self.experts, name) for name in EXPERT_PARAMS}
+
+    def blob_tensors(self, blob: str) -> list[DenseTensor]:
+        """The tensors of blob ``"A"`` (attention roots) or ``"D"`` (MoE-dense roots).
+
+        Parameters and persistent-or-not buffers under the roots, in module registration
+        order, without the never-move names and without expert tables. Raises ``ValueError``
+        for another blob name.
+        """
+        if blob == "A":
+            roots = self.attention_roots
+        elif blob == "D":
+            roots = self.moe_dense_roots
+        else:
+            raise ValueError(f"unknown dense blob {blob!r}; expected 'A' or 'D'")
+        out: list[DenseTensor] = []
+        seen: set[int] = set()
+        for root in roots:
+            root_module = self.decoder_layer.get_submodule(root)
+            for rel, module in root_module.named_modules(prefix=root):
+                if module is self.experts:
+                    continue
+                for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
+                    for attr, tensor in table.items():
+                        if tensor is None or id(tensor) in seen:
+                            continue
+                        local = f"{rel}.{attr}"
+                        if local in self.never_move:
+                            continue
+                        seen.add(id(tensor))
+                        out.append(DenseTensor(f"{self.prefix}.{local}", module, attr, kind))
+        return out
+
+
+class ArchitectureAdapter:
+    """Declarations of one architecture family (subclass per family).
+
+    Subclasses set ``name``, ``architectures`` (the Hugging Face ``config.architectures``
+    class names they serve), and override ``is_moe_layer``/roots as needed. ``has_dense_roots``
+    is False for an adapter that supports expert DWDP only.
+    """
+
+    name: str = ""
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+    has_dense_roots: bool = True
+    attention_roots: tuple[str, ...] = ("self_attn",)
+    moe_dense_roots: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm", "mlp.gate")
+    never_move: tuple[str, ...] = ()
+    moe_block_attr: str = "mlp"
+    # On-disk names of one expert's matrices: (gate, up, down) suffixes under ``experts.{e}.``
+    checkpoint_expert_suffixes: tuple[str, str, str] = (
+        "gate_proj.weight",
+        "up_proj.weight",
+        "down_proj.weight",
+    )
+    # (model name part, on-disk name part) pairs that a checkpoint may use instead.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    # -- structure ---------------------------------------------------------------------------
+    def decoder_layers(self, model: nn.Module) -> Sequence[nn.Module]:
+        """The decoder layers in execution order (``model.model.layers``)."""
+        return list(model.get_decoder().layers)
+
+    def layers_prefix(self, model: nn.Module) -> str:
+        """The qualified name of the decoder layer list (``"model.layers"``)."""
+        layers = model.get_decoder().layers
+        for name, module in model.named_modules():
+            if module is layers:
+                return name
+        raise UnsupportedArchitectureError(f"{type(model).__name__}: decoder layers not found")
+
+    def is_moe_layer(self, layer: nn.Module) -> bool:
+        """True when the decoder layer's MLP is a fused-experts MoE block."""
+        block = getattr(layer, self.moe_block_attr, None)
+        experts = getattr(block, "experts", None)
+        return all(
+            getattr(getattr(experts, p, None), "dim", lambda: 0)() == 3 for p in EXPERT_PARAMS
+        )
+
+    def moe_layers(self, model: nn.Module) -> list[MoeLayer]:
+        """Every MoE decoder layer of ``model``, in execution order (first dense layers and
+        other non-MoE layers are skipped: they stay replicated)."""
+        prefix = self.layers_prefix(model)
+        out: list[MoeLayer] = []
+        for index, layer in enumerate(self.decoder_layers(model)):
+            if not self.is_moe_layer(layer):
+                continue
+            block = getattr(layer, self.moe_block_attr)
+            out.append(
+                MoeLayer(
+                    layer_index=index,
+                    moe_index=len(out),
+                    prefix=f"{prefix}.{index}",
+                    decoder_layer=layer,
+                    moe_block=block,
+                    experts=block.experts,
+                    attention_roots=self.attention_roots if self.has_dense_roots else (),
+                    moe_dense_roots=self._dense_roots_of(layer) if self.has_dense_roots else (),
+                    never_move=frozenset(self.never_move),
+                )
+            )
+        return out
+
+    def _dense_roots_of(self, layer: nn.Module) -> tuple[str, ...]:
+        roots = []
+        for root in self.moe_dense_roots:
+            try:
+                layer.get_submodule(root)
+            except AttributeError:
+                continue  # an optional root (a shared expert some configs leave out)
+            roots.append(root)
+        return tuple(roots)
+
+    def never_move_names(self, model: nn.Module) -> list[str]:
+        """Fully qualified names that never move, over every MoE layer."""
+        return [f"{m.prefix}.{n}" for m in self.moe_layers(model) for n in sorted(m.never_move)]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_forms(
+        self, name: str, shape: tuple[int, ...]
+    ) -> list[dict[str, tuple[int, ...]]]:
+        """The on-disk forms a model tensor may take: a list of alternatives, each mapping
+        checkpoint tensor names to their expected shapes. The fused form comes first."""
+        alternatives = [{n: shape} for n in self._renamed(name)]
+        head, _, last = name.rpartition(".")
+        if last in EXPERT_PARAMS and head.endswith(".experts") and len(shape) == 3:
+            num, rows, cols = shape
+            gate, up, down = self.checkpoint_expert_suffixes
+            for base in self._renamed(head):
+                if last == "gate_up_proj":
+                    half = rows // 2
+                    form = {f"{base}.{e}.{s}": (half, cols) for e in range(num) for s in (gate, up)}
+                else:
+                    form = {f"{base}.{e}.{down}": (rows, cols) for e in range(num)}
+                alternatives.append(form)
+        return alternatives
+
+    def _renamed(self, name: str) -> list[str]:
+        names = [name]
+        for model_part, disk_part in self.checkpoint_renames:
+            if model_part in name:
+                names.append(name.replace(model_part, disk_part))
+        return names
+
+    def describe(self, model: nn.Module) -> dict[str, Any]:
+        """A JSON-able summary: adapter name, decoder and MoE layer indices, expert count."""
+        moe = self.moe_layers(model)
+        return {
+            "adapter": self.name,
+            "decoder_layers": len(self.decoder_layers(model)),
+            "moe_layers": [m.layer_index for m in moe],
+            "num_experts": moe[0].num_experts if moe else 0,
+            "dense_roots": self.has_dense_roots,
+        }
+
+
+def iter_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model`` by qualified name (shared tensors once)."""
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for attr, tensor in table.items():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                yield (f"{prefix}.{attr}" if prefix else attr), tensor

@@ -1,0 +1,1 @@
+"""Test and demo helpers of the worker: tiny seeded Hugging Face checkpoints, built offline."""

@@ -1,0 +1,73 @@
+"""A small byte-level BPE tokenizer trained locally with the ``tokenizers`` library.
+
+Byte-level, so every input string encodes (no unknown token) and decoding round-trips. The
+training corpus is fixed text in this module and BPE training is deterministic, so the same
+arguments give the same vocabulary on every machine; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, "<|user|>", "<|assistant|>", "<|system|>")
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+"""A Jinja chat template: one ``<|role|>content`` line per message."""
+
+_CORPUS = (
+    "Distributed weight data parallelism lets every rank of a group serve its own requests "
+    "while storing only a slice of the mixture of experts weights. Before a layer runs, the "
+    "missing experts are copied from the peers into a prefetch slot. The quick brown fox "
+    "jumps over the lazy dog. Hello world, hello model, hello expert. What is the capital "
+    "of France? Paris is the capital of France. One two three four five six seven eight "
+    "nine ten. The cat sat on the mat. A kubernetes operator reconciles a custom resource "
+    "into pods, services and config maps. Tokens, logits, sampling, greedy decoding."
+)
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """Train the tokenizer; returns a ``transformers.PreTrainedTokenizerFast``.
+
+    ``vocab_size`` counts the 256 byte symbols, the special tokens and the merges; it must be
+    at least 256 + len(SPECIAL_TOKENS). Raises ``ValueError`` otherwise.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size: {vocab_size} < {256 + len(SPECIAL_TOKENS)}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def save_tokenizer(out: Path, vocab_size: int = 384) -> int:
+    """Write the tokenizer files into ``out``; returns the vocabulary size (token count)."""
+    tokenizer = build_tokenizer(vocab_size)
+    tokenizer.save_pretrained(str(out))
+    return len(tokenizer)
