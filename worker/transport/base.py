@@ -1,0 +1,244 @@
+"""The group transport interface: allgather with a status in every exchange.
+
+A transport connects the ``world_size`` ranks of one DWDP group incarnation. Its one
+primitive is an allgather of bytes; on top of it, :meth:`Transport.exchange` sends every
+rank's payload *and* its status (``None`` or an error message) together, so a failing rank
+still takes part in the collective and its error reaches every rank there (DESIGN.md 5.2,
+fail-together). Every exchange also carries a label and a sequence number; ranks that
+disagree on either raise :class:`CollectiveMismatch` on every rank instead of pairing
+unrelated collectives.
+
+Invariant: after each exchange every rank holds the same :class:`Exchange` (the same
+payloads, the same errors), so any verdict computed from it is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 1800.0
+"""Seconds a rank waits for its peers at the rendezvous and at each collective."""
+
+ENV_GROUP = "DWDP_GROUP"
+ENV_INCARNATION = "DWDP_INCARNATION"
+ENV_RANK = "DWDP_RANK"
+ENV_WORLD_SIZE = "DWDP_WORLD_SIZE"
+ENV_RENDEZVOUS = "DWDP_RENDEZVOUS"
+ENV_RENDEZVOUS_TIMEOUT_S = "DWDP_RENDEZVOUS_TIMEOUT_S"
+
+
+class TransportError(RuntimeError):
+    """A group transport could not complete a collective."""
+
+
+class RendezvousTimeout(TransportError):
+    """Some ranks did not arrive within the timeout; ``missing`` names them."""
+
+    def __init__(self, message: str, *, missing: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class CollectiveMismatch(TransportError):
+    """Ranks entered different collectives (labels or sequence numbers differ)."""
+
+
+class GroupFailure(TransportError):
+    """One or more ranks reported an error in an exchange; raised on every rank alike.
+
+    ``label`` names the collective and ``errors`` maps each failing rank to its message.
+    """
+
+    def __init__(self, label: str, errors: Mapping[int, str]) -> None:
+        self.label = label
+        self.errors = dict(sorted(errors.items()))
+        detail = "; ".join(f"rank {r}: {m}" for r, m in self.errors.items())
+        super().__init__(f"collective {label!r} failed on rank(s) {self.failed_ranks}: {detail}")
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        return tuple(self.errors)
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """The result of one collective: every rank's payload and every rank's error.
+
+    ``payloads[r]`` is what rank ``r`` sent (``None`` where it sent nothing);
+    ``errors`` holds only the ranks that reported a failure.
+    """
+
+    label: str
+    payloads: tuple[Any, ...]
+    errors: Mapping[int, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when no rank reported an error."""
+        return not self.errors
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.errors))
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`GroupFailure` (on every rank alike) if any rank reported an error."""
+        if self.errors:
+            raise GroupFailure(self.label, self.errors)
+
+
+@dataclass(frozen=True, slots=True)
+class RendezvousConfig:
+    """Where and how a rank joins its group (the environment contract of DESIGN.md 4).
+
+    ``address`` is ``(host, port)`` of the store that rank 0 hosts, or ``None`` where the
+    transport needs none (MPI). ``timeout_s`` is in seconds.
+    """
+
+    group: str
+    incarnation: str
+    rank: int
+    world_size: int
+    address: tuple[str, int] | None = None
+    timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"{ENV_WORLD_SIZE} must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"{ENV_RANK}={self.rank} is outside [0, {self.world_size})")
+        if self.timeout_s <= 0:
+            raise ValueError(f"{ENV_RENDEZVOUS_TIMEOUT_S} must be > 0 s, got {self.timeout_s}")
+        for name, value in (("group", self.group), ("incarnation", self.incarnation)):
+            if not value or "/" in value:
+                raise ValueError(f"the {name} name {value!r} must be non-empty without '/'")
+
+    @property
+    def namespace(self) -> str:
+        """The key prefix of this group incarnation: a rank of an old incarnation never
+        meets the keys of a new one."""
+        return f"dwdp/{self.group}/{self.incarnation}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        """Read the rendezvous contract; raises ``ValueError`` naming a missing or bad
+        variable. ``DWDP_RENDEZVOUS`` (``host:port``) is optional here."""
+        env = os.environ if environ is None else environ
+
+        def need(name: str) -> str:
+            value = env.get(name)
+            if value is None or value == "":
+                raise ValueError(f"environment variable {name} is not set")
+            return value
+
+        def integer(name: str) -> int:
+            try:
+                return int(need(name))
+            except ValueError as exc:
+                if "not set" in str(exc):
+                    raise
+                raise ValueError(f"{name}={env.get(name)!r} is not an integer") from None
+
+        address = None
+        if env.get(ENV_RENDEZVOUS):
+            address = parse_address(env[ENV_RENDEZVOUS])
+        timeout_text = env.get(ENV_RENDEZVOUS_TIMEOUT_S) or str(DEFAULT_RENDEZVOUS_TIMEOUT_S)
+        try:
+            timeout_s = float(timeout_text)
+        except ValueError:
+            raise ValueError(
+                f"{ENV_RENDEZVOUS_TIMEOUT_S}={timeout_text!r} is not a number of seconds"
+            ) from None
+        return cls(
+            group=need(ENV_GROUP),
+            incarnation=need(ENV_INCARNATION),
+            rank=integer(ENV_RANK),
+            world_size=integer(ENV_WORLD_SIZE),
+            address=address,
+            timeout_s=timeout_s,
+        )
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) -> ``(host, port)``; raises ``ValueError``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{ENV_RENDEZVOUS}={text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class _Envelope:
+    seq: int
+    label: str
+    error: str | None
+    payload: Any
+
+
+class Transport(ABC):
+    """The collectives of one DWDP group incarnation, with a status in every exchange.
+
+    Subclasses implement :meth:`_allgather_bytes`; everything else is shared. Every rank
+    must call the same collectives in the same order; a rank that fails keeps calling
+    them with its error (``exchange(..., error=msg)``) until the verdict is reached.
+    """
+
+    rank: int
+    world_size: int
+
+    def __init__(self, *, rank: int, world_size: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._seq = 0
+
+    @abstractmethod
+    def _allgather_bytes(self, data: bytes, *, seq: int, label: str) -> list[bytes]:
+        """Every rank's ``data`` for collective number ``seq`` (named ``label`` in errors),
+        in rank order. Raises :class:`RendezvousTimeout` naming the ranks still missing
+        after ``timeout_s`` seconds."""
+
+    def exchange(self, payload: Any, *, label: str, error: str | None = None) -> Exchange:
+        """Send ``payload`` and this rank's status; return what every rank sent.
+
+        ``payload`` must be picklable (objects of this package, tensors' metadata, bytes).
+        ``error`` is ``None`` for success or a one-line message. Never raises for another
+        rank's error (see :meth:`Exchange.raise_if_failed`); raises
+        :class:`CollectiveMismatch` when ranks are in different collectives and
+        :class:`TransportError` when the group cannot be reached.
+        """
+        seq = self._seq
+        self._seq += 1
+        blob = pickle.dumps(_Envelope(seq, label, error, payload), protocol=5)
+        raw = self._allgather_bytes(blob, seq=seq, label=label)
+        envelopes: list[_Envelope] = [pickle.loads(b) for b in raw]
+        seen = {(e.seq, e.label) for e in envelopes}
+        if len(seen) != 1:
+            where = ", ".join(f"rank {r}: #{e.seq} {e.label!r}" for r, e in enumerate(envelopes))
+            raise CollectiveMismatch(f"ranks are in different collectives ({where})")
+        errors = {r: e.error for r, e in enumerate(envelopes) if e.error is not None}
+        return Exchange(label, tuple(e.payload for e in envelopes), errors)
+
+    def allgather(self, payload: Any, *, label: str) -> list[Any]:
+        """Every rank's ``payload``; raises :class:`GroupFailure` if any rank failed."""
+        result = self.exchange(payload, label=label)
+        result.raise_if_failed()
+        return list(result.payloads)
+
+    def barrier(self, *, label: str = "barrier") -> None:
+        """Return once every rank reached this barrier (no payload)."""
+        self.exchange(None, label=label).raise_if_failed()
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Leave the group; safe to call twice."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
