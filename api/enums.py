@@ -48,3 +48,21 @@ class Role(enum.StrEnum):
     """Decode server; refuses dense DWDP before the model loads."""
     AGGREGATED = "aggregated"
     """Prefill and decode in one server."""
+
+
+class Transport(enum.StrEnum):
+    """How the ranks of a DWDP group meet and run their setup collectives."""
+
+    TCP_STORE = "tcpStore"
+    """A TCP key-value store hosted by rank 0 (``DWDP_RENDEZVOUS``)."""
+    MPI = "mpi"
+    """An MPI sub-communicator (mpi4py); needed by standalone dense DWDP."""
+
+
+class DenseMode(enum.StrEnum):
+    """The two ways dense DWDP runs (DESIGN.md 3.2)."""
+
+    ATTACHED = "attached"
+    """With expert DWDP: the DWDP group and the expert copy stream."""
+    STANDALONE = "standalone"
+    """Without expert DWDP, on an attention-DP instance: its own group and copy stream."""

@@ -1,0 +1,875 @@
+"""DwdpDeployment: the custom resource's spec and status models (DESIGN.md 3.3).
+
+Group ``dwdp.io``, version ``v1alpha1``, kind ``DwdpDeployment``, plural ``dwdpdeployments``,
+short name ``dwdp``. The spec says what to run (model, image, the context DWDP groups, the
+generation servers, rendezvous, rollout and failure policy); the status is what the operator
+observed. :func:`deployment_problems` applies every rule (field rules, DESIGN.md 3.1 through
+:class:`~dwdp.api.config.DwdpConfig`, the launch rules of 3.2 through
+:func:`~dwdp.api.launch.launch_problems`) and names each broken one; the CRD carries the
+same rules as schema constraints and CEL, generated from these classes by
+:mod:`dwdp.api.crd`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from dwdp.api.base import ApiModel, NonNegInt, PosInt, cel_rule
+from dwdp.api.config import DwdpConfig
+from dwdp.api.enums import HandleType, Role, Transport
+from dwdp.api.errors import (
+    DwdpValidationError,
+    Problem,
+    RuleViolations,
+    problems_from_validation_error,
+)
+from dwdp.api.launch import (
+    Dtype,
+    EngineSwitches,
+    KvCacheConfig,
+    LaunchConfig,
+    LaunchModel,
+    ParallelConfig,
+    launch_problems,
+)
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "NAME_MAX_LENGTH",
+    "PLURAL",
+    "SHORT_NAME",
+    "SINGULAR",
+    "VERSION",
+    "Condition",
+    "ContextSpec",
+    "DeploymentPhase",
+    "DwdpDeployment",
+    "DwdpDeploymentSpec",
+    "DwdpDeploymentStatus",
+    "EnvVar",
+    "FailurePolicy",
+    "FailureRecord",
+    "GenerationSpec",
+    "GenerationStatus",
+    "GroupPhase",
+    "GroupStatus",
+    "ModelSpec",
+    "ObjectMeta",
+    "RendezvousSpec",
+    "ResourceRequirements",
+    "RolloutSpec",
+    "ServerSpec",
+    "Toleration",
+    "deployment_problems",
+    "launch_config_for",
+    "parse_deployment",
+]
+
+GROUP = "dwdp.io"
+"""API group of the custom resource."""
+VERSION = "v1alpha1"
+"""The one served and stored version."""
+API_VERSION = f"{GROUP}/{VERSION}"
+"""``apiVersion`` of every DwdpDeployment."""
+KIND = "DwdpDeployment"
+PLURAL = "dwdpdeployments"
+SINGULAR = "dwdpdeployment"
+SHORT_NAME = "dwdp"
+
+NAME_MAX_LENGTH = 40
+"""Longest accepted deployment name: child objects append suffixes and Service names are
+DNS-1035 labels of at most 63 characters."""
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+"""A DNS-1035 label: lower-case letters, digits and '-', starting with a letter."""
+
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+"""A Kubernetes resource quantity written as a string (``8Gi``, ``500m``, ``1``)."""
+
+_EMPTY_DEFAULT: dict[str, Any] = {"default": {}}
+"""Schema extra of an object field whose absence means "all defaults" (the apiserver then
+fills the nested defaults too)."""
+
+Quantity = Annotated[
+    Annotated[int, Field(strict=True)] | str, Field(union_mode="left_to_right")
+]
+LabelKey = Annotated[str, Field(max_length=316)]
+LabelValue = Annotated[str, Field(max_length=63)]
+EnvName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
+
+
+# --------------------------------------------------------------------------- spec
+
+
+class ModelSpec(ApiModel):
+    """Where the checkpoint is: a directory in the worker, optionally on a mounted volume."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "self.path.startsWith('/')",
+                    "path must be an absolute directory path",
+                    field_path=".path",
+                ),
+                cel_rule(
+                    "!(has(self.pvcName) && has(self.hostPath))",
+                    "set at most one of pvcName and hostPath",
+                    field_path=".hostPath",
+                ),
+                cel_rule(
+                    "(!has(self.pvcName) && !has(self.hostPath)) || self.path == self.mountPath"
+                    " || self.path.startsWith(self.mountPath + '/')",
+                    "path must lie under mountPath when pvcName or hostPath mounts a volume",
+                    field_path=".path",
+                ),
+            ]
+        }
+    )
+
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="Checkpoint directory inside the worker (absolute; a local Hugging Face "
+        "directory with safetensors).",
+    )
+    architecture: str | None = Field(
+        None,
+        max_length=128,
+        description="Architecture name, when the checkpoint's config.json does not give it.",
+    )
+    served_name: str | None = Field(
+        None, max_length=253, description="Model name the HTTP API answers to."
+    )
+    dtype: Dtype = Field("auto", description="auto, bfloat16, float16 or float32.")
+    pvc_name: str | None = Field(
+        None,
+        max_length=253,
+        description="PersistentVolumeClaim holding the checkpoint, mounted read-only at "
+        "mountPath.",
+    )
+    host_path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        pattern="^/",
+        description="Host directory holding the checkpoint, mounted read-only at mountPath.",
+    )
+    mount_path: str = Field(
+        "/models",
+        min_length=1,
+        max_length=4096,
+        pattern="^/",
+        description="Where pvcName or hostPath is mounted in the worker.",
+    )
+
+    def rule_problems(self) -> list[Problem]:
+        """The cross-field rules of the model source; paths relative to ``model``."""
+        problems = []
+        if not self.path.startswith("/"):
+            problems.append(Problem(("path",), self.path, "must be an absolute directory path"))
+        if self.pvc_name is not None and self.host_path is not None:
+            problems.append(
+                Problem(("hostPath",), self.host_path, "set at most one of pvcName and hostPath")
+            )
+        volume = self.pvc_name is not None or self.host_path is not None
+        inside = self.path == self.mount_path or self.path.startswith(self.mount_path + "/")
+        if volume and not inside:
+            problems.append(
+                Problem(
+                    ("path",),
+                    self.path,
+                    f"must lie under mountPath {self.mount_path} when pvcName or hostPath "
+                    "mounts a volume",
+                )
+            )
+        return problems
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        problems = self.rule_problems()
+        if problems:
+            raise RuleViolations(problems)
+        return self
+
+
+class Toleration(ApiModel):
+    """A pod toleration (as in the Kubernetes core API)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "self.operator != 'Exists' || !has(self.value)",
+                    "value must be unset when operator is Exists",
+                    field_path=".value",
+                )
+            ]
+        }
+    )
+
+    key: str | None = Field(None, max_length=316, description="Taint key; unset matches all.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, max_length=63, description="Taint value (with Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect; unset matches all."
+    )
+    toleration_seconds: int | None = Field(
+        None, strict=True, description="How long a NoExecute taint is tolerated, in seconds."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Toleration:
+        if self.operator == "Exists" and self.value is not None:
+            raise RuleViolations(
+                [Problem(("value",), self.value, "must be unset when operator is Exists")]
+            )
+        return self
+
+
+class EnvVar(ApiModel):
+    """An environment variable of every worker container (a literal value)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "!self.name.startsWith('DWDP_')",
+                    "names starting with DWDP_ are reserved: the operator sets them",
+                    field_path=".name",
+                )
+            ]
+        }
+    )
+
+    name: EnvName = Field(description="Variable name (a C identifier).")
+    value: str = Field("", max_length=32768, description="Literal value.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvVar:
+        if self.name.startswith("DWDP_"):
+            raise RuleViolations(
+                [
+                    Problem(
+                        ("name",),
+                        self.name,
+                        "names starting with DWDP_ are reserved: the operator sets them",
+                    )
+                ]
+            )
+        return self
+
+
+class ResourceRequirements(ApiModel):
+    """Container resources per worker pod (quantities such as ``8Gi``, ``500m``, ``1``)."""
+
+    limits: dict[LabelKey, Quantity] | None = Field(
+        None, max_length=32, description="Resource limits by name."
+    )
+    requests: dict[LabelKey, Quantity] | None = Field(
+        None, max_length=32, description="Resource requests by name."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ResourceRequirements:
+        problems = []
+        for part in ("limits", "requests"):
+            for name, value in (getattr(self, part) or {}).items():
+                if isinstance(value, str) and not _quantity_ok(value):
+                    problems.append(
+                        Problem(
+                            (part, name),
+                            value,
+                            "is not a resource quantity (for example 8Gi, 500m or 1)",
+                        )
+                    )
+        if problems:
+            raise RuleViolations(problems)
+        return self
+
+
+def _quantity_ok(text: str) -> bool:
+    return re.fullmatch(QUANTITY_PATTERN[1:-1], text) is not None
+
+
+def _rules_context() -> list[dict[str, str]]:
+    expert = "self.dwdp.enableExperts && self.dwdp.dwdpSize > 1"
+    dense = "self.dwdp.enableDense"
+    attached = f"{dense} && self.dwdp.enableExperts"
+    standalone = f"{dense} && !self.dwdp.enableExperts"
+    world = (
+        "self.dwdp.dwdpSize * self.parallel.tensorParallelSize * "
+        "self.parallel.pipelineParallelSize * self.parallel.contextParallelSize"
+    )
+    need = "expert DWDP (enableExperts with dwdp.dwdpSize > 1) needs"
+    att = "attached dense DWDP (enableDense with enableExperts) needs"
+    alone = "standalone dense DWDP (enableDense without enableExperts) needs"
+    eager = "dense DWDP is eager-only and refuses"
+    rules = [
+        (f"!({expert}) || self.parallel.pipelineParallelSize == 1",
+         f"{need} parallel.pipelineParallelSize 1", ".parallel.pipelineParallelSize"),
+        (f"!({expert}) || self.parallel.contextParallelSize == 1",
+         f"{need} parallel.contextParallelSize 1", ".parallel.contextParallelSize"),
+        (f"!({expert}) || self.parallel.tensorParallelSize == 1 || self.parallel.attentionDP",
+         f"{need} parallel.tensorParallelSize 1 or parallel.attentionDP",
+         ".parallel.tensorParallelSize"),
+        (f"!({expert}) || !self.engine.cudaGraphs",
+         f"{need} engine.cudaGraphs off", ".engine.cudaGraphs"),
+        (f"!({expert}) || !self.engine.overlapScheduler",
+         f"{need} engine.overlapScheduler off", ".engine.overlapScheduler"),
+        (f"!({attached}) || self.dwdp.dwdpSize > 1",
+         f"{att} dwdp.dwdpSize > 1", ".dwdp.dwdpSize"),
+        (f"!({attached}) || self.parallel.tensorParallelSize == 1",
+         f"{att} parallel.tensorParallelSize 1 (expert DWDP on an attention-DP instance is "
+         "neither dense mode)", ".parallel.tensorParallelSize"),
+        (f"!({attached}) || !self.engine.overlapScheduler",
+         f"{att} engine.overlapScheduler off", ".engine.overlapScheduler"),
+        (f"!({standalone}) || self.parallel.attentionDP",
+         f"{alone} parallel.attentionDP on", ".parallel.attentionDP"),
+        (f"!({standalone}) || self.parallel.tensorParallelSize > 1",
+         f"{alone} parallel.tensorParallelSize > 1", ".parallel.tensorParallelSize"),
+        (f"!({standalone}) || self.transport == 'mpi'",
+         f"{alone} transport mpi", ".transport"),
+    ]
+    for switch in ("cudaGraphs", "torchCompile", "lora", "speculativeDecoding", "sleepMode"):
+        rules.append(
+            (f"!{dense} || !self.engine.{switch}", f"{eager} engine.{switch}", f".engine.{switch}")
+        )
+    for size in ("pipelineParallelSize", "contextParallelSize"):
+        rules.append(
+            (f"!{dense} || self.parallel.{size} == 1",
+             f"{eager} parallel.{size} > 1", f".parallel.{size}")
+        )
+    rules += [
+        (f"({world}) % self.ranksPerPod == 0",
+         "ranksPerPod must divide the ranks of a group (dwdp.dwdpSize x tensor x pipeline x "
+         "context parallel sizes)", ".ranksPerPod"),
+        (f"!(self.handleType in ['posixFd', 'shm']) || self.ranksPerPod == {world}",
+         "handleType posixFd or shm shares stores within one host only: ranksPerPod must "
+         "equal the ranks of a group (dwdp.dwdpSize x tensor x pipeline x context parallel "
+         "sizes)", ".ranksPerPod"),
+    ]
+    return [cel_rule(rule, message, field_path=path) for rule, message, path in rules]
+
+
+class _ServingSection(ApiModel):
+    """Settings shared by the context and generation sections."""
+
+    replicas: NonNegInt = Field(1, description="Number of servers (context: DWDP groups).")
+    ranks_per_pod: PosInt = Field(
+        1, description="GPUs (ranks) per pod; a pod runs one rank process per GPU."
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, json_schema_extra=_EMPTY_DEFAULT
+    )
+    engine: EngineSwitches = Field(
+        default_factory=EngineSwitches, json_schema_extra=_EMPTY_DEFAULT
+    )
+    transport: Transport = Field(
+        Transport.TCP_STORE, description="tcpStore or mpi: how a server's ranks meet."
+    )
+    max_num_tokens: PosInt = Field(8192, description="Tokens per forward pass, at most.")
+    max_batch_size: PosInt = Field(8, description="Requests per forward pass, at most.")
+    kv_cache: KvCacheConfig = Field(
+        default_factory=KvCacheConfig, json_schema_extra=_EMPTY_DEFAULT
+    )
+
+
+class ContextSpec(_ServingSection):
+    """The context (prefill) servers: ``replicas`` DWDP groups, each one unit."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _rules_context()})
+
+    dwdp: DwdpConfig = Field(default_factory=DwdpConfig, json_schema_extra=_EMPTY_DEFAULT)
+    handle_type: HandleType = Field(
+        HandleType.FABRIC,
+        description="fabric (multi-node NVLink), posixFd (one host) or shm (cpu backend).",
+    )
+
+    @property
+    def ranks_per_group(self) -> int:
+        """Ranks of one DWDP group: dwdp_size instances of tensor x pipeline x context ranks."""
+        return self.dwdp.dwdp_size * self.parallel.instance_size
+
+    @property
+    def pods_per_group(self) -> int:
+        """Pods of one DWDP group (ranks_per_group / ranks_per_pod)."""
+        return self.ranks_per_group // self.ranks_per_pod
+
+    def rule_problems(self) -> list[Problem]:
+        """The launch rules (DESIGN.md 3.2) and pod-shape rules; paths relative to context."""
+        probe = LaunchConfig(
+            role=Role.CONTEXT,
+            model=LaunchModel(path="/"),  # the model takes no part in these rules
+            parallel=self.parallel,
+            engine=self.engine,
+            transport=self.transport,
+            handle_type=self.handle_type,
+            dwdp=self.dwdp,
+        )
+        problems = launch_problems(probe)
+        world = self.ranks_per_group
+        if world % self.ranks_per_pod:
+            problems.append(
+                Problem(
+                    ("ranksPerPod",),
+                    self.ranks_per_pod,
+                    f"must divide the {world} ranks of a group (dwdp.dwdpSize x tensor x "
+                    "pipeline x context parallel sizes)",
+                )
+            )
+        elif self.handle_type in (HandleType.POSIX_FD, HandleType.SHM) and (
+            self.ranks_per_pod != world
+        ):
+            problems.append(
+                Problem(
+                    ("ranksPerPod",),
+                    self.ranks_per_pod,
+                    f"must be {world} (all ranks of a group in one pod): handleType "
+                    f"{self.handle_type.value} shares stores within one host only",
+                )
+            )
+        return problems
+
+    @model_validator(mode="after")
+    def _check(self) -> ContextSpec:
+        problems = self.rule_problems()
+        if problems:
+            raise RuleViolations(problems)
+        return self
+
+
+class GenerationSpec(_ServingSection):
+    """The generation (decode) servers; they never run dense DWDP."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "(self.parallel.tensorParallelSize * self.parallel.pipelineParallelSize * "
+                    "self.parallel.contextParallelSize) % self.ranksPerPod == 0",
+                    "ranksPerPod must divide the ranks of a server (tensor x pipeline x "
+                    "context parallel sizes)",
+                    field_path=".ranksPerPod",
+                )
+            ]
+        }
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerationSpec:
+        world = self.parallel.instance_size
+        if world % self.ranks_per_pod:
+            raise RuleViolations(
+                [
+                    Problem(
+                        ("ranksPerPod",),
+                        self.ranks_per_pod,
+                        f"must divide the {world} ranks of a server (tensor x pipeline x "
+                        "context parallel sizes)",
+                    )
+                ]
+            )
+        return self
+
+
+class RendezvousSpec(ApiModel):
+    """The group rendezvous: a TCP store on pod 0 of each group."""
+
+    port: Port = Field(29500, description="TCP port of the store on the group's pod 0.")
+    timeout_seconds: PosInt = Field(
+        1800, description="How long a rank waits for its peers, in seconds."
+    )
+
+
+class ServerSpec(ApiModel):
+    """The HTTP servers of the workers."""
+
+    port: Port = Field(
+        8000, description="Port of local rank 0 in a pod; local rank k serves port + k."
+    )
+
+
+class RolloutSpec(ApiModel):
+    """How a new revision replaces the groups, counted in whole DWDP groups."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "self.maxSurge > 0 || self.maxUnavailable > 0",
+                    "maxSurge and maxUnavailable cannot both be 0: the rollout could never "
+                    "make progress",
+                    field_path=".maxUnavailable",
+                )
+            ]
+        }
+    )
+
+    max_surge: NonNegInt = Field(1, description="Extra new-revision groups during a rollout.")
+    max_unavailable: NonNegInt = Field(
+        0, description="Groups that may be missing (below replicas) during a rollout."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutSpec:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise RuleViolations(
+                [
+                    Problem(
+                        ("maxUnavailable",),
+                        0,
+                        "maxSurge and maxUnavailable cannot both be 0: the rollout could "
+                        "never make progress",
+                    )
+                ]
+            )
+        return self
+
+
+class FailurePolicy(ApiModel):
+    """Restarts of failed groups (fail-together: a whole group restarts)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "self.backoffMaxSeconds >= self.backoffInitialSeconds",
+                    "backoffMaxSeconds must be at least backoffInitialSeconds",
+                    field_path=".backoffMaxSeconds",
+                )
+            ]
+        }
+    )
+
+    backoff_initial_seconds: PosInt = Field(
+        10, description="Wait before the first restart of a failed group, in seconds."
+    )
+    backoff_max_seconds: PosInt = Field(
+        300, description="Upper bound of the doubling restart wait, in seconds."
+    )
+    restart_limit: NonNegInt | None = Field(
+        None, description="Restarts of one group before it stays failed; unset: no limit."
+    )
+    scheduling_timeout_seconds: PosInt = Field(
+        600, description="A group whose pods are not all scheduled by then fails, in seconds."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> FailurePolicy:
+        if self.backoff_max_seconds < self.backoff_initial_seconds:
+            raise RuleViolations(
+                [
+                    Problem(
+                        ("backoffMaxSeconds",),
+                        self.backoff_max_seconds,
+                        f"must be at least backoffInitialSeconds ({self.backoff_initial_seconds})",
+                    )
+                ]
+            )
+        return self
+
+
+def _rules_spec() -> list[dict[str, str]]:
+    return [
+        cel_rule(
+            "self.rendezvous.port < self.server.port || "
+            "self.rendezvous.port >= self.server.port + self.context.ranksPerPod",
+            "rendezvous.port must not be one of the server ports (server.port up to "
+            "server.port + context.ranksPerPod - 1)",
+            field_path=".rendezvous.port",
+        )
+    ]
+
+
+class DwdpDeploymentSpec(ApiModel):
+    """What to run: the model, the worker image, context DWDP groups, generation servers."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _rules_spec()})
+
+    model: ModelSpec
+    image: str = Field(min_length=1, max_length=1024, description="Worker container image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Always, IfNotPresent or Never."
+    )
+    resources: ResourceRequirements | None = Field(
+        None, description="Resources of each worker container."
+    )
+    node_selector: dict[LabelKey, LabelValue] | None = Field(
+        None, max_length=64, description="Node labels every worker pod requires."
+    )
+    tolerations: list[Toleration] | None = Field(
+        None, max_length=32, description="Tolerations of every worker pod."
+    )
+    env: list[EnvVar] | None = Field(
+        None, max_length=128, description="Extra environment variables of every worker."
+    )
+    context: ContextSpec = Field(description="The context (prefill) servers: DWDP groups.")
+    generation: GenerationSpec | None = Field(
+        None, description="The generation (decode) servers; unset: none."
+    )
+    rendezvous: RendezvousSpec = Field(
+        default_factory=RendezvousSpec, json_schema_extra=_EMPTY_DEFAULT
+    )
+    server: ServerSpec = Field(default_factory=ServerSpec, json_schema_extra=_EMPTY_DEFAULT)
+    graceful_shutdown_timeout_seconds: PosInt | None = Field(
+        None,
+        description="Bound on a server's graceful stop, in seconds (a positive integer); "
+        "unset: no bound.",
+    )
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_EMPTY_DEFAULT)
+    failure_policy: FailurePolicy = Field(
+        default_factory=FailurePolicy, json_schema_extra=_EMPTY_DEFAULT
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DwdpDeploymentSpec:
+        rdv, first = self.rendezvous.port, self.server.port
+        last = first + self.context.ranks_per_pod - 1
+        if first <= rdv <= last:
+            raise RuleViolations(
+                [
+                    Problem(
+                        ("rendezvous", "port"),
+                        rdv,
+                        f"must not be one of the server ports {first}..{last} (server.port "
+                        "up to server.port + context.ranksPerPod - 1)",
+                    )
+                ]
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- status
+
+
+class DeploymentPhase(enum.StrEnum):
+    """Values of ``status.phase``."""
+
+    PENDING = "Pending"
+    """Accepted; no group has started yet."""
+    PROGRESSING = "Progressing"
+    """Groups are starting or a rollout is under way."""
+    READY = "Ready"
+    """Every desired group committed and serves."""
+    DEGRADED = "Degraded"
+    """Some groups serve, others are failing or restarting."""
+    FAILED = "Failed"
+    """No group serves and restarts are exhausted, or the spec cannot run."""
+
+
+class GroupPhase(enum.StrEnum):
+    """Values of ``status.groups[].phase`` (one DWDP group incarnation)."""
+
+    PENDING = "Pending"
+    """Pods created, not all scheduled or started."""
+    STARTING = "Starting"
+    """Rendezvous, model load and DWDP setup under way."""
+    COMMITTED = "Committed"
+    """Every rank committed with one revision and layout digest; receives traffic."""
+    DRAINING = "Draining"
+    """Removed from traffic, stopping (rollout or scale-down)."""
+    BACKOFF = "Backoff"
+    """Failed together; the next incarnation waits for its backoff."""
+    FAILED = "Failed"
+    """Failed and out of restarts."""
+
+
+class _StatusModel(ApiModel):
+    """Status models keep fields they do not know (the operator's bookkeeping)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Condition(_StatusModel):
+    """A standard condition (types Ready, Progressing, Degraded)."""
+
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str | None = Field(None, max_length=1024)
+    message: str | None = Field(None, max_length=32768)
+    last_transition_time: str | None = Field(None, max_length=64)
+    observed_generation: int | None = None
+
+
+class FailureRecord(_StatusModel):
+    """The last failure of a group: where it failed and why."""
+
+    phase: str = Field(max_length=128, description="Phase that failed (e.g. rendezvous, P4).")
+    message: str = Field("", max_length=32768)
+    reason: str | None = Field(None, max_length=128, description="Classified failure.")
+    time: str | None = Field(None, max_length=64)
+
+
+class GroupStatus(_StatusModel):
+    """One DWDP group as the operator sees it."""
+
+    name: str = Field(max_length=253)
+    revision: str = Field("", max_length=128)
+    incarnation: int = 0
+    phase: str = Field("Pending", max_length=64, description="One of GroupPhase.")
+    ranks_ready: int = 0
+    ranks_total: int = 0
+    layout_digest: str | None = Field(None, max_length=256)
+    leaks: int = 0
+    restarts: int = 0
+    last_failure: FailureRecord | None = None
+
+
+class GenerationStatus(_StatusModel):
+    """The generation servers."""
+
+    replicas: int = 0
+    ready_replicas: int = 0
+
+
+class DwdpDeploymentStatus(_StatusModel):
+    """What the operator observed; written through the status subresource only."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    phase: str | None = Field(None, max_length=64, description="One of DeploymentPhase.")
+    conditions: list[Condition] | None = Field(None, max_length=16)
+    observed_generation: int | None = None
+    replicas: int = Field(0, description="Context groups that exist, in any phase.")
+    ready_groups: int = Field(0, description="Context groups committed and serving.")
+    selector: str | None = Field(
+        None, max_length=1024, description="Label selector of the context pods (scale)."
+    )
+    revision: str | None = Field(None, max_length=128, description="Current spec revision.")
+    groups: list[GroupStatus] | None = Field(None, max_length=1024)
+    generation: GenerationStatus | None = None
+    endpoint: str | None = Field(None, max_length=1024, description="Client-facing URL.")
+
+
+# --------------------------------------------------------------------------- object
+
+
+class ObjectMeta(ApiModel):
+    """The metadata fields this API reads; the others are kept as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = Field(None, max_length=253)
+    generate_name: str | None = Field(None, max_length=253)
+    namespace: str | None = Field(None, max_length=63)
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ObjectMeta:
+        if self.name is None:
+            if self.generate_name is None:
+                raise RuleViolations(
+                    [Problem(("name",), None, "is required (or generateName)")]
+                )
+            return self
+        if len(self.name) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, self.name):
+            raise RuleViolations(
+                [
+                    Problem(
+                        ("name",),
+                        self.name,
+                        f"must be a DNS-1035 label of at most {NAME_MAX_LENGTH} characters "
+                        "(lower-case letters, digits and '-', starting with a letter)",
+                    )
+                ]
+            )
+        return self
+
+
+class DwdpDeployment(ApiModel):
+    """A DwdpDeployment object (apiVersion ``dwdp.io/v1alpha1``)."""
+
+    api_version: Literal["dwdp.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["DwdpDeployment"]
+    metadata: ObjectMeta
+    spec: DwdpDeploymentSpec
+    status: DwdpDeploymentStatus | None = None
+
+
+# --------------------------------------------------------------------------- functions
+
+
+def deployment_problems(data: Any) -> list[Problem]:
+    """Every rule a DwdpDeployment document breaks (empty when valid).
+
+    ``data`` is the parsed YAML/JSON mapping. Paths are camelCase from the document root.
+    """
+    if not isinstance(data, Mapping):
+        return [Problem((), data, "a DwdpDeployment must be a mapping of fields")]
+    try:
+        DwdpDeployment.model_validate(data)
+    except ValidationError as exc:
+        return problems_from_validation_error(exc)
+    return []
+
+
+def parse_deployment(data: Any) -> DwdpDeployment:
+    """Validate a DwdpDeployment document.
+
+    Raises:
+        DwdpValidationError: listing every problem (field path, value, rule).
+    """
+    problems = deployment_problems(data)
+    if problems:
+        raise DwdpValidationError(problems, subject="DwdpDeployment")
+    return DwdpDeployment.model_validate(data)
+
+
+def launch_config_for(
+    spec: DwdpDeploymentSpec, role: Role, *, model_path: str | None = None
+) -> LaunchConfig:
+    """The launch configuration a worker of ``role`` gets from ``spec``.
+
+    Args:
+        spec: a validated spec.
+        role: ``Role.CONTEXT`` (the context section, with its DwdpConfig) or
+            ``Role.GENERATION`` (the generation section, default DwdpConfig).
+        model_path: the checkpoint path inside the worker, if it differs from
+            ``spec.model.path``.
+
+    Raises:
+        ValueError: for the generation role when the spec has no generation section, or
+            for ``Role.AGGREGATED`` (the spec has no such section).
+    """
+    if role is Role.CONTEXT:
+        section: _ServingSection = spec.context
+        dwdp = spec.context.dwdp
+        handle = spec.context.handle_type
+    elif role is Role.GENERATION:
+        if spec.generation is None:
+            raise ValueError("the spec has no generation section")
+        section, dwdp, handle = spec.generation, DwdpConfig(), HandleType.FABRIC
+    else:
+        raise ValueError(f"no section of a DwdpDeployment has the role {role.value}")
+    return LaunchConfig(
+        role=role,
+        model=LaunchModel(
+            path=model_path or spec.model.path,
+            architecture=spec.model.architecture,
+            served_name=spec.model.served_name,
+            dtype=spec.model.dtype,
+        ),
+        parallel=section.parallel,
+        engine=section.engine,
+        transport=section.transport,
+        handle_type=handle,
+        dwdp=dwdp,
+        graceful_shutdown_timeout_s=spec.graceful_shutdown_timeout_seconds,
+        max_num_tokens=section.max_num_tokens,
+        max_batch_size=section.max_batch_size,
+        kv_cache=section.kv_cache,
+        server_port=spec.server.port,
+    )

@@ -1,0 +1,360 @@
+"""The launch configuration of one worker and the launch rules of DESIGN.md 3.2.
+
+A :class:`LaunchConfig` is what a worker process reads (the file ``DWDP_CONFIG`` names; the
+operator renders it from the DwdpDeployment spec). :func:`validate_launch` applies the
+launch rules in one fixed order and raises :class:`LaunchError` naming the *first*
+requirement the launch breaks; :func:`launch_problems` lists every broken one, in the
+same order, and :func:`launch_problem` gives the first one without raising. The rules run
+when the launch is built (operator, ``dwdp validate``) and again on the worker's host,
+which alone knows whether the model declares dense roots (``dense_roots``).
+
+Rule order: role, expert DWDP requirements, dense DWDP mode, dense eager-only
+requirements, dense roots. Paths are relative to the launch config (``parallel.
+tensorParallelSize``); the DwdpDeployment prefixes them with ``spec.context``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+from dwdp.api.base import ApiModel, Bool, PosInt
+from dwdp.api.config import DwdpConfig
+from dwdp.api.enums import DenseMode, HandleType, Role, Transport
+from dwdp.api.errors import Problem
+from pydantic import Field
+
+__all__ = [
+    "LEGACY_ROLES",
+    "ROLE_ENV",
+    "Dtype",
+    "EngineSwitches",
+    "KvCacheConfig",
+    "LaunchConfig",
+    "LaunchError",
+    "LaunchModel",
+    "ParallelConfig",
+    "dense_mode",
+    "launch_problem",
+    "launch_problems",
+    "launch_warnings",
+    "parse_role",
+    "resolve_role",
+    "validate_launch",
+]
+
+ROLE_ENV = "DWDP_ROLE"
+"""The environment variable that carries a worker's role when the launch does not."""
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+"""The dtypes a worker can run; ``auto`` follows the checkpoint."""
+
+LEGACY_ROLES: dict[str, Role] = {"ctx0": Role.CONTEXT, "gen0": Role.GENERATION}
+"""Legacy role spellings (any letter case) and the roles they mean."""
+
+class ParallelConfig(ApiModel):
+    """The parallel layout of one serving instance (all sizes in ranks)."""
+
+    tensor_parallel_size: PosInt = Field(1, description="Tensor-parallel ranks per instance.")
+    pipeline_parallel_size: PosInt = Field(1, description="Pipeline stages per instance.")
+    context_parallel_size: PosInt = Field(1, description="Context-parallel ranks.")
+    attention_dp: Bool = Field(
+        False,
+        alias="attentionDP",
+        description="Attention data parallelism: each tensor-parallel rank runs its own "
+        "attention batch.",
+    )
+
+    @property
+    def instance_size(self) -> int:
+        """Ranks of one instance: tensor x pipeline x context parallel."""
+        return (
+            self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+        )
+
+
+class EngineSwitches(ApiModel):
+    """The engine features the launch rules talk about; all off by default."""
+
+    cuda_graphs: Bool = Field(False, description="Capture CUDA graphs of the forward pass.")
+    torch_compile: Bool = Field(False, description="Compile the model with torch.compile.")
+    overlap_scheduler: Bool = Field(
+        False, description="Overlap the host scheduling of step n+1 with step n on the GPU."
+    )
+    lora: Bool = Field(False, description="Serve LoRA adapters.")
+    speculative_decoding: Bool = Field(False, description="Speculative decoding (drafts).")
+    sleep_mode: Bool = Field(False, description="Release GPU memory while idle (sleep).")
+
+
+class KvCacheConfig(ApiModel):
+    """KV-cache sizing knobs."""
+
+    free_memory_fraction: float = Field(
+        0.9,
+        strict=True,
+        gt=0,
+        le=1,
+        description="Fraction (0, 1] of the GPU memory left free after weights and DWDP "
+        "buffers that the KV cache takes.",
+    )
+    max_tokens: PosInt | None = Field(
+        None, description="Upper bound on KV-cache tokens; unset means no bound."
+    )
+
+
+class LaunchModel(ApiModel):
+    """Where a worker finds the checkpoint (a local Hugging Face directory)."""
+
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="Directory of the checkpoint inside the worker (absolute path).",
+    )
+    architecture: str | None = Field(
+        None,
+        max_length=128,
+        description="Architecture name when the checkpoint's config.json does not give it.",
+    )
+    served_name: str | None = Field(
+        None, max_length=253, description="Model name the HTTP API answers to."
+    )
+    dtype: Dtype = Field(
+        "auto", description="Weight and activation dtype; auto follows the checkpoint."
+    )
+
+
+class LaunchConfig(ApiModel):
+    """Everything one worker rank needs to start (rendezvous details come from env)."""
+
+    role: Role | None = Field(
+        None,
+        description="context, generation or aggregated; unset: from the DWDP_ROLE "
+        "environment variable.",
+    )
+    model: LaunchModel
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    engine: EngineSwitches = Field(default_factory=EngineSwitches)
+    transport: Transport = Field(
+        Transport.TCP_STORE, description="How the group's ranks run their collectives."
+    )
+    handle_type: HandleType = Field(
+        HandleType.FABRIC, description="How a rank's store is shared with its peers."
+    )
+    dwdp: DwdpConfig = Field(default_factory=DwdpConfig)
+    graceful_shutdown_timeout_s: PosInt | None = Field(
+        None,
+        alias="gracefulShutdownTimeoutSeconds",
+        description="Bound, in seconds, on the server's graceful stop; unset: no bound.",
+    )
+    max_num_tokens: PosInt = Field(8192, description="Tokens per forward pass, at most.")
+    max_batch_size: PosInt = Field(8, description="Requests per forward pass, at most.")
+    kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig)
+    server_port: int = Field(
+        8000,
+        strict=True,
+        ge=1,
+        le=65535,
+        description="HTTP port of local rank 0; local rank k serves serverPort + k.",
+    )
+
+
+class LaunchError(ValueError):
+    """A launch that breaks a rule of DESIGN.md 3.2; ``problem`` is the first one broken."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        super().__init__(f"launch refused: {problem}")
+
+
+def dense_mode(cfg: LaunchConfig) -> DenseMode | None:
+    """The dense DWDP mode this launch qualifies for, or None (dense off or neither mode)."""
+    d, par = cfg.dwdp, cfg.parallel
+    if not d.enable_dense:
+        return None
+    if (
+        d.enable_experts
+        and d.dwdp_size > 1
+        and par.tensor_parallel_size == 1
+        and not cfg.engine.overlap_scheduler
+    ):
+        return DenseMode.ATTACHED
+    if (
+        not d.enable_experts
+        and par.attention_dp
+        and par.tensor_parallel_size > 1
+        and cfg.transport is Transport.MPI
+    ):
+        return DenseMode.STANDALONE
+    return None
+
+
+def launch_problems(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> list[Problem]:
+    """Every launch rule ``cfg`` breaks, in rule order, one problem per field.
+
+    Args:
+        cfg: the launch.
+        dense_roots: whether the model's architecture declares dense roots; None (not
+            known yet, as when the operator builds the launch) skips that rule.
+    """
+    found: dict[tuple[str | int, ...], Problem] = {}
+
+    def refuse(path: tuple[str, ...], value: object, rule: str) -> None:
+        found.setdefault(path, Problem(path, value, rule))
+
+    d, par, eng = cfg.dwdp, cfg.parallel, cfg.engine
+    if d.enable_dense and cfg.role is Role.GENERATION:
+        refuse(
+            ("dwdp", "enableDense"),
+            True,
+            "dense DWDP is for context (prefill) servers; a generation server refuses it",
+        )
+
+    if d.expert_dwdp:
+        why = f"expert DWDP (enableExperts with dwdpSize {d.dwdp_size} > 1) needs"
+        if par.pipeline_parallel_size != 1:
+            refuse(
+                ("parallel", "pipelineParallelSize"),
+                par.pipeline_parallel_size,
+                f"{why} pipelineParallelSize 1",
+            )
+        if par.context_parallel_size != 1:
+            refuse(
+                ("parallel", "contextParallelSize"),
+                par.context_parallel_size,
+                f"{why} contextParallelSize 1",
+            )
+        if par.tensor_parallel_size != 1 and not par.attention_dp:
+            refuse(
+                ("parallel", "tensorParallelSize"),
+                par.tensor_parallel_size,
+                f"{why} tensorParallelSize 1 or attentionDP on",
+            )
+        if eng.cuda_graphs:
+            refuse(("engine", "cudaGraphs"), True, f"{why} cudaGraphs off")
+        if eng.overlap_scheduler:
+            refuse(("engine", "overlapScheduler"), True, f"{why} overlapScheduler off")
+
+    if d.enable_dense and dense_mode(cfg) is None:
+        if d.enable_experts:
+            why = (
+                "dense DWDP with enableExperts runs attached, which needs dwdpSize > 1, "
+                "tensorParallelSize 1 and overlapScheduler off"
+            )
+            if d.dwdp_size <= 1:
+                refuse(("dwdp", "dwdpSize"), d.dwdp_size, why)
+            if par.tensor_parallel_size != 1:
+                refuse(
+                    ("parallel", "tensorParallelSize"),
+                    par.tensor_parallel_size,
+                    why + " (expert DWDP on an attention-DP instance is neither dense mode)",
+                )
+            if eng.overlap_scheduler:
+                refuse(("engine", "overlapScheduler"), True, why)
+        else:
+            why = (
+                "dense DWDP without enableExperts runs standalone, which needs attentionDP "
+                "on, tensorParallelSize > 1 and transport mpi"
+            )
+            if not par.attention_dp:
+                refuse(("parallel", "attentionDP"), False, why)
+            if par.tensor_parallel_size <= 1:
+                refuse(("parallel", "tensorParallelSize"), par.tensor_parallel_size, why)
+            if cfg.transport is not Transport.MPI:
+                refuse(("transport",), cfg.transport.value, why)
+
+    if d.enable_dense:
+        eager = "dense DWDP is eager-only and refuses"
+        for name, on in (
+            ("cudaGraphs", eng.cuda_graphs),
+            ("torchCompile", eng.torch_compile),
+            ("lora", eng.lora),
+            ("speculativeDecoding", eng.speculative_decoding),
+            ("sleepMode", eng.sleep_mode),
+        ):
+            if on:
+                refuse(("engine", name), True, f"{eager} {name}")
+        if par.pipeline_parallel_size != 1:
+            refuse(
+                ("parallel", "pipelineParallelSize"),
+                par.pipeline_parallel_size,
+                f"{eager} pipelineParallelSize > 1",
+            )
+        if par.context_parallel_size != 1:
+            refuse(
+                ("parallel", "contextParallelSize"),
+                par.context_parallel_size,
+                f"{eager} contextParallelSize > 1",
+            )
+        if dense_roots is False:
+            arch = cfg.model.architecture or "of this checkpoint"
+            refuse(
+                ("dwdp", "enableDense"),
+                True,
+                f"the model architecture {arch} declares no dense roots, so dense DWDP "
+                "cannot shard it",
+            )
+    return list(found.values())
+
+
+def launch_problem(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> Problem | None:
+    """The first launch rule ``cfg`` breaks, or None; ``str()`` of it is the message."""
+    problems = launch_problems(cfg, dense_roots=dense_roots)
+    return problems[0] if problems else None
+
+
+def validate_launch(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> None:
+    """Apply the launch rules of DESIGN.md 3.2.
+
+    Raises:
+        LaunchError: naming the first requirement the launch breaks (its ``problem``
+            holds the field path, the value and the rule).
+    """
+    problem = launch_problem(cfg, dense_roots=dense_roots)
+    if problem is not None:
+        raise LaunchError(problem)
+
+
+def launch_warnings(cfg: LaunchConfig, role: Role | None = None) -> list[str]:
+    """Warnings a valid launch still deserves (log each once).
+
+    ``role`` is the resolved role (:func:`resolve_role`); defaults to ``cfg.role``.
+    """
+    role = role if role is not None else cfg.role
+    warnings = []
+    if cfg.dwdp.enable_dense and role is not Role.CONTEXT:
+        shown = role.value if role else "unset"
+        warnings.append(
+            f"dense DWDP is meant for context (prefill) servers, but the role is {shown}; "
+            f"set role: context (or {ROLE_ENV}=context)"
+        )
+    return warnings
+
+
+def parse_role(text: str) -> Role:
+    """A role from text: context, generation, aggregated, or legacy ctx0/gen0, any case.
+
+    Raises ``ValueError`` naming the accepted spellings.
+    """
+    key = text.strip().lower()
+    if key in LEGACY_ROLES:
+        return LEGACY_ROLES[key]
+    try:
+        return Role(key)
+    except ValueError:
+        accepted = ", ".join([*(r.value for r in Role), *LEGACY_ROLES])
+        raise ValueError(f"unknown role {text!r}; accepted: {accepted}") from None
+
+
+def resolve_role(
+    launch_role: Role | str | None, environ: Mapping[str, str] | None = None
+) -> Role | None:
+    """The worker's role: the launch's (``--role``) if given, else ``DWDP_ROLE``, else None.
+
+    Raises ``ValueError`` for an unknown spelling in either place.
+    """
+    if launch_role is not None and launch_role != "":
+        return launch_role if isinstance(launch_role, Role) else parse_role(launch_role)
+    env = os.environ if environ is None else environ
+    value = env.get(ROLE_ENV, "")
+    return parse_role(value) if value.strip() else None
