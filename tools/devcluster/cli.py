@@ -1,0 +1,141 @@
+"""The ``dwdp dev`` sub-commands: build, up, down, status, kubeconfig, env.
+
+Top-level imports stay light (argparse only); the work happens in the other modules,
+imported when a sub-command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``dwdp dev ...`` to the ``dwdp`` command line."""
+    dev = subparsers.add_parser(
+        "dev",
+        help="local control plane for tests and the demo (no containers)",
+        description="A real local Kubernetes control plane (etcd, apiserver, controller-manager,"
+        " scheduler) plus a process kubelet. State: $DWDP_STATE_DIR or "
+        "~/.cache/dwdp/clusters/default.",
+    )
+    sub = dev.add_subparsers(dest="dev_command", metavar="ACTION")
+    dev.set_defaults(func=lambda args: (dev.print_help(), 2)[1])
+
+    def add(name: str, help_: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument(
+            "--state-dir",
+            type=Path,
+            default=None,
+            help="cluster state folder (default $DWDP_STATE_DIR or ~/.cache/dwdp/clusters/default)",
+        )
+        p.set_defaults(func=func)
+        return p
+
+    b = add("build", "build the control-plane binary if its inputs changed; print its path", _build)
+    b.add_argument("-v", "--verbose", action="store_true", help="show go build output")
+    b.add_argument("--tools", action="store_true", help="also fetch kubectl and helm")
+    up = add("up", "start the cluster (idempotent); waits for a Ready node", _up)
+    up.add_argument("--nodes", type=int, help="number of process-kubelet nodes (default 1)")
+    up.add_argument("--cpu", help="cpu capacity per node (default 32)")
+    up.add_argument("--memory", help="memory capacity per node (default 128Gi)")
+    up.add_argument("--gpus", type=int, help="nvidia.com/gpu capacity per node (default 8)")
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
+    down = add("down", "stop every process of the cluster (pods included)", _down)
+    down.add_argument(
+        "--purge",
+        action="store_true",
+        help="also delete the state folder (certificates, etcd data, logs)",
+    )
+    add("status", "show which components run and whether the nodes are Ready", _status)
+    add("kubeconfig", "print the path of the cluster's admin kubeconfig", _kubeconfig)
+    add("env", "print shell exports (KUBECONFIG, PATH with kubectl and helm)", _env)
+
+
+def _user_error(exc: Exception):
+    from dwdp.cli import UserError
+
+    return UserError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from dwdp.devcluster import build, tools
+
+    try:
+        path = build.build(verbose=args.verbose)
+        if args.tools:
+            tools.ensure_tools()
+    except (build.BuildError, tools.ToolsError) as exc:
+        print(str(exc))
+        raise _user_error(exc) from None
+    print(path)
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from dwdp.devcluster import build, cluster, tools
+
+    overrides: dict = {}
+    if args.nodes:
+        overrides["nodes"] = args.nodes
+    node = {
+        k: v
+        for k, v in (("cpu", args.cpu), ("memory", args.memory), ("gpus", args.gpus))
+        if v is not None
+    }
+    if node:
+        overrides["node"] = node
+    c = cluster.Cluster(args.state_dir)
+    try:
+        tools.ensure_tools()
+        seconds = c.up(binary=build.build(), timeout_s=args.timeout, **overrides)
+    except (build.BuildError, tools.ToolsError, cluster.ClusterError) as exc:
+        print(str(exc))
+        raise _user_error(exc) from None
+    print(f"cluster up in {seconds:.1f} s; state {c.state_dir}")
+    print(f"export KUBECONFIG={c.kubeconfig}")
+    print(f"export PATH={tools.tools_bin_dir()}:$PATH")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    import shutil
+
+    from dwdp.devcluster import cluster
+
+    c = cluster.Cluster(args.state_dir)
+    c.down()
+    if args.purge and c.state_dir.exists():
+        shutil.rmtree(c.state_dir)
+    print(f"cluster down; state {'removed' if args.purge else 'kept in ' + str(c.state_dir)}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from dwdp.devcluster import cluster
+
+    st = cluster.Cluster(args.state_dir).status()
+    print(json.dumps(st, indent=2))
+    up = st["apiserver_ready"] and st["nodes_ready"] and all(st["nodes_ready"].values())
+    return 0 if up else 3
+
+
+def _kubeconfig(args: argparse.Namespace) -> int:
+    from dwdp.devcluster import cluster
+
+    c = cluster.Cluster(args.state_dir)
+    if not c.kubeconfig.exists():
+        raise _user_error(RuntimeError(f"no cluster in {c.state_dir}; run `dwdp dev up`"))
+    print(c.kubeconfig)
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from dwdp.devcluster import cluster, tools
+
+    c = cluster.Cluster(args.state_dir)
+    print(f"export KUBECONFIG={c.kubeconfig}")
+    print(f"export PATH={tools.tools_bin_dir()}:$PATH")
+    return 0

@@ -1,0 +1,177 @@
+"""Certificates and keys of one local cluster, made with ``cryptography`` (ECDSA P-256).
+
+Files in ``<state>/pki``: ``ca.crt/.key`` (the cluster CA, also the client CA),
+``apiserver.crt/.key`` (serving: 127.0.0.1, 10.0.0.1 and the kubernetes service names),
+``admin.crt/.key`` (client, group system:masters), ``kubelet.crt/.key`` (the process
+kubelet's serving certificate, for ``kubectl logs``), and ``sa.key/.pub`` (the
+service-account token signing key). Existing files are kept, so ``up`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+_VALIDITY = dt.timedelta(days=3650)
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    path.chmod(0o600)
+
+
+def _name(cn: str, org: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def _load(pki: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    cert = x509.load_pem_x509_certificate((pki / f"{name}.crt").read_bytes())
+    key = serialization.load_pem_private_key((pki / f"{name}.key").read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    return cert, key
+
+
+def _issue(
+    pki: Path,
+    name: str,
+    subject: x509.Name,
+    *,
+    server: bool,
+    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
+    dns: tuple[str, ...] = (),
+    ips: tuple[str, ...] = (),
+) -> None:
+    if (pki / f"{name}.crt").exists() and (pki / f"{name}.key").exists():
+        return
+    ca_cert, ca_key = ca
+    key = _key()
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_encipherment=False,
+                content_commitment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+    )
+    if dns or ips:
+        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+        sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    _write_key(pki / f"{name}.key", key)
+    (pki / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def ensure_pki(pki: Path) -> None:
+    """Create every missing certificate and key of a cluster under ``pki``."""
+    pki.mkdir(parents=True, exist_ok=True)
+    if not ((pki / "ca.crt").exists() and (pki / "ca.key").exists()):
+        key = _key()
+        now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+        subject = _name("dwdp-devcluster-ca")
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(now + _VALIDITY)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_encipherment=False,
+                    content_commitment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
+            .sign(key, hashes.SHA256())
+        )
+        _write_key(pki / "ca.key", key)
+        (pki / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    ca = _load(pki, "ca")
+    _issue(
+        pki,
+        "apiserver",
+        _name("kube-apiserver"),
+        server=True,
+        ca=ca,
+        dns=(
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        ),
+        ips=("127.0.0.1", "10.0.0.1"),
+    )
+    _issue(pki, "admin", _name("kubernetes-admin", "system:masters"), server=False, ca=ca)
+    _issue(
+        pki,
+        "kubelet",
+        _name("dwdp-process-kubelet"),
+        server=True,
+        ca=ca,
+        dns=("localhost",),
+        ips=("127.0.0.1",),
+    )
+    if not (pki / "sa.key").exists():
+        key = _key()
+        _write_key(pki / "sa.key", key)
+        (pki / "sa.pub").write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )

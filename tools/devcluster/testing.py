@@ -1,0 +1,196 @@
+"""Pytest fixtures over a real local cluster, importable by any test folder.
+
+``tests/cluster/conftest.py`` re-exports them; another folder does the same with
+``from dwdp.devcluster.testing import cluster, namespace  # noqa: F401``.
+
+- ``cluster`` (session): starts a private cluster in a temporary state folder, on its own
+  free ports and its own pod network, so it never clashes with a running demo cluster; stops
+  it (every process, pods included) and removes the folder at the end. Set
+  ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead.
+- ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
+  after the test.
+
+The ``cluster`` object is a ``TestCluster``: ``kubeconfig``, ``env``, ``kubectl()``,
+``helm()``, ``api_client()``, ``wait_for()`` and ``pod_log()``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from dwdp.devcluster import build, tools
+from dwdp.devcluster.cluster import Cluster
+
+T = TypeVar("T")
+
+
+class TestCluster:
+    """Handle on a running local cluster for tests.
+
+    ``kubeconfig`` is the admin kubeconfig; ``env`` has KUBECONFIG and a PATH that starts
+    with kubectl and helm; ``cluster`` is the underlying ``Cluster``.
+    """
+
+    __test__ = False  # not a test class for pytest
+
+    def __init__(self, cluster: Cluster, tools_bin: Path) -> None:
+        self.cluster = cluster
+        self.state_dir = cluster.state_dir
+        self.kubeconfig: Path = cluster.kubeconfig
+        self.tools_bin = tools_bin
+        self.env: dict[str, str] = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{tools_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+        self._api_client = None
+
+    def _run(
+        self, tool: str, args: tuple[str, ...], input: str | None, check: bool, timeout: float
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [str(self.tools_bin / tool), *map(str, args)],
+            input=input,
+            text=True,
+            capture_output=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"{tool} {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                f"{proc.stderr}{proc.stdout}"
+            )
+        return proc
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        """Run kubectl against the cluster; text output. Raises AssertionError if ``check``
+        and it exits non-zero, subprocess.TimeoutExpired after ``timeout`` seconds."""
+        return self._run("kubectl", args, input, check, timeout)
+
+    def helm(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 180
+    ) -> subprocess.CompletedProcess:
+        """Run helm against the cluster; same contract as ``kubectl``."""
+        return self._run("helm", args, input, check, timeout)
+
+    def api_client(self):
+        """Return a ``kubernetes.client.ApiClient`` with admin rights (one per cluster)."""
+        if self._api_client is None:
+            from kubernetes import config
+
+            self._api_client = config.new_client_from_config(config_file=str(self.kubeconfig))
+        return self._api_client
+
+    @staticmethod
+    def wait_for(
+        fn: Callable[[], T], timeout: float = 30, interval: float = 0.2, message: str = "condition"
+    ) -> T:
+        """Call ``fn`` until it returns a truthy value and return it; raise AssertionError
+        after ``timeout`` seconds (the last exception ``fn`` raised is chained)."""
+        deadline = time.monotonic() + timeout
+        last_exc: Exception | None = None
+        while True:
+            try:
+                value = fn()
+                if value:
+                    return value
+            except Exception as exc:  # retried until the deadline
+                last_exc = exc
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"timed out after {timeout} s waiting for {message}"
+                ) from last_exc
+            time.sleep(interval)
+
+    def pod_log(self, namespace: str, pod: str, container: str | None = None) -> str:
+        """Return the current log of a pod's container (the first container if None), read
+        from the process kubelet's files; '' if there is none."""
+        dirs = sorted(
+            self.state_dir.glob(f"pods/{namespace}_{pod}_*"), key=lambda p: p.stat().st_mtime
+        )
+        if not dirs:
+            return ""
+        logs = dirs[-1] / "logs"
+        if container is None:
+            currents = sorted(logs.glob("*.current"))
+            if not currents:
+                return ""
+            container = currents[0].stem
+        try:
+            name = (logs / f"{container}.current").read_text().strip()
+            return (logs / name).read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool]:
+    """Start (or reuse) a cluster for tests; return it and whether the caller owns it
+    (and must stop it). Raises build.BuildError/ClusterError if it cannot start."""
+    keep = os.environ.get("DWDP_TEST_STATE_DIR")
+    binary = build.build()
+    tools_bin = tools.ensure_tools()
+    if keep:
+        c = Cluster(Path(keep))
+        c.up(binary=binary)
+        return TestCluster(c, tools_bin), False
+    state = state_dir or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-"))
+    c = Cluster(state)
+    overrides: dict[str, Any] = {}
+    if c.config() is None:
+        overrides["pod_octet"] = random.randint(150, 249)
+    try:
+        c.up(binary=binary, **overrides)
+    except Exception:
+        c.down(timeout_s=5)
+        raise
+    return TestCluster(c, tools_bin), True
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[TestCluster]:
+    """A running local cluster for the whole session (see the module docstring)."""
+    try:
+        tc, owned = start_test_cluster()
+    except Exception as exc:
+        pytest.fail(f"local cluster did not start: {exc}", pytrace=False)
+    try:
+        yield tc
+    finally:
+        if owned:
+            tc.cluster.down(timeout_s=10)
+            shutil.rmtree(tc.state_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def namespace(cluster: TestCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace (name derived from the test) with its default ServiceAccount."""
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{base or 't'}-{uuid.uuid4().hex[:5]}"
+    cluster.kubectl("create", "namespace", name)
+    cluster.wait_for(
+        lambda: (
+            cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+            == 0
+        ),
+        timeout=30,
+        message=f"default ServiceAccount in {name}",
+    )
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
