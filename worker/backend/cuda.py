@@ -19,8 +19,9 @@ Per-plan state (gather tables, pointer lists) is built once, by ``prepare`` at s
 at a plan's first launch; a table upload is an asynchronous copy from pinned memory,
 ordered before its first gather by an event.
 
-The group transport is duck-typed: ``rank``, ``world_size``, ``allgather_object(obj) ->
-list`` (one entry per rank, in rank order) and ``barrier()``.
+The group transport is duck-typed: ``rank``, ``world_size`` and either
+``allgather_object(obj) -> list`` or ``allgather(obj, label=...) -> list`` (one entry per
+rank, in rank order; ``dwdp.worker.transport.Transport`` has the latter).
 """
 
 from __future__ import annotations
@@ -249,16 +250,20 @@ class _Table:
             return
         # Pinned host bytes kept alive with the table: the upload is asynchronous.
         self._host = torch.frombuffer(bytearray(packed.data), dtype=torch.uint8).pin_memory()
-        self.device = torch.empty(len(packed.data), dtype=torch.uint8, device=device)
-        with torch.cuda.stream(stream.torch):
+        with torch.cuda.stream(stream.torch):  # the table's memory belongs to this stream
+            self.device = torch.empty(len(packed.data), dtype=torch.uint8, device=device)
             self.device.copy_(self._host, non_blocking=True)
         self.ready.record(stream.torch)
+        self._users = {stream.handle}
 
     def launch(self, gather: GatherLaunch, stream: CudaStream) -> None:
         if self.device is None:
             return
         if stream.handle != self.upload_stream:
             stream.torch.wait_event(self.ready)  # read-after-write on the table
+            if stream.handle not in self._users:  # keep it from reuse while this reads it
+                self.device.record_stream(stream.torch)
+                self._users.add(stream.handle)
         gather.module.launch(
             table_ptr=self.device.data_ptr(),
             rows=self.rows,
@@ -413,7 +418,7 @@ class CudaBackend(Backend):
         mine = {"rank": rank, "host": host, "size": store.nbytes, "handle": handle, "error": error}
         views: list[PeerView | None] = [None] * world
         try:
-            infos = transport.allgather_object(mine)
+            infos = _allgather(transport, mine, label="cuda-map-peers/handles")
             failed = [f"rank {i['rank']}: {i['error']}" for i in infos if i["error"]]
             if not failed:
                 try:
@@ -422,7 +427,7 @@ class CudaBackend(Backend):
                             views[info["rank"]] = self._map_peer(info, host)
                 except Exception as e:
                     error = f"map: {type(e).__name__}: {e}"
-            statuses = transport.allgather_object(error)
+            statuses = _allgather(transport, error, label="cuda-map-peers/status")
             failed += [f"rank {r}: {s}" for r, s in enumerate(statuses) if s]
             if failed:
                 raise BackendError("map_peers failed; " + "; ".join(failed))
@@ -631,6 +636,14 @@ class CudaBackend(Backend):
     def live_handles(self) -> dict[str, int]:
         """Live driver objects of this process by kind (see ``cuda_vmm.LEDGER``)."""
         return LEDGER.snapshot()
+
+
+def _allgather(transport: Any, obj: object, *, label: str) -> list:
+    """Allgather ``obj`` over a group transport: ``allgather_object(obj)`` where the
+    transport has it, else ``allgather(obj, label=...)`` (``dwdp.worker.transport``)."""
+    if hasattr(transport, "allgather_object"):
+        return list(transport.allgather_object(obj))
+    return list(transport.allgather(obj, label=label))
 
 
 def _as_cuda(stream: Stream) -> CudaStream:

@@ -1,0 +1,230 @@
+"""Gather bandwidth on one GPU: register and TMA gathers, the batched copy-engine path,
+torch per-source copies, and one large device-to-device copy (the ceiling).
+
+For 2/4/8 sources and layer-sized totals (64 MiB .. 2 GiB), and the gathers at 8, 16, 32,
+66 and 132 resident blocks (the SM reserve), it times each path with CUDA events and
+reports bytes read per second and the ratio to the ceiling measured in the same run
+(DESIGN.md 6: ratios, never a hard-coded time). It prints the table last and writes JSON.
+
+Usage: python bench/gather.py [--out PATH] [--totals-mib 64,256,1024,2048]
+                              [--sources 2,4,8] [--blocks 8,16,32,66,132] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from dwdp.api.enums import CopyMode
+from dwdp.kernels.loader import GatherConfig, GatherModule, compile_cubin, device_arch
+from dwdp.kernels.table import GatherEntry, pack_table
+from dwdp.worker.backend.base import Buffer, CopyDescriptor, CopyPlan
+
+MIB = 1 << 20
+
+
+class TensorBuffer(Buffer):
+    """A torch tensor as a backend buffer (bench sources and slot)."""
+
+    def __init__(self, t: torch.Tensor, rank: int | None = None) -> None:
+        self.t = t
+        self.nbytes = t.numel()
+        if rank is not None:
+            self.rank = rank
+
+    def tensor(self) -> torch.Tensor:
+        return self.t
+
+    def close(self) -> None:
+        pass
+
+
+def timed(fn, *, total_bytes: int, min_s: float = 0.05) -> float:
+    """Bytes read per second of ``fn`` (which enqueues one copy of ``total_bytes``)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    one = max(start.elapsed_time(end) / 1e3, 1e-6)
+    iters = max(3, min(200, int(min_s / one)))
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return total_bytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def load(config: GatherConfig, arch: str) -> GatherModule:
+    cubin, _, cached = compile_cubin(config, arch)
+    return GatherModule(config, arch, cubin, cached)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/gather.json")
+    ap.add_argument("--totals-mib", default="64,256,1024,2048")
+    ap.add_argument("--sources", default="2,4,8")
+    ap.add_argument("--blocks", default="8,16,32,66,132")
+    ap.add_argument("--quick", action="store_true", help="64 and 256 MiB only")
+    args = ap.parse_args()
+    totals = [int(x) * MIB for x in args.totals_mib.split(",")]
+    if args.quick:
+        totals = [t for t in totals if t <= 256 * MIB]
+    source_counts = [int(x) for x in args.sources.split(",")]
+    block_counts = [int(x) for x in args.blocks.split(",")]
+
+    from cuda.bindings import driver
+    from dwdp.worker.backend.cuda import CudaBackend
+
+    backend = CudaBackend(device=0)
+    arch, sms = device_arch(0)
+    variants = {
+        "register": load(GatherConfig.default("register"), arch),
+        "tma": load(GatherConfig.default("tma"), arch),
+        # Alternative shapes, to see what the defaults leave on the table.
+        "register-1024x8": load(GatherConfig("register", 1024, 1024 * 16 * 8, unroll=8), arch),
+        "tma-3x64k": load(GatherConfig("tma", 128, 64 * 1024, stages=3), arch),
+    }
+    stream = torch.cuda.current_stream()
+    cstream = backend.current_stream()
+    max_total = max(totals)
+    pool_src = torch.randint(0, 256, (max_total,), dtype=torch.uint8, device="cuda")
+    pool_dst = torch.empty(max_total, dtype=torch.uint8, device="cuda")
+    rows = []
+    t0 = time.time()
+    for total in totals:
+        ceiling = timed(lambda t=total: pool_dst[:t].copy_(pool_src[:t]), total_bytes=total)
+        for n_src in source_counts:
+            per = total // n_src
+            srcs = [pool_src[i * per : (i + 1) * per] for i in range(n_src)]
+            dst = pool_dst[: per * n_src]
+            moved = per * n_src
+            row = {"total_bytes": moved, "sources": n_src, "ceiling_Bps": ceiling, "paths": {}}
+
+            def torch_copies(srcs=srcs, dst=dst, per=per):
+                for i, s in enumerate(srcs):
+                    dst[i * per : (i + 1) * per].copy_(s)
+
+            row["paths"]["torch_per_source"] = timed(torch_copies, total_bytes=moved)
+            slot = TensorBuffer(dst)
+            plan = CopyPlan(
+                remote=tuple(
+                    CopyDescriptor(TensorBuffer(s, rank=i), 0, slot, i * per, per)
+                    for i, s in enumerate(srcs)
+                )
+            )
+            row["paths"]["batched"] = timed(
+                lambda p=plan: backend.launch_copies(p, cstream, mode=CopyMode.BATCHED),
+                total_bytes=moved,
+            )
+            entries = [GatherEntry(s.data_ptr(), i * per, per) for i, s in enumerate(srcs)]
+            for name, mod in variants.items():
+                if name.endswith(("x8", "64k")) and total != 1024 * MIB:
+                    continue
+                packed = pack_table(entries, chunk_bytes=mod.config.chunk_bytes)
+                table = torch.frombuffer(bytearray(packed.data), dtype=torch.uint8).cuda()
+                for blocks in block_counts:
+
+                    def gather(mod=mod, packed=packed, table=table, blocks=blocks, dst=dst):
+                        mod.launch(
+                            table_ptr=table.data_ptr(),
+                            rows=packed.rows,
+                            total_chunks=packed.total_chunks,
+                            dst_base=dst.data_ptr(),
+                            blocks=blocks,
+                            stream=stream.cuda_stream,
+                        )
+
+                    row["paths"][f"{name}@{blocks}"] = timed(gather, total_bytes=moved)
+                    # Every byte arrived (cheap check on the last configuration).
+                torch.cuda.synchronize()
+                assert torch.equal(dst, pool_src[:moved]), f"{name} copied wrong bytes"
+                dst.fill_(0)
+            row["ratios"] = {k: v / ceiling for k, v in row["paths"].items()}
+            rows.append(row)
+            print(
+                f"[{time.time() - t0:6.1f}s] {moved / MIB:6.0f} MiB x{n_src}: ceiling "
+                f"{ceiling / 1e9:7.1f} GB/s, best "
+                f"{max(v for k, v in row['ratios'].items() if '@' in k):.3f}",
+                flush=True,
+            )
+
+    # SMs (resident blocks) each variant needs for 90% of the ceiling, per configuration.
+    needs = {}
+    for name in variants:
+        per_cfg = {}
+        for row in rows:
+            ok = [b for b in block_counts if row["ratios"].get(f"{name}@{b}", 0.0) >= 0.9]
+            if f"{name}@{block_counts[0]}" in row["ratios"]:
+                per_cfg[f"{row['total_bytes'] // MIB}MiBx{row['sources']}"] = (
+                    min(ok) if ok else None
+                )
+        needs[name] = per_cfg
+    best = max(
+        (v, k, r["total_bytes"], r["sources"])
+        for r in rows
+        for k, v in r["ratios"].items()
+        if "@" in k
+    )
+    result = {
+        "device": torch.cuda.get_device_name(0),
+        "arch": arch,
+        "sms": sms,
+        "torch": torch.__version__,
+        "cuda_bindings": __import__("cuda.bindings").bindings.__version__,
+        "driver": driver.cuDriverGetVersion()[1],
+        "host": platform.node(),
+        "configs": {k: m.config.__repr__() for k, m in variants.items()},
+        "rows": rows,
+        "sms_for_90pct": needs,
+        "best_gather": {
+            "ratio": best[0],
+            "path": best[1],
+            "total_bytes": best[2],
+            "sources": best[3],
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    backend.close()
+
+    # The table, last.
+    cols = ["torch_per_source", "batched"] + [
+        f"{v}@{b}" for v in ("register", "tma") for b in block_counts
+    ]
+    print(
+        f"\nbytes read per second / ceiling (one D2D copy, same run); {result['device']}, {sms} SMs"
+    )
+    print(f"{'MiB':>6} {'src':>3} {'ceil GB/s':>9} " + " ".join(f"{c:>12}" for c in cols))
+    for r in rows:
+        print(
+            f"{r['total_bytes'] // MIB:>6} {r['sources']:>3} {r['ceiling_Bps'] / 1e9:>9.1f} "
+            + " ".join(f"{r['ratios'].get(c, float('nan')):>12.3f}" for c in cols)
+        )
+    extra = [k for r in rows for k in r["ratios"] if k.startswith(("register-", "tma-"))]
+    if extra:
+        print("alternative shapes (1 GiB):")
+        for r in rows:
+            parts = [f"{k}={v:.3f}" for k, v in r["ratios"].items() if k in extra]
+            if parts:
+                print(f"  {r['total_bytes'] // MIB} MiB x{r['sources']}: " + " ".join(parts))
+    print(f"SMs for 90% of the ceiling: {json.dumps(needs)}")
+    b = result["best_gather"]
+    print(
+        f"best gather: {b['path']} at {b['total_bytes'] // MIB} MiB x{b['sources']}: "
+        f"{b['ratio']:.3f} of the ceiling (target >= 0.95)"
+    )
+    print(f"JSON: {out}")
+
+
+if __name__ == "__main__":
+    main()
