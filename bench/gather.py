@@ -85,6 +85,8 @@ def main() -> None:
     from dwdp.worker.backend.cuda import CudaBackend
 
     backend = CudaBackend(device=0)
+    # Every path on one created stream: cuMemcpyBatchAsync refuses the legacy NULL stream.
+    torch.cuda.set_stream(torch.cuda.Stream())
     arch, sms = device_arch(0)
     variants = {
         "register": load(GatherConfig.default("register"), arch),

@@ -241,3 +241,12 @@ def test_host_check_reports_fabric_refusal():
         backend.allocate_store(1 << 20, tag="experts")
     backend.close()
     assert live_handles() == before
+
+
+def test_batched_refuses_legacy_stream_by_name(backend):
+    from dwdp.api.enums import CopyMode
+    from dwdp.worker.backend.base import BackendError
+
+    plans, _, _ = _layer_plans(backend, n_layers=1)
+    with pytest.raises(BackendError, match="legacy NULL stream"):
+        backend.launch_copies(plans[0], backend.current_stream(), mode=CopyMode.BATCHED)

@@ -593,6 +593,11 @@ class CudaBackend(Backend):
             if prep.local is not None and local_gather is not None:
                 prep.local.launch(local_gather, cs)
             if prep.batch is not None:
+                if cs.handle in (0, 1):  # NULL / CU_STREAM_LEGACY
+                    raise BackendError(
+                        "batched copies need a created stream (new_stream): "
+                        "cuMemcpyBatchAsync refuses the legacy NULL stream"
+                    )
                 dsts, srcs, sizes, count = prep.batch
                 check(
                     driver.cuMemcpyBatchAsync(
