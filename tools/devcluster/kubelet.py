@@ -61,7 +61,7 @@ from dwdp.devcluster.cluster import read_pidfile, write_pidfile
 log = logging.getLogger("dwdp.devcluster.kubelet")
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-TICK_S = 0.1
+TICK_S = 0.2
 HEARTBEAT_S = 10.0
 BACKOFF_INITIAL_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -112,26 +112,27 @@ class Api:
         timeout: float | None = 30,
     ) -> Any:
         """Send one request; return the decoded JSON (or the raw response if ``stream``)."""
-        from kubernetes.client.rest import ApiException
-
         headers = {"Accept": "application/json", "Content-Type": content_type}
-        try:
-            resp = self.client.call_api(
-                path,
-                method,
-                query_params=list((query or {}).items()),
-                header_params=headers,
-                body=body,
-                auth_settings=["BearerToken"],
-                _preload_content=False,
-                _return_http_data_only=True,
-                _request_timeout=timeout,
-            )
-        except ApiException as exc:
-            raise ApiError(exc.status, exc.body or exc.reason) from None
+        method_, url, headers, body, _ = self.client.param_serialize(
+            method,
+            path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        resp = self.client.call_api(
+            method_, url, header_params=headers, body=body, _request_timeout=timeout
+        )
+        raw = resp.response
+        if not 200 <= resp.status <= 299:
+            data = raw.data
+            raw.release_conn()
+            raise ApiError(resp.status, data.decode(errors="replace") if data else resp.reason)
         if stream:
-            return resp
-        data = resp.data
+            return raw
+        data = raw.data
+        raw.release_conn()
         return json.loads(data) if data else None
 
     def get(self, path: str, **query: Any) -> Any:
@@ -743,7 +744,7 @@ class PodWorker(threading.Thread):
         term_file = self.dir / "run" / f"{ctr.name}.termination-log"
         term_file.write_text("")
         bind(term_file, term, False)
-        workdir = ctr.spec.get("workingDir") or str(self.dir / "volumes")
+        workdir = ctr.spec.get("workingDir") or str(self.dir / "work")
         lines.append(f"mkdir -p {q(workdir)} && cd {q(workdir)}")
         lines.append('exec "$@"')
         script = self.dir / "run" / f"{ctr.name}.sh"
@@ -761,6 +762,16 @@ class PodWorker(threading.Thread):
             }
             ctr.done = True
             return
+        pod = copy.deepcopy(pod)
+        status = pod.setdefault("status", {})
+        status.update(
+            {
+                "podIP": self.ip,
+                "podIPs": [{"ip": self.ip}],
+                "hostIP": "127.0.0.1",
+                "hostIPs": [{"ip": "127.0.0.1"}],
+            }
+        )
         try:
             ctr.env = self._container_env(pod, ctr.spec)
             script = self._script(pod, ctr)

@@ -11,7 +11,8 @@
   after the test.
 
 The ``cluster`` object is a ``TestCluster``: ``kubeconfig``, ``env``, ``kubectl()``,
-``helm()``, ``api_client()``, ``wait_for()`` and ``pod_log()``.
+``helm()``, ``api_client()``, ``apply()``, ``get()``, ``exists()``, ``wait_for()``
+and ``pod_log()``.
 """
 
 from __future__ import annotations
@@ -116,6 +117,25 @@ class TestCluster:
                     f"timed out after {timeout} s waiting for {message}"
                 ) from last_exc
             time.sleep(interval)
+
+    def apply(self, namespace: str, *objs: dict) -> None:
+        """``kubectl apply`` the given manifests (dicts) in ``namespace``."""
+        import json
+
+        body = {"apiVersion": "v1", "kind": "List", "items": list(objs)}
+        self.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict:
+        """Return one object as a dict; raises AssertionError if kubectl fails."""
+        import json
+
+        ns = ["-n", namespace] if namespace else []
+        return json.loads(self.kubectl("get", kind, name, *ns, "-o", "json").stdout)
+
+    def exists(self, kind: str, name: str, namespace: str | None = None) -> bool:
+        """Return True while the object exists."""
+        ns = ["-n", namespace] if namespace else []
+        return self.kubectl("get", kind, name, *ns, check=False).returncode == 0
 
     def pod_log(self, namespace: str, pod: str, container: str | None = None) -> str:
         """Return the current log of a pod's container (the first container if None), read

@@ -1,0 +1,519 @@
+"""Acceptance tests of the local control plane (issue 3): real scheduler, controllers and
+apiserver, pods run as processes by the process kubelet."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+import urllib.request
+from typing import Any
+
+from dwdp.devcluster.testing import TestCluster
+
+# An HTTP server on the pod's own address, port 8080: / answers the pod name, /healthz
+# answers 200 unless the env HEALTHY is "0" (then 503).
+HTTP_SERVER = textwrap.dedent(
+    """
+    import http.server, os
+    ip, name = os.environ["POD_IP"], os.environ["POD_NAME"]
+    healthy = os.environ.get("HEALTHY", "1") == "1"
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+        def do_GET(self):
+            ok = healthy or self.path != "/healthz"
+            body = name.encode() if ok else b"unhealthy"
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+    http.server.HTTPServer((ip, 8080), H).serve_forever()
+    """
+)
+
+POD_ENV = [
+    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+]
+
+READINESS = {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1}
+
+
+def python_container(code: str, name: str = "main", **extra: Any) -> dict:
+    """A container running ``python -c code`` (python comes from the pod's PATH: the venv)."""
+    return {
+        "name": name,
+        "image": "unused",
+        "command": ["python", "-c", textwrap.dedent(code)],
+        "env": list(POD_ENV) + extra.pop("env", []),
+        **extra,
+    }
+
+
+def pod(name: str, containers: list[dict], labels: dict | None = None, **spec: Any) -> dict:
+    """A Pod manifest (grace period 5 s unless given)."""
+    spec.setdefault("terminationGracePeriodSeconds", 5)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels or {"app": name}},
+        "spec": {"containers": containers, **spec},
+    }
+
+
+def deployment(name: str, replicas: int, container: dict, grace: int = 5) -> dict:
+    """A Deployment whose pods carry the label app=<name>."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [container], "terminationGracePeriodSeconds": grace},
+            },
+        },
+    }
+
+
+def condition(obj: dict, ctype: str) -> str | None:
+    """The status ("True"/"False") of a pod condition, None if absent."""
+    for c in obj.get("status", {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return c["status"]
+    return None
+
+
+def pids_of(pod_obj: dict) -> list[int]:
+    """The process ids of a pod's containers (containerID process://PID)."""
+    out = []
+    for cs in pod_obj.get("status", {}).get("containerStatuses") or []:
+        cid = cs.get("containerID", "")
+        if cid.startswith("process://"):
+            out.append(int(cid.removeprefix("process://")))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True if the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def terminated(pod_obj: dict, container: str = "main") -> dict | None:
+    """The terminated state of a container, if it terminated."""
+    for cs in pod_obj.get("status", {}).get("containerStatuses") or []:
+        if cs["name"] == container:
+            return cs.get("state", {}).get("terminated")
+    return None
+
+
+def pods_of(cluster: TestCluster, namespace: str, app: str) -> list[dict]:
+    """The pods labelled app=<app>."""
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", f"app={app}", "-o", "json")
+    return json.loads(out.stdout)["items"]
+
+
+def http_get(ip: str, port: int, path: str = "/") -> str:
+    """GET http://ip:port/path; the body."""
+    with urllib.request.urlopen(f"http://{ip}:{port}{path}", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def wait_finished(cluster: TestCluster, namespace: str, name: str, timeout: float = 60) -> dict:
+    """Wait until the pod's phase is Succeeded or Failed; return it."""
+    return cluster.wait_for(
+        lambda: (
+            (p := cluster.get("pod", name, namespace))["status"].get("phase")
+            in ("Succeeded", "Failed")
+            and p
+        ),
+        timeout=timeout,
+        message=f"pod {name} to finish",
+    )
+
+
+# ----------------------------------------------------------------------------- tests
+def test_deployment_serves_on_both_pod_addresses(cluster: TestCluster, namespace: str) -> None:
+    """Two replicas bind the same port on their own addresses, become Ready through their
+    readiness probe, are listed ready in the Service's EndpointSlice and answer HTTP; a pod
+    whose readiness probe fails stays NotReady and is listed not ready."""
+    server = python_container(
+        HTTP_SERVER, readinessProbe=READINESS, ports=[{"containerPort": 8080, "name": "http"}]
+    )
+    unhealthy = pod(
+        "web-unhealthy",
+        [
+            python_container(
+                HTTP_SERVER, readinessProbe=READINESS, env=[{"name": "HEALTHY", "value": "0"}]
+            )
+        ],
+        labels={"app": "web", "probe": "failing"},
+    )
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+    cluster.apply(namespace, deployment("web", 2, server), service, unhealthy)
+
+    def two_ready() -> list[dict] | None:
+        pods = [
+            p
+            for p in pods_of(cluster, namespace, "web")
+            if p["metadata"]["name"] != "web-unhealthy"
+        ]
+        ok = len(pods) == 2 and all(condition(p, "Ready") == "True" for p in pods)
+        return pods if ok else None
+
+    pods = cluster.wait_for(two_ready, timeout=60, message="2 Ready replicas")
+    ips = sorted(p["status"]["podIP"] for p in pods)
+    assert len(set(ips)) == 2 and all(ip.startswith("127.") for ip in ips)
+    assert all(p["spec"]["nodeName"] for p in pods)  # bound by the scheduler
+    for p in pods:
+        assert http_get(p["status"]["podIP"], 8080) == p["metadata"]["name"]
+
+    def slice_endpoints() -> dict[str, bool] | None:
+        out = cluster.kubectl(
+            "get",
+            "endpointslices",
+            "-n",
+            namespace,
+            "-l",
+            "kubernetes.io/service-name=web",
+            "-o",
+            "json",
+        )
+        eps = {}
+        for s in json.loads(out.stdout)["items"]:
+            for ep in s.get("endpoints") or []:
+                for addr in ep["addresses"]:
+                    eps[addr] = bool(ep.get("conditions", {}).get("ready"))
+        return eps if len(eps) == 3 else None
+
+    eps = cluster.wait_for(slice_endpoints, timeout=30, message="3 endpoints in the slice")
+    bad = cluster.get("pod", "web-unhealthy", namespace)
+    assert {ip: eps[ip] for ip in ips} == {ip: True for ip in ips}
+    assert eps[bad["status"]["podIP"]] is False
+    assert bad["status"]["phase"] == "Running" and condition(bad, "Ready") == "False"
+
+    wide = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout
+    for p in pods:
+        line = next(ln for ln in wide.splitlines() if ln.startswith(p["metadata"]["name"]))
+        assert "Running" in line and p["status"]["podIP"] in line and "1/1" in line
+
+
+def test_deleting_deployment_collects_pods_and_kills_processes(
+    cluster: TestCluster, namespace: str
+) -> None:
+    """Garbage collection removes the pods of a deleted Deployment and their processes exit
+    within the grace period; a process ignoring SIGTERM is SIGKILLed after its grace period."""
+    stubborn = """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open("/tmp/ignored", "w")
+        while True:
+            time.sleep(0.1)
+    """
+    cluster.apply(
+        namespace,
+        deployment("gc", 2, python_container(HTTP_SERVER, readinessProbe=READINESS), grace=30),
+        pod("stubborn", [python_container(stubborn)], terminationGracePeriodSeconds=3),
+    )
+    pods = cluster.wait_for(
+        lambda: (
+            (ps := pods_of(cluster, namespace, "gc"))
+            and len(ps) == 2
+            and all(condition(p, "Ready") == "True" for p in ps)
+            and ps
+        ),
+        timeout=60,
+        message="2 Ready pods",
+    )
+    pids = [pid for p in pods for pid in pids_of(p)]
+    assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    stub = cluster.wait_for(
+        lambda: (
+            (p := cluster.get("pod", "stubborn", namespace))["status"].get("phase") == "Running"
+            and p
+        ),
+        timeout=60,
+        message="stubborn pod Running",
+    )
+    (stub_pid,) = pids_of(stub)
+    time.sleep(1.0)  # let it install its SIGTERM handler
+
+    start = time.monotonic()
+    cluster.kubectl("delete", "deployment", "gc", "-n", namespace, "--wait=false")
+    cluster.wait_for(
+        lambda: not pods_of(cluster, namespace, "gc"), timeout=30, message="gc pods collected"
+    )
+    assert time.monotonic() - start < 30  # well within the 30 s grace: SIGTERM ended them
+    assert not any(alive(pid) for pid in pids)
+
+    start = time.monotonic()
+    cluster.kubectl("delete", "pod", "stubborn", "-n", namespace, "--wait=false")
+    time.sleep(1.5)
+    assert alive(stub_pid), "SIGTERM was ignored: the process must live until the grace ends"
+    cluster.wait_for(
+        lambda: not cluster.exists("pod", "stubborn", namespace),
+        timeout=20,
+        message="stubborn pod removed",
+    )
+    elapsed = time.monotonic() - start
+    assert not alive(stub_pid)
+    assert 2.5 <= elapsed <= 15, elapsed
+
+
+def test_readiness_gate_holds_ready_until_condition_true(
+    cluster: TestCluster, namespace: str
+) -> None:
+    """ContainersReady alone does not make the pod Ready while its readiness gate is unset."""
+    gate = "dwdp.io/group-ready"
+    cluster.apply(
+        namespace,
+        pod(
+            "gated",
+            [python_container("import time\nwhile True: time.sleep(1)")],
+            readinessGates=[{"conditionType": gate}],
+        ),
+    )
+    cluster.wait_for(
+        lambda: condition(cluster.get("pod", "gated", namespace), "ContainersReady") == "True",
+        timeout=60,
+        message="containers ready",
+    )
+    time.sleep(1.5)
+    p = cluster.get("pod", "gated", namespace)
+    assert condition(p, "Ready") == "False"
+    patch = {"status": {"conditions": [{"type": gate, "status": "True"}]}}
+    cluster.kubectl(
+        "patch",
+        "pod",
+        "gated",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=strategic",
+        "-p",
+        json.dumps(patch),
+    )
+    p = cluster.wait_for(
+        lambda: (
+            (q := cluster.get("pod", "gated", namespace)) and condition(q, "Ready") == "True" and q
+        ),
+        timeout=20,
+        message="Ready after the gate",
+    )
+    assert condition(p, gate) == "True"  # the kubelet kept the gate condition
+
+
+def test_termination_message_and_exit_code(cluster: TestCluster, namespace: str) -> None:
+    """A container writing /dev/termination-log and exiting 3 is reported Failed with both."""
+    code = """
+        import sys
+        with open("/dev/termination-log", "w") as f:
+            f.write("rank 3: setup verdict abort")
+        sys.exit(3)
+    """
+    cluster.apply(namespace, pod("dies", [python_container(code)], restartPolicy="Never"))
+    p = wait_finished(cluster, namespace, "dies")
+    assert p["status"]["phase"] == "Failed"
+    term = terminated(p)
+    assert term is not None
+    assert term["exitCode"] == 3
+    assert term["message"] == "rank 3: setup verdict abort"
+    assert term["reason"] == "Error"
+
+
+def test_restart_policy_on_failure_restarts_then_succeeds(
+    cluster: TestCluster, namespace: str
+) -> None:
+    """restartPolicy OnFailure reruns a failed container (its emptyDir survives) until it
+    succeeds; the pod ends Succeeded with one restart."""
+    code = """
+        import os, sys
+        marker = "/scratch/first-run-done"
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            sys.exit(1)
+    """
+    ctr = python_container(code, volumeMounts=[{"name": "scratch", "mountPath": "/scratch"}])
+    cluster.apply(
+        namespace,
+        pod(
+            "flaky", [ctr], restartPolicy="OnFailure", volumes=[{"name": "scratch", "emptyDir": {}}]
+        ),
+    )
+    p = wait_finished(cluster, namespace, "flaky")
+    assert p["status"]["phase"] == "Succeeded"
+    (cs,) = p["status"]["containerStatuses"]
+    assert cs["restartCount"] == 1
+    assert cs["state"]["terminated"]["exitCode"] == 0
+    assert cs["lastState"]["terminated"]["exitCode"] == 1
+
+
+def test_headless_hostname_resolves_inside_pod(cluster: TestCluster, namespace: str) -> None:
+    """<hostname>.<subdomain> (and its .<ns>.svc.cluster.local form) of a sibling resolves to
+    the sibling's address inside a pod's processes; the pod's own hostname is its name."""
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "grp"},
+        "spec": {
+            "clusterIP": "None",
+            "selector": {"app": "grp"},
+            "ports": [{"port": 8080}],
+            "publishNotReadyAddresses": True,
+        },
+    }
+    sleeper = python_container("import time\nwhile True: time.sleep(1)")
+    sibling = pod("rank1", [sleeper], labels={"app": "grp"}, hostname="rank-1", subdomain="grp")
+    cluster.apply(namespace, headless, sibling)
+    sib = cluster.wait_for(
+        lambda: (q := cluster.get("pod", "rank1", namespace))["status"].get("podIP") and q,
+        timeout=60,
+        message="sibling address",
+    )
+    resolver = f"""
+        import json, socket, time
+        names = ["rank-1.grp", "rank-1.grp.{namespace}.svc.cluster.local"]
+        out = {{}}
+        for _ in range(100):
+            try:
+                out = {{n: socket.getaddrinfo(n, 8080)[0][4][0] for n in names}}
+                break
+            except socket.gaierror:
+                time.sleep(0.1)
+        out["hostname"] = socket.gethostname()
+        with open("/dev/termination-log", "w") as f:
+            json.dump(out, f)
+    """
+    cluster.apply(
+        namespace,
+        pod(
+            "rank0",
+            [python_container(resolver)],
+            labels={"app": "grp"},
+            hostname="rank-0",
+            subdomain="grp",
+            restartPolicy="Never",
+        ),
+    )
+    p = wait_finished(cluster, namespace, "rank0")
+    result = json.loads(terminated(p)["message"])
+    ip = sib["status"]["podIP"]
+    assert result == {
+        "rank-1.grp": ip,
+        f"rank-1.grp.{namespace}.svc.cluster.local": ip,
+        "hostname": "rank-0",
+    }
+    assert p["status"]["phase"] == "Succeeded"
+
+
+def test_mounted_token_gets_exactly_its_rbac(cluster: TestCluster, namespace: str) -> None:
+    """A pod's in-cluster client (token mounted at the standard path) can list pods, which its
+    RoleBinding allows, and is forbidden to list secrets; the venv's python runs it."""
+    rbac = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader"}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": "pod-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "reader-pods"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": "pod-reader",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
+        },
+    ]
+    code = f"""
+        import json, os, sys
+        from kubernetes import client, config
+        from kubernetes.client.rest import ApiException
+        config.load_incluster_config()
+        api = client.CoreV1Api()
+        out = {{"python": sys.executable,
+               "token": os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token")}}
+        for what, call in (("pods", api.list_namespaced_pod),
+                           ("secrets", api.list_namespaced_secret)):
+            try:
+                call("{namespace}")
+                out[what] = 200
+            except ApiException as exc:
+                out[what] = exc.status
+        with open("/dev/termination-log", "w") as f:
+            json.dump(out, f)
+    """
+    cluster.apply(
+        namespace,
+        *rbac,
+        pod("client", [python_container(code)], serviceAccountName="reader", restartPolicy="Never"),
+    )
+    p = wait_finished(cluster, namespace, "client")
+    result = json.loads(terminated(p)["message"])
+    assert result["token"] is True
+    assert result["pods"] == 200
+    assert result["secrets"] == 403
+    assert result["python"].startswith(str(cluster_venv(cluster)))
+
+
+def cluster_venv(cluster: TestCluster) -> str:
+    """The venv bin folder the cluster puts first on pods' PATH."""
+    cfg = cluster.cluster.config()
+    assert cfg is not None and cfg.venv_bin
+    return cfg.venv_bin
+
+
+def test_gang_podgroup_schedules_only_a_full_gang(cluster: TestCluster, namespace: str) -> None:
+    """The scheduling.k8s.io PodGroup API is served and the scheduler gangs its pods: one pod
+    of a minCount-2 group stays unscheduled until the second one exists."""
+    group = {
+        "apiVersion": "scheduling.k8s.io/v1beta1",
+        "kind": "PodGroup",
+        "metadata": {"name": "g0"},
+        "spec": {"schedulingPolicy": {"gang": {"minCount": 2}}},
+    }
+    sleeper = python_container("import time\nwhile True: time.sleep(1)")
+
+    def member(name: str) -> dict:
+        return pod(name, [sleeper], schedulingGroup={"podGroupName": "g0"})
+
+    cluster.apply(namespace, group, member("g0-a"))
+    time.sleep(3)
+    assert not cluster.get("pod", "g0-a", namespace)["spec"].get("nodeName")
+    cluster.apply(namespace, member("g0-b"))
+    for name in ("g0-a", "g0-b"):
+        cluster.wait_for(
+            lambda n=name: cluster.get("pod", n, namespace)["status"].get("phase") == "Running",
+            timeout=60,
+            message=f"{name} Running",
+        )
+
+
+def test_kubectl_logs_and_env(cluster: TestCluster, namespace: str) -> None:
+    """kubectl logs reaches the kubelet; env fieldRefs and the venv-first PATH are set."""
+    code = """
+        import os, shutil
+        print("ip", os.environ["POD_IP"], "name", os.environ["POD_NAME"], flush=True)
+        print("dwdp", shutil.which("dwdp"), flush=True)
+    """
+    cluster.apply(namespace, pod("talker", [python_container(code)], restartPolicy="Never"))
+    p = wait_finished(cluster, namespace, "talker")
+    out = cluster.kubectl("logs", "talker", "-n", namespace).stdout
+    assert f"ip {p['status']['podIP']} name talker" in out
+    assert f"dwdp {cluster_venv(cluster)}/dwdp" in out
