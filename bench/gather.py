@@ -67,6 +67,79 @@ def load(config: GatherConfig, arch: str) -> GatherModule:
     return GatherModule(config, arch, cubin, cached)
 
 
+SWEEP = {
+    "register-512x8": GatherConfig("register", 512, 512 * 16 * 8, unroll=8),
+    "register-512x8-cs": GatherConfig("register", 512, 512 * 16 * 8, unroll=8, store_cs=True),
+    "register-1024x8": GatherConfig("register", 1024, 1024 * 16 * 8, unroll=8),
+    "register-1024x4": GatherConfig("register", 1024, 1024 * 16 * 4, unroll=4),
+    "register-256x16": GatherConfig("register", 256, 256 * 16 * 16, unroll=16),
+    "register-512x16": GatherConfig("register", 512, 512 * 16 * 16, unroll=16),
+    "tma-4x48k-lag1": GatherConfig("tma", 128, 48 * 1024, stages=4),
+    "tma-4x48k-lag2": GatherConfig("tma", 128, 48 * 1024, stages=4, store_lag=2),
+    "tma-8x24k-lag2": GatherConfig("tma", 128, 24 * 1024, stages=8, store_lag=2),
+    "tma-8x24k-lag4": GatherConfig("tma", 128, 24 * 1024, stages=8, store_lag=4),
+    "tma-6x32k-lag2": GatherConfig("tma", 128, 32 * 1024, stages=6, store_lag=2),
+    "tma-4x24k-lag2": GatherConfig("tma", 128, 24 * 1024, stages=4, store_lag=2),
+    "tma-12x16k-lag4": GatherConfig("tma", 128, 16 * 1024, stages=12, store_lag=4),
+}
+
+
+def sweep(out: Path, total: int = 1 << 30, n_src: int = 8) -> None:
+    """Kernel shapes x grid sizes at one layer size; ratios to the same-run ceiling."""
+    arch, sms = device_arch(0)
+    blocks_list = [16, 33, 66, 99, 132, 264]
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ceiling = timed(lambda: dst.copy_(src), total_bytes=total)
+    per = total // n_src
+    entries = [GatherEntry(src.data_ptr() + i * per, i * per, per) for i in range(n_src)]
+    stream = torch.cuda.current_stream().cuda_stream
+    res: dict[str, dict[int, float]] = {}
+    for name, cfg in SWEEP.items():
+        mod = load(cfg, arch)
+        packed = pack_table(entries, chunk_bytes=cfg.chunk_bytes)
+        table = torch.frombuffer(bytearray(packed.data), dtype=torch.uint8).cuda()
+        per_sm = mod.max_blocks_per_sm()
+        res[name] = {}
+        for blocks in blocks_list:
+            if blocks > sms * per_sm:
+                continue
+
+            def run(mod=mod, packed=packed, table=table, blocks=blocks):
+                mod.launch(
+                    table_ptr=table.data_ptr(),
+                    rows=packed.rows,
+                    total_chunks=packed.total_chunks,
+                    dst_base=dst.data_ptr(),
+                    blocks=blocks,
+                    stream=stream,
+                )
+
+            dst.zero_()
+            res[name][blocks] = timed(run, total_bytes=total) / ceiling
+            torch.cuda.synchronize()
+            assert torch.equal(dst, src), name
+        mod.close()
+    out.write_text(
+        json.dumps(
+            {
+                "ceiling_Bps": ceiling,
+                "total": total,
+                "sources": n_src,
+                "configs": {k: repr(v) for k, v in SWEEP.items()},
+                "ratios": res,
+            },
+            indent=1,
+        )
+    )
+    print(
+        f"sweep at {total // MIB} MiB x{n_src}, ceiling {ceiling / 1e9:.1f} GB/s; ratio by blocks"
+    )
+    print(f"{'config':>20} " + " ".join(f"{b:>6}" for b in blocks_list))
+    for name, r in res.items():
+        print(f"{name:>20} " + " ".join(f"{r.get(b, float('nan')):>6.3f}" for b in blocks_list))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/gather.json")
@@ -74,7 +147,12 @@ def main() -> None:
     ap.add_argument("--sources", default="2,4,8")
     ap.add_argument("--blocks", default="8,16,32,66,132")
     ap.add_argument("--quick", action="store_true", help="64 and 256 MiB only")
+    ap.add_argument("--sweep", metavar="JSON", help="only sweep kernel shapes, write JSON here")
     args = ap.parse_args()
+    if args.sweep:
+        torch.cuda.set_stream(torch.cuda.Stream())
+        sweep(Path(args.sweep))
+        return
     totals = [int(x) * MIB for x in args.totals_mib.split(",")]
     if args.quick:
         totals = [t for t in totals if t <= 256 * MIB]

@@ -26,12 +26,20 @@ __device__ __forceinline__ int4 dwdp_load16(const int4* p) {
     return v;
 }
 
-// Destinations are read by the model later, not by this kernel: streaming stores.
+// DWDP_STORE_CS=1: streaming (evict-first) stores, since this kernel never reads the
+// destination again; 0: plain stores.
+#ifndef DWDP_STORE_CS
+#define DWDP_STORE_CS 0
+#endif
 __device__ __forceinline__ void dwdp_store16(int4* p, const int4& v) {
+#if DWDP_STORE_CS
     asm volatile("st.global.cs.v4.s32 [%0], {%1, %2, %3, %4};"
                  :
                  : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
+#else
+    *p = v;
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(DWDP_THREADS)

@@ -3,8 +3,7 @@
 // One thread per block drives a DWDP_STAGES-deep ring of DWDP_CHUNK-byte shared-memory
 // stages: cp.async.bulk loads a chunk into a stage and completes on the stage's
 // mbarrier (expect_tx bytes); a bulk store (bulk_group) writes the stage out; a stage is
-// loaded again once the store before it has finished reading it (wait_group.read).
-// DWDP_STAGES - 1 loads stay in flight. The chunk bytes that are not whole 16-byte units
+// loaded again once its store has finished reading it (wait_group.read). The chunk bytes that are not whole 16-byte units
 // (and whole chunks of unaligned descriptors) are copied first by every thread of the
 // block with plain loads and stores; they are disjoint from the bulk bytes.
 //
@@ -20,6 +19,17 @@
 #ifndef DWDP_CHUNK
 #define DWDP_CHUNK 49152
 #endif
+// Stores that may still be reading shared memory when a stage is loaded again: the
+// stage of tile i - DWDP_STORE_LAG is reloaded at tile i, so DWDP_STAGES - DWDP_STORE_LAG
+// loads and up to DWDP_STORE_LAG stores are in flight.
+#ifndef DWDP_STORE_LAG
+#define DWDP_STORE_LAG 1
+#endif
+#if DWDP_STORE_LAG < 1 || DWDP_STORE_LAG >= DWDP_STAGES
+#error "DWDP_STORE_LAG must be in [1, DWDP_STAGES - 1]"
+#endif
+#define DWDP_STR2(x) #x
+#define DWDP_STR(x) DWDP_STR2(x)
 
 #include "gather_common.cuh"
 
@@ -127,11 +137,13 @@ dwdp_gather_tma(const GatherDesc* __restrict__ table, int n_desc, u64 total_chun
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         dwdp_store_tile(stage_dst[s], stage0 + s * DWDP_CHUNK, stage_len[s]);
-        // The stage of tile done - 1 is free once its store has read it; load the next
-        // tile there (its index, issued, has that stage: issued == done - 1 + STAGES).
-        if (done >= 1 && dwdp_next_tile(table, n_desc, total_chunks, dst_base, cur, k)) {
-            const u32 p = (done - 1) % DWDP_STAGES;
-            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        // The stage of tile done - LAG is free once its store has read it (at most LAG
+        // newer stores pending); load the next tile there (its index, issued, has that
+        // stage: issued == done - LAG + STAGES).
+        if (done >= DWDP_STORE_LAG &&
+            dwdp_next_tile(table, n_desc, total_chunks, dst_base, cur, k)) {
+            const u32 p = (done - DWDP_STORE_LAG) % DWDP_STAGES;
+            asm volatile("cp.async.bulk.wait_group.read " DWDP_STR(DWDP_STORE_LAG) ";" ::: "memory");
             dwdp_load_tile(stage0 + p * DWDP_CHUNK, bar0 + 8 * p, k.src, (u32)k.vec_len);
             stage_dst[p] = k.dst;
             stage_len[p] = (u32)k.vec_len;

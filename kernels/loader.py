@@ -47,6 +47,8 @@ class GatherConfig:
     chunk_bytes: int
     unroll: int = 0
     stages: int = 0
+    store_cs: bool = False
+    store_lag: int = 1
 
     @classmethod
     def default(cls, variant: str) -> GatherConfig:
@@ -77,8 +79,10 @@ class GatherConfig:
         out = {"DWDP_THREADS": self.threads, "DWDP_CHUNK": self.chunk_bytes}
         if self.variant == "register":
             out["DWDP_UNROLL"] = self.unroll
+            out["DWDP_STORE_CS"] = int(self.store_cs)
         else:
             out["DWDP_STAGES"] = self.stages
+            out["DWDP_STORE_LAG"] = self.store_lag
         return out
 
     def validate(self) -> None:
@@ -92,6 +96,8 @@ class GatherConfig:
         if self.variant == "tma":
             if not 2 <= self.stages <= 8:
                 raise KernelError(f"stages={self.stages} must be in [2, 8]")
+            if not 1 <= self.store_lag < self.stages:
+                raise KernelError(f"store_lag={self.store_lag} must be in [1, stages - 1]")
             if self.chunk_bytes >= 1 << 20:
                 raise KernelError("a TMA stage must stay below 1 MiB (mbarrier tx count)")
         elif self.unroll < 1:
