@@ -1,0 +1,110 @@
+"""Helpers of the multi-process tests: fork real rank processes, collect their records.
+
+Ranks are forked from the test process (torch is imported once; on 2 shared cores four
+fresh interpreters would spend most of a test importing it). Every rank is a real process
+with its own memory, talking over a real TCP store and sharing real /dev/shm files. After
+each test: no rank process is left running and no store file of the test's group is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from dwdp.worker.backend.cpu import leftover_segments
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankProcesses:
+    """Fork ``target(rank, out_dir)`` per rank; ``wait`` reaps them or kills stragglers."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.pids: dict[int, int] = {}
+
+    def start(self, ranks: list[int], target: Callable[[int, Path], None]) -> None:
+        for rank in ranks:
+            pid = os.fork()
+            if pid == 0:  # the rank process: never return into pytest
+                code = 0
+                try:
+                    target(rank, self.out)
+                except BaseException:
+                    (self.out / f"crash.{rank}.txt").write_text(traceback.format_exc())
+                    code = 1
+                finally:
+                    os._exit(code)
+            self.pids[rank] = pid
+
+    def wait(self, timeout_s: float) -> dict[int, int]:
+        """Exit codes by rank; ranks still running after ``timeout_s`` are killed and
+        reported as -9."""
+        deadline = time.monotonic() + timeout_s
+        codes: dict[int, int] = {}
+        while len(codes) < len(self.pids) and time.monotonic() < deadline:
+            for rank, pid in self.pids.items():
+                if rank in codes:
+                    continue
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+        for rank, pid in self.pids.items():
+            if rank not in codes:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                codes[rank] = -9
+        return codes
+
+    def alive(self) -> list[int]:
+        alive = []
+        for pid in self.pids.values():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            alive.append(pid)
+        return alive
+
+
+@pytest.fixture
+def group() -> Iterator[str]:
+    """A DWDP group name unique to the test; no store file of it may survive the test."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    yield name
+    left = leftover_segments(name)
+    for leftover in left:  # clean up, then fail: a leftover is a bug
+        os.unlink(os.path.join("/dev/shm", leftover))
+    assert not left, f"shared-memory segments left behind: {left}"
+
+
+@pytest.fixture
+def ranks(tmp_path: Path) -> Iterator[RankProcesses]:
+    procs = RankProcesses(tmp_path)
+    yield procs
+    procs.wait(timeout_s=5)
+    assert not procs.alive(), "rank processes left behind"
+
+
+def read_records(out: Path, prefix: str, world: int) -> list[dict]:
+    """The JSON records ``<prefix>.<rank>.json`` of every rank (fails on a crash file)."""
+    crashes = sorted(out.glob("crash.*.txt"))
+    assert not crashes, "\n".join(p.read_text() for p in crashes)
+    return [json.loads((out / f"{prefix}.{r}.json").read_text()) for r in range(world)]

@@ -1,0 +1,267 @@
+"""Dense DWDP setup: six phases, six collectives, one verdict on every rank (DESIGN.md 5.2).
+
+P1 collect the layout, digest and checksums, compare them across ranks, check the free
+memory; P2 allocate the row store and the slots and write this rank's rows; P3 map every
+peer's row store and build the copy plans; P4 gather every layer into its slot and compare
+the bytes with the originals; P5 repoint the module tensors into the slots and check every
+layer again; P6 drop the originals, count leaks, and agree on the commit.
+
+See [Note: fail-together] in ``phases``. A failure reported at the collective of P1-P5:
+every rank restores its original tensors, releases what it allocated and raises
+:class:`SetupError` (``restored=True``). A failure reported at the last collective: the
+originals are gone, every rank releases its DWDP state and raises (``restored=False``);
+the process must exit. A leaked original is a warning and a count, not a failure.
+
+Ranks that disagree on ``enable_dense`` still meet at P1's collective (a rank with dense
+DWDP off sends only its flag), so they all raise there instead of blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from dwdp.api.enums import CopyMode
+from dwdp.worker.backend.base import Backend
+from dwdp.worker.dense.architecture import DenseLayerLike
+from dwdp.worker.dense.layout import DEFAULT_ALIGN, DenseLayout, collect_dense_layout, view_in
+from dwdp.worker.dense.repoint import count_leaks, current_tensor, watch_storages
+from dwdp.worker.dense.rows import row_store_layout, write_rows
+from dwdp.worker.dense.state import DenseDwdp, DenseState, SlotRings
+from dwdp.worker.setup.phases import DensePhase, FailureInjector, SetupError, describe
+from dwdp.worker.setup.vote import vote
+from dwdp.worker.transport.base import Transport
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class SetupCheckError(RuntimeError):
+    """A byte check of P4 or P5 found a slot that differs from the original weights."""
+
+
+class MemoryFitError(RuntimeError):
+    """The row store and the slots do not fit in the free memory (P1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DenseSetupOptions:
+    """Knobs of dense setup. ``rings``: slots per segment; ``align``: bytes; ``dtype`` /
+    ``device``: the final form every moved tensor must have (``None``: unchecked)."""
+
+    rings: SlotRings = field(default_factory=SlotRings)
+    copy_mode: CopyMode = CopyMode.PER_SLICE
+    align: int = DEFAULT_ALIGN
+    dtype: torch.dtype | None = None
+    device: torch.device | str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutSummary:
+    """What P1 exchanges: the flag, the layout digest, the blob checksums, bytes needed."""
+
+    enable_dense: bool
+    digest: str = ""
+    checksums: tuple[tuple[str, str], ...] = ()
+    need_bytes: int = 0
+
+
+def setup_dense(
+    model: nn.Module,
+    layers: Sequence[DenseLayerLike],
+    *,
+    backend: Backend,
+    transport: Transport,
+    enable_dense: bool,
+    options: DenseSetupOptions | None = None,
+    injector: FailureInjector | None = None,
+) -> DenseDwdp | None:
+    """Set dense DWDP up on this rank; a collective over ``transport`` (every rank calls it).
+
+    ``layers`` are the model's MoE decoder layers in order (a model adapter's ``moe_layers``
+    or :meth:`DenseArchitecture.moe_layers`). Returns the committed :class:`DenseDwdp`, or
+    ``None`` when every rank has ``enable_dense`` off (after P1's collective only). Raises
+    :class:`SetupError` on every rank alike (naming the phase and the failing ranks);
+    transport errors (a rank that vanished) propagate after a local rollback.
+    """
+    options = options or DenseSetupOptions()
+    injector = injector if injector is not None else FailureInjector.from_env()
+    rank, n = transport.rank, transport.world_size
+    dense: DenseDwdp | None = None
+    try:
+        dense = _p1_collect(model, layers, backend=backend, transport=transport,
+                            enable_dense=enable_dense, options=options, injector=injector)
+        if dense is None:
+            return None
+        _run_phase(DensePhase.P2, dense, transport, injector, lambda: _p2_allocate(dense))
+        _run_phase(DensePhase.P3, dense, transport, injector,
+                   lambda: dense.build_plans(backend.map_peers(dense.store, transport)))
+        _run_phase(DensePhase.P4, dense, transport, injector, lambda: _p4_gather_check(dense))
+        _run_phase(DensePhase.P5, dense, transport, injector, lambda: _p5_repoint(dense))
+        _p6_commit(dense, transport, injector)
+    except BaseException:
+        if dense is not None and dense.state is DenseState.SETTING_UP:
+            dense.restore_and_release()
+        raise
+    log.info("dense DWDP rank %d of %d committed: digest=%s moved=%d bytes store=%d bytes "
+             "leaks=%d", rank, n, dense.layout.digest, dense.layout.sharded_bytes,
+             dense.rows.nbytes, dense.leaks.count)
+    return dense
+
+
+def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: Transport,
+               injector: FailureInjector, work: Any) -> None:
+    """Run one phase's local work, then its collective; roll back and raise on a failure
+    that any rank reported (see [Note: fail-together])."""
+    error: str | None = None
+    try:
+        work()
+        injector.check(phase, transport.rank)
+    except Exception as exc:
+        error = describe(exc)
+        log.warning("dense DWDP %s failed on rank %d: %s", phase, transport.rank, error)
+    verdict = vote(transport, f"dense.{phase}", error)
+    if not verdict.ok:
+        dense.restore_and_release()
+        raise SetupError(phase, phase.what, verdict.errors, restored=True)
+
+
+def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: Backend,
+                transport: Transport, enable_dense: bool, options: DenseSetupOptions,
+                injector: FailureInjector) -> DenseDwdp | None:
+    phase = DensePhase.P1
+    error: str | None = None
+    summary = LayoutSummary(enable_dense=enable_dense)
+    dense: DenseDwdp | None = None
+    try:
+        if enable_dense:
+            layout = collect_dense_layout(model, layers, world_size=transport.world_size,
+                                          align=options.align, device=options.device,
+                                          dtype=options.dtype)
+            rows = row_store_layout(layout)
+            need = rows.nbytes + sum(rows.slot_bytes[s] * options.rings.count(s)
+                                     for s in rows.slot_bytes)
+            free = backend.free_bytes()
+            if need > free:
+                raise MemoryFitError(
+                    f"the row store ({rows.nbytes} bytes) and the prefetch slots "
+                    f"({need - rows.nbytes} bytes) need {need} bytes but {free} bytes are free")
+            dense = DenseDwdp(backend=backend, layout=layout, rows=rows, rank=transport.rank,
+                              rings=options.rings, copy_mode=options.copy_mode)
+            summary = LayoutSummary(True, layout.digest, tuple(layout.checksums.items()), need)
+        injector.check(phase, transport.rank)
+    except Exception as exc:
+        error = describe(exc)
+    exchange = vote(transport, f"dense.{phase}", error, summary)
+    errors = dict(exchange.errors) or _p1_disagreements(exchange.payloads)
+    if errors:
+        if dense is not None:
+            dense.restore_and_release()
+        raise SetupError(phase, phase.what, errors, restored=True)
+    return dense
+
+
+def _p1_disagreements(summaries: Sequence[LayoutSummary]) -> dict[int, str]:
+    """The ranks whose P1 summary differs from the others', with why (same on every
+    rank: computed from the one exchange). The reference is the most common value."""
+    flags = [s.enable_dense for s in summaries]
+    if len(set(flags)) > 1:
+        on = [r for r, f in enumerate(flags) if f]
+        off = [r for r, f in enumerate(flags) if not f]
+        odd = on if len(on) < len(off) else off
+        msg = f"ranks disagree on enable_dense (on: {on}, off: {off})"
+        return dict.fromkeys(odd, msg)
+    if not flags[0]:
+        return {}
+    for attr, what in (("digest", "layout digest"), ("checksums", "weights")):
+        values = [getattr(s, attr) for s in summaries]
+        common = max(set(values), key=values.count)
+        odd = [r for r, v in enumerate(values) if v != common]
+        if odd:
+            if attr == "checksums":
+                ref = dict(common)
+                msgs = {}
+                for r in odd:
+                    blobs = [k for k, v in summaries[r].checksums if ref.get(k) != v]
+                    msgs[r] = f"weights differ from the other ranks' in {blobs[:4]}"
+                return msgs
+            return {r: f"{what} {values[r][:16]} differs from {common[:16]}" for r in odd}
+    return {}
+
+
+def _p2_allocate(dense: DenseDwdp) -> None:
+    dense.allocate()
+    assert dense.store is not None
+    write_rows(dense.layout, dense.rows, dense.rank, dense.store.tensor())
+
+
+def _gather(dense: DenseDwdp, layer: int, segment: Any, slot: int) -> None:
+    stream = dense.backend.current_stream()
+    dense.launch(layer, segment, slot, stream)
+    stream.synchronize()  # setup only: the byte check below reads the slot on the host
+
+
+def _p4_gather_check(dense: DenseDwdp) -> None:
+    for blob in dense.layout.blobs:
+        slot = dense.home_slot(blob.layer, blob.segment)
+        _gather(dense, blob.layer, blob.segment, slot)
+        data = dense.slot_buffers(blob.segment)[slot].tensor()
+        for entry in blob.entries:
+            assert entry.source is not None
+            if not torch.equal(data[entry.offset : entry.end], entry.source):
+                raise SetupCheckError(
+                    f"{blob.prefix}/{blob.segment}: slot {slot} differs from the original "
+                    f"bytes of {entry.tensors[0].name} after the gather")
+
+
+def _p5_repoint(dense: DenseDwdp) -> None:
+    for blob in dense.layout.blobs:
+        slot = dense.slot_buffers(blob.segment)[dense.home_slot(blob.layer, blob.segment)]
+        for entry in blob.entries:
+            for ref in entry.tensors:
+                dense.originals.repoint(ref, view_in(slot.tensor(), 0, ref, entry))
+    for blob in dense.layout.blobs:
+        slot_index = dense.home_slot(blob.layer, blob.segment)
+        _gather(dense, blob.layer, blob.segment, slot_index)
+        slot_ptr = dense.slot_buffers(blob.segment)[slot_index].tensor().untyped_storage()
+        for ref in blob.tensors():
+            now = current_tensor(ref)
+            if now.untyped_storage().data_ptr() != slot_ptr.data_ptr():
+                raise SetupCheckError(f"{ref.name} does not point into its prefetch slot")
+            if not torch.equal(_bytes(now), _bytes(dense.originals.original(ref))):
+                raise SetupCheckError(f"{ref.name} reads other bytes through its slot than the "
+                                      "original held")
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def _p6_commit(dense: DenseDwdp, transport: Transport, injector: FailureInjector) -> None:
+    phase = DensePhase.P6
+    error: str | None = None
+    leaks = None
+    try:
+        layout: DenseLayout = dense.layout
+        watched = watch_storages([(e.tensors[0].name, e.source) for b in layout.blobs
+                                  for e in b.entries if e.source is not None])
+        dense.originals.saved.clear()  # the originals are gone: no restore past this point
+        layout.drop_sources()
+        leaks = count_leaks(watched)
+        if leaks.count:
+            log.warning("dense DWDP rank %d: %d original storage(s) (%d bytes) still alive "
+                        "after the drop (leaks=%d): %s", transport.rank, leaks.count,
+                        leaks.nbytes, leaks.count, ", ".join(leaks.names[:8]))
+        injector.check(phase, transport.rank)
+    except Exception as exc:
+        error = describe(exc)
+    verdict = vote(transport, "dense.commit", error, leaks.count if leaks else None)
+    if not verdict.ok:
+        dense.release()
+        raise SetupError(phase, phase.what, verdict.errors, restored=False)
+    assert leaks is not None
+    dense.commit(leaks)

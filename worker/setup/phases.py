@@ -1,0 +1,154 @@
+"""Setup phases, the failure-injection hook and the errors every rank raises alike.
+
+[Note: fail-together] Each phase ends with one collective that carries every rank's status
+(``None`` or its error). Every rank computes its verdict from that one exchange, so after
+the same collective either every rank goes on or every rank raises the same
+:class:`SetupError`, naming the phase and the failing ranks. A rank that fails keeps
+taking part in the collectives up to the verdict; it never leaves its peers blocked.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+ENV_FAIL_AT = "DWDP_FAIL_AT"
+"""Failure injection for tests: ``PHASE:rankR`` (or ``PHASE:R``, ``PHASE:*``), comma
+separated, e.g. ``DWDP_FAIL_AT=P3:rank2`` or ``DWDP_FAIL_AT=handshake:rank0``."""
+
+
+class DensePhase(enum.StrEnum):
+    """The six phases of dense setup (DESIGN.md 5.2), each ending in one collective."""
+
+    P1 = "P1"
+    """Collect the layout, its digest and checksums; compare across ranks; fit check."""
+    P2 = "P2"
+    """Allocate the row store and the slots; write this rank's rows."""
+    P3 = "P3"
+    """Map every peer's row store; build the copy plans."""
+    P4 = "P4"
+    """Gather every layer into its slot and compare the bytes with the originals."""
+    P5 = "P5"
+    """Repoint the module tensors into the slots; check every layer again."""
+    P6 = "P6"
+    """Drop the originals, count leaks; the last collective agrees on the commit."""
+
+    @property
+    def what(self) -> str:
+        return _DENSE_WHAT[self]
+
+
+_DENSE_WHAT = {
+    DensePhase.P1: "collect the layout and compare it across ranks",
+    DensePhase.P2: "allocate the row store and the slots, write the rows",
+    DensePhase.P3: "map the peers' row stores, build the copy plans",
+    DensePhase.P4: "gather every layer and check the bytes",
+    DensePhase.P5: "repoint the module tensors and check every layer again",
+    DensePhase.P6: "drop the originals and commit",
+}
+
+
+class ExpertPhase(enum.StrEnum):
+    """The phases of expert setup, each ending in one collective."""
+
+    HANDSHAKE = "handshake"
+    """Every rank's expert range and chunk shapes, checked against the partition."""
+    ALLOCATE = "allocate"
+    """The expert store and the prefetch slots: every rank agrees before any maps a peer."""
+    MAP = "map"
+    """Map every peer's expert store; build the copy plans."""
+    COMMIT = "commit"
+    """The final vote."""
+
+    @property
+    def what(self) -> str:
+        return f"expert {self.value}"
+
+
+class SetupError(RuntimeError):
+    """DWDP setup failed; raised on every rank after the same collective.
+
+    ``phase`` is the phase whose collective reported the failure, ``errors`` maps each
+    failing rank to its message, ``restored`` says whether the original tensors are back
+    (P1-P5) or DWDP state was released without them (a failed commit: exit the process).
+    """
+
+    def __init__(self, phase: str, what: str, errors: Mapping[int, str], *,
+                 restored: bool) -> None:
+        self.phase = phase
+        self.errors = dict(sorted(errors.items()))
+        self.restored = restored
+        detail = "; ".join(f"rank {r}: {m}" for r, m in self.errors.items())
+        after = ("every rank restored its original tensors" if restored else
+                 "every rank released its DWDP state; restart the process (no fallback to "
+                 "replicated weights)")
+        super().__init__(
+            f"DWDP setup failed in {phase} ({what}) on rank(s) {self.failed_ranks}: {detail}; "
+            f"{after}"
+        )
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        return tuple(self.errors)
+
+
+class InjectedFailure(RuntimeError):
+    """A failure the failure-injection hook raised on purpose (tests)."""
+
+
+FailHook = Callable[[str, int], None]
+"""``hook(phase, rank)`` runs at the end of each phase's local work; raising fails it."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailAt:
+    """Fail phase ``phase`` on rank ``rank`` (``None``: every rank)."""
+
+    phase: str
+    rank: int | None
+
+
+def parse_fail_at(text: str) -> tuple[FailAt, ...]:
+    """``"P3:rank2,P6:*"`` -> the injection points; raises ``ValueError`` naming the bad
+    entry."""
+    points = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        phase, sep, who = item.partition(":")
+        who = who.strip().removeprefix("rank")
+        if not sep or not phase or not (who == "*" or who.isdigit()):
+            raise ValueError(f"{ENV_FAIL_AT} entry {item!r} is not PHASE:rankN or PHASE:*")
+        points.append(FailAt(phase.strip(), None if who == "*" else int(who)))
+    return tuple(points)
+
+
+class FailureInjector:
+    """Raises :class:`InjectedFailure` at the chosen (phase, rank) points.
+
+    Built from ``DWDP_FAIL_AT`` (:meth:`from_env`), from explicit points, or around a
+    callable hook. ``check(phase, rank)`` is called by setup at the end of each phase's
+    local work, just before the phase's collective.
+    """
+
+    def __init__(self, points: tuple[FailAt, ...] = (), hook: FailHook | None = None) -> None:
+        self.points = points
+        self.hook = hook
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FailureInjector:
+        env = os.environ if environ is None else environ
+        return cls(parse_fail_at(env.get(ENV_FAIL_AT, "")))
+
+    def check(self, phase: str, rank: int) -> None:
+        for point in self.points:
+            if point.phase == phase and point.rank in (None, rank):
+                raise InjectedFailure(f"injected failure at {phase} on rank {rank}")
+        if self.hook is not None:
+            self.hook(phase, rank)
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line status for an exchange: the exception type and its message."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,20 @@
+"""The one collective each setup phase ends with: every rank's status (and payload).
+
+A free function over the group transport, returning the transport's small named result
+(:class:`~dwdp.worker.transport.base.Exchange`): ``ok``, ``errors`` by rank, ``payloads``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dwdp.worker.transport.base import Exchange, Transport
+
+
+def vote(transport: Transport, label: str, error: str | None, payload: Any = None) -> Exchange:
+    """Send this rank's ``error`` (``None``: success) and ``payload``; return every rank's.
+
+    Every rank gets the same :class:`Exchange`, so a verdict computed from it is the same
+    on every rank after this collective (see [Note: fail-together] in ``phases``).
+    """
+    return transport.exchange(payload, label=label, error=error)
