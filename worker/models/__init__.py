@@ -47,6 +47,9 @@ class GenericFusedExpertsAdapter(ArchitectureAdapter):
     has_dense_roots = False
 
 
+GENERIC = GenericFusedExpertsAdapter()
+"""The one expert-only adapter instance."""
+
 ADAPTERS: tuple[ArchitectureAdapter, ...] = (
     DeepseekV3Adapter(),
     Qwen3MoeAdapter(),
@@ -82,7 +85,7 @@ def adapter_for(obj: Any, *, allow_generic: bool = True) -> ArchitectureAdapter 
     for adapter in ADAPTERS:
         if model_type in adapter.model_types:
             return adapter
-    return GenericFusedExpertsAdapter() if allow_generic else None
+    return GENERIC if allow_generic else None
 
 
 def require_adapter(obj: Any, *, dense: bool) -> ArchitectureAdapter:

@@ -131,3 +131,12 @@ def validate_checkpoint(path: str | Path) -> Any:
                     f"checkpoint {path}: tensor {key} has dtype {got_dtype}, expected {dtype}"
                 )
     return config
+
+
+def expert_count(config: Any) -> int:
+    """E, the routed experts of the model's MoE layers (0 for a model without fused
+    experts); from the meta-device model's ``*.experts.gate_up_proj`` [E, 2I, H]."""
+    for name, (shape, _dtype) in expected_tensors(config).items():
+        if name.endswith(".experts.gate_up_proj") and len(shape) == 3:
+            return int(shape[0])
+    return 0

@@ -1,0 +1,87 @@
+"""The worker's sub-commands of ``dwdp``: ``worker``, ``launch`` and ``testing``.
+
+Top-level imports stay light (no torch): each command imports its implementation when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dwdp.worker.testing import cli as testing_cli
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``worker``, ``launch`` and ``testing`` to the ``dwdp`` command line."""
+    worker = subparsers.add_parser(
+        "worker", help="run one DWDP worker rank: load, set up DWDP, serve HTTP"
+    )
+    _common(worker)
+    worker.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="HTTP port of local rank 0 (default: the launch config's serverPort); "
+        "local rank k serves port + k",
+    )
+    worker.set_defaults(func=_worker)
+
+    launch = subparsers.add_parser(
+        "launch", help="start one worker process per local rank of a pod and watch them"
+    )
+    _common(launch)
+    launch.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to start (default: DWDP_LOCAL_WORLD_SIZE, else 1)",
+    )
+    launch.add_argument("--port", type=int, default=None, help="base HTTP port")
+    launch.set_defaults(func=_launch)
+
+    testing_cli.register(subparsers)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="launch config YAML (default: DWDP_CONFIG)")
+    parser.add_argument(
+        "--role",
+        default=None,
+        help="context, generation or aggregated (legacy ctx0/gen0 accepted); "
+        "default: the config's role, else DWDP_ROLE",
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
+    parser.add_argument(
+        "--termination-log",
+        default=None,
+        help="where a fatal error's one-line cause goes "
+        "(default: DWDP_TERMINATION_LOG, else /dev/termination-log)",
+    )
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from dwdp.worker.main import WorkerOptions, run_worker
+
+    return run_worker(
+        WorkerOptions(
+            config=args.config,
+            role=args.role,
+            host=args.host,
+            port=args.port,
+            termination_log=args.termination_log,
+        )
+    )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from dwdp.worker.launcher import LaunchOptions, run_launcher
+
+    return run_launcher(
+        LaunchOptions(
+            config=args.config,
+            role=args.role,
+            host=args.host,
+            port=args.port,
+            nproc=args.nproc,
+            termination_log=args.termination_log,
+        )
+    )

@@ -1,0 +1,44 @@
+"""Load a local Hugging Face checkpoint for serving, after checking it (no downloads).
+
+``load_checkpoint`` validates the safetensors headers against the config first
+(``dwdp.worker.models.validate``), so a missing tensor or a tensor of the wrong shape or dtype
+fails with one line before any weight is read; then it loads through
+``AutoModelForCausalLM.from_pretrained`` and the tokenizer through ``AutoTokenizer``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from dwdp.worker.models.validate import CheckpointError, validate_checkpoint
+
+
+def load_checkpoint(path: str | Path, *, dtype: str = "auto") -> tuple[Any, Any]:
+    """Return ``(model, tokenizer)`` of the checkpoint directory ``path`` in eval mode.
+
+    ``dtype`` is ``auto`` (the checkpoint's) or a torch dtype name. Raises ``CheckpointError``
+    (one line naming the tensor, field or file) for a checkpoint that cannot serve.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(path)
+    validate_checkpoint(path)
+    torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype, local_files_only=True
+        )
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"checkpoint {path}: loading failed: {first}") from exc
+    model.eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"checkpoint {path}: tokenizer: {first}") from exc
+    return model, tokenizer

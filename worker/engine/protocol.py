@@ -1,0 +1,119 @@
+"""The engine interface the HTTP server depends on, and the values that cross it.
+
+The server never imports the engine class: it holds an ``EngineClient`` (generate, abort,
+check_health, plus the tokenizer and the model limits), so tests can serve a stub engine and
+the real engine can change without touching a router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve (stopped, or its loop died); the server answers 503."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop died; ``check_health`` raises it with the cause."""
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (prompt too long, bad parameter); the server answers 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature`` 0 is greedy (argmax); otherwise tokens are drawn after temperature,
+    ``top_k`` (0: off) and ``top_p`` (1.0: off), from a generator seeded by ``seed`` when set.
+    A request stops at ``max_tokens`` new tokens, at the tokenizer's EOS token (unless
+    ``ignore_eos``), at any of ``stop_token_ids``, or when its text contains one of ``stop``
+    (the text is cut before it).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request decodes by argmax."""
+        return self.temperature == 0.0
+
+    def check(self) -> None:
+        """Raise ``RequestError`` naming the first out-of-range field."""
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens: {self.max_tokens} < 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature: {self.temperature} outside [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p: {self.top_p} outside (0, 1]")
+        if self.top_k < 0:
+            raise RequestError(f"top_k: {self.top_k} < 0")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One update of a request: the tokens and text produced since the previous update.
+
+    ``finish_reason`` is ``"stop"`` (EOS, a stop token or string), ``"length"``
+    (max_tokens or the model's context) or ``"abort"``, and set only on the last update.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class CompletedRequest:
+    """A finished request as the batch API returns it (tests and the bench).
+
+    ``logits`` holds, when asked for, one float32 tensor of shape [vocab] per generated
+    token: the logits the token was chosen from (before sampling processors).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logits: list[Any] = field(default_factory=list)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the server needs from an engine."""
+
+    model_name: str
+    max_model_len: int
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's updates; the last one has ``finished``. Raises
+        ``RequestError`` (bad request) or ``EngineError`` (cannot serve). Closing the
+        iterator early aborts the request."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request if it is queued or running; unknown ids are ignored."""
+
+    async def check_health(self) -> None:
+        """Return if the engine can serve; raise ``EngineDeadError`` otherwise."""

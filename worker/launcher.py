@@ -1,0 +1,169 @@
+"""``dwdp launch``: one worker process per local rank of a pod, started and stopped together.
+
+The pod's environment carries the group contract of DESIGN.md 4 for its *first* local rank:
+``DWDP_RANK`` is the rank of local rank 0 (pod index x ranks per pod), ``DWDP_WORLD_SIZE`` the
+group's rank count. ``DWDP_LOCAL_WORLD_SIZE`` (or ``--nproc``) says how many local ranks to
+start. Each child gets ``DWDP_RANK = first + k``, ``DWDP_LOCAL_RANK = k`` and
+``DWDP_LOCAL_WORLD_SIZE``, and serves HTTP on port base + k.
+
+Fail-together within the pod: when any child exits while the launcher is not stopping (a
+crash, or even a clean exit, which leaves the group short of a rank), the launcher stops the
+others (SIGTERM, then SIGKILL after a grace period), writes that child's termination line to
+the pod's termination message path, and exits non-zero. SIGTERM or SIGINT to the launcher is
+forwarded to every child; the launcher then exits 0 only if every child did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dwdp.worker.main import ENV_CONFIG, ENV_LOCAL_RANK, ENV_LOCAL_WORLD_SIZE
+from dwdp.worker.termination import ENV_TERMINATION_LOG, write_termination_message
+
+log = logging.getLogger(__name__)
+
+ENV_RANK = "DWDP_RANK"
+DEFAULT_STOP_GRACE_S = 30.0
+POLL_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchOptions:
+    """Options of the launcher; ``None`` means: from the environment or the config."""
+
+    config: str | None = None
+    role: str | None = None
+    host: str = "0.0.0.0"
+    port: int | None = None
+    nproc: int | None = None
+    termination_log: str | None = None
+    stop_grace_s: float | None = None
+
+
+
+def child_env(
+    base: dict[str, str], *, first_rank: int, local_rank: int, nproc: int, config: str, term: str
+) -> dict[str, str]:
+    """The environment of local rank ``local_rank`` (see the module docstring)."""
+    env = dict(base)
+    env[ENV_RANK] = str(first_rank + local_rank)
+    env[ENV_LOCAL_RANK] = str(local_rank)
+    env[ENV_LOCAL_WORLD_SIZE] = str(nproc)
+    env[ENV_CONFIG] = config
+    env[ENV_TERMINATION_LOG] = term
+    return env
+
+
+def _stop_grace(opts: LaunchOptions, config: str) -> float:
+    if opts.stop_grace_s is not None:
+        return opts.stop_grace_s
+    try:
+        from dwdp.worker.main import load_launch_config
+
+        bound = load_launch_config(config).graceful_shutdown_timeout_s
+    except Exception:
+        bound = None
+    return DEFAULT_STOP_GRACE_S if bound is None else float(bound) + 10.0
+
+
+def run_launcher(opts: LaunchOptions) -> int:
+    """Start the local ranks, watch them, stop them together; returns the exit status."""
+    config = opts.config or os.environ.get(ENV_CONFIG)
+    if not config:
+        line = write_termination_message(
+            f"launcher: no launch config: pass --config FILE or set {ENV_CONFIG}",
+            opts.termination_log,
+        )
+        log.error("%s", line)
+        return 1
+    config = str(Path(config).resolve())
+    try:
+        nproc = opts.nproc or int(os.environ.get(ENV_LOCAL_WORLD_SIZE) or 1)
+        first_rank = int(os.environ.get(ENV_RANK) or 0)
+    except ValueError as exc:
+        write_termination_message(f"launcher: {exc}", opts.termination_log)
+        return 1
+    if nproc < 1:
+        write_termination_message(f"launcher: local ranks {nproc} < 1", opts.termination_log)
+        return 1
+    grace = _stop_grace(opts, config)
+    workdir = Path(tempfile.mkdtemp(prefix="dwdp-launch-"))
+    children: list[tuple[int, subprocess.Popen, Path]] = []
+    stopping = {"signal": None}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for k in range(nproc):
+            term = workdir / f"rank-{k}.termination-log"
+            cmd = [sys.executable, "-m", "dwdp", "worker", "--config", config, "--host", opts.host]
+            if opts.role:
+                cmd += ["--role", opts.role]
+            if opts.port is not None:
+                cmd += ["--port", str(opts.port)]
+            env = child_env(
+                dict(os.environ),
+                first_rank=first_rank,
+                local_rank=k,
+                nproc=nproc,
+                config=config,
+                term=str(term),
+            )
+            children.append((k, subprocess.Popen(cmd, env=env), term))
+            log.info(
+                "started local rank %d (rank %d), pid %d", k, first_rank + k, children[-1][1].pid
+            )
+        return _watch(children, stopping, grace, first_rank, opts.termination_log)
+    finally:
+        _stop_all(children, grace)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _watch(children, stopping, grace, first_rank, termination_log) -> int:
+    while True:
+        if stopping["signal"] is not None:
+            log.info("launcher: signal %d, stopping every local rank", stopping["signal"])
+            codes = _stop_all(children, grace)
+            return 0 if all(c == 0 for c in codes) else 1
+        for k, proc, term in children:
+            code = proc.poll()
+            if code is None:
+                continue
+            cause = term.read_text().strip() if term.is_file() else ""
+            what = f"exited with status {code}" if code >= 0 else f"killed by signal {-code}"
+            line = f"local rank {k} (rank {first_rank + k}) {what}"
+            if cause:
+                line += f": {cause}"
+            log.error("launcher: %s; stopping the other local ranks", line)
+            _stop_all(children, grace)
+            write_termination_message(line, termination_log)
+            return code if code > 0 else 1
+        time.sleep(POLL_S)
+
+
+def _stop_all(children, grace: float) -> list[int]:
+    """SIGTERM every live child, SIGKILL those alive after ``grace`` seconds; returns the exit
+    codes (by local rank). Safe to call twice."""
+    for _k, proc, _term in children:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    codes = []
+    for _k, proc, _term in children:
+        try:
+            codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+    return codes

@@ -1,0 +1,220 @@
+"""One worker rank, start to finish: ``dwdp worker --config FILE``.
+
+Startup order (DESIGN.md 5): read and validate the launch (role rules first, so a generation
+server refuses dense DWDP before anything loads) -> check the checkpoint's headers, its
+architecture adapter and the expert partition (one line naming the tensor or field) -> join the
+group (rendezvous) -> load the model -> DWDP setup (dense first, then experts; commit) -> start
+the engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
+termination message path and exits non-zero; the engine is stopped whatever happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dwdp.worker.termination import write_termination_message
+
+log = logging.getLogger(__name__)
+
+ENV_CONFIG = "DWDP_CONFIG"
+ENV_LOCAL_RANK = "DWDP_LOCAL_RANK"
+ENV_LOCAL_WORLD_SIZE = "DWDP_LOCAL_WORLD_SIZE"
+ENV_TORCH_THREADS = "DWDP_TORCH_THREADS"
+"""Optional: intra-op threads of this rank's torch (CPU runs with several ranks per host)."""
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(message: str) -> bool:
+    """Log ``message`` as a warning the first time it is seen in this process; returns
+    whether it was logged."""
+    with _warned_lock:
+        if message in _warned:
+            return False
+        _warned.add(message)
+    log.warning("%s", message)
+    return True
+
+
+class WorkerStartupError(RuntimeError):
+    """The worker cannot start; the message is the one-line cause."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """Command-line options of one rank (``None``: from the config or the environment)."""
+
+    config: str | None = None
+    role: str | None = None
+    host: str = "0.0.0.0"
+    port: int | None = None
+    termination_log: str | None = None
+
+
+def load_launch_config(path: str | None) -> Any:
+    """Read the launch config YAML (``path`` or ``DWDP_CONFIG``) into a ``LaunchConfig``.
+
+    Raises ``WorkerStartupError`` naming the file, or the first invalid field.
+    """
+    import yaml
+    from dwdp.api.launch import LaunchConfig
+    from pydantic import ValidationError
+
+    path = path or os.environ.get(ENV_CONFIG)
+    if not path:
+        raise WorkerStartupError(f"no launch config: pass --config FILE or set {ENV_CONFIG}")
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise WorkerStartupError(f"launch config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise WorkerStartupError(f"launch config {path}: expected a mapping at the top level")
+    try:
+        return LaunchConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "(top level)"
+        raise WorkerStartupError(f"launch config {path}: {where}: {first.get('msg')}") from exc
+
+
+def check_launch(cfg: Any, role_flag: str | None, environ: Any = None) -> Any:
+    """Resolve the role (flag, config, ``DWDP_ROLE``; legacy ctx0/gen0 in any case) and apply
+    the launch rules that need no model. Returns the config with the role set.
+
+    Raises ``WorkerStartupError`` (unknown role) or ``LaunchError`` (a broken rule; a
+    generation server with enable_dense is refused here, before the model loads). A dense
+    launch without the context role is warned about once.
+    """
+    from dwdp.api.launch import launch_warnings, resolve_role, validate_launch
+
+    try:
+        role = resolve_role(role_flag if role_flag else cfg.role, environ)
+    except ValueError as exc:
+        raise WorkerStartupError(f"role: {exc}") from exc
+    cfg = cfg.model_copy(update={"role": role})
+    validate_launch(cfg)
+    for message in launch_warnings(cfg, role):
+        warn_once(message)
+    return cfg
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlan:
+    """What the checkpoint check learned before any weight is read."""
+
+    config: Any
+    adapter: Any
+    num_experts: int
+    partition: Any
+
+
+def check_model(cfg: Any) -> ModelPlan:
+    """Check the checkpoint headers, the adapter (dense roots) and the expert partition.
+
+    Raises ``CheckpointError`` (a tensor named), ``LaunchError`` (enable_dense on an
+    architecture without dense roots) or ``PartitionError`` (a config the partition cannot
+    split), each one line.
+    """
+    from dwdp.api.launch import validate_launch
+    from dwdp.worker.models import adapter_for
+    from dwdp.worker.models.validate import expert_count, validate_checkpoint
+
+    config = validate_checkpoint(cfg.model.path)
+    adapter = adapter_for(config)
+    validate_launch(cfg, dense_roots=adapter.has_dense_roots)
+    num_experts = expert_count(config)
+    partition = None
+    if cfg.dwdp.expert_dwdp:
+        if num_experts == 0:
+            raise WorkerStartupError(
+                "dwdp.enableExperts: the model has no fused-experts MoE layer to distribute"
+            )
+        partition = cfg.dwdp.partition(num_experts)
+    return ModelPlan(config, adapter, num_experts, partition)
+
+
+def _torch_threads() -> None:
+    value = os.environ.get(ENV_TORCH_THREADS)
+    if value:
+        import torch
+
+        torch.set_num_threads(int(value))
+
+
+def run_worker(opts: WorkerOptions) -> int:
+    """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
+    stop_engine = None
+    try:
+        cfg = check_launch(load_launch_config(opts.config), opts.role)
+        local_rank = int(os.environ.get(ENV_LOCAL_RANK, "0"))
+        port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
+        plan = check_model(cfg)
+        _torch_threads()
+        from dwdp.worker.attach import join_group, setup_dwdp
+        from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
+        from dwdp.worker.engine.loader import load_checkpoint
+        from dwdp.worker.server.app import build_app
+        from dwdp.worker.server.run import serve
+
+        group = join_group(cfg)
+        dtype = cfg.model.dtype
+        model, tokenizer = load_checkpoint(cfg.model.path, dtype=dtype)
+        dwdp = setup_dwdp(model, plan.adapter, cfg, group=group)
+        fatal: list[BaseException] = []
+        server_holder: dict[str, Any] = {}
+
+        def on_fatal(exc: BaseException) -> None:
+            fatal.append(exc)
+            write_termination_message(exc, opts.termination_log)
+            server = server_holder.get("server")
+            if server is not None:
+                server.should_exit = True
+
+        engine = BatchingEngine(
+            model,
+            tokenizer,
+            model_name=cfg.model.served_name or Path(cfg.model.path).name,
+            config=EngineConfig(
+                max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens
+            ),
+            on_fatal=on_fatal,
+        )
+        stop_engine = engine.stop
+        engine.start()
+        app = build_app(
+            engine, dwdp=dwdp, served_name=cfg.model.served_name, on_shutdown=engine.stop
+        )
+        log.info(
+            "rank serving on %s:%d (role %s, %s)",
+            opts.host,
+            port,
+            cfg.role.value if cfg.role else "unset",
+            dwdp.status().get("phase"),
+        )
+        serve(
+            app,
+            host=opts.host,
+            port=port,
+            graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+            stop_engine=engine.stop,
+            server_holder=server_holder,
+        )
+        dwdp_close = getattr(dwdp, "close", None)
+        if dwdp_close is not None:
+            dwdp_close()
+        if fatal:
+            return 1
+        return 0
+    except Exception as exc:
+        line = write_termination_message(exc, opts.termination_log)
+        log.error("worker failed: %s", line)
+        return 1
+    finally:
+        if stop_engine is not None:
+            stop_engine()

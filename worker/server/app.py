@@ -1,0 +1,152 @@
+"""The FastAPI app: short routers over ``OpenAIServing``, errors in the OpenAI error shape.
+
+Every router takes the serving object from app state, awaits it and maps the result to JSON,
+a streaming response or an error. Validation failures answer 400 with the field's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from dwdp.worker.engine.protocol import EngineClient
+from dwdp.worker.server.metrics import ServerMetrics
+from dwdp.worker.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+from dwdp.worker.server.serving import OpenAIServing, ServingError
+from dwdp.worker.server.status import DwdpStatusSource, NoDwdp
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request."},
+    404: {"model": ErrorResponse, "description": "Unknown model."},
+    503: {"model": ErrorResponse, "description": "The engine cannot serve."},
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+def _respond(result: Any) -> Response:
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump(exclude_none=True))
+
+
+def build_app(
+    engine: EngineClient,
+    *,
+    dwdp: DwdpStatusSource | None = None,
+    served_name: str | None = None,
+    on_shutdown: Any = None,
+) -> FastAPI:
+    """The app of one rank.
+
+    ``on_shutdown`` (a callable) runs in the lifespan shutdown, after uvicorn stopped
+    accepting and its graceful-shutdown bound (if any) cancelled the remaining handlers; the
+    worker passes the engine's ``stop``.
+    """
+    dwdp = dwdp or NoDwdp()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                log.info("server shutdown: stopping the engine")
+                on_shutdown()
+
+    app = FastAPI(title="dwdp worker", version="0.1.0", lifespan=lifespan)
+    metrics = ServerMetrics(engine, dwdp)
+    app.state.serving = OpenAIServing(engine, dwdp, metrics, served_name=served_name)
+    app.state.metrics = metrics
+
+    @app.exception_handler(ServingError)
+    async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
+        return _error(exc.status_code, exc.message, exc.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if errors:
+            first = errors[0]
+            where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+            message = f"{where}: {first.get('msg', 'invalid')}"
+        else:
+            message = "invalid request"
+        return _error(400, message, "invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next: Any) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "other")
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_ERRORS, 200: {"content": _SSE}},
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return _respond(await _serving(request).completion(body))
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_ERRORS, 200: {"content": _SSE}},
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return _respond(await _serving(request).chat(body))
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(request: Request) -> ModelList:
+        return _serving(request).models()
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health(request: Request) -> dict[str, str]:
+        await _serving(request).health()
+        return {"status": "ok"}
+
+    @app.get("/ready", responses={503: _ERRORS[503]})
+    async def ready(request: Request) -> dict[str, str]:
+        await _serving(request).ready()
+        return {"status": "ready"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus(request: Request) -> Response:
+        data = generate_latest(request.app.state.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dwdp/status")
+    async def dwdp_status(request: Request) -> dict[str, Any]:
+        return _serving(request).dwdp.status()
+
+    return app

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one rank, in a registry of the app (never the global one).
+
+Request counts and latency histograms are observed by the serving class; token counters and
+the DWDP counters (bytes moved, slot waits, store bytes, leaks) are read from the engine stats
+and the DWDP status source at scrape time by a custom collector, so the hot path does no
+bookkeeping twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _ScrapeCollector:
+    def __init__(self, engine: Any, dwdp: Any) -> None:
+        self.engine = engine
+        self.dwdp = dwdp
+
+    def collect(self):
+        stats = getattr(self.engine, "stats", None)
+        if stats is not None:
+            for name, doc, value in (
+                ("dwdp_prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
+                ("dwdp_generation_tokens", "Tokens generated.", stats.generation_tokens),
+                ("dwdp_forward_passes", "Model forward passes.", stats.forward_passes),
+                ("dwdp_forward_seconds", "Seconds in model forwards.", stats.forward_seconds),
+            ):
+                yield CounterMetricFamily(name, doc, value=value)
+        status = self.dwdp.status()
+        yield CounterMetricFamily(
+            "dwdp_bytes_moved",
+            "Bytes copied into prefetch slots (expert and dense) since commit.",
+            value=status.get("bytes_moved", 0),
+        )
+        yield CounterMetricFamily(
+            "dwdp_slot_waits",
+            "Times compute waited for a prefetch slot's copy.",
+            value=status.get("slot_waits", 0),
+        )
+        for name, doc in (
+            ("bytes_stored", "Bytes of this rank's DWDP stores."),
+            ("bytes_freed", "Replicated weight bytes DWDP returned."),
+            ("leaks", "Originals still referenced after commit."),
+        ):
+            yield GaugeMetricFamily(f"dwdp_{name}", doc, value=status.get(name, 0))
+        committed = GaugeMetricFamily("dwdp_committed", "1 once DWDP setup committed.")
+        committed.add_metric([], 1.0 if self.dwdp.committed else 0.0)
+        yield committed
+
+
+class ServerMetrics:
+    """The metrics of one app; ``registry`` is what ``/metrics`` renders."""
+
+    def __init__(self, engine: Any, dwdp: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "dwdp_requests",
+            "HTTP requests by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "dwdp_request_latency_seconds",
+            "End-to-end latency of generation requests, seconds.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "dwdp_time_to_first_token_seconds",
+            "Seconds from arrival to the first generated token.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_ScrapeCollector(engine, dwdp))

@@ -1,0 +1,170 @@
+"""Request and response schemas of the OpenAI-compatible endpoints.
+
+Out-of-range values are refused by the schemas themselves (the server answers 400 with the
+field's path), so every bound is visible in the OpenAPI document. Fields the OpenAI API has but
+this server does not implement are accepted and ignored when they are absent or null; ``n`` is
+limited to 1.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_SEED = 2**63 - 1
+MAX_STOP = 4
+
+StopText = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, max_length=256, description="Served model name (optional).")
+    max_tokens: int | None = Field(
+        None, ge=1, le=1_000_000, description="New tokens at most (default 16)."
+    )
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0: off.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Sampling seed.")
+    stop: StopText | list[StopText] | None = Field(
+        None, description="Stop strings (at most 4); the text is cut before the first."
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        None, max_length=64, description="Token ids that stop the request."
+    )
+    ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
+    stream: bool = Field(False, description="Stream server-sent events.")
+    n: int = Field(1, ge=1, le=1, description="Choices per request (only 1).")
+    user: str | None = Field(None, max_length=256)
+
+    def stop_list(self) -> tuple[str, ...]:
+        """``stop`` as a tuple; raises ``ValueError`` for more than 4 strings."""
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop: {len(stops)} strings, at most {MAX_STOP}")
+        return stops
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``: one prompt, as text or as token ids."""
+
+    prompt: (
+        Annotated[str, Field(max_length=1_000_000)]
+        | Annotated[
+            list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
+            Field(min_length=1, max_length=1_000_000),
+        ]
+    ) = Field(description="The prompt: text, or token ids.")
+    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
+
+
+class TextPart(BaseModel):
+    """One text part of a message's content."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str = Field(max_length=1_000_000)
+
+
+class ChatMessage(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, Field(max_length=1_000_000)] | list[TextPart]
+
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+
+
+class Usage(BaseModel):
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The answer of ``/v1/completions`` (non-streaming)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The answer of ``/v1/chat/completions`` (non-streaming)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dwdp"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """The answer of ``/v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer: ``{"error": {"message", "type", "code"}}``."""
+
+    error: ErrorInfo
