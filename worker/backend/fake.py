@@ -100,7 +100,9 @@ def content_of(plan: CopyPlan, dst: Hashable) -> tuple[tuple[str, int, int, int]
     out = []
     for d in (*plan.remote, *plan.local):
         if d.dst is dst:
-            out.append((getattr(d.src, "tag", repr(d.src)), d.src_offset, d.dst_offset, d.nbytes))
+            tag = getattr(d.src, "tag", None)
+            src = tag if isinstance(tag, str) else repr(d.src)
+            out.append((src, d.src_offset, d.dst_offset, d.nbytes))
     return tuple(out)
 
 
@@ -308,7 +310,6 @@ class FakeBackend(Backend):
         self, resource: Hashable, content: Hashable, stream: Stream, *, label: str = ""
     ) -> None:
         """Record a copy that writes ``content`` into ``resource`` on ``stream``."""
-        assert isinstance(stream, FakeStream)
         self.trace.append(CopyOp(stream, resource, content, label or f"copy into {resource!s}"))
 
     def read(
@@ -322,7 +323,6 @@ class FakeBackend(Backend):
         """Record a read of ``resource`` on ``stream`` (default: the compute stream) that
         expects ``expect``; a ``CopyPlan`` stands for what it writes into ``resource``."""
         s = stream or self.compute
-        assert isinstance(s, FakeStream)
         content = content_of(expect, resource) if isinstance(expect, CopyPlan) else expect
         self.trace.append(ReadOp(s, resource, content, label or f"read of {resource!s}"))
 
