@@ -68,19 +68,30 @@ def load(config: GatherConfig, arch: str) -> GatherModule:
 
 
 SWEEP = {
-    "register-512x8": GatherConfig("register", 512, 512 * 16 * 8, unroll=8),
-    "register-512x8-cs": GatherConfig("register", 512, 512 * 16 * 8, unroll=8, store_cs=True),
-    "register-1024x8": GatherConfig("register", 1024, 1024 * 16 * 8, unroll=8),
-    "register-1024x4": GatherConfig("register", 1024, 1024 * 16 * 4, unroll=4),
-    "register-256x16": GatherConfig("register", 256, 256 * 16 * 16, unroll=16),
-    "register-512x16": GatherConfig("register", 512, 512 * 16 * 16, unroll=16),
-    "tma-4x48k-lag1": GatherConfig("tma", 128, 48 * 1024, stages=4),
+    "reg-512x8-cs": GatherConfig("register", 512, 65536, unroll=8, store_cs=True),
+    "reg-512x8-cs-pf": GatherConfig(
+        "register", 512, 65536, unroll=8, store_cs=True, l2_prefetch=True
+    ),
+    "reg-512x8-pf": GatherConfig("register", 512, 65536, unroll=8, l2_prefetch=True),
+    "reg-1024x4-cs-pf": GatherConfig(
+        "register", 1024, 65536, unroll=4, store_cs=True, l2_prefetch=True
+    ),
+    "reg-512x16-cs-pf": GatherConfig(
+        "register", 512, 131072, unroll=16, store_cs=True, l2_prefetch=True
+    ),
+    "reg-1024x8-cs-pf": GatherConfig(
+        "register", 1024, 131072, unroll=8, store_cs=True, l2_prefetch=True
+    ),
     "tma-4x48k-lag2": GatherConfig("tma", 128, 48 * 1024, stages=4, store_lag=2),
-    "tma-8x24k-lag2": GatherConfig("tma", 128, 24 * 1024, stages=8, store_lag=2),
-    "tma-8x24k-lag4": GatherConfig("tma", 128, 24 * 1024, stages=8, store_lag=4),
-    "tma-6x32k-lag2": GatherConfig("tma", 128, 32 * 1024, stages=6, store_lag=2),
-    "tma-4x24k-lag2": GatherConfig("tma", 128, 24 * 1024, stages=4, store_lag=2),
-    "tma-12x16k-lag4": GatherConfig("tma", 128, 16 * 1024, stages=12, store_lag=4),
+    "tma-4x48k-lag2-ef": GatherConfig(
+        "tma", 128, 48 * 1024, stages=4, store_lag=2, evict_first=True
+    ),
+    "tma-4x48k-lag1-ef": GatherConfig("tma", 128, 48 * 1024, stages=4, evict_first=True),
+    "tma-3x64k-lag1-ef": GatherConfig("tma", 128, 64 * 1024, stages=3, evict_first=True),
+    "tma-4x24k-lag2-ef": GatherConfig(
+        "tma", 128, 24 * 1024, stages=4, store_lag=2, evict_first=True
+    ),
+    "tma-2x96k-lag1-ef": GatherConfig("tma", 128, 96 * 1024, stages=2, evict_first=True),
 }
 
 
@@ -96,7 +107,11 @@ def sweep(out: Path, total: int = 1 << 30, n_src: int = 8) -> None:
     stream = torch.cuda.current_stream().cuda_stream
     res: dict[str, dict[int, float]] = {}
     for name, cfg in SWEEP.items():
-        mod = load(cfg, arch)
+        try:
+            mod = load(cfg, arch)
+        except Exception as e:
+            print(f"{name}: {e}")
+            continue
         packed = pack_table(entries, chunk_bytes=cfg.chunk_bytes)
         table = torch.frombuffer(bytearray(packed.data), dtype=torch.uint8).cuda()
         per_sm = mod.max_blocks_per_sm()
@@ -170,8 +185,10 @@ def main() -> None:
         "register": load(GatherConfig.default("register"), arch),
         "tma": load(GatherConfig.default("tma"), arch),
         # Alternative shapes, to see what the defaults leave on the table.
-        "register-1024x8": load(GatherConfig("register", 1024, 1024 * 16 * 8, unroll=8), arch),
-        "tma-3x64k": load(GatherConfig("tma", 128, 64 * 1024, stages=3), arch),
+        "register-1024x4": load(
+            GatherConfig("register", 1024, 1024 * 16 * 4, unroll=4, store_cs=True), arch
+        ),
+        "tma-2x96k": load(GatherConfig("tma", 128, 96 * 1024, stages=2), arch),
     }
     stream = torch.cuda.current_stream()
     cstream = backend.current_stream()
@@ -207,7 +224,7 @@ def main() -> None:
             )
             entries = [GatherEntry(s.data_ptr(), i * per, per) for i, s in enumerate(srcs)]
             for name, mod in variants.items():
-                if name.endswith(("x8", "64k")) and total != 1024 * MIB:
+                if name.endswith(("x4", "96k")) and total != 1024 * MIB:
                     continue
                 packed = pack_table(entries, chunk_bytes=mod.config.chunk_bytes)
                 table = torch.frombuffer(bytearray(packed.data), dtype=torch.uint8).cuda()

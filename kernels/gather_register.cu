@@ -17,12 +17,22 @@
 #include "gather_common.cuh"
 
 // Sources are read-only during a gather: the non-coherent path, and no L1 allocation
-// since every byte is read once.
+// since every byte is read once. DWDP_L2_PREFETCH=1 adds the L2::256B prefetch hint
+// (DRAM is read in whole 256-byte sectors groups).
+#ifndef DWDP_L2_PREFETCH
+#define DWDP_L2_PREFETCH 0
+#endif
 __device__ __forceinline__ int4 dwdp_load16(const int4* p) {
     int4 v;
+#if DWDP_L2_PREFETCH
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+#else
     asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
+#endif
     return v;
 }
 

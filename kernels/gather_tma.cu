@@ -28,6 +28,11 @@
 #if DWDP_STORE_LAG < 1 || DWDP_STORE_LAG >= DWDP_STAGES
 #error "DWDP_STORE_LAG must be in [1, DWDP_STAGES - 1]"
 #endif
+// DWDP_EVICT_FIRST=1: bulk loads and stores carry an L2 evict-first cache policy (each
+// byte is touched once).
+#ifndef DWDP_EVICT_FIRST
+#define DWDP_EVICT_FIRST 0
+#endif
 #define DWDP_STR2(x) #x
 #define DWDP_STR(x) DWDP_STR2(x)
 
@@ -53,19 +58,40 @@ __device__ __forceinline__ bool dwdp_bar_try_wait(u32 bar, u32 parity) {
     return ok != 0;
 }
 
-__device__ __forceinline__ void dwdp_load_tile(u32 stage, u32 bar, const void* src, u32 len) {
+__device__ __forceinline__ u64 dwdp_evict_first_policy() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+__device__ __forceinline__ void dwdp_load_tile(u32 stage, u32 bar, const void* src, u32 len,
+                                               u64 policy) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(len)
                  : "memory");
+#if DWDP_EVICT_FIRST
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1], %2, [%3], %4;"
+        ::"r"(stage), "l"(src), "r"(len), "r"(bar), "l"(policy)
+        : "memory");
+#else
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
         ::"r"(stage), "l"(src), "r"(len), "r"(bar)
         : "memory");
+#endif
 }
 
-__device__ __forceinline__ void dwdp_store_tile(void* dst, u32 stage, u32 len) {
+__device__ __forceinline__ void dwdp_store_tile(void* dst, u32 stage, u32 len, u64 policy) {
+#if DWDP_EVICT_FIRST
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;"
+                 ::"l"(dst), "r"(stage), "r"(len), "l"(policy)
+                 : "memory");
+#else
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
                  "r"(stage), "r"(len)
                  : "memory");
+#endif
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
@@ -115,6 +141,7 @@ dwdp_gather_tma(const GatherDesc* __restrict__ table, int n_desc, u64 total_chun
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const u64 policy = DWDP_EVICT_FIRST ? dwdp_evict_first_policy() : 0ull;
 
     unsigned char* stage_dst[DWDP_STAGES];
     u32 stage_len[DWDP_STAGES];
@@ -126,7 +153,7 @@ dwdp_gather_tma(const GatherDesc* __restrict__ table, int n_desc, u64 total_chun
     while (issued < DWDP_STAGES &&
            dwdp_next_tile(table, n_desc, total_chunks, dst_base, cur, k)) {
         const u32 s = issued % DWDP_STAGES;
-        dwdp_load_tile(stage0 + s * DWDP_CHUNK, bar0 + 8 * s, k.src, (u32)k.vec_len);
+        dwdp_load_tile(stage0 + s * DWDP_CHUNK, bar0 + 8 * s, k.src, (u32)k.vec_len, policy);
         stage_dst[s] = k.dst;
         stage_len[s] = (u32)k.vec_len;
         ++issued;
@@ -136,7 +163,7 @@ dwdp_gather_tma(const GatherDesc* __restrict__ table, int n_desc, u64 total_chun
         while (!dwdp_bar_try_wait(bar0 + 8 * s, (done / DWDP_STAGES) & 1u)) {
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        dwdp_store_tile(stage_dst[s], stage0 + s * DWDP_CHUNK, stage_len[s]);
+        dwdp_store_tile(stage_dst[s], stage0 + s * DWDP_CHUNK, stage_len[s], policy);
         // The stage of tile done - LAG is free once its store has read it (at most LAG
         // newer stores pending); load the next tile there (its index, issued, has that
         // stage: issued == done - LAG + STAGES).
@@ -144,7 +171,7 @@ dwdp_gather_tma(const GatherDesc* __restrict__ table, int n_desc, u64 total_chun
             dwdp_next_tile(table, n_desc, total_chunks, dst_base, cur, k)) {
             const u32 p = (done - DWDP_STORE_LAG) % DWDP_STAGES;
             asm volatile("cp.async.bulk.wait_group.read " DWDP_STR(DWDP_STORE_LAG) ";" ::: "memory");
-            dwdp_load_tile(stage0 + p * DWDP_CHUNK, bar0 + 8 * p, k.src, (u32)k.vec_len);
+            dwdp_load_tile(stage0 + p * DWDP_CHUNK, bar0 + 8 * p, k.src, (u32)k.vec_len, policy);
             stage_dst[p] = k.dst;
             stage_len[p] = (u32)k.vec_len;
             ++issued;

@@ -49,14 +49,19 @@ class GatherConfig:
     stages: int = 0
     store_cs: bool = False
     store_lag: int = 1
+    l2_prefetch: bool = False
+    evict_first: bool = False
 
     @classmethod
     def default(cls, variant: str) -> GatherConfig:
         """The shipped configuration of ``variant`` ("register" or "tma")."""
+        # Chosen by bench/gather.py --sweep on H200 (bench/results/gather-sweep*.txt): the
+        # register shape with streaming stores reads fastest with every SM; the TMA shape
+        # with two stores in flight holds up best at half the SMs.
         if variant == "register":
-            return cls("register", threads=512, chunk_bytes=512 * 16 * 8, unroll=8)
+            return cls("register", threads=512, chunk_bytes=512 * 16 * 8, unroll=8, store_cs=True)
         if variant == "tma":
-            return cls("tma", threads=128, chunk_bytes=48 * 1024, stages=4)
+            return cls("tma", threads=128, chunk_bytes=48 * 1024, stages=4, store_lag=2)
         raise KernelError(f"unknown gather kernel {variant!r}; expected one of {VARIANTS}")
 
     @property
@@ -80,9 +85,11 @@ class GatherConfig:
         if self.variant == "register":
             out["DWDP_UNROLL"] = self.unroll
             out["DWDP_STORE_CS"] = int(self.store_cs)
+            out["DWDP_L2_PREFETCH"] = int(self.l2_prefetch)
         else:
             out["DWDP_STAGES"] = self.stages
             out["DWDP_STORE_LAG"] = self.store_lag
+            out["DWDP_EVICT_FIRST"] = int(self.evict_first)
         return out
 
     def validate(self) -> None:
@@ -94,8 +101,8 @@ class GatherConfig:
         if not 32 <= self.threads <= 1024 or self.threads % 32:
             raise KernelError(f"threads={self.threads} must be a multiple of 32 in [32, 1024]")
         if self.variant == "tma":
-            if not 2 <= self.stages <= 8:
-                raise KernelError(f"stages={self.stages} must be in [2, 8]")
+            if not 2 <= self.stages <= 16:
+                raise KernelError(f"stages={self.stages} must be in [2, 16]")
             if not 1 <= self.store_lag < self.stages:
                 raise KernelError(f"store_lag={self.store_lag} must be in [1, stages - 1]")
             if self.chunk_bytes >= 1 << 20:

@@ -103,6 +103,8 @@ def test_default_configs_are_valid_and_differ():
         GatherConfig("register", threads=512, chunk_bytes=4096, unroll=0),
         GatherConfig("tma", threads=128, chunk_bytes=1 << 20, stages=2),
         GatherConfig("tma", threads=128, chunk_bytes=4096, stages=1),
+        GatherConfig("tma", threads=128, chunk_bytes=4096, stages=17),
+        GatherConfig("tma", threads=128, chunk_bytes=4096, stages=4, store_lag=4),
     ],
 )
 def test_bad_configs_refused(bad):
