@@ -1,0 +1,445 @@
+"""Pure constructors of the children of a DwdpDeployment (plain dicts, ready to apply).
+
+Each builder takes the validated spec and the owner and returns one Kubernetes object with
+the owner reference, the labels of :mod:`dwdp.operator.constants` and the
+``dwdp.io/applied-hash`` annotation (a hash of the rest of the object, so the operator can
+tell without a write whether the object in the cluster is the one it wants). Invariant: the
+builders never read the cluster and never look at the clock.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from dwdp.api.deployment import API_VERSION, KIND, DwdpDeploymentSpec, launch_config_for
+from dwdp.api.enums import Role
+from dwdp.api.launch import validate_launch
+from dwdp.operator import constants as c
+from dwdp.operator import naming
+from dwdp.operator.revision import revision_of, stable_hash
+
+__all__ = [
+    "Owner",
+    "RoleShape",
+    "client_service",
+    "config_map",
+    "endpoint_slices",
+    "headless_service",
+    "launch_config_text",
+    "role_shapes",
+    "role_template",
+    "worker_pod",
+]
+
+READINESS_PERIOD_S = 2
+"""Seconds between readiness probes of a rank's ``/ready``."""
+DEFAULT_GRACE_S = 30
+"""Pod termination grace period when the spec sets no graceful-shutdown bound, in seconds."""
+GRACE_MARGIN_S = 10
+"""Seconds added to ``gracefulShutdownTimeoutSeconds`` for the pod's grace period."""
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The DwdpDeployment that owns the children (name, namespace, uid)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: Any) -> Owner:
+        """Read the owner from a DwdpDeployment object (mapping with ``metadata``)."""
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+    def reference(self) -> dict[str, Any]:
+        """The ownerReference every child carries (controller, blocks owner deletion)."""
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RoleShape:
+    """How one role's groups look: counts in groups, pods and ranks."""
+
+    role: Role
+    replicas: int
+    """Desired groups (context) or servers (generation)."""
+    ranks_per_pod: int
+    world_size: int
+    """Ranks of one group (context: dwdpSize x instance size; generation: instance size)."""
+
+    @property
+    def pods_per_group(self) -> int:
+        """Pods of one group incarnation."""
+        return self.world_size // self.ranks_per_pod
+
+    @property
+    def config_key(self) -> str:
+        """Key of this role's launch config in its ConfigMap."""
+        return c.CONFIG_KEY_CONTEXT if self.role is Role.CONTEXT else c.CONFIG_KEY_GENERATION
+
+
+def role_shapes(spec: DwdpDeploymentSpec) -> dict[Role, RoleShape]:
+    """The shape of every role the spec runs (generation only when it has a section)."""
+    ctx = spec.context
+    shapes = {
+        Role.CONTEXT: RoleShape(Role.CONTEXT, ctx.replicas, ctx.ranks_per_pod, ctx.ranks_per_group)
+    }
+    gen = spec.generation
+    if gen is not None:
+        shapes[Role.GENERATION] = RoleShape(
+            Role.GENERATION, gen.replicas, gen.ranks_per_pod, gen.parallel.instance_size
+        )
+    return shapes
+
+
+def _labels(owner: Owner, component: c.Component, role: Role | None = None) -> dict[str, str]:
+    labels = {
+        c.LABEL_DEPLOYMENT: owner.name,
+        c.LABEL_COMPONENT: component.value,
+        c.LABEL_MANAGED_BY: c.MANAGED_BY,
+    }
+    if role is not None:
+        labels[c.LABEL_ROLE] = role.value
+    return labels
+
+
+def _finish(obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
+    """Add namespace, owner reference and the applied-hash annotation (hash of the rest)."""
+    meta = obj["metadata"]
+    meta["namespace"] = owner.namespace
+    meta["ownerReferences"] = [owner.reference()]
+    meta.setdefault("annotations", {})[c.ANNOTATION_APPLIED_HASH] = stable_hash(obj)
+    return obj
+
+
+def applied_hash(obj: dict[str, Any]) -> str | None:
+    """The ``dwdp.io/applied-hash`` annotation of an object (None when absent)."""
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(c.ANNOTATION_APPLIED_HASH)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def launch_config_text(spec: DwdpDeploymentSpec, role: Role) -> str:
+    """The launch config YAML a worker of ``role`` reads (``DWDP_CONFIG``).
+
+    Raises:
+        dwdp.api.launch.LaunchError: when the launch breaks a rule of DESIGN.md 3.2 (the
+            same check the worker runs on its host).
+        ValueError: for the generation role without a generation section.
+    """
+    cfg = launch_config_for(spec, role)
+    validate_launch(cfg)
+    return yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=True)
+
+
+def config_map(spec: DwdpDeploymentSpec, owner: Owner, role: Role, revision: str) -> dict[str, Any]:
+    """The launch ConfigMap of ``role`` at ``revision`` (immutable: a new revision gets a
+    new ConfigMap, so a live group never sees a changed config)."""
+    shape = role_shapes(spec)[role]
+    labels = _labels(owner, c.Component.CONFIG, role)
+    labels[c.LABEL_REVISION] = revision
+    return _finish(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": naming.config_map(owner.name, role, revision), "labels": labels},
+            "immutable": True,
+            "data": {shape.config_key: launch_config_text(spec, role)},
+        },
+        owner,
+    )
+
+
+# ----------------------------------------------------------------------------- services
+
+
+def headless_service(spec: DwdpDeploymentSpec, owner: Owner, role: Role) -> dict[str, Any]:
+    """The headless Service of ``role``: DNS names for its pods, ready or not (the
+    rendezvous happens before any rank is ready)."""
+    shape = role_shapes(spec)[role]
+    ports = [{"name": "rendezvous", "port": spec.rendezvous.port, "protocol": "TCP"}]
+    ports += [
+        {"name": f"rank-{k}", "port": spec.server.port + k, "protocol": "TCP"}
+        for k in range(shape.ranks_per_pod)
+    ]
+    return _finish(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": naming.headless_service(owner.name, role),
+                "labels": _labels(owner, c.Component.SERVICE, role),
+            },
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": {c.LABEL_DEPLOYMENT: owner.name, c.LABEL_ROLE: role.value},
+                "ports": ports,
+            },
+        },
+        owner,
+    )
+
+
+def client_service(spec: DwdpDeploymentSpec, owner: Owner) -> dict[str, Any]:
+    """The client Service: no selector; the operator writes its EndpointSlices (one per
+    local-rank port) with the committed context groups only."""
+    k = spec.context.ranks_per_pod
+    return _finish(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": naming.client_service(owner.name),
+                "labels": _labels(owner, c.Component.SERVICE, Role.CONTEXT),
+            },
+            "spec": {
+                "type": "ClusterIP",
+                "ports": [
+                    {
+                        "name": f"rank-{r}",
+                        "port": spec.server.port + r,
+                        "targetPort": spec.server.port + r,
+                        "protocol": "TCP",
+                    }
+                    for r in range(k)
+                ],
+            },
+        },
+        owner,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One serving pod in an EndpointSlice."""
+
+    pod: str
+    ip: str
+
+
+def endpoint_slices(
+    spec: DwdpDeploymentSpec, owner: Owner, endpoints: list[Endpoint]
+) -> list[dict[str, Any]]:
+    """The client Service's EndpointSlices: slice k lists every pod in ``endpoints`` on
+    port ``server.port + k`` (sorted by pod name, so equal inputs give equal objects)."""
+    slices = []
+    for k in range(spec.context.ranks_per_pod):
+        labels = _labels(owner, c.Component.ENDPOINTS, Role.CONTEXT)
+        labels[c.LABEL_SERVICE_NAME] = naming.client_service(owner.name)
+        labels[c.LABEL_SLICE_MANAGED_BY] = c.SLICE_MANAGED_BY
+        slices.append(
+            _finish(
+                {
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {"name": naming.endpoint_slice(owner.name, k), "labels": labels},
+                    "addressType": "IPv4",
+                    "ports": [
+                        {"name": f"rank-{k}", "port": spec.server.port + k, "protocol": "TCP"}
+                    ],
+                    "endpoints": [
+                        {
+                            "addresses": [e.ip],
+                            "conditions": {"ready": True, "serving": True, "terminating": False},
+                            "targetRef": {
+                                "kind": "Pod",
+                                "name": e.pod,
+                                "namespace": owner.namespace,
+                            },
+                        }
+                        for e in sorted(endpoints, key=lambda e: e.pod)
+                    ],
+                },
+                owner,
+            )
+        )
+    return slices
+
+
+# ----------------------------------------------------------------------------- pods
+
+
+def _grace_seconds(spec: DwdpDeploymentSpec) -> int:
+    bound = spec.graceful_shutdown_timeout_seconds
+    return DEFAULT_GRACE_S if bound is None else bound + GRACE_MARGIN_S
+
+
+def role_template(
+    spec: DwdpDeploymentSpec, role: Role, *, command: tuple[str, ...] = c.DEFAULT_WORKER_COMMAND
+) -> dict[str, Any]:
+    """Everything that reaches every pod of ``role`` (the revision's input, see
+    :mod:`dwdp.operator.revision`): container, volumes, placement, ports, rendezvous
+    timeout and the launch config text. Group, incarnation and pod index are not in it."""
+    shape = role_shapes(spec)[role]
+    resources = (spec.resources.to_yaml_dict() if spec.resources else {}) or {}
+    resources = copy.deepcopy(resources)
+    gpus = shape.ranks_per_pod
+    resources.setdefault("limits", {})[c.GPU_RESOURCE] = gpus
+    resources.setdefault("requests", {})[c.GPU_RESOURCE] = gpus
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    model = spec.model
+    if model.pvc_name is not None:
+        volumes.append(
+            {
+                "name": c.MODEL_VOLUME,
+                "persistentVolumeClaim": {"claimName": model.pvc_name, "readOnly": True},
+            }
+        )
+    elif model.host_path is not None:
+        volumes.append(
+            {"name": c.MODEL_VOLUME, "hostPath": {"path": model.host_path, "type": "Directory"}}
+        )
+    if volumes:
+        mounts.append({"name": c.MODEL_VOLUME, "mountPath": model.mount_path, "readOnly": True})
+    return {
+        "role": role.value,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(command),
+        "env": [e.to_yaml_dict() for e in spec.env or ()],
+        "resources": resources,
+        "nodeSelector": dict(spec.node_selector or {}),
+        "tolerations": [t.to_yaml_dict() for t in spec.tolerations or ()],
+        "volumes": volumes,
+        "volumeMounts": mounts,
+        "serverPort": spec.server.port,
+        "rendezvousPort": spec.rendezvous.port,
+        "rendezvousTimeoutSeconds": spec.rendezvous.timeout_seconds,
+        "ranksPerPod": shape.ranks_per_pod,
+        "worldSize": shape.world_size,
+        "terminationGracePeriodSeconds": _grace_seconds(spec),
+        "launchConfig": launch_config_text(spec, role),
+    }
+
+
+def revisions(
+    spec: DwdpDeploymentSpec, *, command: tuple[str, ...] = c.DEFAULT_WORKER_COMMAND
+) -> dict[Role, str]:
+    """The current revision of every role of ``spec``."""
+    return {
+        role: revision_of(role_template(spec, role, command=command)) for role in role_shapes(spec)
+    }
+
+
+def worker_pod(
+    spec: DwdpDeploymentSpec,
+    owner: Owner,
+    *,
+    role: Role,
+    group_index: int,
+    incarnation: int,
+    pod_index: int,
+    revision: str,
+    command: tuple[str, ...] = c.DEFAULT_WORKER_COMMAND,
+) -> dict[str, Any]:
+    """Pod ``pod_index`` of incarnation ``incarnation`` of group ``group_index`` of
+    ``role``: ranks ``pod_index * ranksPerPod`` onwards, the rendezvous environment of
+    DESIGN.md 4, one GPU per rank, restartPolicy Never, the commit-gate readiness gate."""
+    t = role_template(spec, role, command=command)
+    shape = role_shapes(spec)[role]
+    group = naming.group_name(owner.name, role, group_index)
+    name = naming.pod_name(group, incarnation, pod_index)
+    labels = _labels(owner, c.Component.WORKER, role)
+    labels.update(
+        {
+            c.LABEL_GROUP: group,
+            c.LABEL_GROUP_INDEX: str(group_index),
+            c.LABEL_POD_INDEX: str(pod_index),
+            c.LABEL_REVISION: revision,
+            c.LABEL_INCARNATION: str(incarnation),
+        }
+    )
+    rendezvous = naming.rendezvous_address(
+        group=group,
+        incarnation=incarnation,
+        deployment=owner.name,
+        role=role,
+        namespace=owner.namespace,
+        port=spec.rendezvous.port,
+    )
+    env = [
+        {"name": c.ENV_GROUP, "value": group},
+        {"name": c.ENV_INCARNATION, "value": str(incarnation)},
+        {"name": c.ENV_RANK, "value": str(pod_index * shape.ranks_per_pod)},
+        {"name": c.ENV_WORLD_SIZE, "value": str(shape.world_size)},
+        {"name": c.ENV_LOCAL_WORLD_SIZE, "value": str(shape.ranks_per_pod)},
+        {"name": c.ENV_RENDEZVOUS, "value": rendezvous},
+        {"name": c.ENV_RENDEZVOUS_TIMEOUT_S, "value": str(spec.rendezvous.timeout_seconds)},
+        {"name": c.ENV_ROLE, "value": role.value},
+        {"name": c.ENV_REVISION, "value": revision},
+        {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_DIR}/{shape.config_key}"},
+        {"name": c.ENV_PORT, "value": str(spec.server.port)},
+        {"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *t["env"],
+    ]
+    ports = [
+        {"name": f"rank-{k}", "containerPort": spec.server.port + k, "protocol": "TCP"}
+        for k in range(shape.ranks_per_pod)
+    ]
+    if pod_index == 0:
+        ports.append(
+            {"name": "rendezvous", "containerPort": spec.rendezvous.port, "protocol": "TCP"}
+        )
+    container = {
+        "name": c.WORKER_CONTAINER,
+        "image": t["image"],
+        "imagePullPolicy": t["imagePullPolicy"],
+        "command": t["command"],
+        "env": env,
+        "ports": ports,
+        "resources": t["resources"],
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": spec.server.port},
+            "periodSeconds": READINESS_PERIOD_S,
+            "failureThreshold": 3,
+        },
+        "terminationMessagePath": c.TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": c.CONFIG_VOLUME, "mountPath": c.CONFIG_DIR, "readOnly": True},
+            *t["volumeMounts"],
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "hostname": name,
+        "subdomain": naming.headless_service(owner.name, role),
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": t["terminationGracePeriodSeconds"],
+        "readinessGates": [{"conditionType": c.GATE_CONDITION}],
+        "containers": [container],
+        "volumes": [
+            {
+                "name": c.CONFIG_VOLUME,
+                "configMap": {"name": naming.config_map(owner.name, role, revision)},
+            },
+            *t["volumes"],
+        ],
+    }
+    if t["nodeSelector"]:
+        pod_spec["nodeSelector"] = t["nodeSelector"]
+    if t["tolerations"]:
+        pod_spec["tolerations"] = t["tolerations"]
+    return _finish(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": labels},
+            "spec": pod_spec,
+        },
+        owner,
+    )

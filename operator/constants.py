@@ -1,0 +1,156 @@
+"""Every name the operator writes into the cluster: label and annotation keys, condition
+types and reasons, event reasons, environment variable names, the field manager.
+
+The invariant: no other module spells one of these strings; they import them from here, so
+a key is renamed in one place and tests compare against the same constant.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from dwdp.api.deployment import GROUP, PLURAL, VERSION
+
+API_GROUP = GROUP
+"""API group of DwdpDeployment (``dwdp.io``)."""
+API_VERSION = VERSION
+"""Served version of DwdpDeployment (``v1alpha1``)."""
+RESOURCE_PLURAL = PLURAL
+"""Plural resource name of DwdpDeployment (``dwdpdeployments``)."""
+
+FIELD_MANAGER = "dwdp-operator"
+"""Field manager of every server-side apply the operator sends (never changes: a new name
+would leave the old manager owning the fields)."""
+
+FINALIZER = "dwdp.io/finalizer"
+"""kopf's finalizer name; the operator's handlers never need one (children are garbage-
+collected through owner references), so no DwdpDeployment ever carries it in practice."""
+KOPF_PREFIX = "dwdp.io"
+"""Prefix of kopf's own annotations (diff base), instead of kopf.zalando.org."""
+KOPF_PROGRESS_FIELD = "status.kopf"
+"""Where kopf keeps handler progress (status keeps unknown fields; the CRD says so)."""
+
+# ----------------------------------------------------------------------------- labels
+LABEL_DEPLOYMENT = "dwdp.io/deployment"
+"""Name of the owning DwdpDeployment; on every child."""
+LABEL_ROLE = "dwdp.io/role"
+"""``context`` or ``generation``; on every child that belongs to one role."""
+LABEL_GROUP = "dwdp.io/group"
+"""Name of the DWDP group (context) or server (generation) a pod belongs to."""
+LABEL_GROUP_INDEX = "dwdp.io/group-index"
+"""Index of the group within its role (0, 1, ...), as decimal text."""
+LABEL_POD_INDEX = "dwdp.io/pod-index"
+"""Index of the pod within its group incarnation (0 is the rendezvous host)."""
+LABEL_REVISION = "dwdp.io/revision"
+"""Revision hash of what reaches the pod (see :mod:`dwdp.operator.revision`)."""
+LABEL_INCARNATION = "dwdp.io/incarnation"
+"""Incarnation of the group (0, 1, ...); a restarted group gets the next one."""
+LABEL_COMPONENT = "app.kubernetes.io/component"
+"""Which kind of child: ``worker``, ``config``, ``service``, ``endpoints``."""
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+"""Always :data:`MANAGED_BY` on every child."""
+MANAGED_BY = "dwdp-operator"
+
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+"""The EndpointSlice label that ties a slice to its Service."""
+LABEL_SLICE_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+"""Which controller owns an EndpointSlice (the endpoint-slice controller skips others)."""
+SLICE_MANAGED_BY = "dwdp.io/operator"
+
+# ----------------------------------------------------------------------------- annotations
+ANNOTATION_APPLIED_HASH = "dwdp.io/applied-hash"
+"""Hash of the object as the operator last applied it; equal hash: no write."""
+
+# ----------------------------------------------------------------------------- pods
+GATE_CONDITION = "dwdp.io/group-ready"
+"""Pod readiness gate: True when every rank of the incarnation committed with one revision
+and one layout digest (the commit gate)."""
+GPU_RESOURCE = "nvidia.com/gpu"
+"""Extended resource requested per pod: one per rank."""
+WORKER_CONTAINER = "worker"
+"""Name of the one container of a worker pod."""
+CONFIG_VOLUME = "launch-config"
+CONFIG_DIR = "/etc/dwdp"
+CONFIG_KEY_CONTEXT = "context.yaml"
+CONFIG_KEY_GENERATION = "generation.yaml"
+MODEL_VOLUME = "model"
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+DEFAULT_WORKER_COMMAND = ("dwdp", "launch", "--host", "$(DWDP_POD_IP)")
+"""Container command of a worker pod (``dwdp launch`` binds the pod's own address)."""
+
+# ----------------------------------------------------------------------------- environment
+ENV_GROUP = "DWDP_GROUP"
+ENV_INCARNATION = "DWDP_INCARNATION"
+ENV_RANK = "DWDP_RANK"
+"""Rank of the pod's first local rank (pod index x ranks per pod)."""
+ENV_WORLD_SIZE = "DWDP_WORLD_SIZE"
+ENV_LOCAL_WORLD_SIZE = "DWDP_LOCAL_WORLD_SIZE"
+"""Ranks in this pod (``dwdp launch`` starts one process per local rank)."""
+ENV_RENDEZVOUS = "DWDP_RENDEZVOUS"
+"""``host:port`` of the store on the group's pod 0 (headless DNS name)."""
+ENV_RENDEZVOUS_TIMEOUT_S = "DWDP_RENDEZVOUS_TIMEOUT_S"
+ENV_ROLE = "DWDP_ROLE"
+ENV_REVISION = "DWDP_REVISION"
+ENV_CONFIG = "DWDP_CONFIG"
+ENV_POD_IP = "DWDP_POD_IP"
+"""The pod's address (downward API ``status.podIP``); the servers bind it."""
+ENV_PORT = "DWDP_PORT"
+"""HTTP port of local rank 0; local rank k serves DWDP_PORT + k."""
+
+# ----------------------------------------------------------------------------- conditions
+COND_READY = "Ready"
+COND_PROGRESSING = "Progressing"
+COND_DEGRADED = "Degraded"
+COND_INVALID = "Invalid"
+
+
+class Reason(enum.StrEnum):
+    """Reasons of conditions and Events (CamelCase, as Kubernetes writes them)."""
+
+    ALL_GROUPS_SERVING = "AllGroupsServing"
+    GROUPS_NOT_READY = "GroupsNotReady"
+    GROUPS_STARTING = "GroupsStarting"
+    SCALING = "Scaling"
+    STABLE = "Stable"
+    GROUP_FAILED = "GroupFailed"
+    HEALTHY = "Healthy"
+    INVALID_SPEC = "InvalidSpec"
+    VALID_SPEC = "ValidSpec"
+    # Events only
+    CREATED_GROUP = "CreatedGroup"
+    DELETED_GROUP = "DeletedGroup"
+    GROUP_COMMITTED = "GroupCommitted"
+    GATE_OPENED = "GateOpened"
+    GATE_CLOSED = "GateClosed"
+    APPLIED = "Applied"
+    APPLY_FAILED = "ApplyFailed"
+
+
+class GroupPhase(enum.StrEnum):
+    """Phase of one group incarnation, as ``status.groups[].phase`` shows it."""
+
+    PENDING = "Pending"
+    """Not every pod exists yet, or a pod's containers have not started."""
+    SCHEDULING = "Scheduling"
+    """Some pod is not bound to a node yet."""
+    RENDEZVOUS = "Rendezvous"
+    """Every pod runs; ranks are meeting (or have not reported yet)."""
+    SETTING_UP = "SettingUp"
+    """Ranks report model load or DWDP setup, not all committed."""
+    SERVING = "Serving"
+    """Every rank committed with one revision and layout digest; the gate is open."""
+    FAILED = "Failed"
+    """A pod or rank of the incarnation failed."""
+    RESTARTING = "Restarting"
+    """The failed incarnation is being replaced by the next one."""
+    DRAINING = "Draining"
+    """Removed from traffic and being deleted (scale-down or rollout)."""
+
+
+class Component(enum.StrEnum):
+    """Values of :data:`LABEL_COMPONENT`."""
+
+    WORKER = "worker"
+    CONFIG = "config"
+    SERVICE = "service"
+    ENDPOINTS = "endpoints"

@@ -1,0 +1,214 @@
+"""What the operator saw, summarized: pods by group incarnation, ranks' reports, children.
+
+The gather step (:mod:`dwdp.operator.reconcile`) lists the children and asks the ranks for
+``/dwdp/status``; the pure functions here turn those raw answers into immutable summaries
+that :func:`dwdp.operator.plan.plan` reads. Invariant: nothing here does I/O, and a
+summary never holds a reference to a mutable API object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dwdp.api.enums import Role
+from dwdp.operator import constants as c
+from dwdp.operator.builders import applied_hash
+
+__all__ = [
+    "ChildKey",
+    "Observed",
+    "ObservedPod",
+    "RankReport",
+    "pod_from_object",
+    "rank_report_from_json",
+]
+
+COMMITTED_PHASES = frozenset({"committed", "disabled", "serving"})
+"""Rank phases (``/dwdp/status``) that count as committed (``disabled``: a rank without
+DWDP commits trivially)."""
+RENDEZVOUS_PHASES = frozenset({"rendezvous", "starting", "init"})
+"""Rank phases that mean the ranks are still meeting."""
+FAILED_PHASES = frozenset({"failed", "aborted", "error"})
+"""Rank phases that mean the rank's setup failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """One rank's answer to ``GET /dwdp/status`` (the fields the operator reads)."""
+
+    rank: int | None
+    phase: str
+    revision: str | None = None
+    incarnation: int | None = None
+    layout_digest: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        """The rank's DWDP setup committed (or it has none)."""
+        return self.phase in COMMITTED_PHASES
+
+    @property
+    def failed(self) -> bool:
+        """The rank reports a failed setup."""
+        return self.phase in FAILED_PHASES
+
+
+def rank_report_from_json(data: Any) -> RankReport | None:
+    """Read a ``/dwdp/status`` body; None when it is not a mapping with a string phase."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("phase"), str):
+        return None
+    inc = data.get("incarnation")
+    rank = data.get("rank")
+    digest = data.get("layout_digest", data.get("layoutDigest"))
+    return RankReport(
+        rank=rank if isinstance(rank, int) else None,
+        phase=data["phase"],
+        revision=data.get("revision") if isinstance(data.get("revision"), str) else None,
+        incarnation=int(inc) if isinstance(inc, int | str) and str(inc).isdigit() else None,
+        layout_digest=digest if isinstance(digest, str) else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedPod:
+    """One worker pod as listed, reduced to what the plan reads."""
+
+    name: str
+    role: Role
+    group_index: int
+    incarnation: int
+    pod_index: int
+    revision: str
+    phase: str
+    """The pod's ``status.phase`` (Pending, Running, Succeeded, Failed, Unknown)."""
+    scheduled: bool
+    started: bool
+    """Every container has started at least once (running or terminated)."""
+    deleting: bool
+    ip: str | None
+    gate: bool
+    """The ``dwdp.io/group-ready`` condition is True."""
+    ready: bool
+    """The pod's Ready condition is True."""
+    ranks: int
+    """Ranks this pod runs (its ``rank-k`` container ports)."""
+    termination_message: str | None = None
+    exit_code: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        """The pod ended (with restartPolicy Never, any end is a failure of the group)."""
+        return self.phase in ("Failed", "Succeeded")
+
+    @property
+    def live(self) -> bool:
+        """The pod counts for its group: not being deleted."""
+        return not self.deleting
+
+
+def _condition(status: Mapping[str, Any], kind: str) -> bool:
+    return any(
+        cond.get("type") == kind and cond.get("status") == "True"
+        for cond in status.get("conditions") or ()
+    )
+
+
+def pod_from_object(obj: Mapping[str, Any]) -> ObservedPod | None:
+    """Summarize a worker pod object; None when its labels are not the operator's."""
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    try:
+        role = Role(labels[c.LABEL_ROLE])
+        group_index = int(labels[c.LABEL_GROUP_INDEX])
+        incarnation = int(labels[c.LABEL_INCARNATION])
+        pod_index = int(labels[c.LABEL_POD_INDEX])
+        revision = labels[c.LABEL_REVISION]
+    except (KeyError, ValueError):
+        return None
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    containers = spec.get("containers") or []
+    ranks = sum(
+        1
+        for ctr in containers[:1]
+        for port in ctr.get("ports") or ()
+        if str(port.get("name", "")).startswith("rank-")
+    )
+    cstats = status.get("containerStatuses") or []
+    started = bool(cstats) and all(
+        "running" in (cs.get("state") or {})
+        or "terminated" in (cs.get("state") or {})
+        or "terminated" in (cs.get("lastState") or {})
+        for cs in cstats
+    )
+    message, code = None, None
+    for cs in cstats:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            message = (term.get("message") or "").strip() or None
+            code = term.get("exitCode")
+            break
+    return ObservedPod(
+        name=meta["name"],
+        role=role,
+        group_index=group_index,
+        incarnation=incarnation,
+        pod_index=pod_index,
+        revision=revision,
+        phase=status.get("phase") or "Pending",
+        scheduled=bool(spec.get("nodeName")),
+        started=started,
+        deleting=bool(meta.get("deletionTimestamp")),
+        ip=status.get("podIP") or None,
+        gate=_condition(status, c.GATE_CONDITION),
+        ready=_condition(status, "Ready"),
+        ranks=ranks or 1,
+        termination_message=message,
+        exit_code=code,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChildKey:
+    """Kind and name of a child other than a pod."""
+
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the plan reads about the cluster for one deployment.
+
+    ``children`` maps every non-pod child (ConfigMap, Service, EndpointSlice) to its
+    applied-hash annotation; ``ranks`` maps a pod name to its ranks' reports in local-rank
+    order (None for a rank that did not answer) and holds only the pods that were asked.
+    """
+
+    pods: tuple[ObservedPod, ...] = ()
+    children: Mapping[ChildKey, str | None] = field(default_factory=dict)
+    ranks: Mapping[str, tuple[RankReport | None, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def from_objects(
+        cls,
+        *,
+        pods: Iterable[Mapping[str, Any]],
+        children: Iterable[Mapping[str, Any]],
+        ranks: Mapping[str, tuple[RankReport | None, ...]] | None = None,
+    ) -> Observed:
+        """Build the summary from listed objects and the ranks' reports."""
+        summaries = tuple(
+            sorted(
+                (p for p in (pod_from_object(o) for o in pods) if p is not None),
+                key=lambda p: p.name,
+            )
+        )
+        kids = {ChildKey(o["kind"], o["metadata"]["name"]): applied_hash(o) for o in children}
+        return cls(pods=summaries, children=kids, ranks=dict(ranks or {}))
+
+    def group_pods(self, role: Role, index: int) -> list[ObservedPod]:
+        """Every pod of one group (all incarnations, deleting ones included)."""
+        return [p for p in self.pods if p.role is role and p.group_index == index]

@@ -1,0 +1,239 @@
+"""Group phases, conditions and the status block, computed from the observed summary.
+
+:func:`evaluate_group` reads one group incarnation (its pods and its ranks' reports) and
+says its phase and whether the commit gate may open; :func:`conditions` and
+:func:`deployment_phase` roll the groups up. Invariant: the same inputs give the same
+status, byte for byte (no clock inside; ``now`` is an argument and an unchanged condition
+keeps its old ``lastTransitionTime``), so a deployment at rest is never written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dwdp.api.deployment import DeploymentPhase
+from dwdp.operator import constants as c
+from dwdp.operator.constants import GroupPhase, Reason
+from dwdp.operator.observe import RENDEZVOUS_PHASES, ObservedPod, RankReport
+
+__all__ = [
+    "GroupView",
+    "carry_transition_times",
+    "conditions",
+    "deployment_phase",
+    "evaluate_group",
+    "failure_record",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """The verdict on one group incarnation."""
+
+    name: str
+    index: int
+    incarnation: int
+    revision: str
+    phase: GroupPhase
+    ranks_ready: int
+    ranks_total: int
+    layout_digest: str | None = None
+    committed: bool = False
+    """Every rank committed with one revision and layout digest: the gate may be open."""
+    failure: dict[str, Any] | None = None
+
+    def to_status(self, *, restarts: int = 0) -> dict[str, Any]:
+        """The ``status.groups[]`` entry (camelCase)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "revision": self.revision,
+            "incarnation": self.incarnation,
+            "phase": self.phase.value,
+            "ranksReady": self.ranks_ready,
+            "ranksTotal": self.ranks_total,
+            "restarts": restarts,
+        }
+        if self.layout_digest is not None:
+            out["layoutDigest"] = self.layout_digest
+        if self.failure is not None:
+            out["lastFailure"] = self.failure
+        return out
+
+
+def failure_record(pod: ObservedPod, reports: Sequence[RankReport | None]) -> dict[str, Any]:
+    """The ``lastFailure`` of a group whose pod ``pod`` failed: the phase a rank reported
+    last (else ``exit``) and the termination message (else the exit code)."""
+    phase = next((r.phase for r in reports if r is not None and r.failed), None)
+    message = pod.termination_message or (
+        f"pod {pod.name} exited with code {pod.exit_code}"
+        if pod.exit_code is not None
+        else f"pod {pod.name} is {pod.phase}"
+    )
+    if phase is None and pod.termination_message and ":" in pod.termination_message:
+        head = pod.termination_message.split(":", 1)[0].strip()
+        phase = head if head and " " not in head else None
+    return {"phase": phase or "exit", "message": f"{pod.name}: {message}", "reason": "PodFailed"}
+
+
+def _agree(reports: Sequence[RankReport], revision: str, incarnation: int) -> bool:
+    """All reports committed, for this revision and incarnation (where a rank says), with
+    one layout digest."""
+    if not all(r.committed for r in reports):
+        return False
+    if any(r.revision is not None and r.revision != revision for r in reports):
+        return False
+    if any(r.incarnation is not None and r.incarnation != incarnation for r in reports):
+        return False
+    return len({r.layout_digest for r in reports}) == 1
+
+
+def evaluate_group(
+    *,
+    name: str,
+    index: int,
+    incarnation: int,
+    revision: str,
+    pods: Sequence[ObservedPod],
+    pods_expected: int,
+    ranks_expected: int,
+    reports: Mapping[str, Sequence[RankReport | None]],
+    previous_digest: str | None = None,
+) -> GroupView:
+    """The phase of one group incarnation.
+
+    ``pods`` are the incarnation's live pods; ``reports`` the ranks' answers by pod name
+    (pods that were not asked are absent). Order of the rules: a failed pod or rank wins
+    (Failed), then missing pods (Pending), unscheduled pods (Scheduling), unstarted pods
+    (Pending), an open gate on every pod (Serving, committed), every rank committed in
+    agreement (Serving, committed: the gate opens now), any rank past the rendezvous
+    (SettingUp), else Rendezvous.
+    """
+    view = dict(name=name, index=index, incarnation=incarnation, revision=revision)
+    all_reports = [r for p in pods for r in reports.get(p.name, ())]
+    for pod in pods:
+        pod_reports = reports.get(pod.name, ())
+        if pod.failed or any(r is not None and r.failed for r in pod_reports):
+            return GroupView(
+                **view,
+                phase=GroupPhase.FAILED,
+                ranks_ready=0,
+                ranks_total=ranks_expected,
+                failure=failure_record(pod, pod_reports),
+            )
+    base = dict(view, ranks_total=ranks_expected)
+    if len(pods) < pods_expected:
+        return GroupView(**base, phase=GroupPhase.PENDING, ranks_ready=0)
+    if not all(p.scheduled for p in pods):
+        return GroupView(**base, phase=GroupPhase.SCHEDULING, ranks_ready=0)
+    if not all(p.started and p.phase == "Running" for p in pods):
+        return GroupView(**base, phase=GroupPhase.PENDING, ranks_ready=0)
+    if all(p.gate for p in pods):
+        digests = {r.layout_digest for r in all_reports if r is not None}
+        digest = digests.pop() if len(digests) == 1 else previous_digest
+        return GroupView(
+            **base,
+            phase=GroupPhase.SERVING,
+            ranks_ready=ranks_expected,
+            layout_digest=digest,
+            committed=True,
+        )
+    answered = [r for r in all_reports if r is not None]
+    ready = sum(1 for r in answered if r.committed)
+    if len(answered) == ranks_expected and _agree(answered, revision, incarnation):
+        return GroupView(
+            **base,
+            phase=GroupPhase.SERVING,
+            ranks_ready=ranks_expected,
+            layout_digest=answered[0].layout_digest,
+            committed=True,
+        )
+    if any(not (r.committed or r.phase in RENDEZVOUS_PHASES) for r in answered) or ready:
+        return GroupView(**base, phase=GroupPhase.SETTING_UP, ranks_ready=ready)
+    return GroupView(**base, phase=GroupPhase.RENDEZVOUS, ranks_ready=ready)
+
+
+def _cond(kind: str, ok: bool, reason: Reason, message: str, generation: int | None) -> dict:
+    out = {"type": kind, "status": "True" if ok else "False", "reason": reason.value}
+    out["message"] = message
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def conditions(
+    *,
+    desired: int,
+    ready: int,
+    existing: int,
+    failed: Sequence[str],
+    outdated: int,
+    generation_desired: int,
+    generation_ready: int,
+    observed_generation: int | None,
+) -> list[dict[str, Any]]:
+    """Ready, Progressing and Degraded, without transition times.
+
+    ``desired``/``ready``/``existing`` count context groups; ``failed`` names the failed
+    groups (any role); ``outdated`` counts groups at an older revision.
+    """
+    all_ready = ready == desired and generation_ready == generation_desired and not failed
+    ready_msg = (
+        f"{ready}/{desired} context groups serving, "
+        f"{generation_ready}/{generation_desired} generation servers serving"
+    )
+    ready_cond = _cond(
+        c.COND_READY,
+        all_ready,
+        Reason.ALL_GROUPS_SERVING if all_ready else Reason.GROUPS_NOT_READY,
+        ready_msg,
+        observed_generation,
+    )
+    if existing != desired:
+        progressing = (True, Reason.SCALING, f"{existing} context groups, {desired} desired")
+    elif not all_ready and not failed:
+        progressing = (True, Reason.GROUPS_STARTING, ready_msg)
+    elif outdated:
+        progressing = (
+            True,
+            Reason.GROUPS_NOT_READY,
+            f"{outdated} groups run an older revision (they are replaced on restart)",
+        )
+    else:
+        progressing = (False, Reason.STABLE, "no change under way")
+    degraded = (
+        (True, Reason.GROUP_FAILED, "failed: " + ", ".join(sorted(failed)))
+        if failed
+        else (False, Reason.HEALTHY, "no group failed")
+    )
+    return [
+        ready_cond,
+        _cond(c.COND_PROGRESSING, *progressing, observed_generation),
+        _cond(c.COND_DEGRADED, *degraded, observed_generation),
+    ]
+
+
+def carry_transition_times(
+    new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]] | None, now: str
+) -> list[dict[str, Any]]:
+    """``new`` conditions with ``lastTransitionTime``: the old one where the status did
+    not change, else ``now``."""
+    before = {cond.get("type"): cond for cond in old or ()}
+    out = []
+    for cond in new:
+        prev = before.get(cond["type"])
+        same = prev is not None and prev.get("status") == cond["status"]
+        stamp = prev.get("lastTransitionTime") if same and prev.get("lastTransitionTime") else now
+        out.append({**cond, "lastTransitionTime": stamp})
+    return out
+
+
+def deployment_phase(*, all_ready: bool, failed: bool, started: bool) -> DeploymentPhase:
+    """``status.phase``: Ready when everything serves, Degraded when some group failed,
+    Progressing while groups start, Pending before any exists."""
+    if all_ready:
+        return DeploymentPhase.READY
+    if failed:
+        return DeploymentPhase.DEGRADED
+    return DeploymentPhase.PROGRESSING if started else DeploymentPhase.PENDING
