@@ -461,7 +461,8 @@ def check_happens_before(trace: Sequence[TraceOp]) -> HbReport:
 
     def clock_of(stream: FakeStream) -> _VClock:
         vc = clocks.setdefault(stream.sid, {})
-        _merge(vc, host)
+        if host:
+            _merge(vc, host)
         return vc
 
     def tick(stream: FakeStream, index: int, label: str) -> _Stamp:
@@ -470,11 +471,12 @@ def check_happens_before(trace: Sequence[TraceOp]) -> HbReport:
         return _Stamp(stream.sid, vc[stream.sid], dict(vc), index, label)
 
     for i, op in enumerate(trace):
-        if isinstance(op, RecordOp):
+        kind = type(op)
+        if kind is RecordOp:
             events[op.event.eid] = dict(clock_of(op.stream))
-        elif isinstance(op, WaitOp):
+        elif kind is WaitOp:
             _merge(clock_of(op.stream), events.get(op.event.eid, {}))
-        elif isinstance(op, HostSyncOp):
+        elif kind is HostSyncOp:
             syncs += 1
             if op.event is not None:
                 _merge(host, events.get(op.event.eid, {}))
@@ -484,9 +486,9 @@ def check_happens_before(trace: Sequence[TraceOp]) -> HbReport:
                 hazards.append(
                     Hazard(HazardKind.HOST_SYNC, i, f"{op.label} between setup and teardown")
                 )
-        elif isinstance(op, ServingOp):
+        elif kind is ServingOp:
             serving = op.active
-        elif isinstance(op, CopyOp):
+        elif kind is CopyOp:
             copies += 1
             w = tick(op.stream, i, op.label)
             h = slots.setdefault(op.resource, _SlotHistory())
@@ -510,7 +512,7 @@ def check_happens_before(trace: Sequence[TraceOp]) -> HbReport:
                         )
                     )
             h.last_copy, h.content, h.reads = w, op.content, []
-        elif isinstance(op, ReadOp):
+        elif kind is ReadOp:
             reads += 1
             r = tick(op.stream, i, op.label)
             h = slots.setdefault(op.resource, _SlotHistory())

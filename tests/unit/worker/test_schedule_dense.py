@@ -295,8 +295,14 @@ def test_hooks_out_of_order_are_caller_errors() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("segments", SEGMENT_SETS)
-@pytest.mark.parametrize("mode", MODES)
+STEADY = [(mode, "both") for mode in MODES] + [
+    (mode, segments)
+    for mode in ("standalone", "attached2")
+    for segments in ("moe_dense", "attention")
+]
+
+
+@pytest.mark.parametrize(("mode", "segments"), STEADY)
 @pytest.mark.parametrize("n", [*range(1, 13), 92])
 def test_steady_state_is_race_free_and_primed(n: int, mode: str, segments: str) -> None:
     r = DenseRig(n, expert_slots=MODES[mode], segments=SEGMENT_SETS[segments])
@@ -365,8 +371,10 @@ def _abort_cases(n: int) -> list[tuple[str, int, str]]:
     return cases
 
 
-@pytest.mark.parametrize("segments", ["both", "moe_dense"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("mode", "segments"),
+    [(mode, "both") for mode in MODES] + [("standalone", "moe_dense"), ("attached3", "moe_dense")],
+)
 def test_aborted_forward_recovers(mode: str, segments: str) -> None:
     n = 5
     for k, (point, layer, where) in enumerate(_abort_cases(n)):

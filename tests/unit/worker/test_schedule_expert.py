@@ -304,20 +304,20 @@ def test_restarts_are_logged_at_powers_of_two(caplog: pytest.LogCaptureFixture) 
 @pytest.mark.parametrize("slots", SLOT_COUNTS)
 @pytest.mark.parametrize("n", [4, 5, 12])
 def test_abandoned_pass_recovers(n: int, slots: int, fail: str) -> None:
-    for where, at in _positions(n).items():
-        for start in (True, False):
-            for explicit in (True, False):
-                r = rig(n, slots)
-                r.forward()
-                assert not r.forward(fail_at=r.layers[at], fail=fail, abort=explicit)
-                if fail == "after_bind":
-                    assert r.sched.stats.abandoned == int(explicit)
-                assert r.forward(start=start), (where, start, explicit)
-                assert r.forward(start=start)
-                assert r.sched.pending() == tuple(r.layers[: min(n, slots)])
-                if fail == "after_bind":
-                    assert r.sched.stats.abandoned == 1
-                r.check()
+    for k, (where, at) in enumerate(_positions(n).items()):
+        # with and without start_forward; the explicit abort() alternates
+        for start, explicit in ((True, k % 2 == 0), (False, k % 2 == 1)):
+            r = rig(n, slots)
+            r.forward()
+            assert not r.forward(fail_at=r.layers[at], fail=fail, abort=explicit)
+            if fail == "after_bind":
+                assert r.sched.stats.abandoned == int(explicit)
+            assert r.forward(start=start), (where, start, explicit)
+            assert r.forward(start=start)
+            assert r.sched.pending() == tuple(r.layers[: min(n, slots)])
+            if fail == "after_bind":
+                assert r.sched.stats.abandoned == 1
+            r.check()
 
 
 def test_abandoned_layer_slot_is_reused_only_after_its_reads() -> None:
