@@ -132,6 +132,7 @@ def run_expert(scenario: str, transport, backend, rank: int) -> dict:
 
 
 def run_scenario(scenario: str, transport, rank: int, group: str, out: Path) -> None:
+    torch.set_num_threads(1)  # four ranks share two cores: no intra-op thread pools
     backend = CpuBackend(group=group, incarnation=transport_incarnation(scenario), rank=rank)
     try:
         runner = run_expert if scenario.startswith("expert-") else run_dense

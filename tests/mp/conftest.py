@@ -38,6 +38,7 @@ class RankProcesses:
     def __init__(self, out: Path) -> None:
         self.out = out
         self.pids: dict[int, int] = {}
+        self.codes: dict[int, int] = {}
 
     def start(self, ranks: list[int], target: Callable[[int, Path], None]) -> None:
         for rank in ranks:
@@ -57,7 +58,7 @@ class RankProcesses:
         """Exit codes by rank; ranks still running after ``timeout_s`` are killed and
         reported as -9."""
         deadline = time.monotonic() + timeout_s
-        codes: dict[int, int] = {}
+        codes = self.codes
         while len(codes) < len(self.pids) and time.monotonic() < deadline:
             for rank, pid in self.pids.items():
                 if rank in codes:
@@ -71,11 +72,14 @@ class RankProcesses:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 codes[rank] = -9
-        return codes
+        return dict(codes)
 
     def alive(self) -> list[int]:
+        """Pids of rank processes not reaped yet that still exist."""
         alive = []
-        for pid in self.pids.values():
+        for rank, pid in self.pids.items():
+            if rank in self.codes:
+                continue
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:

@@ -85,7 +85,8 @@ class SetupError(RuntimeError):
                  "every rank released its DWDP state; restart the process (no fallback to "
                  "replicated weights)")
         super().__init__(
-            f"DWDP setup failed in {phase} ({what}) on rank(s) {self.failed_ranks}: {detail}; "
+            f"DWDP setup failed in {phase} ({what}) on rank(s) {list(self.failed_ranks)}: "
+            f"{detail}; "
             f"{after}"
         )
 

@@ -58,7 +58,8 @@ class GroupFailure(TransportError):
         self.label = label
         self.errors = dict(sorted(errors.items()))
         detail = "; ".join(f"rank {r}: {m}" for r, m in self.errors.items())
-        super().__init__(f"collective {label!r} failed on rank(s) {self.failed_ranks}: {detail}")
+        super().__init__(
+            f"collective {label!r} failed on rank(s) {list(self.failed_ranks)}: {detail}")
 
     @property
     def failed_ranks(self) -> tuple[int, ...]:
