@@ -1,0 +1,157 @@
+"""``dwdp operator``: run the DwdpDeployment operator (kopf) until interrupted.
+
+Top-level imports stay light (argparse only); kopf and the kubernetes client are imported
+when the command runs. Credentials: in a pod, the service account; elsewhere
+``$KUBECONFIG``. Exit status 0 after SIGINT/SIGTERM, 1 on a bad option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from typing import Any
+
+__all__ = ["register"]
+
+ENV_WORKER_COMMAND = "DWDP_OPERATOR_WORKER_COMMAND"
+DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``operator`` to the ``dwdp`` parser."""
+    p = subparsers.add_parser(
+        "operator",
+        help="run the DwdpDeployment operator",
+        description="Reconcile DwdpDeployments into DWDP groups of worker pods, services "
+        "and launch configs, and report their state in status.",
+    )
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch only this namespace (repeatable); default: every namespace",
+    )
+    p.add_argument(
+        "--liveness",
+        default=DEFAULT_LIVENESS,
+        metavar="URL",
+        help=f"liveness endpoint to serve ('none': off; default {DEFAULT_LIVENESS})",
+    )
+    p.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="kopf peering object (needs kopf's peering CRD); default: standalone",
+    )
+    p.add_argument(
+        "--worker-command",
+        default=os.environ.get(ENV_WORKER_COMMAND),
+        metavar="CMD",
+        help="container command of the worker pods (shell words; default "
+        f"'dwdp launch --host $(DWDP_POD_IP)'; env {ENV_WORKER_COMMAND})",
+    )
+    p.add_argument(
+        "--webhook-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the validating webhook (HTTPS) here; default: no webhook",
+    )
+    p.add_argument(
+        "--webhook-host",
+        default=None,
+        metavar="HOST",
+        help="host name or address the apiserver uses for the webhook (default: the "
+        "listen host); also the certificate's name",
+    )
+    p.add_argument(
+        "--webhook-cert-dir",
+        default=None,
+        metavar="DIR",
+        help="ca.crt, tls.crt and tls.key to serve with; default: made at start",
+    )
+    p.add_argument(
+        "--webhook-manage",
+        default=None,
+        metavar="NAME",
+        help="keep the ValidatingWebhookConfiguration NAME up to date (needs RBAC on "
+        "validatingwebhookconfigurations); default: configured elsewhere (Helm)",
+    )
+    p.set_defaults(func=_run)
+
+
+def _webhook(args: argparse.Namespace) -> Any:
+    from dwdp.cli import UserError
+
+    if not args.webhook_listen:
+        return None
+    import tempfile
+    from pathlib import Path
+
+    from dwdp.operator.certs import CertFiles, make_webhook_certs
+    from dwdp.operator.handlers import WebhookConfig
+
+    host, sep, port = args.webhook_listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise UserError(f"--webhook-listen {args.webhook_listen!r} is not HOST:PORT")
+    url_host = args.webhook_host or host
+    if args.webhook_cert_dir:
+        certs = CertFiles.in_dir(Path(args.webhook_cert_dir))
+        for f in (certs.ca, certs.cert, certs.key):
+            if not f.is_file():
+                raise UserError(f"--webhook-cert-dir: {f} is missing")
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="dwdp-webhook-"))
+        certs = make_webhook_certs(folder, [url_host])
+    return WebhookConfig(
+        listen_host=host,
+        port=int(port),
+        url_host=url_host,
+        certs=certs,
+        managed=args.webhook_manage,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import kopf
+    from dwdp.operator import constants as c
+    from dwdp.operator.handlers import OperatorConfig, build_registry, build_settings
+    from dwdp.operator.kube import Kube
+    from dwdp.operator.plan import PlanOptions
+    from dwdp.operator.reconcile import Reconcilers
+
+    from dwdp.cli import UserError
+
+    try:
+        command = (
+            tuple(shlex.split(args.worker_command))
+            if args.worker_command
+            else c.DEFAULT_WORKER_COMMAND
+        )
+    except ValueError as exc:
+        raise UserError(f"--worker-command: {exc}") from exc
+    if not command:
+        raise UserError("--worker-command is empty")
+    config = OperatorConfig(peering=args.peering, webhook=_webhook(args))
+    kube = Kube.from_environment()
+    reconcilers = Reconcilers(kube, PlanOptions(command=command))
+    registry = build_registry(reconcilers, config)
+    settings = kopf.OperatorSettings()
+    build_settings(settings, config)
+    liveness = None if args.liveness.lower() == "none" else args.liveness
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            settings=settings,
+            standalone=config.peering is None,
+            peering_name=config.peering,
+            liveness_endpoint=liveness,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+        )
+    )
+    return 0

@@ -1,0 +1,144 @@
+"""The kopf side of the operator: settings and thin handlers over the reconcile loops.
+
+:func:`build_registry` registers, on a registry of its own (no import-time globals):
+login through the ``kubernetes`` client; an event handler on DwdpDeployments that wakes
+(or stops) the deployment's loop; an event handler on the operator's pods that wakes their
+owner's loop; cleanup; and, when a webhook is configured, the validating admission handler
+that applies every rule of :func:`dwdp.api.deployment.deployment_problems`. No handler needs
+a finalizer and none writes: all writes happen in the loops (:mod:`dwdp.operator.reconcile`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from dwdp.api.deployment import deployment_problems
+from dwdp.operator import constants as c
+from dwdp.operator.certs import CertFiles
+from dwdp.operator.reconcile import Reconcilers
+
+__all__ = ["OperatorConfig", "WebhookConfig", "build_registry", "build_settings"]
+
+log = logging.getLogger(__name__)
+
+WATCH_SERVER_TIMEOUT_S = 300
+"""The apiserver ends a watch after this long (seconds); kopf then restarts it."""
+WATCH_CLIENT_TIMEOUT_S = 330
+"""The client gives up on a silent watch after this long (seconds)."""
+CONNECT_TIMEOUT_S = 30
+WEBHOOK_PATH = "/validate"
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookConfig:
+    """Where the validating webhook listens and how the apiserver reaches it."""
+
+    listen_host: str
+    port: int
+    url_host: str
+    """Host (name or address) in the webhook URL kopf writes when it manages the config."""
+    certs: CertFiles
+    managed: str | None = None
+    """Name of the ValidatingWebhookConfiguration kopf keeps up to date; None: the
+    configuration comes from elsewhere (the Helm chart)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """The command-line settings of ``dwdp operator``."""
+
+    peering: str | None = None
+    """kopf peering object name; None: standalone (no peering)."""
+    webhook: WebhookConfig | None = None
+
+
+def build_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """Fill kopf's settings: own finalizer and annotation prefix, progress in status,
+    watch timeouts, no CRD scanning (least privilege), peering off unless configured,
+    the webhook server when configured."""
+    settings.persistence.finalizer = c.FINALIZER
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(field=c.KOPF_PROGRESS_FIELD)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.KOPF_PREFIX, key="last-handled-configuration"
+    )
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
+    settings.watching.connect_timeout = CONNECT_TIMEOUT_S
+    settings.networking.request_timeout = 60
+    settings.posting.level = logging.WARNING
+    settings.scanning.disabled = True
+    if config.peering:
+        settings.peering.name = config.peering
+        settings.peering.standalone = False
+        settings.peering.mandatory = True
+    else:
+        settings.peering.standalone = True
+    hook = config.webhook
+    if hook is not None:
+        settings.admission.server = kopf.WebhookServer(
+            addr=hook.listen_host,
+            port=hook.port,
+            host=hook.url_host,
+            path=WEBHOOK_PATH,
+            certfile=str(hook.certs.cert),
+            pkeyfile=str(hook.certs.key),
+            cafile=str(hook.certs.ca),
+        )
+        settings.admission.managed = hook.managed
+
+
+def build_registry(reconcilers: Reconcilers, config: OperatorConfig) -> kopf.OperatorRegistry:
+    """A registry with the operator's handlers (see the module docstring)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        build_settings(settings, config)
+
+    @kopf.on.event(c.API_GROUP, c.API_VERSION, c.RESOURCE_PLURAL, registry=registry)
+    def deployment_event(event: dict, namespace: str, name: str, meta: Any, **_: Any) -> None:
+        key = (namespace, name)
+        if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
+            reconcilers.stop(key)
+        else:
+            reconcilers.wake(key)
+
+    @kopf.on.event(
+        "",
+        "v1",
+        "pods",
+        labels={c.LABEL_DEPLOYMENT: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY},
+        registry=registry,
+    )
+    def pod_event(namespace: str, labels: Any, **_: Any) -> None:
+        reconcilers.wake((namespace, labels[c.LABEL_DEPLOYMENT]), start=False)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        await reconcilers.stop_all()
+
+    if config.webhook is not None:
+
+        @kopf.on.validate(
+            c.API_GROUP,
+            c.API_VERSION,
+            c.RESOURCE_PLURAL,
+            id="spec-rules",
+            operations=["CREATE", "UPDATE"],
+            ignore_failures=True,
+            side_effects=False,
+            registry=registry,
+        )
+        def validate(body: Any, **_: Any) -> None:
+            problems = deployment_problems(dict(body))
+            if problems:
+                raise kopf.AdmissionError("; ".join(str(p) for p in problems)[:4000], code=422)
+
+    return registry

@@ -1,0 +1,275 @@
+"""The one place that talks to the Kubernetes API (besides kopf's own watches).
+
+Reads list the children of a deployment; writes are server-side applies with the fixed
+field manager :data:`~dwdp.operator.constants.FIELD_MANAGER`, pod creations, strategic
+merge patches of the commit-gate condition, deletes and Events. Every write is counted in
+:attr:`Kube.writes` (by verb and kind), which the steady-state bench reads. The client is
+the synchronous ``kubernetes`` package run in worker threads; nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from dwdp.api.deployment import API_VERSION, KIND
+from dwdp.operator import constants as c
+
+__all__ = ["ApiError", "Kube", "now_rfc3339"]
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 30.0
+"""Timeout of one API request, in seconds."""
+
+_PATHS = {
+    "Pod": ("/api/v1", "pods"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "Event": ("/api/v1", "events"),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
+    KIND: (f"/apis/{API_VERSION}", c.RESOURCE_PLURAL),
+}
+CHILD_KINDS = ("ConfigMap", "Service", "EndpointSlice")
+"""Kinds of the non-pod children the operator lists and may delete."""
+
+
+def now_rfc3339() -> str:
+    """The current UTC time in the API's seconds format (``2026-01-02T03:04:05Z``)."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _now_micro() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class ApiError(Exception):
+    """A non-2xx answer of the apiserver: ``status`` (HTTP code) and ``message``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    prefix, plural = _PATHS[kind]
+    path = f"{prefix}/namespaces/{namespace}/{plural}"
+    if name:
+        path += f"/{name}"
+    if sub:
+        path += f"/{sub}"
+    return path
+
+
+class Kube:
+    """A small JSON client: dicts in, dicts out; raises :class:`ApiError`."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.client = api_client
+        self.writes: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    @classmethod
+    def from_environment(cls, kubeconfig: str | None = None) -> Kube:
+        """In-cluster credentials when running in a pod (service-account token present),
+        else ``kubeconfig`` (default: ``$KUBECONFIG`` or ``~/.kube/config``)."""
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        token = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and token.exists():
+            config.load_incluster_config(client_configuration=cfg)
+        else:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        cfg.connection_pool_maxsize = 16
+        return cls(client.ApiClient(cfg))
+
+    # -- transport ------------------------------------------------------------------
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        method_, url, headers, body, _ = self.client.param_serialize(
+            method,
+            path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        resp = self.client.call_api(
+            method_, url, header_params=headers, body=body, _request_timeout=REQUEST_TIMEOUT_S
+        )
+        raw = resp.response
+        data = raw.data
+        raw.release_conn()
+        if not 200 <= resp.status <= 299:
+            message = data.decode(errors="replace") if data else str(resp.reason)
+            with contextlib.suppress(ValueError, AttributeError):
+                message = json.loads(message).get("message", message)
+            raise ApiError(resp.status, message)
+        return json.loads(data) if data else None
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """Send one request in a worker thread; return the decoded JSON body."""
+        if method != "GET":
+            kind = path.rstrip("/").split("/")[-2 if method in ("PATCH", "DELETE") else -1]
+            self.writes[(method, kind)] += 1
+        return await asyncio.to_thread(self._request, method, path, **kwargs)
+
+    # -- reads ------------------------------------------------------------------------
+    async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The DwdpDeployment, or None when it does not exist."""
+        try:
+            return await self.request("GET", _path(KIND, namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list_children(
+        self, namespace: str, deployment: str
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Pods, and the other children (each with ``kind`` set), labelled with the
+        deployment's name."""
+        query = {"labelSelector": f"{c.LABEL_DEPLOYMENT}={deployment}"}
+        kinds = ("Pod", *CHILD_KINDS)
+        answers = await asyncio.gather(
+            *(self.request("GET", _path(kind, namespace), query=query) for kind in kinds)
+        )
+        out: dict[str, list[dict[str, Any]]] = {}
+        for kind, answer in zip(kinds, answers, strict=True):
+            items = answer.get("items") or []
+            for item in items:
+                item["kind"] = kind
+            out[kind] = items
+        others = [o for kind in CHILD_KINDS for o in out[kind]]
+        return out["Pod"], others
+
+    # -- writes -----------------------------------------------------------------------
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply ``obj`` (forced, field manager ``dwdp-operator``)."""
+        meta = obj["metadata"]
+        return await self.request(
+            "PATCH",
+            _path(obj["kind"], meta["namespace"], meta["name"]),
+            body=obj,
+            query={"fieldManager": c.FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+
+    async def apply_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Server-side apply the operator's part of a DwdpDeployment's status."""
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": name, "namespace": namespace},
+            "status": {k: v for k, v in status.items() if v is not None},
+        }
+        await self.request(
+            "PATCH",
+            _path(KIND, namespace, name, "status"),
+            body=body,
+            query={"fieldManager": c.FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+
+    async def create(self, obj: dict[str, Any]) -> bool:
+        """Create ``obj``; False when it already exists (409)."""
+        try:
+            await self.request(
+                "POST",
+                _path(obj["kind"], obj["metadata"]["namespace"]),
+                body=obj,
+                query={"fieldManager": c.FIELD_MANAGER},
+            )
+        except ApiError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def set_gate(self, namespace: str, pod: str, *, ready: bool, message: str) -> None:
+        """Set the pod's ``dwdp.io/group-ready`` condition (strategic merge on status:
+        the kubelet's own conditions are kept). A pod already gone is not an error."""
+        body = {
+            "status": {
+                "conditions": [
+                    {
+                        "type": c.GATE_CONDITION,
+                        "status": "True" if ready else "False",
+                        "reason": "GroupCommitted" if ready else "GroupNotCommitted",
+                        "message": message,
+                        "lastTransitionTime": now_rfc3339(),
+                    }
+                ]
+            }
+        }
+        try:
+            await self.request(
+                "PATCH",
+                _path("Pod", namespace, pod, "status"),
+                body=body,
+                query={"fieldManager": c.FIELD_MANAGER},
+                content_type="application/strategic-merge-patch+json",
+            )
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    async def delete(
+        self, kind: str, namespace: str, name: str, *, grace_s: int | None = None
+    ) -> None:
+        """Delete one object (background propagation); gone already is not an error."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if grace_s is not None:
+            body["gracePeriodSeconds"] = grace_s
+        try:
+            await self.request("DELETE", _path(kind, namespace, name), body=body)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    async def event(
+        self, owner: dict[str, Any], *, reason: str, message: str, type_: str = "Normal"
+    ) -> None:
+        """Post a core/v1 Event about the DwdpDeployment ``owner``."""
+        meta = owner["metadata"]
+        stamp = now_rfc3339()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": type_,
+            "source": {"component": c.FIELD_MANAGER},
+            "reportingComponent": c.FIELD_MANAGER,
+            "reportingInstance": os.environ.get("HOSTNAME", c.FIELD_MANAGER),
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "eventTime": _now_micro(),
+            "action": reason,
+            "count": 1,
+        }
+        await self.request("POST", _path("Event", meta["namespace"]), body=body)

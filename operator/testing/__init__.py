@@ -1,0 +1,1 @@
+"""Test helpers of the operator: a stand-in rank program (no model, no torch)."""
