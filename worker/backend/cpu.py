@@ -271,7 +271,7 @@ class CpuBackend(Backend):
                 if view is not None:
                     view.close()
             detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(mapped.errors.items()))
-            raise BackendError(f"map_peers failed on rank(s) {mapped.failed_ranks}: {detail}")
+            raise BackendError(f"map_peers failed on rank(s) {list(mapped.failed_ranks)}: {detail}")
         store.unlink()  # every peer holds its mapping: the name has done its job
         return views
 
