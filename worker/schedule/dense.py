@@ -358,10 +358,10 @@ class DenseSlotSchedule:
             self._aborts += 1
             self._recover()
         self._pass_base = self._next_enter
-        self._phase = DensePhase.PRIMED
         self._fill()
         if self._expert is not None:
             self._expert.start_forward()
+        self._phase = DensePhase.PRIMED  # only once primed: a failed launch is retried
 
     def _recover(self) -> None:
         """Barrier and discard after an abandoned forward; the sequence restarts at the
@@ -414,11 +414,16 @@ class DenseSlotSchedule:
         while limit is None or self._next_issue < limit:
             p = self._next_issue
             slots = self._slots_at(p)
-            if any(s.state is not WindowState.FREE for s in slots):
+            # A slot already FILLED for p: its segment was issued before a launch failed.
+            if not all(
+                s.state is WindowState.FREE or (s.state is WindowState.FILLED and s.position == p)
+                for s in slots
+            ):
                 return
             layer = self._layer_at(p)
             for slot in slots:
-                self._issue(slot, p, layer)
+                if slot.state is WindowState.FREE:
+                    self._issue(slot, p, layer)
             self._copies += 1
             self._next_issue = p + 1
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import pytest
 from dwdp.api.enums import CopyMode
-from dwdp.worker.backend.base import CopyDescriptor, CopyPlan, Stream
+from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan, Stream
 from dwdp.worker.backend.fake import FakeBackend, HazardKind, HbReport
 from dwdp.worker.schedule import (
     DensePhase,
@@ -72,6 +72,8 @@ class DenseRig:
         self.log: list[tuple[str, int]] = []
         self.version = 0
         self._plans: dict[tuple[int, Segment, int], CopyPlan] = {}
+        self.fail_after: int | None = None
+        """Launches that succeed before one fails (None: none fails)."""
         self.expert: ExpertPrefetchSchedule | None = None
         if expert_slots is not None:
             self.expert_buffers = [
@@ -120,12 +122,21 @@ class DenseRig:
         src = (5000 + self.version * 1000 + layer) * ROW
         return CopyPlan(remote=(CopyDescriptor(peer, src, self.expert_buffers[slot], 0, ROW),))
 
+    def _maybe_fail(self, what: str) -> None:
+        if self.fail_after is not None:
+            self.fail_after -= 1
+            if self.fail_after < 0:
+                self.fail_after = None
+                raise BackendError(f"injected launch failure: {what}")
+
     def _launch_dense(self, layer: int, segment: Segment, slot: int, stream: Stream) -> None:
+        self._maybe_fail(f"{segment.value} of layer {layer}")
         self.fake.launch_copies(self.dense_plan(layer, segment, slot), stream, mode=CopyMode.GATHER)
         if segment is self.segments[0]:
             self.log.append(("L", layer))
 
     def _launch_expert(self, layer: int, slot: int, stream: Stream) -> None:
+        self._maybe_fail(f"experts of layer {layer}")
         self.fake.launch_copies(self.expert_plan(layer, slot), stream, mode=CopyMode.GATHER)
         self.log.append(("E", layer))
 
@@ -188,7 +199,7 @@ class DenseRig:
                 self.log.append(("H3", layer))
                 self.dense.h3_after_moe(layer)
                 point("after_h3", layer)
-        except Abort:
+        except (Abort, BackendError):
             if abort:
                 self.dense.abort()
             return False
@@ -420,6 +431,22 @@ def test_failed_start_then_forward(mode: str, explicit: bool) -> None:
     r.check()
 
 
+@pytest.mark.parametrize("cold", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_launch_is_retried(mode: str, cold: bool) -> None:
+    for after in range(8):  # every launch of a start and of the first layers in turn
+        r = DenseRig(5, expert_slots=MODES[mode])
+        if not cold:
+            r.forward()
+        r.fail_after = after
+        while r.fail_after is not None:
+            r.forward(start=after % 2 == 0, abort=after % 3 == 0)
+        assert r.forward(), after
+        assert r.forward(start=True), after
+        r.assert_primed()
+        r.check()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_forward_without_h0_primes_at_the_first_layer(mode: str) -> None:
     r = DenseRig(5, expert_slots=MODES[mode])
@@ -465,7 +492,9 @@ def _random_sequence(seed: int) -> None:
     r = DenseRig(n, expert_slots=MODES[mode], segments=SEGMENT_SETS[segments])
     points = H0_POINTS + LAYER_POINTS
     for _ in range(rng.randint(4, 12)):
-        op = rng.choice(["forward", "forward", "abort", "abort", "failed_start", "invalidate"])
+        op = rng.choice(
+            ["forward", "forward", "abort", "abort", "failed_start", "invalidate", "launch_fails"]
+        )
         start = rng.random() < 0.5
         explicit = rng.random() < 0.5
         if op == "forward":
@@ -481,6 +510,10 @@ def _random_sequence(seed: int) -> None:
             r.dense.start_forward()
             if explicit:
                 r.dense.abort()
+        elif op == "launch_fails":
+            r.fail_after = rng.randint(0, 6)
+            r.forward(start=start, abort=explicit)
+            r.fail_after = None
         elif r.expert is not None:
             r.update_expert_weights()
     assert r.forward(start=rng.random() < 0.5)

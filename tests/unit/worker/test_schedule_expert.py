@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 from dwdp.api.enums import CopyMode
-from dwdp.worker.backend.base import CopyDescriptor, CopyPlan, Stream
+from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan, Stream
 from dwdp.worker.backend.fake import FakeBackend, HazardKind, HbReport
 from dwdp.worker.schedule import ExpertPrefetchSchedule, PassPhase, ScheduleStateError, SlotState
 
@@ -47,6 +47,8 @@ class ExpertRig:
         self.peer = self.fake.peer_view(1, CHUNK * 100_000, tag="peer1")
         self.version = 0
         self.strict = True
+        self.fail_after: int | None = None
+        """Launches that succeed before one fails (None: none fails)."""
         self.log: list[tuple[str, int]] = []
         self.store_written = self.fake.new_event()
         self.copies_done = self.fake.new_event()
@@ -69,6 +71,11 @@ class ExpertRig:
         return CopyPlan(remote=(CopyDescriptor(self.peer, src, self.buffers[slot], 0, CHUNK),))
 
     def _launch(self, layer: int, slot: int, stream: Stream) -> None:
+        if self.fail_after is not None:
+            self.fail_after -= 1
+            if self.fail_after < 0:
+                self.fail_after = None
+                raise BackendError(f"injected launch failure for layer {layer}")
         # The copy reads the store (checked against the last weight update) and fills the slot.
         self.fake.read("store", expect=self.version, stream=stream, label=f"E({layer}) source")
         self.fake.launch_copies(self.plan(layer, slot), stream, mode=CopyMode.BATCHED)
@@ -106,7 +113,7 @@ class ExpertRig:
                 self.sched.start_forward()
             for layer in self.layers if layers is None else layers:
                 self.layer(layer, fail if layer == fail_at else None)
-        except Abort:
+        except (Abort, BackendError):
             if abort:
                 self.sched.abort()
             return False
@@ -331,6 +338,22 @@ def test_abandoned_layer_slot_is_reused_only_after_its_reads() -> None:
     assert report.host_syncs == 1  # the setup's only
 
 
+@pytest.mark.parametrize("start", [True, False])
+@pytest.mark.parametrize("slots", SLOT_COUNTS)
+def test_failed_launch_is_retried(slots: int, start: bool) -> None:
+    r = rig(5, slots)
+    r.fail_after = 0
+    assert not r.forward()  # the cold start's first launch fails: a failed start
+    assert r.forward(start=start)
+    r.forward()
+    r.fail_after = 1
+    assert not r.forward(start=start)  # fails in a finish, inside the pass
+    assert r.forward(start=start)
+    assert r.forward(start=start)
+    assert r.sched.pending() == tuple(r.layers[: min(5, slots)])
+    r.check()
+
+
 def test_failed_start_then_pass() -> None:
     r = rig(5, 3)
     r.forward()
@@ -414,7 +437,9 @@ def _random_sequence(seed: int) -> None:
     repeated = {rng.choice(probe.layers)} if rng.random() < 0.4 else set()
     r = rig(n, slots, repeated=repeated)
     for _ in range(rng.randint(4, 12)):
-        op = rng.choice(["pass", "pass", "abort", "failed_start", "invalidate", "truncated"])
+        op = rng.choice(
+            ["pass", "pass", "abort", "failed_start", "invalidate", "truncated", "launch_fails"]
+        )
         start = rng.random() < 0.6
         layers = [x for layer in r.layers for x in [layer] * (3 if layer in repeated else 1)]
         if op == "pass":
@@ -426,6 +451,10 @@ def _random_sequence(seed: int) -> None:
             )
         elif op == "failed_start":
             r.sched.start_forward()
+        elif op == "launch_fails":
+            r.fail_after = rng.randint(0, 4)
+            r.forward(start=start, layers=layers, abort=rng.random() < 0.5)
+            r.fail_after = None
         elif op == "invalidate":
             r.update_weights()
         else:
