@@ -1,0 +1,327 @@
+"""Naming, revision and the object builders, against objects written out by hand."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+from dwdp.api.deployment import parse_deployment
+from dwdp.api.enums import Role
+from dwdp.operator import builders, naming
+from dwdp.operator import constants as c
+from dwdp.operator.builders import Endpoint, Owner
+
+OWNER = Owner(name="demo", namespace="ns1", uid="uid-1")
+OWNER_REF = {
+    "apiVersion": "dwdp.io/v1alpha1",
+    "kind": "DwdpDeployment",
+    "name": "demo",
+    "uid": "uid-1",
+    "controller": True,
+    "blockOwnerDeletion": True,
+}
+
+
+def doc(**spec_patch) -> dict:
+    spec = {
+        "model": {"path": "/models/tiny"},
+        "image": "worker:1",
+        "context": {"replicas": 2, "ranksPerPod": 2, "dwdp": {"dwdpSize": 4}},
+    }
+    spec.update(spec_patch)
+    return {
+        "apiVersion": "dwdp.io/v1alpha1",
+        "kind": "DwdpDeployment",
+        "metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"},
+        "spec": spec,
+    }
+
+
+SPEC = parse_deployment(doc()).spec
+
+
+def without_hash(obj: dict) -> dict:
+    out = copy.deepcopy(obj)
+    annotations = out["metadata"].pop("annotations")
+    assert set(annotations) == {c.ANNOTATION_APPLIED_HASH}
+    return out
+
+
+@pytest.mark.parametrize(
+    ("got", "want"),
+    [
+        (naming.config_map("demo", Role.CONTEXT, "abc"), "demo-context-abc"),
+        (naming.headless_service("demo", Role.GENERATION), "demo-generation"),
+        (naming.client_service("demo"), "demo"),
+        (naming.endpoint_slice("demo", 1), "demo-rank-1"),
+        (naming.group_name("demo", Role.CONTEXT, 3), "demo-g3"),
+        (naming.group_name("demo", Role.GENERATION, 0), "demo-gen0"),
+        (naming.pod_name("demo-g3", 2, 1), "demo-g3-i2-p1"),
+        (
+            naming.rendezvous_address(
+                group="demo-g1",
+                incarnation=4,
+                deployment="demo",
+                role=Role.CONTEXT,
+                namespace="ns1",
+                port=29500,
+            ),
+            "demo-g1-i4-p0.demo-context.ns1.svc:29500",
+        ),
+    ],
+)
+def test_names(got: str, want: str) -> None:
+    assert got == want
+
+
+def test_longest_names_fit_a_dns_label() -> None:
+    dep = "a" * 40
+    longest = naming.pod_name(naming.group_name(dep, Role.GENERATION, 999), 99999, 99)
+    assert len(longest) <= 63
+    assert len(naming.config_map(dep, Role.GENERATION, "0123456789")) <= 63
+
+
+def test_context_pod_of_second_group_second_pod() -> None:
+    pod = builders.worker_pod(
+        SPEC, OWNER, role=Role.CONTEXT, group_index=1, incarnation=3, pod_index=1, revision="r1"
+    )
+    want = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "demo-g1-i3-p1",
+            "namespace": "ns1",
+            "labels": {
+                "dwdp.io/deployment": "demo",
+                "dwdp.io/role": "context",
+                "dwdp.io/group": "demo-g1",
+                "dwdp.io/group-index": "1",
+                "dwdp.io/pod-index": "1",
+                "dwdp.io/revision": "r1",
+                "dwdp.io/incarnation": "3",
+                "app.kubernetes.io/component": "worker",
+                "app.kubernetes.io/managed-by": "dwdp-operator",
+            },
+            "ownerReferences": [OWNER_REF],
+        },
+        "spec": {
+            "hostname": "demo-g1-i3-p1",
+            "subdomain": "demo-context",
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 30,
+            "readinessGates": [{"conditionType": "dwdp.io/group-ready"}],
+            "volumes": [{"name": "launch-config", "configMap": {"name": "demo-context-r1"}}],
+            "containers": [
+                {
+                    "name": "worker",
+                    "image": "worker:1",
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["dwdp", "launch", "--host", "$(DWDP_POD_IP)"],
+                    "env": [
+                        {"name": "DWDP_GROUP", "value": "demo-g1"},
+                        {"name": "DWDP_INCARNATION", "value": "3"},
+                        {"name": "DWDP_RANK", "value": "2"},
+                        {"name": "DWDP_WORLD_SIZE", "value": "4"},
+                        {"name": "DWDP_LOCAL_WORLD_SIZE", "value": "2"},
+                        {
+                            "name": "DWDP_RENDEZVOUS",
+                            "value": "demo-g1-i3-p0.demo-context.ns1.svc:29500",
+                        },
+                        {"name": "DWDP_RENDEZVOUS_TIMEOUT_S", "value": "1800"},
+                        {"name": "DWDP_ROLE", "value": "context"},
+                        {"name": "DWDP_REVISION", "value": "r1"},
+                        {"name": "DWDP_CONFIG", "value": "/etc/dwdp/context.yaml"},
+                        {"name": "DWDP_PORT", "value": "8000"},
+                        {
+                            "name": "DWDP_POD_IP",
+                            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                        },
+                    ],
+                    "ports": [
+                        {"name": "rank-0", "containerPort": 8000, "protocol": "TCP"},
+                        {"name": "rank-1", "containerPort": 8001, "protocol": "TCP"},
+                    ],
+                    "resources": {
+                        "limits": {"nvidia.com/gpu": 2},
+                        "requests": {"nvidia.com/gpu": 2},
+                    },
+                    "readinessProbe": {
+                        "httpGet": {"path": "/ready", "port": 8000},
+                        "periodSeconds": 2,
+                        "failureThreshold": 3,
+                    },
+                    "terminationMessagePath": "/dev/termination-log",
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                    "volumeMounts": [
+                        {"name": "launch-config", "mountPath": "/etc/dwdp", "readOnly": True}
+                    ],
+                }
+            ],
+        },
+    }
+    assert without_hash(pod) == want
+
+
+def test_pod_zero_exposes_the_rendezvous_port_and_user_settings_reach_the_pod() -> None:
+    spec = parse_deployment(
+        doc(
+            env=[{"name": "HF_HOME", "value": "/cache"}],
+            resources={"limits": {"memory": "8Gi"}},
+            nodeSelector={"gpu": "h200"},
+            model={"path": "/models/tiny", "hostPath": "/data/models"},
+            gracefulShutdownTimeoutSeconds=20,
+        )
+    ).spec
+    pod = builders.worker_pod(
+        spec, OWNER, role=Role.CONTEXT, group_index=0, incarnation=0, pod_index=0, revision="r"
+    )
+    ctr = pod["spec"]["containers"][0]
+    assert {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"} in ctr["ports"]
+    assert ctr["env"][-1] == {"name": "HF_HOME", "value": "/cache"}
+    assert ctr["env"][2] == {"name": "DWDP_RANK", "value": "0"}
+    assert ctr["resources"] == {
+        "limits": {"memory": "8Gi", "nvidia.com/gpu": 2},
+        "requests": {"nvidia.com/gpu": 2},
+    }
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h200"}
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 30
+    assert pod["spec"]["volumes"][1] == {
+        "name": "model",
+        "hostPath": {"path": "/data/models", "type": "Directory"},
+    }
+    assert ctr["volumeMounts"][1] == {"name": "model", "mountPath": "/models", "readOnly": True}
+
+
+def test_headless_service_per_role() -> None:
+    want = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": "demo-context",
+            "namespace": "ns1",
+            "labels": {
+                "dwdp.io/deployment": "demo",
+                "dwdp.io/role": "context",
+                "app.kubernetes.io/component": "service",
+                "app.kubernetes.io/managed-by": "dwdp-operator",
+            },
+            "ownerReferences": [OWNER_REF],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"dwdp.io/deployment": "demo", "dwdp.io/role": "context"},
+            "ports": [
+                {"name": "rendezvous", "port": 29500, "protocol": "TCP"},
+                {"name": "rank-0", "port": 8000, "protocol": "TCP"},
+                {"name": "rank-1", "port": 8001, "protocol": "TCP"},
+            ],
+        },
+    }
+    assert without_hash(builders.headless_service(SPEC, OWNER, Role.CONTEXT)) == want
+
+
+def test_client_service_has_no_selector_and_one_port_per_local_rank() -> None:
+    svc = without_hash(builders.client_service(SPEC, OWNER))
+    assert svc["metadata"]["name"] == "demo"
+    assert "selector" not in svc["spec"]
+    assert svc["spec"]["ports"] == [
+        {"name": "rank-0", "port": 8000, "targetPort": 8000, "protocol": "TCP"},
+        {"name": "rank-1", "port": 8001, "targetPort": 8001, "protocol": "TCP"},
+    ]
+
+
+def test_endpoint_slices_one_per_local_rank_sorted_by_pod() -> None:
+    slices = builders.endpoint_slices(
+        SPEC, OWNER, [Endpoint("demo-g1-i0-p0", "10.0.0.2"), Endpoint("demo-g0-i0-p0", "10.0.0.1")]
+    )
+    assert [s["metadata"]["name"] for s in slices] == ["demo-rank-0", "demo-rank-1"]
+    second = without_hash(slices[1])
+    assert second["metadata"]["labels"]["kubernetes.io/service-name"] == "demo"
+    assert second["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] == (
+        "dwdp.io/operator"
+    )
+    assert second["addressType"] == "IPv4"
+    assert second["ports"] == [{"name": "rank-1", "port": 8001, "protocol": "TCP"}]
+    assert second["endpoints"] == [
+        {
+            "addresses": ["10.0.0.1"],
+            "conditions": {"ready": True, "serving": True, "terminating": False},
+            "targetRef": {"kind": "Pod", "name": "demo-g0-i0-p0", "namespace": "ns1"},
+        },
+        {
+            "addresses": ["10.0.0.2"],
+            "conditions": {"ready": True, "serving": True, "terminating": False},
+            "targetRef": {"kind": "Pod", "name": "demo-g1-i0-p0", "namespace": "ns1"},
+        },
+    ]
+
+
+def test_config_map_holds_the_launch_config_the_worker_reads() -> None:
+    cm = without_hash(builders.config_map(SPEC, OWNER, Role.CONTEXT, "r1"))
+    assert cm["metadata"]["name"] == "demo-context-r1"
+    assert cm["metadata"]["labels"]["dwdp.io/revision"] == "r1"
+    assert cm["immutable"] is True
+    launch = yaml.safe_load(cm["data"]["context.yaml"])
+    assert launch["role"] == "context"
+    assert launch["dwdp"]["dwdpSize"] == 4
+    assert launch["model"]["path"] == "/models/tiny"
+    assert launch["serverPort"] == 8000
+
+
+def test_generation_shape_and_pod() -> None:
+    spec = parse_deployment(
+        doc(generation={"replicas": 1, "ranksPerPod": 1, "parallel": {"tensorParallelSize": 2}})
+    ).spec
+    shapes = builders.role_shapes(spec)
+    assert shapes[Role.GENERATION] == builders.RoleShape(Role.GENERATION, 1, 1, 2)
+    assert shapes[Role.GENERATION].pods_per_group == 2
+    assert shapes[Role.CONTEXT].pods_per_group == 2
+    pod = builders.worker_pod(
+        spec, OWNER, role=Role.GENERATION, group_index=0, incarnation=0, pod_index=1, revision="g"
+    )
+    assert pod["metadata"]["name"] == "demo-gen0-i0-p1"
+    assert pod["spec"]["subdomain"] == "demo-generation"
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["DWDP_ROLE"] == "generation"
+    assert env["DWDP_CONFIG"] == "/etc/dwdp/generation.yaml"
+    assert env["DWDP_RANK"] == "1"
+    assert env["DWDP_WORLD_SIZE"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("patch", "same"),
+    [
+        ({"context": {"replicas": 7, "ranksPerPod": 2, "dwdp": {"dwdpSize": 4}}}, True),
+        ({"rollout": {"maxSurge": 2}}, True),
+        ({"failurePolicy": {"backoffInitialSeconds": 1}}, True),
+        ({"image": "worker:2"}, False),
+        ({"env": [{"name": "A", "value": "1"}]}, False),
+        ({"context": {"replicas": 2, "ranksPerPod": 4, "dwdp": {"dwdpSize": 4}}}, False),
+        ({"context": {"replicas": 2, "ranksPerPod": 2, "dwdp": {"dwdpSize": 2}}}, False),
+        ({"rendezvous": {"timeoutSeconds": 60}}, False),
+        ({"server": {"port": 9000}}, False),
+    ],
+)
+def test_revision_covers_only_what_reaches_pods(patch: dict, same: bool) -> None:
+    base = builders.revisions(SPEC)[Role.CONTEXT]
+    changed = builders.revisions(parse_deployment(doc(**patch)).spec)[Role.CONTEXT]
+    assert (base == changed) is same
+    assert len(base) == 10
+
+
+def test_revision_covers_the_worker_command() -> None:
+    a = builders.revisions(SPEC)[Role.CONTEXT]
+    b = builders.revisions(SPEC, command=("python", "-m", "x"))[Role.CONTEXT]
+    assert a != b
+
+
+def test_applied_hash_changes_with_content() -> None:
+    a = builders.headless_service(SPEC, OWNER, Role.CONTEXT)
+    b = builders.headless_service(SPEC, Owner("demo", "ns2", "uid-1"), Role.CONTEXT)
+    assert builders.applied_hash(a) != builders.applied_hash(b)
+    assert builders.applied_hash(a) == builders.applied_hash(
+        builders.headless_service(SPEC, OWNER, Role.CONTEXT)
+    )
+    assert builders.applied_hash({"metadata": {}}) is None

@@ -1,0 +1,288 @@
+"""``plan(body, observed)`` against a tiny in-memory cluster: what it creates, opens,
+deletes and writes, and that a deployment at rest plans no write at all."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from dwdp.operator import constants as c
+from dwdp.operator.constants import Reason
+from dwdp.operator.observe import Observed, RankReport
+from dwdp.operator.plan import Delete, GateChange, PlanOptions, plan
+
+OPTIONS = PlanOptions()
+
+
+def body(replicas: int = 2, **spec_patch) -> dict:
+    spec = {
+        "model": {"path": "/models/tiny"},
+        "image": "worker:1",
+        "context": {"replicas": replicas, "ranksPerPod": 2, "dwdp": {"dwdpSize": 4}},
+    }
+    spec.update(spec_patch)
+    return {
+        "apiVersion": "dwdp.io/v1alpha1",
+        "kind": "DwdpDeployment",
+        "metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1", "generation": 1},
+        "spec": spec,
+    }
+
+
+class Sim:
+    """Applies plans to dicts: pods start Running (scheduled, addressed), ranks answer
+    as ``ranks`` says, deletes remove at once."""
+
+    def __init__(self, body: dict) -> None:
+        self.body = body
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.rank_phase = "committed"
+        self.next_ip = 1
+
+    def observed(self) -> Observed:
+        pods = [o for (k, _), o in self.objects.items() if k == "Pod"]
+        others = [o for (k, _), o in self.objects.items() if k != "Pod"]
+        ranks = {}
+        for p in pods:
+            labels = p["metadata"]["labels"]
+            first = int(
+                next(
+                    e["value"]
+                    for e in p["spec"]["containers"][0]["env"]
+                    if e["name"] == "DWDP_RANK"
+                )
+            )
+            ranks[p["metadata"]["name"]] = tuple(
+                RankReport(
+                    first + k,
+                    self.rank_phase,
+                    labels[c.LABEL_REVISION],
+                    int(labels[c.LABEL_INCARNATION]),
+                    "digest",
+                )
+                for k in range(len(p["spec"]["containers"][0]["ports"]) - (first == 0))
+            )
+        return Observed.from_objects(pods=pods, children=others, ranks=ranks)
+
+    def step(self, now: str = "T"):
+        p = plan(self.body, self.observed(), options=OPTIONS, now=now)
+        for obj in (*p.apply, *p.slices):
+            self.objects[(obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(obj)
+        for pod in p.create_pods:
+            pod = copy.deepcopy(pod)
+            pod["spec"]["nodeName"] = "node-0"
+            pod["status"] = {
+                "phase": "Running",
+                "podIP": f"127.0.0.{self.next_ip}",
+                "containerStatuses": [{"state": {"running": {}}}],
+                "conditions": [],
+            }
+            self.next_ip += 1
+            self.objects[("Pod", pod["metadata"]["name"])] = pod
+        for gate in p.gates:
+            conds = self.objects[("Pod", gate.pod)]["status"]["conditions"]
+            conds[:] = [x for x in conds if x["type"] != c.GATE_CONDITION]
+            conds.append({"type": c.GATE_CONDITION, "status": "True" if gate.ready else "False"})
+        for d in p.delete:
+            self.objects.pop((d.kind, d.name), None)
+        if p.status is not None:
+            self.body["status"] = copy.deepcopy(p.status)
+        return p
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(n for (k, n) in self.objects if k == kind)
+
+
+def test_first_plan_creates_every_child_of_two_groups() -> None:
+    p = plan(body(), Observed(), options=OPTIONS, now="T0")
+    assert [(o["kind"], o["metadata"]["name"]) for o in p.apply] == [
+        ("ConfigMap", f"demo-context-{p.status['revision']}"),
+        ("Service", "demo-context"),
+        ("Service", "demo"),
+    ]
+    assert [o["metadata"]["name"] for o in p.create_pods] == [
+        "demo-g0-i0-p0",
+        "demo-g0-i0-p1",
+        "demo-g1-i0-p0",
+        "demo-g1-i0-p1",
+    ]
+    assert [o["metadata"]["name"] for o in p.slices] == ["demo-rank-0", "demo-rank-1"]
+    assert all(s["endpoints"] == [] for s in p.slices)
+    assert p.delete == () and p.gates == ()
+    assert [e.reason for e in p.events] == [Reason.CREATED_GROUP, Reason.CREATED_GROUP]
+    assert p.status["phase"] == "Progressing"
+    assert p.status["replicas"] == 2 and p.status["readyGroups"] == 0
+    assert p.status["selector"] == "dwdp.io/deployment=demo,dwdp.io/role=context"
+    assert p.status["endpoint"] == "http://demo.ns1.svc:8000"
+    assert [g["phase"] for g in p.status["groups"]] == ["Pending", "Pending"]
+    assert p.requeue_after_s < 10
+
+
+def test_commit_opens_the_gates_then_the_slices_then_rest() -> None:
+    sim = Sim(body())
+    sim.rank_phase = "P2"
+    sim.step("T0")
+    p = sim.step("T1")
+    assert p.gates == () and p.create_pods == ()
+    assert [g["phase"] for g in p.status["groups"]] == ["SettingUp", "SettingUp"]
+    sim.rank_phase = "committed"
+    p = sim.step("T2")
+    assert sorted(p.gates, key=lambda g: g.pod) == [
+        GateChange("demo-g0-i0-p0", True, "demo-g0 committed"),
+        GateChange("demo-g0-i0-p1", True, "demo-g0 committed"),
+        GateChange("demo-g1-i0-p0", True, "demo-g1 committed"),
+        GateChange("demo-g1-i0-p1", True, "demo-g1 committed"),
+    ]
+    assert [len(s["endpoints"]) for s in p.slices] == [4, 4]
+    assert [e.reason for e in p.events] == [Reason.GATE_OPENED, Reason.GATE_OPENED]
+    assert p.status["phase"] == "Ready"
+    assert p.status["readyGroups"] == 2
+    assert [g["layoutDigest"] for g in p.status["groups"]] == ["digest", "digest"]
+    ready = p.status["conditions"][0]
+    assert (ready["status"], ready["lastTransitionTime"]) == ("True", "T2")
+    # At rest: nothing to write, and the loop may sleep long.
+    rest = sim.step("T3")
+    assert rest.writes == 0
+    assert rest.status is None
+    assert rest.requeue_after_s >= 30
+
+
+def test_scale_adds_and_removes_whole_groups_only() -> None:
+    sim = Sim(body(replicas=2))
+    sim.step()
+    sim.step()
+    sim.body["spec"]["context"]["replicas"] = 3
+    p = sim.step()
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g2-i0-p0", "demo-g2-i0-p1"]
+    assert p.delete == ()
+    sim.step()
+    sim.body["spec"]["context"]["replicas"] = 1
+    p = sim.step()
+    assert p.create_pods == ()
+    assert sorted(p.delete, key=lambda d: d.name) == [
+        Delete("Pod", n)
+        for n in ["demo-g1-i0-p0", "demo-g1-i0-p1", "demo-g2-i0-p0", "demo-g2-i0-p1"]
+    ]
+    assert [e.reason for e in p.events] == [Reason.DELETED_GROUP, Reason.DELETED_GROUP]
+    # The removed groups' endpoints leave the slices in the same plan (slices go first).
+    assert [len(s["endpoints"]) for s in p.slices] == [2, 2]
+    assert [g["phase"] for g in p.status["groups"]] == ["Serving", "Draining", "Draining"]
+    p = sim.step()
+    assert sim.names("Pod") == ["demo-g0-i0-p0", "demo-g0-i0-p1"]
+    assert p.status["replicas"] == 1 and p.status["phase"] == "Ready"
+    assert sim.step().writes == 0
+
+
+def test_invalid_spec_touches_no_child() -> None:
+    sim = Sim(body())
+    sim.step()
+    before = copy.deepcopy(sim.objects)
+    sim.body["spec"]["context"]["ranksPerPod"] = 3
+    p = sim.step("T9")
+    assert (p.apply, p.create_pods, p.gates, p.slices, p.delete) == ((), (), (), (), ())
+    assert sim.objects == before
+    conds = {x["type"]: x for x in p.status["conditions"]}
+    assert conds["Invalid"]["status"] == "True"
+    assert "ranksPerPod" in conds["Invalid"]["message"]
+    assert conds["Ready"]["reason"] == "InvalidSpec"
+    assert p.status["phase"] == "Failed"
+    assert [e.reason for e in p.events] == [Reason.INVALID_SPEC]
+    again = sim.step("T10")
+    assert again.writes == 0  # one Event per distinct problem, no status churn
+
+
+def test_invalid_from_the_start_creates_nothing() -> None:
+    bad = body()
+    bad["spec"]["context"]["dwdp"]["dwdpSize"] = 0
+    p = plan(bad, Observed(), options=OPTIONS, now="T")
+    assert (p.apply, p.create_pods, p.slices) == ((), (), ())
+    assert "dwdpSize" in p.status["conditions"][1]["message"]
+
+
+def test_a_failed_pod_fails_its_group_only_and_closes_its_gate() -> None:
+    sim = Sim(body())
+    sim.step()
+    sim.step()
+    failed = sim.objects[("Pod", "demo-g1-i0-p1")]
+    failed["status"]["phase"] = "Failed"
+    failed["status"]["containerStatuses"] = [
+        {"state": {"terminated": {"exitCode": 1, "message": "P3: rank 3 failed"}}}
+    ]
+    p = sim.step()
+    assert p.gates == (GateChange("demo-g1-i0-p0", False, "demo-g1 is Failed"),)
+    assert [len(s["endpoints"]) for s in p.slices] == [2, 2]
+    groups = {g["name"]: g for g in p.status["groups"]}
+    assert groups["demo-g0"]["phase"] == "Serving"
+    assert groups["demo-g1"]["phase"] == "Failed"
+    assert groups["demo-g1"]["lastFailure"]["phase"] == "P3"
+    assert p.status["phase"] == "Degraded"
+    degraded = p.status["conditions"][2]
+    assert (degraded["status"], degraded["reason"]) == ("True", "GroupFailed")
+
+
+def test_old_incarnation_pods_are_deleted_and_next_incarnation_follows_the_record() -> None:
+    sim = Sim(body(replicas=1))
+    sim.step()
+    sim.step()
+    # Someone removed every pod of the group: the next incarnation is 1, not 0.
+    for name in sim.names("Pod"):
+        del sim.objects[("Pod", name)]
+    p = sim.step()
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g0-i1-p0", "demo-g0-i1-p1"]
+    env = {e["name"]: e.get("value") for e in p.create_pods[0]["spec"]["containers"][0]["env"]}
+    assert env["DWDP_INCARNATION"] == "1"
+    assert env["DWDP_RENDEZVOUS"] == "demo-g0-i1-p0.demo-context.ns1.svc:29500"
+    # A stray pod of incarnation 0 next to incarnation 1 is deleted.
+    stray = copy.deepcopy(sim.objects[("Pod", "demo-g0-i1-p0")])
+    stray["metadata"]["name"] = "demo-g0-i0-p0"
+    stray["metadata"]["labels"][c.LABEL_INCARNATION] = "0"
+    sim.objects[("Pod", "demo-g0-i0-p0")] = stray
+    assert Delete("Pod", "demo-g0-i0-p0") in sim.step().delete
+
+
+def test_spec_change_applies_a_new_config_and_keeps_the_old_for_live_groups() -> None:
+    sim = Sim(body(replicas=1))
+    sim.step()
+    sim.step()
+    old_rev = sim.body["status"]["revision"]
+    sim.body["spec"]["image"] = "worker:2"
+    p = sim.step()
+    new_rev = p.status["revision"]
+    assert new_rev != old_rev
+    assert [o["metadata"]["name"] for o in p.apply] == [f"demo-context-{new_rev}"]
+    assert p.create_pods == () and p.delete == ()  # live groups are never patched
+    assert sim.names("ConfigMap") == sorted([f"demo-context-{old_rev}", f"demo-context-{new_rev}"])
+    assert p.status["groups"][0]["revision"] == old_rev
+
+
+def test_changed_child_is_reapplied_and_unknown_child_deleted() -> None:
+    sim = Sim(body(replicas=1))
+    sim.step()
+    sim.objects[("Service", "demo")]["metadata"]["annotations"][c.ANNOTATION_APPLIED_HASH] = "x"
+    sim.objects[("ConfigMap", "demo-context-stale")] = {
+        "kind": "ConfigMap",
+        "metadata": {"name": "demo-context-stale"},
+    }
+    p = sim.step()
+    assert [o["metadata"]["name"] for o in p.apply] == ["demo"]
+    assert Delete("ConfigMap", "demo-context-stale") in p.delete
+
+
+def test_generation_servers_are_groups_of_their_own() -> None:
+    sim = Sim(body(replicas=1, generation={"replicas": 2}))
+    p = sim.step()
+    names = [o["metadata"]["name"] for o in p.create_pods]
+    assert names == ["demo-g0-i0-p0", "demo-g0-i0-p1", "demo-gen0-i0-p0", "demo-gen1-i0-p0"]
+    assert ("Service", "demo-generation") in {(o["kind"], o["metadata"]["name"]) for o in p.apply}
+    p = sim.step()
+    assert p.status["generation"] == {"replicas": 2, "readyReplicas": 2}
+    assert p.status["phase"] == "Ready"
+
+
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_zero_or_one_group(replicas: int) -> None:
+    sim = Sim(body(replicas=replicas))
+    sim.step()
+    sim.step()
+    assert sim.body["status"]["readyGroups"] == replicas
+    assert sim.body["status"]["phase"] == "Ready"

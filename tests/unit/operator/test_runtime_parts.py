@@ -1,0 +1,180 @@
+"""The operator's non-planning parts that need no cluster: certificates, kopf settings,
+the rank probe (against the test rank program's HTTP server) and the CLI's light import."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dwdp.api.enums import Role
+from dwdp.operator import constants as c
+from dwdp.operator.observe import ObservedPod, RankReport
+from dwdp.operator.probe import probe_ranks, to_probe
+
+
+def test_webhook_certificates_chain_and_names(tmp_path: Path) -> None:
+    from cryptography import x509
+    from dwdp.operator.certs import make_webhook_certs
+
+    files = make_webhook_certs(tmp_path, ["127.0.0.1", "dwdp-operator.dwdp.svc"])
+    ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+    cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
+    cert.verify_directly_issued_by(ca)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert sans.get_values_for_type(x509.DNSName) == ["dwdp-operator.dwdp.svc"]
+    assert oct(files.key.stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(ValueError):
+        make_webhook_certs(tmp_path, [])
+
+
+def test_kopf_settings() -> None:
+    import kopf
+    from dwdp.operator.handlers import OperatorConfig, build_settings
+
+    settings = kopf.OperatorSettings()
+    build_settings(settings, OperatorConfig())
+    assert settings.persistence.finalizer == "dwdp.io/finalizer"
+    assert isinstance(settings.persistence.progress_storage, kopf.StatusProgressStorage)
+    assert settings.persistence.progress_storage.field == ("status", "kopf")
+    assert settings.persistence.diffbase_storage.prefix == "dwdp.io"
+    assert settings.watching.server_timeout == 300
+    assert settings.watching.client_timeout == 330
+    assert settings.peering.standalone is True
+    assert settings.scanning.disabled is True
+    assert settings.posting.level == logging.WARNING
+    assert settings.admission.server is None
+    peered = kopf.OperatorSettings()
+    build_settings(peered, OperatorConfig(peering="dwdp"))
+    assert (peered.peering.standalone, peered.peering.name) == (False, "dwdp")
+
+
+def test_cli_import_is_light_and_registers_operator() -> None:
+    code = (
+        "import sys, dwdp.cli; p = dwdp.cli.build_parser(); "
+        "assert 'kopf' not in sys.modules and 'kubernetes' not in sys.modules, "
+        "sorted(m for m in sys.modules if m.startswith(('kopf', 'kubernetes'))); "
+        "a = p.parse_args(['operator', '--webhook-listen', '127.0.0.1:9443']); "
+        "print(a.command, a.webhook_listen)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["operator", "127.0.0.1:9443"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_probe_reads_every_local_rank_of_the_rank_program(tmp_path: Path) -> None:
+    port, rdv = _free_port(), _free_port()
+    while rdv in (port, port + 1):
+        rdv = _free_port()
+    env = {
+        **os.environ,
+        "DWDP_POD_IP": "127.0.0.1",
+        "DWDP_PORT": str(port),
+        "DWDP_RANK": "0",
+        "DWDP_WORLD_SIZE": "2",
+        "DWDP_LOCAL_WORLD_SIZE": "2",
+        "DWDP_RENDEZVOUS": f"127.0.0.1:{rdv}",
+        "DWDP_GROUP": "demo-g0",
+        "DWDP_INCARNATION": "2",
+        "DWDP_REVISION": "rev1",
+        "DWDP_TERMINATION_LOG": str(tmp_path / "term"),
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "dwdp.operator.testing.rankprog"], env=env)
+    pod = ObservedPod(
+        name="p",
+        role=Role.CONTEXT,
+        group_index=0,
+        incarnation=2,
+        pod_index=0,
+        revision="rev1",
+        phase="Running",
+        scheduled=True,
+        started=True,
+        deleting=False,
+        ip="127.0.0.1",
+        gate=False,
+        ready=False,
+        ranks=2,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            got = asyncio.run(probe_ranks([pod], base_port=port))["p"]
+            if all(r is not None and r.committed for r in got) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert [r.rank for r in got] == [0, 1]
+        assert {(r.phase, r.revision, r.incarnation) for r in got} == {("committed", "rev1", 2)}
+        assert len({r.layout_digest for r in got}) == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    # Nobody listens any more: the reports read as None, not as an error.
+    assert asyncio.run(probe_ranks([pod], base_port=port, timeout=0.5)) == {"p": (None, None)}
+
+
+def test_rank_program_fails_at_a_named_phase_with_a_termination_line(tmp_path: Path) -> None:
+    port, rdv = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "DWDP_POD_IP": "127.0.0.1",
+        "DWDP_PORT": str(port),
+        "DWDP_WORLD_SIZE": "1",
+        "DWDP_RENDEZVOUS": f"127.0.0.1:{rdv}",
+        "DWDP_TERMINATION_LOG": str(tmp_path / "term"),
+        "RANKPROG_FAIL_PHASE": "P3",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "dwdp.operator.testing.rankprog"],
+        env=env,
+        timeout=30,
+        capture_output=True,
+    )
+    assert proc.returncode == 1
+    line = (tmp_path / "term").read_text().strip()
+    assert line.startswith("P3: rank 0 of group incarnation 0 failed")
+
+
+def test_only_running_ungated_pods_are_probed() -> None:
+    def pod(name: str, **kw) -> ObservedPod:
+        base = dict(
+            name=name,
+            role=Role.CONTEXT,
+            group_index=0,
+            incarnation=0,
+            pod_index=0,
+            revision="r",
+            phase="Running",
+            scheduled=True,
+            started=True,
+            deleting=False,
+            ip="1.2.3.4",
+            gate=False,
+            ready=False,
+            ranks=1,
+        )
+        base.update(kw)
+        return ObservedPod(**base)
+
+    pods = [
+        pod("a"),
+        pod("b", gate=True),
+        pod("c", phase="Pending"),
+        pod("d", ip=None),
+        pod("e", deleting=True),
+    ]
+    assert [p.name for p in to_probe(pods)] == ["a"]
+    assert RankReport(0, "disabled").committed
+    assert c.GATE_CONDITION == "dwdp.io/group-ready"

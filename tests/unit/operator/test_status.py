@@ -1,0 +1,383 @@
+"""Observed summaries, group phases and conditions, table-style."""
+
+from __future__ import annotations
+
+import pytest
+from dwdp.api.enums import Role
+from dwdp.operator.constants import GroupPhase
+from dwdp.operator.observe import ObservedPod, RankReport, pod_from_object, rank_report_from_json
+from dwdp.operator.status import (
+    carry_transition_times,
+    conditions,
+    deployment_phase,
+    evaluate_group,
+)
+
+
+def raw_pod(**status) -> dict:
+    return {
+        "metadata": {
+            "name": "demo-g0-i1-p0",
+            "labels": {
+                "dwdp.io/role": "context",
+                "dwdp.io/group-index": "0",
+                "dwdp.io/incarnation": "1",
+                "dwdp.io/pod-index": "0",
+                "dwdp.io/revision": "r1",
+            },
+        },
+        "spec": {
+            "nodeName": "node-0",
+            "containers": [
+                {"ports": [{"name": "rank-0"}, {"name": "rank-1"}, {"name": "rendezvous"}]}
+            ],
+        },
+        "status": status,
+    }
+
+
+def test_pod_summary_of_a_running_gated_pod() -> None:
+    pod = pod_from_object(
+        raw_pod(
+            phase="Running",
+            podIP="127.0.0.9",
+            conditions=[
+                {"type": "Ready", "status": "True"},
+                {"type": "dwdp.io/group-ready", "status": "True"},
+            ],
+            containerStatuses=[{"state": {"running": {}}}],
+        )
+    )
+    assert pod == ObservedPod(
+        name="demo-g0-i1-p0",
+        role=Role.CONTEXT,
+        group_index=0,
+        incarnation=1,
+        pod_index=0,
+        revision="r1",
+        phase="Running",
+        scheduled=True,
+        started=True,
+        deleting=False,
+        ip="127.0.0.9",
+        gate=True,
+        ready=True,
+        ranks=2,
+    )
+
+
+def test_pod_summary_of_a_failed_pod_keeps_its_termination_message() -> None:
+    pod = pod_from_object(
+        raw_pod(
+            phase="Failed",
+            containerStatuses=[
+                {"state": {"terminated": {"exitCode": 1, "message": "P3: rank 1 failed\n"}}}
+            ],
+        )
+    )
+    assert pod is not None
+    assert (pod.failed, pod.termination_message, pod.exit_code) == (True, "P3: rank 1 failed", 1)
+
+
+def test_pod_without_the_operators_labels_is_ignored() -> None:
+    assert pod_from_object({"metadata": {"name": "x", "labels": {}}}) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        (
+            {
+                "phase": "committed",
+                "rank": 2,
+                "revision": "r",
+                "incarnation": 1,
+                "layout_digest": "d",
+            },
+            RankReport(2, "committed", "r", 1, "d"),
+        ),
+        ({"phase": "P3"}, RankReport(None, "P3")),
+        ({"phase": "disabled", "layout_digest": None}, RankReport(None, "disabled")),
+        ({"rank": 1}, None),
+        ("not json", None),
+    ],
+)
+def test_rank_reports(body: object, want: RankReport | None) -> None:
+    assert rank_report_from_json(body) == want
+
+
+def pod(
+    name: str,
+    *,
+    index: int = 0,
+    phase: str = "Running",
+    scheduled: bool = True,
+    started: bool = True,
+    gate: bool = False,
+    message: str | None = None,
+) -> ObservedPod:
+    return ObservedPod(
+        name=name,
+        role=Role.CONTEXT,
+        group_index=0,
+        incarnation=1,
+        pod_index=index,
+        revision="r1",
+        phase=phase,
+        scheduled=scheduled,
+        started=started,
+        deleting=False,
+        ip="127.0.0.2",
+        gate=gate,
+        ready=gate,
+        ranks=2,
+        termination_message=message,
+        exit_code=1 if phase == "Failed" else None,
+    )
+
+
+P0, P1 = "demo-g0-i1-p0", "demo-g0-i1-p1"
+OK = RankReport(0, "committed", "r1", 1, "d1")
+
+
+def committed(rank: int, digest: str = "d1", revision: str = "r1", inc: int = 1) -> RankReport:
+    return RankReport(rank, "committed", revision, inc, digest)
+
+
+@pytest.mark.parametrize(
+    ("name", "pods", "reports", "phase", "ready", "is_committed"),
+    [
+        ("no pods yet", [], {}, GroupPhase.PENDING, 0, False),
+        ("one pod of two", [pod(P0)], {}, GroupPhase.PENDING, 0, False),
+        (
+            "unscheduled",
+            [pod(P0), pod(P1, index=1, scheduled=False)],
+            {},
+            GroupPhase.SCHEDULING,
+            0,
+            False,
+        ),
+        (
+            "not started",
+            [pod(P0), pod(P1, index=1, started=False, phase="Pending")],
+            {},
+            GroupPhase.PENDING,
+            0,
+            False,
+        ),
+        (
+            "running, nobody answered",
+            [pod(P0), pod(P1, index=1)],
+            {P0: (None, None), P1: (None, None)},
+            GroupPhase.RENDEZVOUS,
+            0,
+            False,
+        ),
+        (
+            "meeting",
+            [pod(P0), pod(P1, index=1)],
+            {P0: (RankReport(0, "rendezvous"),) * 2, P1: (None, None)},
+            GroupPhase.RENDEZVOUS,
+            0,
+            False,
+        ),
+        (
+            "setting up",
+            [pod(P0), pod(P1, index=1)],
+            {P0: (RankReport(0, "P3"), committed(1)), P1: (None, None)},
+            GroupPhase.SETTING_UP,
+            1,
+            False,
+        ),
+        (
+            "all committed in agreement",
+            [pod(P0), pod(P1, index=1)],
+            {P0: (committed(0), committed(1)), P1: (committed(2), committed(3))},
+            GroupPhase.SERVING,
+            4,
+            True,
+        ),
+        (
+            "digests differ",
+            [pod(P0), pod(P1, index=1)],
+            {P0: (committed(0), committed(1)), P1: (committed(2), committed(3, digest="x"))},
+            GroupPhase.SETTING_UP,
+            4,
+            False,
+        ),
+        (
+            "a rank of another revision",
+            [pod(P0), pod(P1, index=1)],
+            {P0: (committed(0), committed(1)), P1: (committed(2), committed(3, revision="r0"))},
+            GroupPhase.SETTING_UP,
+            4,
+            False,
+        ),
+        (
+            "a rank of an old incarnation",
+            [pod(P0), pod(P1, index=1)],
+            {P0: (committed(0), committed(1)), P1: (committed(2), committed(3, inc=0))},
+            GroupPhase.SETTING_UP,
+            4,
+            False,
+        ),
+        (
+            "gate open everywhere",
+            [pod(P0, gate=True), pod(P1, index=1, gate=True)],
+            {},
+            GroupPhase.SERVING,
+            4,
+            True,
+        ),
+        (
+            "a pod failed",
+            [pod(P0), pod(P1, index=1, phase="Failed", message="P3: boom")],
+            {},
+            GroupPhase.FAILED,
+            0,
+            False,
+        ),
+        (
+            "a rank reports failure",
+            [pod(P0), pod(P1, index=1)],
+            {P0: (RankReport(0, "failed"), None), P1: (None, None)},
+            GroupPhase.FAILED,
+            0,
+            False,
+        ),
+    ],
+)
+def test_group_phase(name, pods, reports, phase, ready, is_committed) -> None:
+    view = evaluate_group(
+        name="demo-g0",
+        index=0,
+        incarnation=1,
+        revision="r1",
+        pods=pods,
+        pods_expected=2,
+        ranks_expected=4,
+        reports=reports,
+    )
+    assert (view.phase, view.ranks_ready, view.committed) == (phase, ready, is_committed), name
+    assert view.ranks_total == 4
+
+
+def test_failed_group_records_phase_and_message() -> None:
+    view = evaluate_group(
+        name="demo-g0",
+        index=0,
+        incarnation=1,
+        revision="r1",
+        pods=[pod(P0), pod(P1, index=1, phase="Failed", message="P3: rank 3 failed")],
+        pods_expected=2,
+        ranks_expected=4,
+        reports={},
+    )
+    assert view.failure == {
+        "phase": "P3",
+        "message": "demo-g0-i1-p1: P3: rank 3 failed",
+        "reason": "PodFailed",
+    }
+    assert view.to_status(restarts=2) == {
+        "name": "demo-g0",
+        "revision": "r1",
+        "incarnation": 1,
+        "phase": "Failed",
+        "ranksReady": 0,
+        "ranksTotal": 4,
+        "restarts": 2,
+        "lastFailure": view.failure,
+    }
+
+
+def test_conditions_when_everything_serves() -> None:
+    got = conditions(
+        desired=2,
+        ready=2,
+        existing=2,
+        failed=[],
+        outdated=0,
+        generation_desired=1,
+        generation_ready=1,
+        observed_generation=3,
+    )
+    assert got == [
+        {
+            "type": "Ready",
+            "status": "True",
+            "reason": "AllGroupsServing",
+            "message": "2/2 context groups serving, 1/1 generation servers serving",
+            "observedGeneration": 3,
+        },
+        {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "Stable",
+            "message": "no change under way",
+            "observedGeneration": 3,
+        },
+        {
+            "type": "Degraded",
+            "status": "False",
+            "reason": "Healthy",
+            "message": "no group failed",
+            "observedGeneration": 3,
+        },
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "ready", "progressing", "degraded"),
+    [
+        (dict(desired=3, ready=2, existing=2, failed=[]), "GroupsNotReady", "Scaling", "Healthy"),
+        (dict(desired=1, ready=1, existing=2, failed=[]), "AllGroupsServing", "Scaling", "Healthy"),
+        (
+            dict(desired=2, ready=1, existing=2, failed=[]),
+            "GroupsNotReady",
+            "GroupsStarting",
+            "Healthy",
+        ),
+        (
+            dict(desired=2, ready=1, existing=2, failed=["demo-g1"]),
+            "GroupsNotReady",
+            "Stable",
+            "GroupFailed",
+        ),
+    ],
+)
+def test_condition_reasons(kwargs, ready, progressing, degraded) -> None:
+    got = conditions(
+        **kwargs, outdated=0, generation_desired=0, generation_ready=0, observed_generation=None
+    )
+    assert [x["reason"] for x in got] == [ready, progressing, degraded]
+    assert all("observedGeneration" not in x for x in got)
+
+
+def test_transition_times_carry_over_only_when_status_is_unchanged() -> None:
+    old = [
+        {"type": "Ready", "status": "False", "lastTransitionTime": "T0"},
+        {"type": "Degraded", "status": "False", "lastTransitionTime": "T0"},
+    ]
+    new = [
+        {"type": "Ready", "status": "True"},
+        {"type": "Degraded", "status": "False"},
+        {"type": "Progressing", "status": "True"},
+    ]
+    assert carry_transition_times(new, old, "T1") == [
+        {"type": "Ready", "status": "True", "lastTransitionTime": "T1"},
+        {"type": "Degraded", "status": "False", "lastTransitionTime": "T0"},
+        {"type": "Progressing", "status": "True", "lastTransitionTime": "T1"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("all_ready", "failed", "started", "want"),
+    [
+        (True, False, True, "Ready"),
+        (False, True, True, "Degraded"),
+        (False, False, True, "Progressing"),
+        (False, False, False, "Pending"),
+    ],
+)
+def test_deployment_phase(all_ready, failed, started, want) -> None:
+    assert deployment_phase(all_ready=all_ready, failed=failed, started=started).value == want
