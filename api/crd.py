@@ -130,16 +130,15 @@ def structural(model: type) -> dict[str, Any]:
 
 
 def _root_schema() -> dict[str, Any]:
-    name_rule = {
-        "rule": (
-            f"!has(self.metadata.name) || (size(self.metadata.name) <= {NAME_MAX_LENGTH}"
-            f" && self.metadata.name.matches('{NAME_PATTERN}'))"
+    # At the root, a CRD may restrict metadata.name (and generateName) and nothing else.
+    name = {
+        "type": "string",
+        "description": (
+            f"A DNS-1035 label of at most {NAME_MAX_LENGTH} characters (child objects "
+            "append suffixes; Service names are DNS-1035 labels)."
         ),
-        "message": (
-            f"metadata.name must be a DNS-1035 label of at most {NAME_MAX_LENGTH} characters "
-            "(lower-case letters, digits and '-', starting with a letter)"
-        ),
-        "reason": "FieldValueInvalid",
+        "maxLength": NAME_MAX_LENGTH,
+        "pattern": NAME_PATTERN,
     }
     return {
         "type": "object",
@@ -151,11 +150,10 @@ def _root_schema() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "metadata": {"type": "object", "properties": {"name": name}},
             "spec": structural(DwdpDeploymentSpec),
             "status": structural(DwdpDeploymentStatus),
         },
-        "x-kubernetes-validations": [name_rule],
     }
 
 

@@ -77,9 +77,11 @@ class OfflineApiserver:
             props = schema.get("properties")
             if props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
                 for key in value:
-                    if key not in props and not (not path and key == "metadata"):
+                    if key not in props:
                         errors.append(f'unknown field "{_path([*path, key])}"')
             for key, sub in value.items():
+                if not path and key == "metadata":
+                    continue  # the apiserver checks metadata fields itself
                 if props and key in props:
                     self._unknown(sub, props[key], [*path, key], errors)
                 elif isinstance(schema.get("additionalProperties"), dict):
