@@ -1,4 +1,15 @@
 """dwdp.api: the one source of truth for valid DWDP settings and DwdpDeployments.
 
 Depends only on pydantic and PyYAML, so the operator, the worker and the CLI share it.
+
+- ``dwdp.api.enums``: CopyMode, GatherKernel, HandleType, Role, Transport, DenseMode.
+- ``dwdp.api.partition``: expert_partition, ExpertPartition, PartitionKind, PartitionError.
+- ``dwdp.api.config``: DwdpConfig (DESIGN.md 3.1).
+- ``dwdp.api.launch``: LaunchConfig, validate_launch / launch_problems (3.2), roles.
+- ``dwdp.api.deployment``: the DwdpDeployment spec and status (3.3), deployment_problems,
+  launch_config_for.
+- ``dwdp.api.crd``: the CRD generated from the models (``dwdp crd``).
+- ``dwdp.api.errors``: Problem (field path, value, rule) and DwdpValidationError.
+
+This package imports nothing at import time; import the module you need.
 """

@@ -1,0 +1,208 @@
+"""Launch rules (DESIGN.md 3.2): the first broken requirement, roles, warnings, rendering."""
+
+from __future__ import annotations
+
+import pytest
+from dwdp.api.config import DwdpConfig
+from dwdp.api.deployment import launch_config_for, parse_deployment
+from dwdp.api.enums import DenseMode, HandleType, Role, Transport
+from dwdp.api.errors import problems_from_validation_error
+from dwdp.api.launch import (
+    LaunchConfig,
+    LaunchError,
+    dense_mode,
+    launch_problem,
+    launch_problems,
+    launch_warnings,
+    parse_role,
+    resolve_role,
+    validate_launch,
+)
+from pydantic import ValidationError
+
+
+def launch(**fields) -> LaunchConfig:
+    return LaunchConfig.model_validate({"model": {"path": "/models/m"}, **fields})
+
+
+ATTACHED = {"dwdp": {"dwdpSize": 4, "enableDense": True}}
+STANDALONE = {
+    "transport": "mpi",
+    "parallel": {"tensorParallelSize": 4, "attentionDP": True},
+    "dwdp": {"enableExperts": False, "enableDense": True},
+}
+
+
+def test_defaults_and_both_spellings() -> None:
+    cfg = launch()
+    assert cfg.role is None and cfg.transport is Transport.TCP_STORE
+    assert cfg.handle_type is HandleType.FABRIC and cfg.graceful_shutdown_timeout_s is None
+    validate_launch(cfg)
+    snake = LaunchConfig.model_validate(
+        {"model": {"path": "/m"}, "graceful_shutdown_timeout_s": 45, "dwdp": {"dwdp_size": 2}}
+    )
+    camel = LaunchConfig.model_validate(
+        {"model": {"path": "/m"}, "gracefulShutdownTimeoutSeconds": 45, "dwdp": {"dwdpSize": 2}}
+    )
+    assert snake == camel and snake.graceful_shutdown_timeout_s == 45
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "45", True])
+def test_graceful_timeout_positive_integer(value) -> None:
+    with pytest.raises(ValidationError) as info:
+        launch(gracefulShutdownTimeoutSeconds=value)
+    (problem,) = problems_from_validation_error(info.value)
+    assert problem.where == "gracefulShutdownTimeoutSeconds"
+
+
+def test_modes() -> None:
+    assert dense_mode(launch(**ATTACHED)) is DenseMode.ATTACHED
+    assert dense_mode(launch(**STANDALONE)) is DenseMode.STANDALONE
+    assert dense_mode(launch(dwdp={"dwdpSize": 4})) is None
+    # expert DWDP on an attention-DP instance is neither mode
+    neither = launch(
+        dwdp={"dwdpSize": 4, "enableDense": True},
+        parallel={"tensorParallelSize": 2, "attentionDP": True},
+    )
+    assert dense_mode(neither) is None
+    with pytest.raises(LaunchError) as info:
+        validate_launch(neither)
+    assert info.value.problem.where == "parallel.tensorParallelSize"
+    assert "neither dense mode" in str(info.value)
+
+
+def test_first_requirement_is_named() -> None:
+    # breaks: pipeline parallel (expert), cuda graphs (expert), torch.compile (dense)
+    cfg = launch(
+        dwdp={"dwdpSize": 4, "enableDense": True},
+        parallel={"pipelineParallelSize": 2},
+        engine={"cudaGraphs": True, "torchCompile": True},
+    )
+    problems = launch_problems(cfg)
+    assert [p.where for p in problems] == [
+        "parallel.pipelineParallelSize",
+        "engine.cudaGraphs",
+        "engine.torchCompile",
+    ]
+    first = launch_problem(cfg)
+    assert first == problems[0]
+    with pytest.raises(LaunchError) as info:
+        validate_launch(cfg)
+    text = str(info.value)
+    assert text.startswith("launch refused: parallel.pipelineParallelSize:")
+    assert "(got 2)" in text and "pipelineParallelSize 1" in text
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"dwdp": {"dwdpSize": 2}, "parallel": {"contextParallelSize": 2}},
+         "parallel.contextParallelSize"),
+        ({"dwdp": {"dwdpSize": 2}, "parallel": {"tensorParallelSize": 2}},
+         "parallel.tensorParallelSize"),
+        ({"dwdp": {"dwdpSize": 2}, "engine": {"overlapScheduler": True}},
+         "engine.overlapScheduler"),
+        ({"dwdp": {"enableDense": True}}, "dwdp.dwdpSize"),
+        ({**STANDALONE, "transport": "tcpStore"}, "transport"),
+        ({**STANDALONE, "parallel": {"tensorParallelSize": 4}}, "parallel.attentionDP"),
+        ({**STANDALONE, "parallel": {"attentionDP": True}}, "parallel.tensorParallelSize"),
+        ({**STANDALONE, "engine": {"sleepMode": True}}, "engine.sleepMode"),
+        ({**ATTACHED, "engine": {"lora": True}}, "engine.lora"),
+        ({**ATTACHED, "engine": {"speculativeDecoding": True}}, "engine.speculativeDecoding"),
+    ],
+)
+def test_each_rule(fields, where) -> None:
+    problem = launch_problem(launch(**fields))
+    assert problem is not None and problem.where == where, problem
+
+
+def test_standalone_may_keep_the_overlap_scheduler() -> None:
+    validate_launch(launch(**STANDALONE, engine={"overlapScheduler": True}))
+
+
+def test_generation_refuses_dense_first() -> None:
+    cfg = launch(role="generation", **ATTACHED, engine={"cudaGraphs": True})
+    problem = launch_problem(cfg)
+    assert problem is not None and problem.where == "dwdp.enableDense"
+    assert "generation server refuses" in problem.rule
+    validate_launch(launch(role="context", **ATTACHED))
+
+
+def test_dense_roots_checked_on_the_host_only() -> None:
+    cfg = launch(**ATTACHED, model={"path": "/m", "architecture": "MixtralForCausalLM"})
+    validate_launch(cfg)  # unknown at build time
+    validate_launch(cfg, dense_roots=True)
+    with pytest.raises(LaunchError) as info:
+        validate_launch(cfg, dense_roots=False)
+    assert "MixtralForCausalLM declares no dense roots" in str(info.value)
+    validate_launch(launch(dwdp={"dwdpSize": 4}), dense_roots=False)  # dense off: fine
+
+
+@pytest.mark.parametrize(
+    ("text", "role"),
+    [
+        ("context", Role.CONTEXT),
+        ("CONTEXT", Role.CONTEXT),
+        ("ctx0", Role.CONTEXT),
+        ("CTX0", Role.CONTEXT),
+        ("Gen0", Role.GENERATION),
+        ("generation", Role.GENERATION),
+        (" aggregated ", Role.AGGREGATED),
+    ],
+)
+def test_parse_role(text, role) -> None:
+    assert parse_role(text) is role
+
+
+def test_parse_role_unknown_names_the_accepted() -> None:
+    with pytest.raises(ValueError, match="ctx0"):
+        parse_role("prefill")
+
+
+def test_resolve_role_prefers_the_launch() -> None:
+    assert resolve_role(Role.CONTEXT, {"DWDP_ROLE": "gen0"}) is Role.CONTEXT
+    assert resolve_role("gen0", {}) is Role.GENERATION
+    assert resolve_role(None, {"DWDP_ROLE": "CTX0"}) is Role.CONTEXT
+    assert resolve_role(None, {"DWDP_ROLE": " "}) is None
+    assert resolve_role(None, {}) is None
+
+
+def test_warning_without_a_context_role() -> None:
+    assert launch_warnings(launch(role="context", **ATTACHED)) == []
+    (warning,) = launch_warnings(launch(**ATTACHED))
+    assert "role is unset" in warning
+    (warning,) = launch_warnings(launch(**ATTACHED), Role.AGGREGATED)
+    assert "aggregated" in warning
+    assert launch_warnings(launch(dwdp={"dwdpSize": 4})) == []
+
+
+def test_launch_config_rendered_from_a_deployment() -> None:
+    dep = parse_deployment(
+        {
+            "apiVersion": "dwdp.io/v1alpha1",
+            "kind": "DwdpDeployment",
+            "metadata": {"name": "demo"},
+            "spec": {
+                "model": {"path": "/models/m", "architecture": "Qwen3MoeForCausalLM"},
+                "image": "img",
+                "gracefulShutdownTimeoutSeconds": 45,
+                "server": {"port": 9000},
+                "context": {"dwdp": {"dwdpSize": 4, "enableDense": True}, "maxNumTokens": 4096},
+                "generation": {"replicas": 1, "parallel": {"tensorParallelSize": 2}},
+            },
+        }
+    )
+    ctx = launch_config_for(dep.spec, Role.CONTEXT)
+    assert ctx.role is Role.CONTEXT and ctx.dwdp.enable_dense and ctx.max_num_tokens == 4096
+    assert ctx.graceful_shutdown_timeout_s == 45 and ctx.server_port == 9000
+    assert ctx.model.architecture == "Qwen3MoeForCausalLM"
+    validate_launch(ctx)
+    gen = launch_config_for(dep.spec, Role.GENERATION)
+    assert gen.role is Role.GENERATION and gen.dwdp == DwdpConfig()
+    assert gen.parallel.tensor_parallel_size == 2
+    validate_launch(gen)
+    # The rendered launch round-trips through its YAML view (the worker's config file).
+    again = LaunchConfig.model_validate(ctx.to_yaml_dict())
+    assert again == ctx
+    with pytest.raises(ValueError):
+        launch_config_for(dep.spec, Role.AGGREGATED)
