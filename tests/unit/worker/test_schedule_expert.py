@@ -50,7 +50,6 @@ class ExpertRig:
         self.fail_after: int | None = None
         """Launches that succeed before one fails (None: none fails)."""
         self.log: list[tuple[str, int]] = []
-        self.store_written = self.fake.new_event()
         self.copies_done = self.fake.new_event()
         self.sched = cls(
             backend=self.fake,
@@ -137,8 +136,7 @@ class ExpertRig:
         return out
 
 
-def rig(n: int, slots: int, **kw: object) -> ExpertRig:
-    return ExpertRig(n, slots, **kw)  # type: ignore[arg-type]
+rig = ExpertRig
 
 
 def _positions(n: int) -> dict[str, int]:
