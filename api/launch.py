@@ -36,6 +36,7 @@ __all__ = [
     "LaunchModel",
     "ParallelConfig",
     "dense_mode",
+    "launch_message",
     "launch_problem",
     "launch_problems",
     "launch_warnings",
@@ -301,6 +302,12 @@ def launch_problem(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> Pro
     """The first launch rule ``cfg`` breaks, or None; ``str()`` of it is the message."""
     problems = launch_problems(cfg, dense_roots=dense_roots)
     return problems[0] if problems else None
+
+
+def launch_message(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> str | None:
+    """The first broken requirement as one line (``path: rule (got value)``), or None."""
+    problem = launch_problem(cfg, dense_roots=dense_roots)
+    return None if problem is None else str(problem)
 
 
 def validate_launch(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> None:

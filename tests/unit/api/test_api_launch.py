@@ -11,6 +11,7 @@ from dwdp.api.launch import (
     LaunchConfig,
     LaunchError,
     dense_mode,
+    launch_message,
     launch_problem,
     launch_problems,
     launch_warnings,
@@ -86,6 +87,7 @@ def test_first_requirement_is_named() -> None:
     ]
     first = launch_problem(cfg)
     assert first == problems[0]
+    assert launch_message(cfg) == str(first) and launch_message(launch()) is None
     with pytest.raises(LaunchError) as info:
         validate_launch(cfg)
     text = str(info.value)
