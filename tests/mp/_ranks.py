@@ -59,6 +59,33 @@ def _dense_forward_check(model, dense, ids, reference) -> bool:
     return bool(torch.equal(out, reference))
 
 
+def _scheduled_forward_check(model, dense, ids, reference) -> bool:
+    """Two forwards driven by the dense slot schedule's hooks H0-H3 (standalone mode): the
+    schedule launches our copy plans through ``dense.launch``."""
+    from dwdp.worker.schedule.dense import DenseSlotSchedule
+
+    moe_order = {int(s.prefix.rsplit(".", 1)[1]): i for i, s in
+                 enumerate(TOY_ARCH.moe_layers(model))}
+    backend = dense.backend
+    schedule = DenseSlotSchedule(backend=backend, copy_stream=backend.new_stream("dense-copy"),
+                                 layers=range(dense.num_layers), launch=dense.launch,
+                                 attached=False)
+
+    def hook(method):
+        def call(index: int) -> None:
+            if index in moe_order:
+                getattr(schedule, method)(moe_order[index])
+        return call
+
+    ok = True
+    for _ in range(2):
+        schedule.h0_forward_entry()
+        out = model(ids, before_layer=hook("h1_layer_entry"),
+                    after_attention=hook("h2_after_attention"), after_mlp=hook("h3_after_moe"))
+        ok &= bool(torch.equal(out, reference))
+    return ok
+
+
 def run_dense(scenario: str, transport, backend, rank: int) -> dict:
     model = build_toy(perturb=scenario == "weights-mismatch" and rank == 3)
     if scenario == "leak":
@@ -87,7 +114,9 @@ def run_dense(scenario: str, transport, backend, rank: int) -> dict:
                               for s in Segment},
                   moved=[t.name for b in dense.layout.blobs for t in b.tensors()],
                   replicated=[r.name for r in dense.layout.replicated],
-                  forward_equal=_dense_forward_check(model, dense, ids, reference))
+                  forward_equal=_dense_forward_check(model, dense, ids, reference),
+                  scheduled_forward_equal=_scheduled_forward_check(model, dense, ids,
+                                                                   reference))
     dense.release()
     return record
 

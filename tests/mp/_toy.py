@@ -128,12 +128,20 @@ class ToyMoeForCausalLM(nn.Module):
         self.model = Inner(layers)
         self.lm_head = nn.Linear(HIDDEN, 64, bias=False)
 
-    def forward(self, ids: torch.Tensor, before_layer=None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, before_layer=None, after_attention=None,
+                after_mlp=None) -> torch.Tensor:
+        """``before_layer(i)``, ``after_attention(i)``, ``after_mlp(i)``: hook points H1,
+        H2 and H3 of decoder layer i (optional)."""
         x = self.model.embed_tokens(ids)
         for index, layer in enumerate(self.model.layers):
             if before_layer is not None:
                 before_layer(index)
-            x = layer(x)
+            x = x + layer.self_attn(layer.input_layernorm(x))
+            if after_attention is not None:
+                after_attention(index)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if after_mlp is not None:
+                after_mlp(index)
         return self.lm_head(self.model.norm(x))
 
 

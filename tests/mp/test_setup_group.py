@@ -86,6 +86,7 @@ def test_four_ranks_commit_with_one_layout_digest(run):
     assert all(r["ok"] for r in recs)
     assert len({r["digest"] for r in recs}) == 1
     assert all(r["forward_equal"] for r in recs), "the model reads other weights via the slots"
+    assert all(r["scheduled_forward_equal"] for r in recs)
     moved, replicated = recs[0]["moved"], recs[0]["replicated"]
     assert "model.layers.1.self_attn.q_proj.weight" in moved
     assert "model.layers.3.mlp.shared_experts.up.weight" in moved

@@ -26,6 +26,11 @@ from dwdp.worker.dense.rows import RowStoreLayout, blob_plan
 from dwdp.worker.setup.status import ResidentBytes
 
 
+def _segment(segment: object) -> Segment:
+    """Our :class:`Segment` from it or from any enum with the same values (the schedule's)."""
+    return Segment(getattr(segment, "value", segment))
+
+
 class DenseState(enum.StrEnum):
     SETTING_UP = "setting_up"
     COMMITTED = "committed"
@@ -100,11 +105,13 @@ class DenseDwdp:
         return layer % self.rings.count(segment)
 
     def plan(self, layer: int, segment: Segment, slot: int) -> CopyPlan:
-        """The copy plan that gathers blob ``segment`` of ``layer`` into ``slot``."""
-        return self.plans[(layer, Segment(segment), slot)]
+        """The copy plan that gathers blob ``segment`` of MoE layer ``layer`` (0-based MoE
+        order: pass ``layers=range(num_layers)`` to the dense slot schedule) into ``slot``.
+        ``segment`` may be any enum whose value is ``"attention"`` or ``"moe_dense"``."""
+        return self.plans[(layer, _segment(segment), slot)]
 
     def slot_buffers(self, segment: Segment) -> tuple[Buffer, ...]:
-        return self.slots[Segment(segment)]
+        return self.slots[_segment(segment)]
 
     def launch(self, layer: int, segment: Segment, slot: int, stream: Stream) -> None:
         """Enqueue the copies of (layer, segment) into ``slot`` on ``stream``."""
