@@ -130,16 +130,9 @@ def structural(model: type) -> dict[str, Any]:
 
 
 def _root_schema() -> dict[str, Any]:
-    # At the root, a CRD may restrict metadata.name (and generateName) and nothing else.
-    name = {
-        "type": "string",
-        "description": (
-            f"A DNS-1035 label of at most {NAME_MAX_LENGTH} characters (child objects "
-            "append suffixes; Service names are DNS-1035 labels)."
-        ),
-        "maxLength": NAME_MAX_LENGTH,
-        "pattern": NAME_PATTERN,
-    }
+    # At the root, a CRD may restrict metadata.name (and generateName) and nothing else:
+    # a DNS-1035 label, short enough for the suffixes of the children's names.
+    name = {"type": "string", "maxLength": NAME_MAX_LENGTH, "pattern": NAME_PATTERN}
     return {
         "type": "object",
         "description": (
