@@ -70,8 +70,10 @@ def test_peers_map_each_others_store_and_copies_move_real_bytes(group):
         assert store.unlinked  # every peer mapped it: the name is gone
         slot = backend.allocate(16, tag="slot")
         peer = 1 - t.rank
-        plan = CopyPlan(remote=(CopyDescriptor(views[peer], 0, slot, 8, 8),),
-                        local=(CopyDescriptor(store, 0, slot, 0, 8),))
+        plan = CopyPlan(
+            remote=(CopyDescriptor(views[peer], 0, slot, 8, 8),),
+            local=(CopyDescriptor(store, 0, slot, 0, 8),),
+        )
         stream = backend.new_stream("copy")
         event = backend.new_event()
         backend.launch_copies(plan, stream, mode=CopyMode.BATCHED)

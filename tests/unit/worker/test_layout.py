@@ -39,9 +39,14 @@ class Model(nn.Module):
 
 def specs(model: Model) -> list[DenseLayerSpec]:
     return [
-        DenseLayerSpec(prefix=f"layers.{i}", decoder_layer=layer, attention_roots=("self_attn",),
-                       moe_dense_roots=(), never_move=frozenset({"self_attn.scratch"}),
-                       movable=("self_attn.scale_copy",))
+        DenseLayerSpec(
+            prefix=f"layers.{i}",
+            decoder_layer=layer,
+            attention_roots=("self_attn",),
+            moe_dense_roots=(),
+            never_move=frozenset({"self_attn.scratch"}),
+            movable=("self_attn.scale_copy",),
+        )
         for i, layer in enumerate(model.layers)
     ]
 
@@ -55,12 +60,18 @@ def test_what_moves_and_what_stays():
     model = Model()
     layout = collect_dense_layout(model, specs(model), world_size=4)
     moved = names(layout)
-    assert {"layers.0.self_attn.qkv", "layers.0.self_attn.q_view", "layers.0.self_attn.o.weight",
-            "layers.0.self_attn.scale_copy"} <= moved
+    assert {
+        "layers.0.self_attn.qkv",
+        "layers.0.self_attn.q_view",
+        "layers.0.self_attn.o.weight",
+        "layers.0.self_attn.scale_copy",
+    } <= moved
     assert "layers.0.self_attn.scratch" not in moved  # never-move table
     assert "layers.0.self_attn.shared" not in moved
-    assert [r.name for r in layout.replicated] == ["layers.0.self_attn.shared",
-                                                   "layers.1.self_attn.shared"]
+    assert [r.name for r in layout.replicated] == [
+        "layers.0.self_attn.shared",
+        "layers.1.self_attn.shared",
+    ]
     assert "layers.0.norm" not in moved  # not under a root
 
 
@@ -119,12 +130,26 @@ def test_checksums_follow_the_weights():
     assert differ == ["layers.1/attention"]
 
 
-@pytest.mark.parametrize("mutation, message", [
-    (lambda m: setattr(m.layers[0].self_attn, "o_alias", None) or m.layers[0].self_attn.o
-     .register_parameter("weight", nn.Parameter(torch.randn(8, 8).t())), "not contiguous"),
-    (lambda m: m.layers[0].self_attn.register_buffer(
-        "q_view", torch.empty(4, 8, device="meta")), "meta device"),
-])
+@pytest.mark.parametrize(
+    "mutation, message",
+    [
+        (
+            lambda m: (
+                setattr(m.layers[0].self_attn, "o_alias", None)
+                or m.layers[0].self_attn.o.register_parameter(
+                    "weight", nn.Parameter(torch.randn(8, 8).t())
+                )
+            ),
+            "not contiguous",
+        ),
+        (
+            lambda m: m.layers[0].self_attn.register_buffer(
+                "q_view", torch.empty(4, 8, device="meta")
+            ),
+            "meta device",
+        ),
+    ],
+)
 def test_tensors_not_in_final_form_are_refused(mutation, message):
     model = Model()
     mutation(model)

@@ -15,8 +15,13 @@ from dwdp.worker.transport.base import (
 )
 from dwdp.worker.transport.tcp_store import LoopbackAcrossHosts, check_rendezvous_hosts, is_loopback
 
-ENV = {"DWDP_GROUP": "g", "DWDP_INCARNATION": "3", "DWDP_RANK": "1", "DWDP_WORLD_SIZE": "4",
-       "DWDP_RENDEZVOUS": "pod-0.svc:29500"}
+ENV = {
+    "DWDP_GROUP": "g",
+    "DWDP_INCARNATION": "3",
+    "DWDP_RANK": "1",
+    "DWDP_WORLD_SIZE": "4",
+    "DWDP_RENDEZVOUS": "pod-0.svc:29500",
+}
 
 
 class ThreadGroup:
@@ -68,14 +73,17 @@ def test_config_from_env_reads_the_contract():
     assert RendezvousConfig.from_env({**ENV, "DWDP_RENDEZVOUS_TIMEOUT_S": "2.5"}).timeout_s == 2.5
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"DWDP_RANK": None}, "DWDP_RANK is not set"),
-    ({"DWDP_RANK": "4"}, "outside"),
-    ({"DWDP_WORLD_SIZE": "x"}, "not an integer"),
-    ({"DWDP_RENDEZVOUS": "nohostport"}, "host:port"),
-    ({"DWDP_RENDEZVOUS_TIMEOUT_S": "0"}, "> 0"),
-    ({"DWDP_INCARNATION": "a/b"}, "without '/'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"DWDP_RANK": None}, "DWDP_RANK is not set"),
+        ({"DWDP_RANK": "4"}, "outside"),
+        ({"DWDP_WORLD_SIZE": "x"}, "not an integer"),
+        ({"DWDP_RENDEZVOUS": "nohostport"}, "host:port"),
+        ({"DWDP_RENDEZVOUS_TIMEOUT_S": "0"}, "> 0"),
+        ({"DWDP_INCARNATION": "a/b"}, "without '/'"),
+    ],
+)
 def test_config_from_env_names_the_bad_variable(change, message):
     env = {k: v for k, v in {**ENV, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=message):
