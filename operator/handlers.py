@@ -98,12 +98,8 @@ def build_registry(reconcilers: Reconcilers, config: OperatorConfig) -> kopf.Ope
     def login(**kwargs: Any) -> Any:
         return kopf.login_via_client(**kwargs)
 
-    @kopf.on.startup(registry=registry)
-    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        build_settings(settings, config)
-
     @kopf.on.event(c.API_GROUP, c.API_VERSION, c.RESOURCE_PLURAL, registry=registry)
-    def deployment_event(event: dict, namespace: str, name: str, meta: Any, **_: Any) -> None:
+    async def deployment_event(event: dict, namespace: str, name: str, meta: Any, **_: Any) -> None:
         key = (namespace, name)
         if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
             reconcilers.stop(key)
@@ -117,7 +113,7 @@ def build_registry(reconcilers: Reconcilers, config: OperatorConfig) -> kopf.Ope
         labels={c.LABEL_DEPLOYMENT: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY},
         registry=registry,
     )
-    def pod_event(namespace: str, labels: Any, **_: Any) -> None:
+    async def pod_event(namespace: str, labels: Any, **_: Any) -> None:
         reconcilers.wake((namespace, labels[c.LABEL_DEPLOYMENT]), start=False)
 
     @kopf.on.cleanup(registry=registry)
@@ -137,7 +133,7 @@ def build_registry(reconcilers: Reconcilers, config: OperatorConfig) -> kopf.Ope
             registry=registry,
         )
         def validate(body: Any, **_: Any) -> None:
-            problems = deployment_problems(dict(body))
+            problems = deployment_problems({k: v for k, v in dict(body).items() if k != "status"})
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems)[:4000], code=422)
 

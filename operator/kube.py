@@ -46,10 +46,6 @@ def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _now_micro() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 class ApiError(Exception):
     """A non-2xx answer of the apiserver: ``status`` (HTTP code) and ``message``."""
 
@@ -122,10 +118,10 @@ class Kube:
             raise ApiError(resp.status, message)
         return json.loads(data) if data else None
 
-    async def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Send one request in a worker thread; return the decoded JSON body."""
+    async def request(self, method: str, path: str, *, kind: str = "", **kwargs: Any) -> Any:
+        """Send one request in a worker thread; return the decoded JSON body. Every
+        non-GET request counts in :attr:`writes` under ``(method, kind)``."""
         if method != "GET":
-            kind = path.rstrip("/").split("/")[-2 if method in ("PATCH", "DELETE") else -1]
             self.writes[(method, kind)] += 1
         return await asyncio.to_thread(self._request, method, path, **kwargs)
 
@@ -165,6 +161,7 @@ class Kube:
         return await self.request(
             "PATCH",
             _path(obj["kind"], meta["namespace"], meta["name"]),
+            kind=obj["kind"],
             body=obj,
             query={"fieldManager": c.FIELD_MANAGER, "force": "true"},
             content_type="application/apply-patch+yaml",
@@ -181,6 +178,7 @@ class Kube:
         await self.request(
             "PATCH",
             _path(KIND, namespace, name, "status"),
+            kind=f"{KIND}/status",
             body=body,
             query={"fieldManager": c.FIELD_MANAGER, "force": "true"},
             content_type="application/apply-patch+yaml",
@@ -192,6 +190,7 @@ class Kube:
             await self.request(
                 "POST",
                 _path(obj["kind"], obj["metadata"]["namespace"]),
+                kind=obj["kind"],
                 body=obj,
                 query={"fieldManager": c.FIELD_MANAGER},
             )
@@ -221,6 +220,7 @@ class Kube:
             await self.request(
                 "PATCH",
                 _path("Pod", namespace, pod, "status"),
+                kind="Pod/status",
                 body=body,
                 query={"fieldManager": c.FIELD_MANAGER},
                 content_type="application/strategic-merge-patch+json",
@@ -237,7 +237,7 @@ class Kube:
         if grace_s is not None:
             body["gracePeriodSeconds"] = grace_s
         try:
-            await self.request("DELETE", _path(kind, namespace, name), body=body)
+            await self.request("DELETE", _path(kind, namespace, name), kind=kind, body=body)
         except ApiError as exc:
             if exc.status != 404:
                 raise
@@ -264,12 +264,8 @@ class Kube:
             "message": message[:1024],
             "type": type_,
             "source": {"component": c.FIELD_MANAGER},
-            "reportingComponent": c.FIELD_MANAGER,
-            "reportingInstance": os.environ.get("HOSTNAME", c.FIELD_MANAGER),
             "firstTimestamp": stamp,
             "lastTimestamp": stamp,
-            "eventTime": _now_micro(),
-            "action": reason,
             "count": 1,
         }
-        await self.request("POST", _path("Event", meta["namespace"]), body=body)
+        await self.request("POST", _path("Event", meta["namespace"]), kind="Event", body=body)

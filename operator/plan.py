@@ -184,10 +184,11 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     """Decide the children and actions for the DwdpDeployment ``body`` (the object as
     read, status included) given what was ``observed``; ``now`` (RFC 3339) stamps changed
     conditions. Never raises for a bad spec: it plans the Invalid condition instead."""
-    problems = deployment_problems(body)
+    document = {k: v for k, v in body.items() if k != "status"}  # status never invalidates
+    problems = deployment_problems(document)
     if problems:
         return _invalid_plan(body, problems, now)
-    dep = parse_deployment(body)
+    dep = parse_deployment(document)
     spec = dep.spec
     owner = builders.Owner.from_body(body)
     meta = body.get("metadata") or {}
