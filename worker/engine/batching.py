@@ -319,9 +319,7 @@ class BatchingEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         self.stats.prompt_tokens += sum(len(r.prompt) for r in wave)
-        out = self._forward(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache
-        )
+        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
         step = 0
         while True:
             logits = out.logits[:, -1, :].float()
@@ -395,8 +393,9 @@ class BatchingEngine:
         else:
             req.tokens.append(token)
             req.text = self._tokenizer.decode(req.tokens, skip_special_tokens=True)
+            stable = req.text.rstrip("\ufffd")  # an incomplete UTF-8 tail may still change
             for s in p.stop:
-                cut = req.text.find(s)
+                cut = stable.find(s)
                 if cut >= 0:
                     req.text = req.text[:cut]
                     reason = "stop"
@@ -414,6 +413,9 @@ class BatchingEngine:
         text = req.text
         if not final:
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its rest
+            hold = max((len(s) for s in req.params.stop), default=1) - 1
+            if hold:  # text that may still become a stop string is not sent yet
+                text = text[: max(0, len(text) - hold)]
         delta = text[req.sent_text :]
         new_tokens = req.tokens[req.sent_tokens :]
         if not delta and not new_tokens and not final:

@@ -1,0 +1,351 @@
+"""The HTTP server through a real uvicorn on 127.0.0.1 (random free port), over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from dwdp.worker.engine.batching import BatchingEngine, EngineConfig  # noqa: E402
+from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
+from dwdp.worker.server.app import build_app  # noqa: E402
+from dwdp.worker.server.run import uvicorn_kwargs  # noqa: E402
+from dwdp.worker.server.status import NoDwdp  # noqa: E402
+from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+
+MAX_LEN = 96
+
+
+class FakeDwdp:
+    """A status source whose commit the test flips."""
+
+    def __init__(self) -> None:
+        self.committed = False
+
+    def status(self):
+        return {
+            **NoDwdp().status(),
+            "phase": "committed" if self.committed else "setup",
+            "rank": 1,
+            "dwdp_size": 4,
+            "layout_digest": "abc123",
+            "partition": {"kind": "balanced", "ranks": [{"rank": r} for r in range(4)]},
+            "bytes_stored": 1000,
+            "bytes_moved": 123456,
+            "bytes_freed": 3000,
+            "slot_waits": 7,
+        }
+
+
+class UvicornThread:
+    """uvicorn in a thread on 127.0.0.1 and an OS-chosen free port."""
+
+    def __init__(self, app, **kwargs) -> None:
+        config = uvicorn.Config(app, **uvicorn_kwargs(host="127.0.0.1", port=0, **kwargs))
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    torch.set_num_threads(1)
+    path = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ck") / "ds", num_experts=5)
+    model, tok = load_checkpoint(path)
+    engine = BatchingEngine(
+        model, tok, model_name="tiny-ds", config=EngineConfig(max_model_len=MAX_LEN)
+    ).start()
+    dwdp = FakeDwdp()
+    stopped = []
+    app = build_app(engine, dwdp=dwdp, on_shutdown=lambda: stopped.append(engine.stop()))
+    with (
+        UvicornThread(app, graceful_shutdown_timeout_s=None) as base,
+        httpx.Client(base_url=base, timeout=60) as client,
+    ):
+        yield client, engine, dwdp, base, app
+    assert stopped, "the lifespan shutdown did not stop the engine"
+
+
+def test_models_health_ready(served):
+    client, _engine, dwdp, _base, _app = served
+    r = client.get("/v1/models")
+    assert r.status_code == 200
+    (card,) = r.json()["data"]
+    assert card["id"] == "tiny-ds" and card["max_model_len"] == MAX_LEN
+    assert client.get("/health").json() == {"status": "ok"}
+    dwdp.committed = False
+    r = client.get("/ready")
+    assert r.status_code == 503
+    assert "not committed" in r.json()["error"]["message"]
+    dwdp.committed = True
+    assert client.get("/ready").status_code == 200
+
+
+def _complete(client, **body):
+    body = {"prompt": "Hello world, the", "max_tokens": 6, "ignore_eos": True, **body}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completion_greedy_matches_engine(served):
+    client, engine, *_ = served
+    out = _complete(client)
+    (choice,) = out["choices"]
+    ids = engine.tokenizer("Hello world, the")["input_ids"]
+    want = engine.run_batch(
+        [ids],
+        __import__("dwdp.worker.engine.protocol", fromlist=["x"]).SamplingParams(
+            max_tokens=6, ignore_eos=True
+        ),
+    )[0]
+    assert choice["token_ids"] == want.token_ids
+    assert choice["text"] == want.text
+    assert choice["finish_reason"] == "length"
+    assert out["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 6,
+        "total_tokens": len(ids) + 6,
+    }
+    assert out["model"] == "tiny-ds" and out["object"] == "text_completion"
+    # token-id prompts and echo
+    again = _complete(client, prompt=ids)
+    assert again["choices"][0]["token_ids"] == want.token_ids
+    echoed = _complete(client, echo=True)
+    assert echoed["choices"][0]["text"] == "Hello world, the" + want.text
+
+
+def test_completion_sampled_seeded(served):
+    client, *_ = served
+    a = _complete(client, temperature=1.0, seed=5, top_p=0.9, max_tokens=8)
+    b = _complete(client, temperature=1.0, seed=5, top_p=0.9, max_tokens=8)
+    assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+
+
+def _sse(client, path, body):
+    events = []
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_streaming_equals_non_streaming(served):
+    client, *_ = served
+    body = {"prompt": "What is the capital", "max_tokens": 10, "ignore_eos": True}
+    plain = _complete(client, **body)["choices"][0]
+    chunks = _sse(client, "/v1/completions", {**body, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == plain["token_ids"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    chat = {"messages": messages, "max_tokens": 7, "ignore_eos": True}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["object"] == "chat.completion"
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    chunks = _sse(client, "/v1/chat/completions", {**chat, "stream": True})
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert (
+        "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == message["content"]
+    )
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == answer["choices"][0][
+        "token_ids"
+    ]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_chat_content_parts_and_stop(served):
+    client, *_ = served
+    parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+            }
+        ],
+        "max_tokens": 7,
+        "ignore_eos": True,
+    }
+    text = {
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 7,
+        "ignore_eos": True,
+    }
+    a = client.post("/v1/chat/completions", json=parts).json()
+    b = client.post("/v1/chat/completions", json=text).json()
+    assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+    full = b["choices"][0]["message"]["content"]
+    needle = next(
+        full[i : i + 2]
+        for i in range(1, len(full) - 1)
+        if full[i : i + 2].isascii() and full[i : i + 2].strip()
+    )
+    cut = client.post("/v1/chat/completions", json={**text, "stop": needle}).json()
+    assert cut["choices"][0]["message"]["content"] == full[: full.find(needle)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": ""}, 400, "stop"),
+        ("/v1/completions", {"prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [10**6]}, 400, "vocabulary"),
+        ("/v1/completions", {"prompt": "x " * 200}, 400, "context"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": MAX_LEN}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "not served"),
+        ("/v1/completions", {}, 400, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
+        ("/v1/completions", {"prompt": "x " * 200, "stream": True}, 400, "context"),
+    ],
+)
+def test_bad_requests_are_4xx_with_a_message(served, path, body, status, needle):
+    client, *_ = served
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"]
+    assert error["code"] == status
+
+
+def test_malformed_json_and_unknown_paths(served):
+    client, *_ = served
+    r = client.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400
+    assert client.get("/v1/nothing").status_code == 404
+    assert client.get("/v1/completions").status_code == 405
+
+
+def test_metrics_and_dwdp_status(served):
+    client, *_ = served
+    _complete(client)
+    text = client.get("/metrics").text
+    for name in (
+        "dwdp_requests_total",
+        "dwdp_request_latency_seconds_bucket",
+        "dwdp_time_to_first_token_seconds_bucket",
+        "dwdp_prompt_tokens_total",
+        "dwdp_generation_tokens_total",
+        "dwdp_bytes_moved_total 123456.0",
+        "dwdp_slot_waits_total 7.0",
+        "dwdp_bytes_stored 1000.0",
+    ):
+        assert name in text, name
+    assert 'dwdp_requests_total{endpoint="/v1/completions",status="200"}' in text
+    status = client.get("/dwdp/status").json()
+    assert status["layout_digest"] == "abc123"
+    assert status["partition"]["kind"] == "balanced"
+    for key in ("phase", "bytes_stored", "bytes_moved", "bytes_freed", "leaks", "slots"):
+        assert key in status
+
+
+def test_client_disconnect_aborts(served):
+    client, engine, *_ = served
+    before = engine.stats.requests_aborted
+    body = {"prompt": "Hello", "max_tokens": 80, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # close after the first event
+    deadline = time.monotonic() + 20
+    while engine.stats.requests_aborted == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats.requests_aborted > before
+
+
+def test_health_503_when_engine_dead(tmp_path):
+    class Dead:
+        model_name = "dead"
+        max_model_len = 8
+        tokenizer = None
+
+        async def check_health(self):
+            from dwdp.worker.engine.protocol import EngineDeadError
+
+            raise EngineDeadError("engine loop died: boom")
+
+        async def abort(self, request_id):
+            return None
+
+        def generate(self, *a):
+            raise AssertionError
+
+    with UvicornThread(build_app(Dead()), graceful_shutdown_timeout_s=None) as base:
+        r = httpx.get(base + "/health")
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+        assert httpx.get(base + "/ready").status_code == 503
+
+
+def test_schemathesis_finds_no_server_error(served):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    client, _engine, dwdp, base, _app = served
+    dwdp.committed = True
+    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    failures = []
+    operations = [op.ok() for op in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+        "/dwdp/status",
+    }
+
+    def make_check(op):
+        @given(case=op.as_strategy())
+        @settings(
+            max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None
+        )
+        def check(case):
+            body = case.body if isinstance(case.body, dict) else None
+            if body is not None and isinstance(body.get("max_tokens"), int):
+                body["max_tokens"] = min(body["max_tokens"], 4)  # keep the run short
+            response = case.call(base_url=base, timeout=60)
+            if response.status_code >= 500:
+                failures.append((op.path, case.body, response.status_code, response.text[:300]))
+
+        return check
+
+    for op in operations:
+        make_check(op)()
+    assert not failures, failures[:5]
+    assert client.get("/health").status_code == 200
