@@ -30,10 +30,13 @@ def _program(rule: str) -> Any:
     return _PROGRAMS[rule]
 
 
-def cel_holds(rule: str, value: Any) -> bool:
-    """Evaluate one CEL rule with ``self`` bound to ``value``; an evaluation error fails."""
+def cel_holds(rule: str, value: Any, *, converted: Any = None) -> bool:
+    """Evaluate one CEL rule with ``self`` bound to ``value``; an evaluation error fails.
+
+    ``converted`` is ``value`` already turned into CEL values (to share among rules)."""
+    bound = converted if converted is not None else celpy.json_to_cel(value)
     try:
-        result = _program(rule).evaluate({"self": celpy.json_to_cel(value)})
+        result = _program(rule).evaluate({"self": bound})
     except celpy.CELEvalError:
         return False
     return isinstance(result, celpy.celtypes.BoolType) and bool(result)
@@ -152,8 +155,10 @@ class OfflineApiserver:
                     self._validate(sub, props[key], [*path, key], errors)
                 elif isinstance(schema.get("additionalProperties"), dict):
                     self._validate(sub, schema["additionalProperties"], [*path, key], errors)
-        for rule in schema.get("x-kubernetes-validations", []):
-            if not cel_holds(rule["rule"], value):
+        rules = schema.get("x-kubernetes-validations", [])
+        converted = celpy.json_to_cel(value) if rules else None
+        for rule in rules:
+            if not cel_holds(rule["rule"], value, converted=converted):
                 at = _path(path) + rule.get("fieldPath", "") if path else rule.get(
                     "fieldPath", "<root>"
                 ).lstrip(".")
