@@ -153,10 +153,29 @@ class Backend(ABC):
     def new_event(self) -> Event:
         """A new, never-recorded event (``query()`` is True)."""
 
+    def resolve_gather(self, kernel: Any = None, sm_reserve: int | None = None) -> Any:
+        """Resolve the gather kernel once per manager (DESIGN.md 5.5); the result is passed
+        to every ``launch_copies`` of that manager as ``gather``. Backends without a gather
+        kernel return ``None``."""
+        return None
+
+    def prepare(  # noqa: B027 - optional hook
+        self, plan: CopyPlan, *, mode: CopyMode, stream: Stream, gather: Any = None
+    ) -> None:
+        """Set up per-plan device state (e.g. the gather kernel's descriptor table) at
+        setup time (P3), so that ``launch_copies`` does no allocation while serving."""
+
     @abstractmethod
-    def launch_copies(self, plan: CopyPlan, stream: Stream, *, mode: CopyMode) -> None:
+    def launch_copies(
+        self, plan: CopyPlan, stream: Stream, *, mode: CopyMode, gather: Any = None
+    ) -> None:
         """Enqueue every copy of ``plan`` on ``stream`` in ``mode``; returns without
-        waiting. Raises ``BackendError`` if the mode is not available on this backend."""
+        waiting. ``gather`` is the value of ``resolve_gather`` for ``mode`` gather. Raises
+        ``BackendError`` if the mode is not available on this backend.
+
+        The peer views a plan reads must stay mapped until every rank passed a barrier
+        after its last read (teardown), since a peer unmapping early would fault readers.
+        """
 
     def free_bytes(self) -> int:
         """Free device memory in bytes, for the setup's fit checks (P1)."""

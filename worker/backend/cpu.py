@@ -284,7 +284,9 @@ class CpuBackend(Backend):
     def new_event(self) -> CpuEvent:
         return CpuEvent()
 
-    def launch_copies(self, plan: CopyPlan, stream: Stream, *, mode: CopyMode) -> None:
+    def launch_copies(
+        self, plan: CopyPlan, stream: Stream, *, mode: CopyMode, gather: Any = None
+    ) -> None:
         """Run every copy of ``plan`` now (local rows first), in ``per_slice`` or ``batched``
         mode (identical on CPU). ``gather`` needs a CUDA kernel: ``BackendError``."""
         if mode not in (CopyMode.PER_SLICE, CopyMode.BATCHED):

@@ -293,7 +293,9 @@ class FakeBackend(Backend):
         return event
 
     # -- copies and reads --------------------------------------------------------------
-    def launch_copies(self, plan: CopyPlan, stream: Stream, *, mode: CopyMode) -> None:
+    def launch_copies(
+        self, plan: CopyPlan, stream: Stream, *, mode: CopyMode, gather: Any = None
+    ) -> None:
         if mode not in self.modes:
             raise BackendError(f"launch_copies: copy mode {mode!s} is not available on the fake")
         if not isinstance(stream, FakeStream):
