@@ -9,6 +9,8 @@ is stopped afterwards: in the app's lifespan shutdown and again, idempotently, i
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -54,9 +56,9 @@ def serve(
     server_holder: dict[str, Any] | None = None,
 ) -> None:
     """Run ``app`` on uvicorn in this (main) thread until SIGINT/SIGTERM, then stop the
-    engine, whatever happened. ``on_started`` runs once the socket listens;
-    ``server_holder["server"]`` receives the ``uvicorn.Server`` (to stop it from elsewhere
-    by setting ``should_exit``)."""
+    engine, whatever happened; returns normally after a signalled stop. ``on_started`` runs
+    once the socket listens; ``server_holder["server"]`` receives the ``uvicorn.Server``
+    (set its ``should_exit`` to stop it from elsewhere)."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -77,9 +79,22 @@ def serve(
                 on_started()
 
         server.startup = startup  # type: ignore[method-assign]
+    # uvicorn re-raises the stop signal once it has shut down, to the handlers it found: a
+    # signal handler of ours turns that into a normal return, so the engine stop and the
+    # caller's teardown run and a signalled stop exits 0.
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _note_stop)
     try:
         server.run()
     finally:
         stop_engine()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not server.started:
         raise RuntimeError(f"the HTTP server could not start on {host}:{port}")
+
+
+def _note_stop(signum: int, _frame: Any) -> None:
+    log.info("stop signal %d: the server has shut down", signum)

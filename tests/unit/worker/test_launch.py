@@ -1,0 +1,306 @@
+"""``dwdp worker`` startup checks and ``dwdp launch``: role rules before the model loads,
+one-line termination messages, fail-together of a pod's local ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from dwdp.worker import main as worker_main
+from dwdp.worker.main import WorkerOptions, check_launch, load_launch_config, run_worker
+
+httpx = pytest.importorskip("httpx")
+
+
+def _config(tmp_path: Path, *, model: str = "/nonexistent/model", **over) -> Path:
+    doc = {
+        "model": {"path": model, "servedName": "tiny"},
+        "handleType": "shm",
+        "dwdp": {"dwdpSize": 1, "enableDense": False},
+        "serverPort": 18000,
+    }
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(doc.get(key), dict):
+            doc[key] = {**doc[key], **value}
+        else:
+            doc[key] = value
+    path = tmp_path / f"launch-{len(list(tmp_path.glob('launch-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+DENSE = {"dwdp": {"dwdpSize": 4, "enableDense": True}}
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail loudly if startup gets as far as the model."""
+
+    def boom(cfg):
+        raise AssertionError("the model check ran: the role rule must refuse first")
+
+    monkeypatch.setattr(worker_main, "check_model", boom)
+    monkeypatch.delenv("DWDP_ROLE", raising=False)
+
+
+def _run(tmp_path, config, role=None):
+    term = tmp_path / "termination-log"
+    code = run_worker(WorkerOptions(config=str(config), role=role, termination_log=str(term)))
+    return code, term.read_text() if term.exists() else ""
+
+
+@pytest.mark.parametrize(
+    ("flag", "env"),
+    [("generation", None), ("GEN0", None), (None, "generation"), (None, "gen0"), (None, "Gen0")],
+)
+def test_generation_with_dense_refused_before_the_model_loads(
+    tmp_path, monkeypatch, no_model_load, flag, env
+):
+    if env is not None:
+        monkeypatch.setenv("DWDP_ROLE", env)
+    code, line = _run(tmp_path, _config(tmp_path, **DENSE), role=flag)
+    assert code == 1
+    assert line.count("\n") == 1
+    assert "dwdp.enableDense" in line and "generation" in line
+    assert "/nonexistent" not in line
+
+
+def test_role_flag_wins_over_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("DWDP_ROLE", "gen0")
+    cfg = check_launch(load_launch_config(str(_config(tmp_path, **DENSE))), "CTX0")
+    assert cfg.role.value == "context"
+    monkeypatch.setenv("DWDP_ROLE", "bogus")
+    with pytest.raises(worker_main.WorkerStartupError, match="role"):
+        check_launch(load_launch_config(str(_config(tmp_path, **DENSE))), None)
+
+
+def test_missing_context_role_warns_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("DWDP_ROLE", raising=False)
+    monkeypatch.setattr(worker_main, "_warned", set())
+    cfg = load_launch_config(str(_config(tmp_path, **DENSE)))
+    with caplog.at_level(logging.WARNING, logger="dwdp.worker.main"):
+        check_launch(cfg, None)
+        check_launch(cfg, None)
+        check_launch(cfg, "aggregated")
+    warnings = [r.getMessage() for r in caplog.records if "context" in r.getMessage()]
+    assert len(warnings) == 2  # unset once, aggregated once
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dwdp.worker.main"):
+        check_launch(cfg, "ctx0")
+        monkeypatch.setenv("DWDP_ROLE", "CONTEXT")
+        check_launch(cfg, None)
+    assert not caplog.records
+
+
+def test_bad_launch_config_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: /x}\ndwdp: {numPrefetchSlots: 1}\n")
+    code, line = _run(tmp_path, bad)
+    assert code == 1 and "numPrefetchSlots" in line and line.count("\n") == 1
+    code, line = _run(tmp_path, tmp_path / "missing.yaml")
+    assert code == 1 and "missing.yaml" in line
+
+
+# -- checkpoints that fail before DWDP setup ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from dwdp.worker.testing.checkpoint import make_checkpoint
+
+    return make_checkpoint("mixtral", tmp_path_factory.mktemp("ck") / "mx", num_experts=6)
+
+
+def _break(src: Path, dst: Path, mutate) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    mutate(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_bad_checkpoints_fail_with_one_line(tmp_path, checkpoint, monkeypatch):
+    import torch
+
+    def no_group(cfg):
+        raise AssertionError("the group was joined: the checkpoint check must fail first")
+
+    monkeypatch.setattr("dwdp.worker.attach.join_group", no_group)
+    name = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    cases = {
+        "missing": (lambda t: t.pop(name), f"tensor {name} is missing"),
+        "shape": (lambda t: t.__setitem__(name, torch.zeros(3, 3)), f"tensor {name} has shape"),
+        "dtype": (lambda t: t.__setitem__(name, t[name].half()), f"tensor {name} has dtype"),
+    }
+    for case, (mutate, needle) in cases.items():
+        broken = _break(checkpoint, tmp_path / case, mutate)
+        code, line = _run(tmp_path, _config(tmp_path, model=str(broken)))
+        assert code == 1, case
+        assert needle in line and line.count("\n") == 1, line
+    # a config the partition cannot split: 6 experts over 8 ranks
+    code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 8}))
+    assert code == 1 and "PartitionError" in line and line.count("\n") == 1, line
+
+
+def test_architecture_without_dense_roots(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from dwdp.worker.testing.tokenizer import save_tokenizer
+
+    config = transformers.OlmoeConfig(
+        vocab_size=384,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    )
+    path = tmp_path / "olmoe"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    save_tokenizer(path)
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    code, line = _run(tmp_path, _config(tmp_path, model=str(path), **DENSE))
+    assert code == 1
+    assert "dwdp.enableDense" in line and "no dense roots" in line, line
+
+
+# -- the launcher ---------------------------------------------------------------------------
+
+
+def _free_base_port(count: int) -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _launch(tmp_path, config, nproc, **env):
+    term = tmp_path / "pod-termination-log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dwdp",
+        "launch",
+        "--config",
+        str(config),
+        "--nproc",
+        str(nproc),
+        "--host",
+        "127.0.0.1",
+        "--termination-log",
+        str(term),
+    ]
+    full_env = {**os.environ, "DWDP_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", **env}
+    full_env.pop("DWDP_ROLE", None)
+    return subprocess.Popen(cmd, env=full_env), term
+
+
+def _wait_ready(url: str, proc, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the launcher exited early"
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} never became ready")
+
+
+def test_launcher_serves_each_local_rank_and_fails_together(tmp_path, checkpoint):
+    base = _free_base_port(2)
+    config = _config(tmp_path, model=str(checkpoint), serverPort=base)
+    proc, term = _launch(tmp_path, config, 2)
+    try:
+        for k in range(2):
+            url = f"http://127.0.0.1:{base + k}"
+            _wait_ready(url, proc)
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+                timeout=60,
+            )
+            assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+        children = _children(proc.pid)
+        assert len(children) == 2
+        victim = max(children)  # local rank 1 was started last
+        os.kill(victim, signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        assert code != 0
+        line = term.read_text()
+        assert "killed by signal 9" in line and line.count("\n") == 1
+        for child in children:
+            assert (
+                not Path(f"/proc/{child}").exists()
+                or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+            )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_launcher_bad_checkpoint_exits_non_zero(tmp_path, checkpoint):
+    broken = _break(checkpoint, tmp_path / "broken", lambda t: t.pop("model.norm.weight"))
+    proc, term = _launch(tmp_path, _config(tmp_path, model=str(broken)), 2)
+    code = proc.wait(timeout=240)
+    assert code != 0
+    line = term.read_text()
+    assert "exited with status 1" in line and "tensor model.norm.weight is missing" in line
+
+
+def test_launcher_stops_every_rank_on_sigterm(tmp_path, checkpoint):
+    base = _free_base_port(1)
+    proc, _term = _launch(tmp_path, _config(tmp_path, model=str(checkpoint), serverPort=base), 1)
+    try:
+        _wait_ready(f"http://127.0.0.1:{base}", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

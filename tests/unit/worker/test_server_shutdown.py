@@ -1,0 +1,126 @@
+"""Graceful shutdown: the bound reaches uvicorn, a hung handler is cancelled at it, and the
+engine is stopped afterwards; without a bound uvicorn's default (wait) applies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from dwdp.worker.server.run import uvicorn_kwargs  # noqa: E402
+
+SERVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from dwdp.worker.server.app import build_app
+    from dwdp.worker.server.run import serve
+
+    out = Path(sys.argv[1])
+    bound = None if sys.argv[2] == "none" else int(sys.argv[2])
+
+    class HungEngine:
+        model_name = "hung"
+        max_model_len = 64
+        tokenizer = None
+
+        async def check_health(self):
+            return None
+
+        async def abort(self, request_id):
+            return None
+
+        async def generate(self, request_id, prompt, params):
+            (out / "in-handler").write_text("1")
+            await asyncio.Event().wait()  # a final response that never comes
+            yield None
+
+    def stop_engine():
+        with (out / "engine-stopped").open("a") as f:
+            f.write("stop\\n")
+
+    holder = {}
+
+    def started():
+        port = holder["server"].servers[0].sockets[0].getsockname()[1]
+        (out / "port").write_text(str(port))
+
+    app = build_app(HungEngine(), on_shutdown=stop_engine)
+    serve(app, host="127.0.0.1", port=0, graceful_shutdown_timeout_s=bound,
+          stop_engine=stop_engine, on_started=started, server_holder=holder)
+    """
+)
+
+
+def test_uvicorn_keywords():
+    plain = uvicorn_kwargs(host="127.0.0.1", port=1, graceful_shutdown_timeout_s=None)
+    assert "timeout_graceful_shutdown" not in plain
+    bounded = uvicorn_kwargs(host="127.0.0.1", port=1, graceful_shutdown_timeout_s=3)
+    assert bounded["timeout_graceful_shutdown"] == 3
+    for bad in (0, -1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="graceful_shutdown_timeout_s"):
+            uvicorn_kwargs(host="127.0.0.1", port=1, graceful_shutdown_timeout_s=bad)
+
+
+def _start(tmp_path: Path, bound: str):
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), bound])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "port").is_file():
+        assert proc.poll() is None, "server died at start"
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{(tmp_path / 'port').read_text()}"
+    responses = []
+
+    def request():
+        try:
+            responses.append(
+                httpx.post(base + "/v1/completions", json={"prompt": [1, 2]}, timeout=60)
+            )
+        except httpx.HTTPError as exc:
+            responses.append(exc)
+
+    client = threading.Thread(target=request, daemon=True)
+    client.start()
+    while not (tmp_path / "in-handler").is_file():
+        assert time.monotonic() < deadline, "the request never reached the handler"
+        time.sleep(0.05)
+    return proc, client, responses
+
+
+def test_hung_handler_cancelled_at_the_bound_then_engine_stopped(tmp_path):
+    proc, client, _responses = _start(tmp_path, "1")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=30)
+    took = time.monotonic() - start
+    client.join(10)
+    assert code == 0
+    assert 0.9 <= took < 10, took
+    stops = (tmp_path / "engine-stopped").read_text().split()
+    assert stops and set(stops) == {"stop"}  # the lifespan shutdown and the final stop
+
+
+def test_without_a_bound_uvicorn_waits(tmp_path):
+    proc, _client, _responses = _start(tmp_path, "none")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)  # uvicorn's default: wait for every handler
+        assert not (tmp_path / "engine-stopped").exists()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
