@@ -347,10 +347,11 @@ class DwdpAttachment:
         with the same tensors. Returns the number of tensors written.
 
         Expert tables (``...experts.gate_up_proj`` [E, 2I, H], ``...down_proj`` [E, H, I]):
-        this rank's range goes into its store. Other tensors: copied in place. Raises
-        ``WeightsShardedError`` with dense DWDP (every update refused), ``KeyError`` for an
-        unknown name and ``ValueError`` for a shape or dtype mismatch; then
-        ``invalidate_prefetch``.
+        this rank's range goes into its store. Other tensors: copied in place. Ends with one
+        collective (every rank's writes are done before any rank reads a peer's store) and
+        ``invalidate_prefetch``. Raises ``WeightsShardedError`` with dense DWDP (every update
+        refused, nothing changed) and ``ValueError`` on every rank when any rank failed
+        (an unknown name, a shape or dtype mismatch).
         """
         import torch
 
@@ -364,7 +365,10 @@ class DwdpAttachment:
             for p in ("gate_up_proj", "down_proj")
             if tensor is getattr(m.experts, p)
         }
+        from dwdp.worker.setup.vote import vote
+
         written = 0
+        error: str | None = None
         try:
             for name, value in named.items():
                 if name in expert_names:
@@ -380,8 +384,17 @@ class DwdpAttachment:
                     with torch.no_grad():
                         target.copy_(value)
                 written += 1
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
         finally:
+            # Every rank's range must be in its store before any rank copies from it: one
+            # collective (write-after-write across ranks), then no stale slot is read.
+            self.backend.current_stream().synchronize()
+            verdict = vote(self.transport, "update_weights", error)
             self.invalidate_prefetch()
+        if not verdict.ok:
+            detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(verdict.errors.items()))
+            raise ValueError(f"update_weights failed on rank(s) {verdict.failed_ranks}: {detail}")
         return written
 
     def _write_expert_range(self, order: int, name: str, value: Any) -> None:
