@@ -8,10 +8,14 @@ models and the CRD reach the same verdict on the same document.
 
 from __future__ import annotations
 
+import enum
+import re
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+from pydantic.fields import FieldInfo
 
 __all__ = [
     "ApiModel",
@@ -19,6 +23,7 @@ __all__ = [
     "NonNegInt",
     "PosInt",
     "cel_rule",
+    "cel_rules",
 ]
 
 
@@ -63,3 +68,81 @@ def cel_rule(
         entry["fieldPath"] = field_path
     entry["reason"] = reason
     return entry
+
+
+_SELF_PATH = re.compile(r"(?<!has\()\bself((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+
+
+def _field_by_alias(model: type[BaseModel], alias: str) -> FieldInfo | None:
+    for name, info in model.model_fields.items():
+        if (info.alias or name) == alias:
+            return info
+    return None
+
+
+def _cel_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    raise TypeError(f"no CEL literal for default {value!r}")
+
+
+def _guarded(model: type[BaseModel], match: re.Match[str]) -> str:
+    """``self.a.b`` -> ``((has(self.a) && has(self.a.b)) ? self.a.b : <default of b>)``.
+
+    Only the leading parts that name fields are resolved (``self.path.startsWith`` keeps
+    its method); a field without a default is left as written.
+    """
+    parts = match.group(1).lstrip(".").split(".")
+    current: type[BaseModel] | None = model
+    resolved: list[str] = []
+    info: FieldInfo | None = None
+    for part in parts:
+        if current is None:
+            break
+        info = _field_by_alias(current, part)
+        if info is None:
+            break
+        resolved.append(part)
+        annotation = info.annotation
+        is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        current = annotation if is_model else None
+    rest = parts[len(resolved):]
+    tail = "".join(f".{p}" for p in rest)
+    if not resolved or info is None or info.is_required():
+        return match.group(0)
+    default = info.get_default(call_default_factory=True)
+    if default is None or isinstance(default, BaseModel):
+        return match.group(0)
+    path = ".".join(resolved)
+    guards = " && ".join(f"has(self.{'.'.join(resolved[: i + 1])})" for i in range(len(resolved)))
+    return f"(({guards}) ? self.{path} : {_cel_literal(default)}){tail}"
+
+
+def cel_rules(
+    rules: list[dict[str, str]] | Callable[[], list[dict[str, str]]],
+) -> Callable[[dict[str, Any], type[BaseModel]], None]:
+    """A ``json_schema_extra`` that puts ``rules`` on the model's schema as
+    ``x-kubernetes-validations``.
+
+    Every ``self.field`` (or ``self.a.b``) in a rule whose field has a default is rewritten
+    to fall back to that default when the field is absent: the apiserver checks each
+    schema ``default`` (``{}`` here) against the rules *before* nested defaults fill it,
+    and a rule must not fail on a missing key. ``has(self.x)`` tests stay as written.
+    """
+
+    def extra(schema: dict[str, Any], model: type[BaseModel]) -> None:
+        entries = rules() if callable(rules) else rules
+        out = []
+        for entry in entries:
+            rewritten = dict(entry)
+            rewritten["rule"] = _SELF_PATH.sub(lambda m: _guarded(model, m), entry["rule"])
+            out.append(rewritten)
+        schema["x-kubernetes-validations"] = out
+
+    return extra

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_rule
+from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.enums import CopyMode, GatherKernel
 from dwdp.api.errors import Problem, RuleViolations
 from dwdp.api.partition import ExpertPartition, expert_partition
@@ -89,7 +89,7 @@ class DwdpConfig(ApiModel):
     """
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": _cel_rules()},
+        json_schema_extra=cel_rules(_cel_rules),
     )
 
     dwdp_size: PosInt = Field(

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from dwdp.api.base import ApiModel, NonNegInt, PosInt, cel_rule
+from dwdp.api.base import ApiModel, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
 from dwdp.api.enums import HandleType, Role, Transport
 from dwdp.api.errors import (
@@ -114,8 +114,8 @@ class ModelSpec(ApiModel):
     """Where the checkpoint is: a directory in the worker, optionally on a mounted volume."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=cel_rules(
+            [
                 cel_rule(
                     "self.path.startsWith('/')",
                     "path must be an absolute directory path",
@@ -133,7 +133,7 @@ class ModelSpec(ApiModel):
                     field_path=".path",
                 ),
             ]
-        }
+        )
     )
 
     path: str = Field(
@@ -206,15 +206,15 @@ class Toleration(ApiModel):
     """A pod toleration (as in the Kubernetes core API)."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=cel_rules(
+            [
                 cel_rule(
                     "self.operator != 'Exists' || !has(self.value)",
                     "value must be unset when operator is Exists",
                     field_path=".value",
                 )
             ]
-        }
+        )
     )
 
     key: str | None = Field(None, max_length=316, description="Taint key; unset matches all.")
@@ -240,15 +240,15 @@ class EnvVar(ApiModel):
     """An environment variable of every worker container (a literal value)."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=cel_rules(
+            [
                 cel_rule(
                     "!self.name.startsWith('DWDP_')",
                     "names starting with DWDP_ are reserved: the operator sets them",
                     field_path=".name",
                 )
             ]
-        }
+        )
     )
 
     name: EnvName = Field(description="Variable name (a C identifier).")
@@ -387,7 +387,7 @@ class _ServingSection(ApiModel):
 class ContextSpec(_ServingSection):
     """The context (prefill) servers: ``replicas`` DWDP groups, each one unit."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _rules_context()})
+    model_config = ConfigDict(json_schema_extra=cel_rules(_rules_context))
 
     dwdp: DwdpConfig = Field(default_factory=DwdpConfig, json_schema_extra=_EMPTY_DEFAULT)
     handle_type: HandleType = Field(
@@ -452,8 +452,8 @@ class GenerationSpec(_ServingSection):
     """The generation (decode) servers; they never run dense DWDP."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=cel_rules(
+            [
                 cel_rule(
                     "(self.parallel.tensorParallelSize * self.parallel.pipelineParallelSize * "
                     "self.parallel.contextParallelSize) % self.ranksPerPod == 0",
@@ -462,7 +462,7 @@ class GenerationSpec(_ServingSection):
                     field_path=".ranksPerPod",
                 )
             ]
-        }
+        )
     )
 
     @model_validator(mode="after")
@@ -503,8 +503,8 @@ class RolloutSpec(ApiModel):
     """How a new revision replaces the groups, counted in whole DWDP groups."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=cel_rules(
+            [
                 cel_rule(
                     "self.maxSurge > 0 || self.maxUnavailable > 0",
                     "maxSurge and maxUnavailable cannot both be 0: the rollout could never "
@@ -512,7 +512,7 @@ class RolloutSpec(ApiModel):
                     field_path=".maxUnavailable",
                 )
             ]
-        }
+        )
     )
 
     max_surge: NonNegInt = Field(1, description="Extra new-revision groups during a rollout.")
@@ -540,15 +540,15 @@ class FailurePolicy(ApiModel):
     """Restarts of failed groups (fail-together: a whole group restarts)."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=cel_rules(
+            [
                 cel_rule(
                     "self.backoffMaxSeconds >= self.backoffInitialSeconds",
                     "backoffMaxSeconds must be at least backoffInitialSeconds",
                     field_path=".backoffMaxSeconds",
                 )
             ]
-        }
+        )
     )
 
     backoff_initial_seconds: PosInt = Field(
@@ -594,7 +594,7 @@ def _rules_spec() -> list[dict[str, str]]:
 class DwdpDeploymentSpec(ApiModel):
     """What to run: the model, the worker image, context DWDP groups, generation servers."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _rules_spec()})
+    model_config = ConfigDict(json_schema_extra=cel_rules(_rules_spec))
 
     model: ModelSpec
     image: str = Field(min_length=1, max_length=1024, description="Worker container image.")

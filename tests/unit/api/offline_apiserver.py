@@ -73,6 +73,23 @@ class OfflineApiserver:
         self._validate(obj, self.schema, [], errors)
         return errors
 
+    def default_errors(self) -> list[str]:
+        """What the apiserver checks when the CRD is created: every schema ``default`` must
+        pass its own node's checks and CEL rules as written, before nested defaults."""
+        errors: list[str] = []
+
+        def walk(node: dict[str, Any], path: list) -> None:
+            if "default" in node:
+                self._validate(copy.deepcopy(node["default"]), node, [*path, "default"], errors)
+            for key, sub in (node.get("properties") or {}).items():
+                walk(sub, [*path, key])
+            for key in ("items", "additionalProperties"):
+                if isinstance(node.get(key), dict):
+                    walk(node[key], [*path, key])
+
+        walk(self.schema, [])
+        return errors
+
     # -- strict decoding -------------------------------------------------------------
 
     def _unknown(self, value: Any, schema: dict[str, Any], path: list, errors: list) -> None:
