@@ -41,9 +41,7 @@ CRD_NAME = crd_manifest()["metadata"]["name"]
 def crd_installed(cluster):
     """The generated CRD, applied and Established (left installed: later tests use it)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
-    cluster.kubectl(
-        "wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s"
-    )
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
     # Discovery lags the Established condition a little; wait until the kind resolves.
     cluster.wait_for(
         lambda: cluster.kubectl("get", PLURAL, "-A", check=False).returncode == 0,
