@@ -175,7 +175,8 @@ def test_deployment_serves_on_both_pod_addresses(cluster: TestCluster, namespace
 
     pods = cluster.wait_for(two_ready, timeout=60, message="2 Ready replicas")
     ips = sorted(p["status"]["podIP"] for p in pods)
-    assert len(set(ips)) == 2 and all(ip.startswith("127.") for ip in ips)
+    pod_net = cluster.cluster.config().pod_net
+    assert len(set(ips)) == 2 and all(ip.startswith(pod_net + ".") for ip in ips)
     assert all(p["spec"]["nodeName"] for p in pods)  # bound by the scheduler
     for p in pods:
         assert http_get(p["status"]["podIP"], 8080) == p["metadata"]["name"]

@@ -78,8 +78,12 @@ class NodeSpec:
 class ClusterConfig:
     """Settings of one cluster, chosen at first ``up`` and stored in ``cluster.json``.
 
-    ``pod_octet`` picks the pod network 127.<pod_octet>.0.0/16, so clusters on one machine
-    never hand out the same pod address. ``venv_bin`` is put first on the PATH of pods.
+    ``pod_net`` is the first two octets of the cluster's pod network (``100.64`` means
+    100.64.0.0/16, in the shared address space of RFC 6598): ``up`` routes it to the loopback
+    device as local addresses, so every pod address is bindable and reachable on this host,
+    and clusters on one machine never hand out the same address. (127.0.0.0/8 cannot be
+    used: the apiserver rejects loopback addresses in EndpointSlices.)
+    ``venv_bin`` is put first on the PATH of pods.
     """
 
     etcd_port: int = 0
@@ -88,7 +92,7 @@ class ClusterConfig:
     controller_manager_port: int = 0
     scheduler_port: int = 0
     kubelet_port: int = 0
-    pod_octet: int = 100
+    pod_net: str = "100.64"
     nodes: int = 1
     node_name: str = "dwdp-dev"
     node: NodeSpec = dataclasses.field(default_factory=NodeSpec)
@@ -173,6 +177,37 @@ def _reap() -> None:
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
+
+
+def _route(action: str, pod_net: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ip", "route", action, "local", f"{pod_net}.0.0/16", "dev", "lo"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def ensure_pod_route(pod_net: str) -> None:
+    """Make every address of ``<pod_net>.0.0/16`` local to this host (an AnyIP route on lo).
+
+    Needs root (CAP_NET_ADMIN); raises ClusterError if the route cannot be added.
+    """
+    shown = subprocess.run(
+        ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
+    ).stdout
+    if f"local {pod_net}.0.0/16 dev lo" in shown:
+        return
+    res = _route("add", pod_net)
+    if res.returncode != 0:
+        raise ClusterError(
+            f"cannot route pod network {pod_net}.0.0/16 to lo (needs root): {res.stderr.strip()}"
+        )
+
+
+def remove_pod_route(pod_net: str) -> None:
+    """Remove the pod network's local route (no error if it is not there)."""
+    _route("del", pod_net)
 
 
 class Cluster:
@@ -325,7 +360,6 @@ class Cluster:
                 f"--cluster-signing-cert-file={p / 'ca.crt'}",
                 f"--cluster-signing-key-file={p / 'ca.key'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--controllers=*,-cloud-node-lifecycle-controller,-node-ipam-controller",
                 "--concurrent-gc-syncs=5",
             ]
         if name == "scheduler":
@@ -358,8 +392,8 @@ class Cluster:
             str(cfg.node.gpus),
             "--max-pods",
             str(cfg.node.pods),
-            "--pod-octet",
-            str(cfg.pod_octet),
+            "--pod-net",
+            cfg.pod_net,
             "--port",
             str(cfg.kubelet_port + index if index else cfg.kubelet_port),
             "--apiserver-port",
@@ -472,6 +506,7 @@ class Cluster:
         for name in ("controller-manager", "scheduler"):
             if name not in running:
                 self._spawn(name, self._component_cmd(name, cfg, binary))
+        ensure_pod_route(cfg.pod_net)
         for i in range(cfg.nodes):
             if f"kubelet-{i}" not in running:
                 self._spawn(f"kubelet-{i}", self._kubelet_cmd(i, cfg))
@@ -511,6 +546,9 @@ class Cluster:
             stop_pids([running[n] for n in stage if n in running], timeout_s)
         for pidfile in self.run.glob("*.pid") if self.run.exists() else []:
             pidfile.unlink(missing_ok=True)
+        cfg = self.config()
+        if cfg is not None:
+            remove_pod_route(cfg.pod_net)
 
     def status(self) -> dict:
         """Return a summary: state dir, components running, apiserver ready, nodes ready."""

@@ -6,8 +6,9 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
 - Registers its Node (cpu, memory, pods and ``nvidia.com/gpu`` capacity), keeps the Ready
   condition and the node Lease fresh (every 10 s), marks the node NotReady when it stops.
 - Watches every pod of the cluster (for the hosts files) and runs those bound to its node.
-- Each pod gets its own address 127.<octet>.<n>.<m>; its processes run in a private mount and
-  UTS namespace (``unshare``; needs root) where ``/etc/hosts`` is a per-pod file naming every
+- Each pod gets its own address <pod-net>.<n>.<m> (a /16 that ``dwdp dev up`` routes to lo as
+  local addresses; loopback 127/8 cannot be used, EndpointSlices reject it); its processes
+  run in a private mount and UTS namespace (``unshare``; needs root) where ``/etc/hosts`` is a per-pod file naming every
   pod with ``hostname`` + ``subdomain`` (``<hostname>.<subdomain>[.<ns>[.svc[.cluster.local]]]``),
   the hostname is the pod's, and the pod's volumes (emptyDir, configMap, secret, projected
   with serviceAccountToken from TokenRequest, downwardAPI, hostPath, PVC bound to a hostPath
@@ -1279,7 +1280,7 @@ class Kubelet:
         self.state_dir = Path(args.state_dir).resolve()
         self.node_name: str = args.node_name
         self.node_index: int = args.node_index
-        self.pod_octet: int = args.pod_octet
+        self.pod_net: str = args.pod_net
         self.apiserver_port: int = args.apiserver_port
         self.port: int = args.port
         self.path_prepend: list[str] = [p for p in args.path_prepend if p]
@@ -1307,7 +1308,7 @@ class Kubelet:
     # -- resources ------------------------------------------------------------------
     def allocate_ip(self, uid: str, existing: str | None) -> str:
         """Return the pod's address: its existing one if ours and free, else the next free."""
-        prefix = f"127.{self.pod_octet}."
+        prefix = f"{self.pod_net}."
         with self.lock:
             used = set(self.ips.values())
             if existing and existing.startswith(prefix) and existing not in used:
@@ -1732,9 +1733,9 @@ class Kubelet:
         for t in threads:
             t.start()
         log.info(
-            "node %s ready (pods on 127.%d.%d.0/20)",
+            "node %s ready (pods on %s.%d.0/20)",
             self.node_name,
-            self.pod_octet,
+            self.pod_net,
             self.node_index * 16,
         )
         self.stop_event.wait()
@@ -1762,7 +1763,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", default="128Gi", help="memory capacity (quantity)")
     p.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu capacity")
     p.add_argument("--max-pods", type=int, default=110)
-    p.add_argument("--pod-octet", type=int, default=100, help="pods get 127.<octet>.x.y")
+    p.add_argument(
+        "--pod-net",
+        default="100.64",
+        help="pods get <pod-net>.x.y (a /16 routed to lo as local addresses)",
+    )
     p.add_argument("--port", type=int, required=True, help="HTTPS port for kubectl logs")
     p.add_argument("--apiserver-port", type=int, required=True)
     p.add_argument(

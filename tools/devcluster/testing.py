@@ -172,7 +172,7 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
     c = Cluster(state)
     overrides: dict[str, Any] = {}
     if c.config() is None:
-        overrides["pod_octet"] = random.randint(150, 249)
+        overrides["pod_net"] = f"100.{random.randint(65, 127)}"
     try:
         c.up(binary=binary, **overrides)
     except Exception:
