@@ -179,3 +179,23 @@ def test_console_script_exit_codes(tmp_path) -> None:
         mine = "\n".join(line for line in lines if f"(document {index})" in line)
         assert case.field_named_in(mine), (case.name, proc.stderr)
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (None, "cannot read"),
+        ("spec: [unclosed\n", "invalid YAML at line"),
+        ("", "no YAML document"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("!!python/object:os.system {}\n", "invalid YAML"),
+    ],
+)
+def test_validate_user_errors_are_one_line(tmp_path, content, needle) -> None:
+    path = tmp_path / "in.yaml"
+    if content is not None:
+        path.write_text(content)
+    proc = _console("validate", "-f", str(path))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and needle in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
