@@ -205,9 +205,10 @@ def run_worker(opts: WorkerOptions) -> int:
             stop_engine=engine.stop,
             server_holder=server_holder,
         )
-        dwdp_close = getattr(dwdp, "close", None)
-        if dwdp_close is not None:
-            dwdp_close()
+        for resource in (dwdp, group):  # the DWDP state, then the group transport
+            close = getattr(resource, "close", None)
+            if close is not None:
+                close()
         if fatal:
             return 1
         return 0

@@ -1,0 +1,161 @@
+"""``dwdp launch`` end to end: one pod of 4 local ranks, expert + dense DWDP over the cpu
+backend and the TCP store, each rank serving HTTP on base port + local rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import free_port  # noqa: E402
+from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
+from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
+from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
+from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+
+WORLD = 4
+PROMPT = "Hello world, the"
+
+
+def _base_port(count: int) -> int:
+    for _ in range(100):
+        base = free_port()
+        if base + count >= 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pod")
+    ckpt = make_checkpoint("qwen3_moe", root / "ck", num_experts=6, seed=4)
+    base = _base_port(WORLD)
+    config = root / "launch.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": str(ckpt), "servedName": "tiny-qwen"},
+                "handleType": "shm",
+                "transport": "tcpStore",
+                "dwdp": {"dwdpSize": WORLD, "enableDense": True, "numPrefetchSlots": 2},
+                "serverPort": base,
+                "gracefulShutdownTimeoutSeconds": 5,
+            }
+        )
+    )
+    group = f"p{uuid.uuid4().hex[:10]}"
+    env = {
+        **os.environ,
+        "DWDP_GROUP": group,
+        "DWDP_INCARNATION": "i0",
+        "DWDP_RANK": "0",
+        "DWDP_WORLD_SIZE": str(WORLD),
+        "DWDP_RENDEZVOUS": f"127.0.0.1:{free_port()}",
+        "DWDP_RENDEZVOUS_TIMEOUT_S": "300",
+        "DWDP_ROLE": "ctx0",
+        "DWDP_TORCH_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    term = root / "termination-log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dwdp",
+        "launch",
+        "--config",
+        str(config),
+        "--nproc",
+        str(WORLD),
+        "--host",
+        "127.0.0.1",
+        "--termination-log",
+        str(term),
+    ]
+    proc = subprocess.Popen(cmd, env=env)
+    urls = [f"http://127.0.0.1:{base + k}" for k in range(WORLD)]
+    try:
+        deadline = time.monotonic() + 400
+        for url in urls:
+            while True:
+                assert proc.poll() is None, term.read_text() if term.exists() else "exited"
+                assert time.monotonic() < deadline, f"{url} never became ready"
+                try:
+                    if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        yield proc, urls, ckpt, group, term
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_every_rank_committed_the_same_layout(pod):
+    _proc, urls, *_ = pod
+    statuses = [httpx.get(u + "/dwdp/status", timeout=10).json() for u in urls]
+    assert [s["rank"] for s in statuses] == list(range(WORLD))
+    assert {s["phase"] for s in statuses} == {"committed"}
+    assert len({s["layout_digest"] for s in statuses}) == 1
+    counts = [s["partition"]["ranks"][s["rank"]]["count"] for s in statuses]
+    assert counts == [2, 2, 1, 1]
+    stores = [s["resident"]["expert"]["store_bytes"] for s in statuses]
+    assert stores[0] == stores[1] > stores[2] == stores[3]
+    assert all(s["leaks"] == 0 and s["bytes_freed"] > s["bytes_stored"] for s in statuses)
+
+
+def test_every_rank_serves_the_replicated_greedy_tokens(pod):
+    _proc, urls, ckpt, *_ = pod
+    torch.set_num_threads(1)
+    model, tok = load_checkpoint(ckpt)
+    want = BatchingEngine(model, tok, model_name="ref").run_batch(
+        [tok(PROMPT)["input_ids"]], SamplingParams(max_tokens=6, ignore_eos=True)
+    )[0]
+    body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}
+    for url in urls:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == want.token_ids and choice["text"] == want.text
+        assert r.json()["model"] == "tiny-qwen"
+    metrics = httpx.get(urls[1] + "/metrics", timeout=10).text
+    moved = next(line for line in metrics.splitlines() if line.startswith("dwdp_bytes_moved_total"))
+    assert float(moved.split()[-1]) > 0
+
+
+def test_sigterm_stops_the_pod_cleanly(pod):
+    proc, _urls, _ckpt, group, _term = pod
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    assert not leftover_segments(group)
