@@ -109,7 +109,8 @@ class ClusterConfig:
         """Read a ``cluster.json``."""
         data = json.loads(path.read_text())
         node = NodeSpec(**data.pop("node", {}))
-        return cls(node=node, **data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(node=node, **{k: v for k, v in data.items() if k in known})
 
     def save(self, path: Path) -> None:
         """Write this config as ``cluster.json``."""

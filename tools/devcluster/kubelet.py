@@ -6,15 +6,16 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
 - Registers its Node (cpu, memory, pods and ``nvidia.com/gpu`` capacity), keeps the Ready
   condition and the node Lease fresh (every 10 s), marks the node NotReady when it stops.
 - Watches every pod of the cluster (for the hosts files) and runs those bound to its node.
-- Each pod gets its own address <pod-net>.<n>.<m> (a /16 that ``dwdp dev up`` routes to lo as
-  local addresses; loopback 127/8 cannot be used, EndpointSlices reject it); its processes
-  run in a private mount and UTS namespace (``unshare``; needs root) where ``/etc/hosts`` is a per-pod file naming every
-  pod with ``hostname`` + ``subdomain`` (``<hostname>.<subdomain>[.<ns>[.svc[.cluster.local]]]``),
-  the hostname is the pod's, and the pod's volumes (emptyDir, configMap, secret, projected
-  with serviceAccountToken from TokenRequest, downwardAPI, hostPath, PVC bound to a hostPath
-  or local PV) are bind-mounted at their mount paths. The service-account token therefore
-  sits at /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT
-  point at the apiserver, so in-cluster clients work and RBAC applies.
+- Each pod gets its own address <pod-net>.<n>.<m> (a /16 that ``dwdp dev up`` routes to lo
+  as local addresses; loopback 127/8 cannot be used, EndpointSlices reject it). Its
+  processes run in a private mount and UTS namespace (``unshare``; needs root) where
+  ``/etc/hosts`` is a per-pod file naming every pod that has ``hostname`` + ``subdomain``
+  (``<hostname>.<subdomain>[.<ns>[.svc[.cluster.local]]]``), the hostname is the pod's, and
+  the pod's volumes (emptyDir, configMap, secret, projected with serviceAccountToken from
+  TokenRequest, downwardAPI, hostPath, PVC bound to a hostPath or local PV) are bind-mounted
+  at their mount paths. The service-account token therefore sits at
+  /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT point at
+  the apiserver, so in-cluster clients work and RBAC applies.
 - Each container is ``command + args`` (the image is ignored) with its env resolved
   (value, fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef, envFrom, ``$(VAR)``), in
   its own process group, stdout+stderr to a log file (``kubectl logs`` works through the

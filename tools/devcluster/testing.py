@@ -172,7 +172,11 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
     c = Cluster(state)
     overrides: dict[str, Any] = {}
     if c.config() is None:
-        overrides["pod_net"] = f"100.{random.randint(65, 127)}"
+        routes = subprocess.run(
+            ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
+        ).stdout
+        free = [n for n in range(65, 128) if f"local 100.{n}.0.0/16" not in routes]
+        overrides["pod_net"] = f"100.{random.choice(free or [127])}"
     try:
         c.up(binary=binary, **overrides)
     except Exception:
