@@ -518,3 +518,91 @@ def test_kubectl_logs_and_env(cluster: TestCluster, namespace: str) -> None:
     out = cluster.kubectl("logs", "talker", "-n", namespace).stdout
     assert f"ip {p['status']['podIP']} name talker" in out
     assert f"dwdp {cluster_venv(cluster)}/dwdp" in out
+
+
+def test_liveness_exec_probe_restarts_container(cluster: TestCluster, namespace: str) -> None:
+    """An exec liveness probe that starts failing (its file vanishes) gets the container
+    killed and restarted under restartPolicy Always."""
+    code = """
+        import os, time
+        open("/scratch/alive", "w").close()
+        time.sleep(2)
+        os.remove("/scratch/alive")
+        time.sleep(1000)
+    """
+    liveness = {
+        "exec": {"command": ["test", "-f", "/scratch/alive"]},
+        "periodSeconds": 1,
+        "failureThreshold": 2,
+    }
+    ctr = python_container(
+        code, livenessProbe=liveness, volumeMounts=[{"name": "scratch", "mountPath": "/scratch"}]
+    )
+    cluster.apply(
+        namespace,
+        pod(
+            "liveness",
+            [ctr],
+            terminationGracePeriodSeconds=1,
+            volumes=[{"name": "scratch", "emptyDir": {}}],
+        ),
+    )
+    p = cluster.wait_for(
+        lambda: (
+            (q := cluster.get("pod", "liveness", namespace))["status"]
+            .get("containerStatuses", [{}])[0]
+            .get("restartCount", 0)
+            >= 1
+            and q
+        ),
+        timeout=60,
+        message="a restart after the liveness probe failed",
+    )
+    cs = p["status"]["containerStatuses"][0]
+    assert cs["lastState"]["terminated"]["exitCode"] != 0
+
+
+def test_configmap_volume_and_subpath(cluster: TestCluster, namespace: str) -> None:
+    """A ConfigMap mounted whole and as a single file (subPath) is readable in the pod, as the
+    operator mounts the worker launch config."""
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "launch"},
+        "data": {"config.yaml": "dwdp_size: 4\n", "other": "x"},
+    }
+    code = """
+        import json, os
+        out = {"file": open("/tmp/dwdp-devcluster-test/config.yaml").read(),
+               "dir": sorted(f for f in os.listdir("/tmp/dwdp-devcluster-test-dir")
+                             if not f.startswith(".."))}
+        with open("/dev/termination-log", "w") as f:
+            json.dump(out, f)
+    """
+    ctr = python_container(
+        code,
+        volumeMounts=[
+            {
+                "name": "cfg",
+                "mountPath": "/tmp/dwdp-devcluster-test/config.yaml",
+                "subPath": "config.yaml",
+                "readOnly": True,
+            },
+            {"name": "cfg", "mountPath": "/tmp/dwdp-devcluster-test-dir", "readOnly": True},
+        ],
+    )
+    cluster.apply(
+        namespace,
+        cm,
+        pod(
+            "reader",
+            [ctr],
+            restartPolicy="Never",
+            volumes=[{"name": "cfg", "configMap": {"name": "launch"}}],
+        ),
+    )
+    p = wait_finished(cluster, namespace, "reader")
+    assert json.loads(terminated(p)["message"]) == {
+        "file": "dwdp_size: 4\n",
+        "dir": ["config.yaml", "other"],
+    }
