@@ -76,7 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--webhook-manage",
         default=None,
         metavar="NAME",
-        help="keep the ValidatingWebhookConfiguration NAME up to date (needs RBAC on "
+        help="keep the ValidatingWebhookConfiguration NAME (a dotted domain such as "
+        "validate.dwdp.io: kopf names the webhooks after it) up to date (needs RBAC on "
         "validatingwebhookconfigurations); default: configured elsewhere (Helm)",
     )
     p.set_defaults(func=_run)
@@ -136,6 +137,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--worker-command: {exc}") from exc
     if not command:
         raise UserError("--worker-command is empty")
+    import logging
+
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per event
     config = OperatorConfig(peering=args.peering, webhook=_webhook(args))
     kube = Kube.from_environment()
     reconcilers = Reconcilers(kube, PlanOptions(command=command))

@@ -55,7 +55,7 @@ LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 """The EndpointSlice label that ties a slice to its Service."""
 LABEL_SLICE_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
 """Which controller owns an EndpointSlice (the endpoint-slice controller skips others)."""
-SLICE_MANAGED_BY = "dwdp.io/operator"
+SLICE_MANAGED_BY = "dwdp-operator.dwdp.io"
 
 # ----------------------------------------------------------------------------- annotations
 ANNOTATION_APPLIED_HASH = "dwdp.io/applied-hash"

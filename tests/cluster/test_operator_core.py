@@ -20,8 +20,7 @@ from dwdp.operator.testing.process import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-CRD = REPO / "charts" / "dwdp-operator" / "crds" / "dwdp.io_dwdpdeployments.yaml"
-WEBHOOK = "dwdp-test-operator"
+WEBHOOK = "operator-test.dwdp.io"
 
 
 def _load(name: str, path: Path):
@@ -30,6 +29,9 @@ def _load(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -41,7 +43,9 @@ caselib = _load("caselib", REPO / "tests" / "cases" / "caselib.py")
 def operator(
     cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    from dwdp.api.crd import crd_yaml
+
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
     cluster.kubectl(
         "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=30s"
     )
@@ -132,7 +136,17 @@ def test_two_groups_of_two_pods_exact_objects_and_ready(
         "Degraded": ("False", "Healthy"),
     }
 
-    pods = sorted(pods_of(cluster, ns), key=lambda p: p["metadata"]["name"])
+    def all_ready() -> list[dict] | None:
+        pods = pods_of(cluster, ns)
+        ok = all(
+            c["status"] == "True"
+            for p in pods
+            for c in p["status"].get("conditions", [])
+            if c["type"] == "Ready"
+        )
+        return sorted(pods, key=lambda p: p["metadata"]["name"]) if ok else None
+
+    pods = cluster.wait_for(all_ready, timeout=30, message="pods Ready after the gate")
     assert [p["metadata"]["name"] for p in pods] == [
         "two-groups-g0-i0-p0",
         "two-groups-g0-i0-p1",
@@ -301,7 +315,12 @@ def test_every_invalid_case_is_refused_naming_its_field(
             continue
         try:
             api.create_namespaced_custom_object(
-                "dwdp.io", "v1alpha1", namespace, "dwdpdeployments", case.document
+                "dwdp.io",
+                "v1alpha1",
+                namespace,
+                "dwdpdeployments",
+                case.document,
+                field_validation="Strict",  # as kubectl sends: unknown fields refused
             )
         except ApiException as exc:
             assert exc.status in (400, 422), (case.name, exc.status, exc.body)

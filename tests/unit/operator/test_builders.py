@@ -240,7 +240,7 @@ def test_endpoint_slices_one_per_local_rank_sorted_by_pod() -> None:
     second = without_hash(slices[1])
     assert second["metadata"]["labels"]["kubernetes.io/service-name"] == "demo"
     assert second["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] == (
-        "dwdp.io/operator"
+        "dwdp-operator.dwdp.io"
     )
     assert second["addressType"] == "IPv4"
     assert second["ports"] == [{"name": "rank-1", "port": 8001, "protocol": "TCP"}]
