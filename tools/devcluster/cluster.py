@@ -492,6 +492,20 @@ class Cluster:
         binary is not built.
         """
         start = time.monotonic()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            return self._up(start, binary, timeout_s, overrides)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold this cluster's file lock (one ``up``/``down`` at a time)."""
+        import fcntl
+
+        with open(self.state_dir / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _up(self, start: float, binary: Path | None, timeout_s: float, overrides: dict) -> float:
         binary = binary or build.find_binary()
         if binary is None:
             raise build.BuildError("the control-plane binary is not built; run `dwdp dev build`")
@@ -538,6 +552,12 @@ class Cluster:
     def down(self, timeout_s: float = 20.0) -> None:
         """Stop every process of this cluster (kubelets and their pods first), SIGKILL after
         ``timeout_s`` seconds per stage. Leaves the state (certs, etcd data) in place."""
+        if not self.state_dir.exists():
+            return
+        with self._locked():
+            self._down(timeout_s)
+
+    def _down(self, timeout_s: float) -> None:
         running = self.running()
         kubelets = [pid for name, pid in running.items() if name.startswith("kubelet")]
         stop_pids(kubelets, timeout_s)
