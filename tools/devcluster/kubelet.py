@@ -1567,9 +1567,6 @@ class Kubelet:
         phase = (pod.get("status") or {}).get("phase")
         return phase in ("Succeeded", "Failed") and not pod["metadata"].get("deletionTimestamp")
 
-    def _handle_finished(self, pod: dict) -> None:
-        """Remove a terminal pod being deleted that has no worker (after a restart)."""
-
     def _watch_loop(self) -> None:
         rv = None
         while not self.stop_event.is_set():
