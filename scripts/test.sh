@@ -30,7 +30,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 # 3. The local control plane (built once, reused while its inputs are unchanged).
 if dwdp dev --help >/dev/null 2>&1; then
   log "building the local control plane (cached)"
-  dwdp dev build
+  dwdp dev build --tools
 fi
 
 # 4. Lint.
