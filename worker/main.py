@@ -147,6 +147,18 @@ def _torch_threads() -> None:
         torch.set_num_threads(int(value))
 
 
+def _device_for(cfg: Any, local_rank: int) -> str:
+    """``cpu`` for the shm handle type (the cpu backend); otherwise the local rank's GPU
+    when CUDA is available."""
+    from dwdp.api.enums import HandleType
+
+    if cfg.handle_type == HandleType.SHM:
+        return "cpu"
+    import torch
+
+    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
@@ -165,6 +177,9 @@ def run_worker(opts: WorkerOptions) -> int:
         group = join_group(cfg)
         dtype = cfg.model.dtype
         model, tokenizer = load_checkpoint(cfg.model.path, dtype=dtype)
+        device = _device_for(cfg, local_rank)
+        if device != "cpu":
+            model.to(device)
         dwdp = setup_dwdp(model, plan.adapter, cfg, group=group)
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}

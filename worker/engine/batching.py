@@ -296,6 +296,8 @@ class BatchingEngine:
     def _forward(self, **inputs: Any) -> Any:
         import torch
 
+        device = self.model.device  # inputs are built on the host; the model may not be
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         start = time.perf_counter()
         with self._forward_lock, torch.inference_mode():
             out = self.model(**inputs, use_cache=True, logits_to_keep=1)
@@ -322,7 +324,7 @@ class BatchingEngine:
         out = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
         step = 0
         while True:
-            logits = out.logits[:, -1, :].float()
+            logits = out.logits[:, -1, :].float().cpu()  # token choice runs on the host
             next_ids = torch.full((len(wave), 1), self.pad_token_id, dtype=torch.long)
             for i, req in enumerate(wave):
                 if req.finished:
