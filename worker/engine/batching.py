@@ -112,6 +112,12 @@ class BatchingEngine:
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else (sorted(self.eos_token_ids) or [0])[0])
         self.stats = EngineStats()
+        # transformers renamed ``past_key_values`` to ``cache`` (the old name is deprecated
+        # where the new one exists); pass the KV cache under the name this version takes.
+        import inspect
+
+        forward_params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self._on_fatal = on_fatal
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._active: dict[str, _Request] = {}
@@ -321,7 +327,12 @@ class BatchingEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         self.stats.prompt_tokens += sum(len(r.prompt) for r in wave)
-        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
+        out = self._forward(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **{self._cache_kwarg: cache},
+        )
         step = 0
         while True:
             logits = out.logits[:, -1, :].float().cpu()  # token choice runs on the host
@@ -347,7 +358,7 @@ class BatchingEngine:
                 input_ids=next_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                cache=cache,
+                **{self._cache_kwarg: cache},
             )
 
     def _prepare_sampling(self, req: _Request) -> None:

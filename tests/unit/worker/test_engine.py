@@ -225,3 +225,19 @@ def test_forward_failure_is_fatal(loaded):
     finally:
         handle.remove()
     assert len(fatal) == 1 and "device lost" in str(fatal[0])
+
+
+def test_greedy_matches_transformers_generate(engine):
+    """Prefill + decode with the KV cache gives the tokens of ``model.generate``."""
+    for text in ("Hello world, the", "What is"):
+        ids = engine.tokenizer(text)["input_ids"]
+        ours = engine.run_batch([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        with torch.no_grad():
+            ref = engine.model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+            )
+        assert ours.token_ids == ref[0, len(ids) :].tolist()

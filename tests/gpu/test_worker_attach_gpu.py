@@ -1,0 +1,146 @@
+"""DWDP attached to real transformers models on CUDA: 4 rank processes on one GPU share
+their stores through POSIX file descriptors; greedy tokens and logits must be bitwise those
+of the replicated model on the same GPU, for expert + dense DWDP with 2 and 3 slots."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+WORLD = 4
+ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")
+SCENARIOS = [
+    (arch, slots, mode) for arch in ARCHS for slots, mode in ((2, "per_slice"), (3, "batched"))
+]
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    from pathlib import Path
+    from dwdp.api.enums import CopyMode, HandleType
+    from dwdp.api.partition import expert_partition
+    from dwdp.worker.engine.batching import BatchingEngine
+    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.engine.protocol import SamplingParams
+
+    rank, port, group, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    scenarios = json.loads(sys.argv[5])
+    ckpts = json.loads(sys.argv[6])
+    prompts = ["Hello world, the", "What is the capital of France? Paris", "a", "The quick"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    torch.cuda.set_device(0)
+
+    def run(model, tok):
+        engine = BatchingEngine(model, tok, model_name="x")
+        ids = [tok(p)["input_ids"] for p in prompts]
+        res = engine.run_batch(ids, params, keep_logits=True)
+        return [(r.token_ids, torch.stack(r.logits)) for r in res]
+
+    if rank == "ref":
+        for arch in sorted(ckpts):
+            model, tok = load_checkpoint(ckpts[arch])
+            model.to("cuda:0")
+            torch.save(run(model, tok), out / f"ref.{arch}.pt")
+        sys.exit(0)
+
+    from dwdp.worker.attach import attach
+    from dwdp.worker.backend.cuda import CudaBackend
+    from dwdp.worker.models import adapter_for
+    from dwdp.worker.transport.base import RendezvousConfig
+    from dwdp.worker.transport.tcp_store import TcpStoreTransport
+
+    rank = int(rank)
+    config = RendezvousConfig(group=group, incarnation="i0", rank=rank, world_size=4,
+                              address=("127.0.0.1", port), timeout_s=240)
+    backend = CudaBackend(device=0, handle_type=HandleType.POSIX_FD)
+    with TcpStoreTransport(config) as transport:
+        for index, (arch, slots, mode) in enumerate(scenarios):
+            model, tok = load_checkpoint(ckpts[arch])
+            model.to("cuda:0")
+            adapter = adapter_for(model)
+            e = adapter.moe_layers(model)[0].num_experts
+            att = attach(model, adapter, backend=backend, transport=transport,
+                         partition=expert_partition(e, 4), enable_dense=True,
+                         num_slots=slots, copy_mode=CopyMode(mode))
+            torch.save(run(model, tok), out / f"dwdp.{index}.{rank}.pt")
+            status = att.status()
+            (out / f"status.{index}.{rank}.json").write_text(json.dumps(status))
+            torch.cuda.synchronize()
+            transport.barrier(label=f"done{index}")
+            att.close()
+    backend.close()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from dwdp.worker.testing.checkpoint import make_checkpoint
+
+    root = tmp_path_factory.mktemp("gpu")
+    ckpts = {a: str(make_checkpoint(a, root / a, num_experts=6, seed=9)) for a in ARCHS}
+    script = root / "child.py"
+    script.write_text(CHILD)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = [json.dumps(SCENARIOS), json.dumps(ckpts)]
+    ref = subprocess.run(
+        [sys.executable, str(script), "ref", "0", "-", str(root), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    port, group = _free_port(), f"g{uuid.uuid4().hex[:8]}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port), group, str(root), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=500))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate())
+    for p, (_o, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    return root
+
+
+@pytest.mark.parametrize(("arch", "slots", "mode"), SCENARIOS)
+def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode):
+    index = SCENARIOS.index((arch, slots, mode))
+    want = torch.load(run / f"ref.{arch}.pt")
+    digests = set()
+    for rank in range(WORLD):
+        got = torch.load(run / f"dwdp.{index}.{rank}.pt")
+        for (tokens, logits), (ref_tokens, ref_logits) in zip(got, want, strict=True):
+            assert tokens == ref_tokens, (arch, rank)
+            assert torch.equal(logits, ref_logits), (arch, rank, (logits - ref_logits).abs().max())
+        status = json.loads((run / f"status.{index}.{rank}.json").read_text())
+        assert status["backend"] == "cuda" and status["leaks"] == 0
+        assert status["bytes_moved_remote"] > 0
+        digests.add(status["layout_digest"])
+    assert len(digests) == 1
