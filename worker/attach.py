@@ -34,9 +34,10 @@ stale copy in a slot is read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -462,17 +463,10 @@ def attach(
     ``UnsupportedArchitectureError`` when ``enable_dense`` and the architecture declares no
     dense roots, ``DwdpConfigError`` for a model without MoE layers.
     """
-    import torch
     from dwdp.api.enums import CopyMode
-    from dwdp.worker.dense.repoint import count_leaks, watch_storages
-    from dwdp.worker.expert.layout import ExpertLayerWeights
     from dwdp.worker.models import require_adapter
     from dwdp.worker.schedule.dense import DenseSlotSchedule
     from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
-    from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
-    from dwdp.worker.setup.expert import setup_experts
-    from dwdp.worker.setup.phases import SetupError
-    from dwdp.worker.setup.vote import vote
 
     require_adapter(model, dense=enable_dense)
     # Dense tensors are checked for their device and contiguity, not for one dtype: the
@@ -487,9 +481,143 @@ def attach(
         raise DwdpConfigError(
             "dwdp.enableExperts: this worker runs dense DWDP attached to expert DWDP only"
         )
-    device = layers[0].experts.gate_up_proj.device
     counters = _Counters()
 
+    with _setup_stream(backend):
+        dense, experts, freed, leaks = _setup_and_repoint(
+            model,
+            layers,
+            backend=backend,
+            transport=transport,
+            partition=partition,
+            enable_dense=enable_dense,
+            num_slots=num_slots,
+            copy_mode=copy_mode,
+        )
+
+    # 4. Schedules on one copy stream; attached dense starts the expert prefetch at H0.
+    copy_stream = backend.new_stream("dwdp-copy")
+    orders = [m.moe_index for m in layers]
+
+    def expert_launch(order: int, slot: int, stream: Any) -> None:
+        plan = experts.plan(order, slot)
+        counters.bytes_moved += plan.nbytes
+        counters.bytes_moved_remote += sum(d.nbytes for d in plan.remote)
+        counters.copies += 1
+        experts.launch(order, slot, stream)
+
+    expert_schedule = ExpertPrefetchSchedule(
+        backend=backend,
+        copy_stream=copy_stream,
+        moe_layers=orders,
+        num_slots=num_slots,
+        launch=expert_launch,
+    )
+    dense_schedule = None
+    if dense is not None:
+
+        def dense_launch(order: int, segment: Any, slot: int, stream: Any) -> None:
+            from dwdp.worker.dense.layout import Segment as LayoutSegment
+
+            seg = LayoutSegment(segment.value)
+            plan = dense.plan(order, seg, slot)
+            counters.bytes_moved += plan.nbytes
+            counters.bytes_moved_remote += sum(d.nbytes for d in plan.remote)
+            counters.copies += 1
+            dense.launch(order, seg, slot, stream)
+
+        dense_schedule = DenseSlotSchedule(
+            backend=backend,
+            copy_stream=copy_stream,
+            layers=orders,
+            launch=dense_launch,
+            attached=True,
+            attention_slots=dense.rings.attention,
+            moe_slots=dense.rings.moe_dense,
+            expert_schedule=expert_schedule,
+        )
+        if num_slots > 2:
+            log.info(
+                "DWDP: %d expert prefetch slots: each expert copy runs ahead of its "
+                "layer's dense copy on the shared copy stream",
+                num_slots,
+            )
+
+    attachment = DwdpAttachment(
+        model=model,
+        layers=layers,
+        backend=backend,
+        transport=transport,
+        partition=partition,
+        dense=dense,
+        experts=experts,
+        expert_schedule=expert_schedule,
+        dense_schedule=dense_schedule,
+        counters=counters,
+        expert_freed=freed,
+        expert_leaks=leaks.count,
+    )
+    attachment.install_hooks()
+    attachment.install_guards()
+    log.info(
+        "DWDP rank %d of %d attached: %d MoE layers, partition %s, dense %s, %d expert slots",
+        transport.rank,
+        transport.world_size,
+        len(layers),
+        partition.describe(),
+        "on" if dense is not None else "off",
+        num_slots,
+    )
+    return attachment
+
+
+@contextlib.contextmanager
+def _setup_stream(backend: Any) -> Iterator[None]:
+    """Run setup on a created stream where the backend has device streams.
+
+    [Note: setup stream] Setup gathers every layer once on the "current" stream and checks
+    the bytes; on CUDA the current stream is the legacy NULL stream outside any stream
+    context, and batched copies (cuMemcpyBatchAsync) refuse it. Setup therefore runs under a
+    created stream that first waits for the default stream (the loaded weights,
+    read-after-write); the default stream then waits for setup (the slots it filled).
+    """
+    if backend.name != "cuda":
+        yield
+        return
+    import torch
+
+    device = torch.device("cuda", getattr(backend, "device", 0) or 0)
+    default = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(default)
+    with torch.cuda.stream(stream):
+        yield
+    default.wait_stream(stream)
+    stream.synchronize()  # setup only
+
+
+def _setup_and_repoint(
+    model: Any,
+    layers: list[Any],
+    *,
+    backend: Any,
+    transport: Any,
+    partition: Any,
+    enable_dense: bool,
+    num_slots: int,
+    copy_mode: Any,
+) -> tuple[Any, Any, int, Any]:
+    """Dense setup, expert setup, the expert gather check and the repoint (see ``attach``).
+    Returns ``(dense, experts, expert bytes freed, leak report)``."""
+    import torch
+    from dwdp.worker.dense.repoint import count_leaks, watch_storages
+    from dwdp.worker.expert.layout import ExpertLayerWeights
+    from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
+    from dwdp.worker.setup.expert import setup_experts
+    from dwdp.worker.setup.phases import SetupError
+    from dwdp.worker.setup.vote import vote
+
+    device = layers[0].experts.gate_up_proj.device
     # 1. Dense first: its commit returns the replicated dense memory before the ring exists.
     dense = None
     if enable_dense:
@@ -571,77 +699,4 @@ def attach(
             ", ".join(leaks.names[:8]),
         )
 
-    # 4. Schedules on one copy stream; attached dense starts the expert prefetch at H0.
-    copy_stream = backend.new_stream("dwdp-copy")
-    orders = [m.moe_index for m in layers]
-
-    def expert_launch(order: int, slot: int, stream: Any) -> None:
-        plan = experts.plan(order, slot)
-        counters.bytes_moved += plan.nbytes
-        counters.bytes_moved_remote += sum(d.nbytes for d in plan.remote)
-        counters.copies += 1
-        experts.launch(order, slot, stream)
-
-    expert_schedule = ExpertPrefetchSchedule(
-        backend=backend,
-        copy_stream=copy_stream,
-        moe_layers=orders,
-        num_slots=num_slots,
-        launch=expert_launch,
-    )
-    dense_schedule = None
-    if dense is not None:
-
-        def dense_launch(order: int, segment: Any, slot: int, stream: Any) -> None:
-            from dwdp.worker.dense.layout import Segment as LayoutSegment
-
-            seg = LayoutSegment(segment.value)
-            plan = dense.plan(order, seg, slot)
-            counters.bytes_moved += plan.nbytes
-            counters.bytes_moved_remote += sum(d.nbytes for d in plan.remote)
-            counters.copies += 1
-            dense.launch(order, seg, slot, stream)
-
-        dense_schedule = DenseSlotSchedule(
-            backend=backend,
-            copy_stream=copy_stream,
-            layers=orders,
-            launch=dense_launch,
-            attached=True,
-            attention_slots=dense.rings.attention,
-            moe_slots=dense.rings.moe_dense,
-            expert_schedule=expert_schedule,
-        )
-        if num_slots > 2:
-            log.info(
-                "DWDP: %d expert prefetch slots: each expert copy runs ahead of its "
-                "layer's dense copy on the shared copy stream",
-                num_slots,
-            )
-
-    attachment = DwdpAttachment(
-        model=model,
-        layers=layers,
-        backend=backend,
-        transport=transport,
-        partition=partition,
-        dense=dense,
-        experts=experts,
-        expert_schedule=expert_schedule,
-        dense_schedule=dense_schedule,
-        counters=counters,
-        expert_freed=freed,
-        expert_leaks=leaks.count,
-    )
-    attachment.install_hooks()
-    attachment.install_guards()
-    log.info(
-        "DWDP rank %d of %d attached: %d MoE layers, partition %s, dense %s, %d expert slots",
-        transport.rank,
-        transport.world_size,
-        len(layers),
-        partition.describe(),
-        "on" if dense is not None else "off",
-        num_slots,
-    )
-    return attachment
+    return dense, experts, freed, leaks
