@@ -85,8 +85,16 @@ def join_group(cfg: Any, environ: Mapping[str, str] | None = None) -> Any:
         )
     if cfg.transport == TransportKind.MPI:
         from dwdp.worker.transport.mpi import MpiTransport
+        from mpi4py import MPI
 
-        return MpiTransport.split(rank=rendezvous.rank, world_size=rendezvous.world_size)
+        world = MPI.COMM_WORLD
+        if world.Get_size() != rendezvous.world_size or world.Get_rank() != rendezvous.rank:
+            raise DwdpConfigError(
+                f"transport mpi: this worker runs one DWDP group per MPI world; MPI rank "
+                f"{world.Get_rank()} of {world.Get_size()} but DWDP_RANK={rendezvous.rank} of "
+                f"DWDP_WORLD_SIZE={rendezvous.world_size}"
+            )
+        return MpiTransport.split(timeout_s=rendezvous.timeout_s)
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
     return TcpStoreTransport(rendezvous)
