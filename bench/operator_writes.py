@@ -50,8 +50,10 @@ def start_operator(namespace: str, kubeconfig: str):
     from dwdp.operator.plan import PlanOptions
     from dwdp.operator.reconcile import Reconcilers
     from dwdp.operator.testing.process import RANKPROG_COMMAND
+    from kubernetes.config import kube_config
 
     os.environ["KUBECONFIG"] = kubeconfig
+    kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig  # read at import; kopf's login uses it
     kube = Kube.from_environment(kubeconfig)
     config = OperatorConfig()
     reconcilers = Reconcilers(kube, PlanOptions(command=tuple(RANKPROG_COMMAND.split())))
@@ -80,6 +82,15 @@ def start_operator(namespace: str, kubeconfig: str):
         thread.join(15)
 
     return kube, stop
+
+
+def wait_pods(env: dict, ns: str, selector: str, n: int, timeout: float = 120) -> None:
+    """Poll until ``n`` pods match ``selector``; raises RuntimeError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while count_pods(env, ns, selector) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {n} pods {selector} after {timeout} s")
+        time.sleep(0.05)
 
 
 def count_pods(env: dict, ns: str, selector: str) -> int:
@@ -114,6 +125,13 @@ def main() -> int:
         kubectl(env, "apply", "--server-side", "-f", str(CRD))
         kubectl(env, "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io")
         kubectl(env, "create", "namespace", ns)
+        deadline = time.monotonic() + 60
+        while subprocess.run(
+            ["kubectl", "get", "serviceaccount", "default", "-n", ns], env=env, capture_output=True
+        ).returncode:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no default ServiceAccount in {ns}")
+            time.sleep(0.2)
         n_pods = args.groups * args.pods_per_group
 
         # Baseline: the same number of bare pods, created directly.
@@ -141,8 +159,7 @@ def main() -> int:
         }
         t0 = time.monotonic()
         kubectl(env, "apply", "-n", ns, "-f", "-", input=json.dumps(bare))
-        while count_pods(env, ns, "bench=bare") < n_pods:
-            time.sleep(0.05)
+        wait_pods(env, ns, "bench=bare", n_pods)
         result["direct_pods_created_s"] = time.monotonic() - t0
         kubectl(env, "delete", "pods", "-n", ns, "-l", "bench=bare", "--wait=true")
 
@@ -165,8 +182,7 @@ def main() -> int:
         }
         t0 = time.monotonic()
         kubectl(env, "apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
-        while count_pods(env, ns, "dwdp.io/deployment=bench") < n_pods:
-            time.sleep(0.05)
+        wait_pods(env, ns, "dwdp.io/deployment=bench", n_pods)
         result["operator_pods_created_s"] = time.monotonic() - t0
         while True:
             status = (

@@ -178,6 +178,17 @@ class ChildKey:
     name: str
 
 
+def _ours(obj: Mapping[str, Any]) -> bool:
+    """The operator made this child. EndpointSlices need a look: the endpoint-slice
+    controller copies a Service's labels onto the slices it makes for the headless
+    Services, so only the managed-by label tells ours apart (deleting theirs would start
+    a delete/recreate loop)."""
+    if obj.get("kind") != "EndpointSlice":
+        return True
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return labels.get(c.LABEL_SLICE_MANAGED_BY) == c.SLICE_MANAGED_BY
+
+
 @dataclass(frozen=True)
 class Observed:
     """Everything the plan reads about the cluster for one deployment.
@@ -206,7 +217,11 @@ class Observed:
                 key=lambda p: p.name,
             )
         )
-        kids = {ChildKey(o["kind"], o["metadata"]["name"]): applied_hash(o) for o in children}
+        kids = {
+            ChildKey(o["kind"], o["metadata"]["name"]): applied_hash(o)
+            for o in children
+            if _ours(o)
+        }
         return cls(pods=summaries, children=kids, ranks=dict(ranks or {}))
 
     def group_pods(self, role: Role, index: int) -> list[ObservedPod]:

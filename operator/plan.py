@@ -128,9 +128,27 @@ def _strip(status: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (status or {}).items() if k != "kopf"}
 
 
+def _covers(old: Any, new: Any) -> bool:
+    """``old`` holds everything ``new`` says: equal scalars, equally long lists covered
+    item by item, and mappings whose keys in ``new`` are covered (keys only in ``old`` are
+    defaults the apiserver filled in, such as a group's ``leaks: 0``)."""
+    if isinstance(new, Mapping):
+        return isinstance(old, Mapping) and all(
+            k in old and _covers(old[k], v) for k, v in new.items()
+        )
+    if isinstance(new, list):
+        return (
+            isinstance(old, list)
+            and len(old) == len(new)
+            and all(_covers(o, n) for o, n in zip(old, new, strict=True))
+        )
+    return old == new
+
+
 def status_differs(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
-    """True when ``new`` differs from the operator-owned part of ``old``."""
-    return dict(new) != _strip(old)
+    """True when the operator-owned part of ``old`` does not already say all of ``new``
+    (apiserver defaults in ``old`` do not count as a difference)."""
+    return not _covers(_strip(old), {k: v for k, v in new.items() if v is not None})
 
 
 def _invalid_plan(body: Mapping[str, Any], problems: list, now: str) -> Plan:
@@ -337,6 +355,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
                         "phase": GroupPhase.DRAINING.value,
                         "ranksReady": 0,
                         "ranksTotal": shape.world_size,
+                        "leaks": 0,
                         "restarts": int((recorded.get(name) or {}).get("restarts", 0)),
                     }
                 )

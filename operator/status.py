@@ -53,6 +53,7 @@ class GroupView:
             "phase": self.phase.value,
             "ranksReady": self.ranks_ready,
             "ranksTotal": self.ranks_total,
+            "leaks": 0,
             "restarts": restarts,
         }
         if self.layout_digest is not None:

@@ -286,3 +286,33 @@ def test_zero_or_one_group(replicas: int) -> None:
     sim.step()
     assert sim.body["status"]["readyGroups"] == replicas
     assert sim.body["status"]["phase"] == "Ready"
+
+
+def test_apiserver_defaults_in_the_read_status_are_not_a_change() -> None:
+    sim = Sim(body())
+    sim.step()
+    sim.step()
+    status = sim.body["status"]
+    for group in status["groups"]:
+        group["extraDefault"] = 0  # a field the CRD defaults and the plan does not set
+    status["kopf"] = {"progress": {}}
+    assert sim.step().writes == 0
+
+
+def test_endpoint_slices_of_the_slice_controller_are_not_ours() -> None:
+    sim = Sim(body(replicas=1))
+    sim.step()
+    theirs = {
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "demo-context-x7k2p",
+            "labels": {
+                c.LABEL_DEPLOYMENT: "demo",
+                c.LABEL_SLICE_MANAGED_BY: "endpointslice-controller.k8s.io",
+            },
+        },
+    }
+    sim.objects[("EndpointSlice", "demo-context-x7k2p")] = theirs
+    p = sim.step()
+    assert all(d.kind != "EndpointSlice" for d in p.delete)
+    assert sim.step().writes == 0

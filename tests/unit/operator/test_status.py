@@ -285,6 +285,7 @@ def test_failed_group_records_phase_and_message() -> None:
         "phase": "Failed",
         "ranksReady": 0,
         "ranksTotal": 4,
+        "leaks": 0,
         "restarts": 2,
         "lastFailure": view.failure,
     }
