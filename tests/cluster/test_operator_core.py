@@ -354,3 +354,30 @@ def test_webhook_refuses_what_it_is_asked_and_admits_valid(
         "apply", "--dry-run=server", "-n", namespace, "-f", str(EXAMPLES / "01-two-groups.yaml")
     )
     assert "server dry run" in out.stdout
+
+
+def test_ready_deployment_is_not_written_at_rest(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """At rest nothing the operator owns changes: the DwdpDeployment (status included),
+    its ConfigMap, Services and EndpointSlices keep their resourceVersions, and no Event is
+    added (bench/operator_writes.py counts the writes themselves over a minute)."""
+    ns = namespace
+    cluster.apply(ns, example("02-small.yaml"))
+    wait_phase(cluster, ns, "small", "Ready", ready=1, op=operator)
+    time.sleep(3)  # the last gate, slice and status writes land
+
+    def versions() -> dict[str, str]:
+        out = {}
+        for kind in ("dwdp", "configmaps", "services", "endpointslices", "events"):
+            items = json.loads(cluster.kubectl("get", kind, "-n", ns, "-o", "json").stdout)["items"]
+            for item in items:
+                out[f"{kind}/{item['metadata']['name']}"] = item["metadata"]["resourceVersion"]
+        return out
+
+    before = versions()
+    time.sleep(10)
+    after = versions()
+    ours = {k for k in after if not k.startswith("endpointslices/small-context-")}
+    assert {k: after[k] for k in ours} == {k: before.get(k) for k in ours}
+    delete_and_wait(cluster, ns, "small")
