@@ -142,7 +142,10 @@ def _run(args: argparse.Namespace) -> int:
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per event
     config = OperatorConfig(peering=args.peering, webhook=_webhook(args))
-    kube = Kube.from_environment()
+    try:
+        kube = Kube.from_environment()
+    except Exception as exc:  # kubernetes.config.ConfigException, unreadable kubeconfig
+        raise UserError(f"no cluster credentials (service account or KUBECONFIG): {exc}") from exc
     reconcilers = Reconcilers(kube, PlanOptions(command=command))
     registry = build_registry(reconcilers, config)
     settings = kopf.OperatorSettings()
