@@ -25,10 +25,12 @@ __all__ = [
     "Owner",
     "RoleShape",
     "client_service",
+    "compute_domain",
     "config_map",
     "endpoint_slices",
     "headless_service",
     "launch_config_text",
+    "pod_group",
     "role_shapes",
     "role_template",
     "worker_pod",
@@ -346,6 +348,8 @@ def worker_pod(
     pod_index: int,
     revision: str,
     command: tuple[str, ...] = c.DEFAULT_WORKER_COMMAND,
+    pod_group: str | None = None,
+    channel_template: str | None = None,
 ) -> dict[str, Any]:
     """Pod ``pod_index`` of incarnation ``incarnation`` of group ``group_index`` of
     ``role``: ranks ``pod_index * ranksPerPod`` onwards, the rendezvous environment of
@@ -430,6 +434,13 @@ def worker_pod(
             *t["volumes"],
         ],
     }
+    if pod_group is not None:
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
+    if channel_template is not None:
+        pod_spec["resourceClaims"] = [
+            {"name": c.CHANNEL_CLAIM, "resourceClaimTemplateName": channel_template}
+        ]
+        container["resources"] = {**container["resources"], "claims": [{"name": c.CHANNEL_CLAIM}]}
     if t["nodeSelector"]:
         pod_spec["nodeSelector"] = t["nodeSelector"]
     if t["tolerations"]:
@@ -440,6 +451,69 @@ def worker_pod(
             "kind": "Pod",
             "metadata": {"name": name, "labels": labels},
             "spec": pod_spec,
+        },
+        owner,
+    )
+
+
+# ----------------------------------------------------------------------------- per incarnation
+
+
+def _incarnation_labels(owner: Owner, role: Role, group_index: int, incarnation: int) -> dict:
+    labels = _labels(owner, c.Component.WORKER, role)
+    labels.update(
+        {
+            c.LABEL_GROUP: naming.group_name(owner.name, role, group_index),
+            c.LABEL_GROUP_INDEX: str(group_index),
+            c.LABEL_INCARNATION: str(incarnation),
+        }
+    )
+    return labels
+
+
+def pod_group(
+    owner: Owner, *, role: Role, group_index: int, incarnation: int, min_count: int
+) -> dict[str, Any]:
+    """The gang PodGroup of one group incarnation: the scheduler binds its ``min_count``
+    pods together or none of them (``scheduling.k8s.io/v1beta1``)."""
+    group = naming.group_name(owner.name, role, group_index)
+    return _finish(
+        {
+            "apiVersion": c.PODGROUP_API,
+            "kind": "PodGroup",
+            "metadata": {
+                "name": naming.incarnation(group, incarnation),
+                "labels": _incarnation_labels(owner, role, group_index, incarnation),
+            },
+            "spec": {"schedulingPolicy": {"gang": {"minCount": min_count}}},
+        },
+        owner,
+    )
+
+
+def compute_domain(
+    owner: Owner, *, role: Role, group_index: int, incarnation: int, nodes: int
+) -> dict[str, Any]:
+    """The NVIDIA ComputeDomain of one group incarnation (one multi-node NVLink / IMEX
+    domain over its ``nodes`` pods); its channel ResourceClaimTemplate is what the pods
+    claim."""
+    group = naming.group_name(owner.name, role, group_index)
+    return _finish(
+        {
+            "apiVersion": c.COMPUTE_DOMAIN_API,
+            "kind": "ComputeDomain",
+            "metadata": {
+                "name": naming.incarnation(group, incarnation),
+                "labels": _incarnation_labels(owner, role, group_index, incarnation),
+            },
+            "spec": {
+                "numNodes": nodes,
+                "channel": {
+                    "resourceClaimTemplate": {
+                        "name": naming.channel_claim_template(group, incarnation)
+                    }
+                },
+            },
         },
         owner,
     )

@@ -54,6 +54,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         f"'dwdp launch --host $(DWDP_POD_IP)'; env {ENV_WORKER_COMMAND})",
     )
     p.add_argument(
+        "--gang",
+        choices=("auto", "off"),
+        default="auto",
+        help="gang PodGroup per group incarnation where the apiserver serves "
+        "scheduling.k8s.io/v1beta1 podgroups (auto, the default), or never (off)",
+    )
+    p.add_argument(
+        "--compute-domains",
+        choices=("auto", "off"),
+        default="auto",
+        help="handleType fabric groups across pods: one NVIDIA ComputeDomain per incarnation, "
+        "refused where the API is not served (auto, the default); off: never (CPU test "
+        "clusters, where fabric is nominal)",
+    )
+    p.add_argument(
         "--webhook-listen",
         default=None,
         metavar="HOST:PORT",
@@ -146,7 +161,10 @@ def _run(args: argparse.Namespace) -> int:
         kube = Kube.from_environment()
     except Exception as exc:  # kubernetes.config.ConfigException, unreadable kubeconfig
         raise UserError(f"no cluster credentials (service account or KUBECONFIG): {exc}") from exc
-    reconcilers = Reconcilers(kube, PlanOptions(command=command))
+    options = PlanOptions(
+        command=command, gang=args.gang == "auto", compute_domains=args.compute_domains == "auto"
+    )
+    reconcilers = Reconcilers(kube, options)
     registry = build_registry(reconcilers, config)
     settings = kopf.OperatorSettings()
     build_settings(settings, config)

@@ -65,6 +65,13 @@ ANNOTATION_APPLIED_HASH = "dwdp.io/applied-hash"
 GATE_CONDITION = "dwdp.io/group-ready"
 """Pod readiness gate: True when every rank of the incarnation committed with one revision
 and one layout digest (the commit gate)."""
+GATE_REASON_COMMITTED = "GroupCommitted"
+"""Reason of an open gate."""
+GATE_REASON_NOT_COMMITTED = "GroupNotCommitted"
+"""Reason of a gate closed because the group is not (or no longer) committed."""
+GATE_REASON_DRAINING = "GroupDraining"
+"""Reason of a gate closed before the group is deleted (rollout, scale-down); the
+operator reads it back, so a restarted operator finishes the drain it started."""
 GPU_RESOURCE = "nvidia.com/gpu"
 """Extended resource requested per pod: one per rank."""
 WORKER_CONTAINER = "worker"
@@ -102,6 +109,17 @@ COND_READY = "Ready"
 COND_PROGRESSING = "Progressing"
 COND_DEGRADED = "Degraded"
 COND_INVALID = "Invalid"
+COND_REPLICA_FAILURE = "ReplicaFailure"
+"""True while the apiserver refuses to create a child (quota, admission); its message is
+the API's."""
+
+# ----------------------------------------------------------------------------- gang, NVLink
+PODGROUP_API = "scheduling.k8s.io/v1beta1"
+"""The Workload/PodGroup scheduling API (gang scheduling) the operator uses when served."""
+COMPUTE_DOMAIN_API = "resource.nvidia.com/v1beta1"
+"""NVIDIA's ComputeDomain API (multi-node NVLink / IMEX channels)."""
+CHANNEL_CLAIM = "compute-domain-channel"
+"""Name of the pod's resource claim on its incarnation's ComputeDomain channel."""
 
 
 class Reason(enum.StrEnum):
@@ -124,6 +142,15 @@ class Reason(enum.StrEnum):
     GATE_CLOSED = "GateClosed"
     APPLIED = "Applied"
     APPLY_FAILED = "ApplyFailed"
+    GROUP_RESTARTING = "GroupRestarting"
+    RESTARTED_GROUP = "RestartedGroup"
+    RESTART_LIMIT = "RestartLimitReached"
+    DRAINING_GROUP = "DrainingGroup"
+    ROLLING_OUT = "RollingOut"
+    FORCE_DELETED = "ForceDeleted"
+    FAILED_CREATE = "FailedCreate"
+    CREATED = "Created"
+    COMPUTE_DOMAIN_UNAVAILABLE = "ComputeDomainUnavailable"
 
 
 class GroupPhase(enum.StrEnum):

@@ -36,9 +36,15 @@ _PATHS = {
     "Event": ("/api/v1", "events"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
     KIND: (f"/apis/{API_VERSION}", c.RESOURCE_PLURAL),
+    "PodGroup": (f"/apis/{c.PODGROUP_API}", "podgroups"),
+    "ComputeDomain": (f"/apis/{c.COMPUTE_DOMAIN_API}", "computedomains"),
 }
 CHILD_KINDS = ("ConfigMap", "Service", "EndpointSlice")
 """Kinds of the non-pod children the operator lists and may delete."""
+OPTIONAL_KINDS = {"PodGroup": c.PODGROUP_API, "ComputeDomain": c.COMPUTE_DOMAIN_API}
+"""Children whose API a cluster may not serve: listed only where served."""
+DISCOVERY_TTL_S = 60.0
+"""Seconds a discovery answer (is an optional API served?) is reused."""
 
 
 def now_rfc3339() -> str:
@@ -71,6 +77,7 @@ class Kube:
     def __init__(self, api_client: Any) -> None:
         self.client = api_client
         self.writes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._served: dict[str, tuple[float, bool]] = {}
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None) -> Kube:
@@ -135,13 +142,32 @@ class Kube:
                 return None
             raise
 
+    async def served(self, kind: str) -> bool:
+        """The apiserver serves the optional kind ``kind`` (PodGroup, ComputeDomain);
+        asked through discovery at most every :data:`DISCOVERY_TTL_S` seconds."""
+        import time
+
+        stamp, ok = self._served.get(kind, (-1e9, False))
+        if time.monotonic() - stamp < DISCOVERY_TTL_S:
+            return ok
+        plural = _PATHS[kind][1]
+        try:
+            answer = await self.request("GET", f"/apis/{OPTIONAL_KINDS[kind]}")
+            ok = any(r.get("name") == plural for r in (answer or {}).get("resources") or ())
+        except ApiError as exc:
+            if exc.status not in (403, 404):
+                raise
+            ok = False
+        self._served[kind] = (time.monotonic(), ok)
+        return ok
+
     async def list_children(
-        self, namespace: str, deployment: str
+        self, namespace: str, deployment: str, optional: tuple[str, ...] = ()
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Pods, and the other children (each with ``kind`` set), labelled with the
-        deployment's name."""
+        deployment's name; ``optional``: served optional kinds to list too."""
         query = {"labelSelector": f"{c.LABEL_DEPLOYMENT}={deployment}"}
-        kinds = ("Pod", *CHILD_KINDS)
+        kinds = ("Pod", *CHILD_KINDS, *optional)
         answers = await asyncio.gather(
             *(self.request("GET", _path(kind, namespace), query=query) for kind in kinds)
         )
@@ -151,7 +177,7 @@ class Kube:
             for item in items:
                 item["kind"] = kind
             out[kind] = items
-        others = [o for kind in CHILD_KINDS for o in out[kind]]
+        others = [o for kind in (*CHILD_KINDS, *optional) for o in out[kind]]
         return out["Pod"], others
 
     # -- writes -----------------------------------------------------------------------
@@ -200,7 +226,9 @@ class Kube:
             raise
         return True
 
-    async def set_gate(self, namespace: str, pod: str, *, ready: bool, message: str) -> None:
+    async def set_gate(
+        self, namespace: str, pod: str, *, ready: bool, message: str, reason: str | None = None
+    ) -> None:
         """Set the pod's ``dwdp.io/group-ready`` condition (strategic merge on status:
         the kubelet's own conditions are kept). A pod already gone is not an error."""
         body = {
@@ -209,7 +237,8 @@ class Kube:
                     {
                         "type": c.GATE_CONDITION,
                         "status": "True" if ready else "False",
-                        "reason": "GroupCommitted" if ready else "GroupNotCommitted",
+                        "reason": reason
+                        or (c.GATE_REASON_COMMITTED if ready else c.GATE_REASON_NOT_COMMITTED),
                         "message": message,
                         "lastTransitionTime": now_rfc3339(),
                     }

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dwdp.api.enums import Role
 
 __all__ = [
+    "channel_claim_template",
     "client_service",
     "config_map",
     "endpoint_slice",
     "group_name",
     "headless_service",
+    "incarnation",
     "pod_name",
     "rendezvous_address",
 ]
@@ -54,6 +56,16 @@ def pod_name(group: str, incarnation: int, pod_index: int) -> str:
     """Pod ``pod_index`` of incarnation ``incarnation`` of ``group`` (``demo-g0-i0-p1``);
     also the pod's hostname under its role's headless Service."""
     return f"{group}-i{incarnation}-p{pod_index}"
+
+
+def incarnation(group: str, incarnation: int) -> str:
+    """The per-incarnation children (gang PodGroup, ComputeDomain): ``demo-g0-i3``."""
+    return f"{group}-i{incarnation}"
+
+
+def channel_claim_template(group: str, incarnation: int) -> str:
+    """The ResourceClaimTemplate the incarnation's ComputeDomain makes for its channel."""
+    return f"{group}-i{incarnation}-channel"
 
 
 def rendezvous_address(

@@ -96,6 +96,17 @@ class ObservedPod:
     """Ranks this pod runs (its ``rank-k`` container ports)."""
     termination_message: str | None = None
     exit_code: int | None = None
+    terminated_reason: str | None = None
+    """The kubelet's reason for the ended container (``OOMKilled``, ``Error``...)."""
+    draining: bool = False
+    """The gate condition was closed with reason :data:`~dwdp.operator.constants.
+    GATE_REASON_DRAINING`: the group is being drained (derivable after a restart)."""
+    created: str | None = None
+    """``metadata.creationTimestamp``."""
+    deleted: str | None = None
+    """``metadata.deletionTimestamp`` (when the pod is being deleted)."""
+    grace_s: int | None = None
+    """``spec.terminationGracePeriodSeconds``."""
 
     @property
     def failed(self) -> bool:
@@ -112,6 +123,13 @@ def _condition(status: Mapping[str, Any], kind: str) -> bool:
     return any(
         cond.get("type") == kind and cond.get("status") == "True"
         for cond in status.get("conditions") or ()
+    )
+
+
+def _condition_reason(status: Mapping[str, Any], kind: str) -> str | None:
+    return next(
+        (cond.get("reason") for cond in status.get("conditions") or () if cond.get("type") == kind),
+        None,
     )
 
 
@@ -143,12 +161,13 @@ def pod_from_object(obj: Mapping[str, Any]) -> ObservedPod | None:
         or "terminated" in (cs.get("lastState") or {})
         for cs in cstats
     )
-    message, code = None, None
+    message, code, why = None, None, None
     for cs in cstats:
         term = (cs.get("state") or {}).get("terminated")
         if term:
             message = (term.get("message") or "").strip() or None
             code = term.get("exitCode")
+            why = term.get("reason")
             break
     return ObservedPod(
         name=meta["name"],
@@ -167,6 +186,11 @@ def pod_from_object(obj: Mapping[str, Any]) -> ObservedPod | None:
         ranks=ranks or 1,
         termination_message=message,
         exit_code=code,
+        terminated_reason=why,
+        draining=_condition_reason(status, c.GATE_CONDITION) == c.GATE_REASON_DRAINING,
+        created=meta.get("creationTimestamp"),
+        deleted=meta.get("deletionTimestamp"),
+        grace_s=spec.get("terminationGracePeriodSeconds"),
     )
 
 
@@ -201,6 +225,15 @@ class Observed:
     pods: tuple[ObservedPod, ...] = ()
     children: Mapping[ChildKey, str | None] = field(default_factory=dict)
     ranks: Mapping[str, tuple[RankReport | None, ...]] = field(default_factory=dict)
+    gang: bool = False
+    """The apiserver serves the Workload/PodGroup scheduling API (gang PodGroups)."""
+    compute_domains: bool = False
+    """The apiserver serves NVIDIA's ComputeDomain API (resource.nvidia.com)."""
+    create_error: str | None = None
+    """The API's message of the last refused creation (quota, admission), if the last
+    attempt failed; the plan reports it as a condition."""
+    create_blocked: bool = False
+    """A refused creation is in its retry backoff: plan no creation this cycle."""
 
     @classmethod
     def from_objects(
@@ -209,6 +242,7 @@ class Observed:
         pods: Iterable[Mapping[str, Any]],
         children: Iterable[Mapping[str, Any]],
         ranks: Mapping[str, tuple[RankReport | None, ...]] | None = None,
+        **extra: Any,
     ) -> Observed:
         """Build the summary from listed objects and the ranks' reports."""
         summaries = tuple(
@@ -222,7 +256,7 @@ class Observed:
             for o in children
             if _ours(o)
         }
-        return cls(pods=summaries, children=kids, ranks=dict(ranks or {}))
+        return cls(pods=summaries, children=kids, ranks=dict(ranks or {}), **extra)
 
     def group_pods(self, role: Role, index: int) -> list[ObservedPod]:
         """Every pod of one group (all incarnations, deleting ones included)."""

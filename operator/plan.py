@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dwdp.api.deployment import DeploymentPhase, deployment_problems, parse_deployment
-from dwdp.api.enums import Role
-from dwdp.operator import builders, naming
+from dwdp.api.enums import HandleType, Role
+from dwdp.operator import builders, groups, naming
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
 from dwdp.operator.observe import ChildKey, Observed, ObservedPod
@@ -62,6 +62,11 @@ class PlanOptions:
 
     command: tuple[str, ...] = c.DEFAULT_WORKER_COMMAND
     """Container command of every worker pod."""
+    gang: bool = True
+    """Make a gang PodGroup per incarnation where the apiserver serves the API."""
+    compute_domains: bool = True
+    """Fabric groups across pods get a ComputeDomain per incarnation (refused where the
+    API is not served); False: never (CPU test clusters, where fabric is nominal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,8 @@ class GateChange:
     pod: str
     ready: bool
     message: str = ""
+    reason: str | None = None
+    """The condition's reason (None: committed / not committed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,8 @@ class Plan:
 
     apply: tuple[dict[str, Any], ...] = ()
     """Non-pod children to server-side apply (ConfigMaps, Services)."""
+    create: tuple[dict[str, Any], ...] = ()
+    """Per-incarnation children created before its pods (gang PodGroup, ComputeDomain)."""
     create_pods: tuple[dict[str, Any], ...] = ()
     gates: tuple[GateChange, ...] = ()
     slices: tuple[dict[str, Any], ...] = ()
@@ -114,6 +123,7 @@ class Plan:
         """Number of API writes this plan sends."""
         return (
             len(self.apply)
+            + len(self.create)
             + len(self.create_pods)
             + len(self.gates)
             + len(self.slices)
@@ -151,7 +161,9 @@ def status_differs(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> boo
     return not _covers(_strip(old), {k: v for k, v in new.items() if v is not None})
 
 
-def _invalid_plan(body: Mapping[str, Any], problems: list, now: str) -> Plan:
+def _invalid_plan(
+    body: Mapping[str, Any], problems: list, now: str, reason: Reason = Reason.INVALID_SPEC
+) -> Plan:
     old = body.get("status") or {}
     generation = (body.get("metadata") or {}).get("generation")
     message = "; ".join(str(p) for p in problems)[:4000]
@@ -159,13 +171,13 @@ def _invalid_plan(body: Mapping[str, Any], problems: list, now: str) -> Plan:
         {
             "type": c.COND_READY,
             "status": "False",
-            "reason": Reason.INVALID_SPEC.value,
+            "reason": reason.value,
             "message": "the spec is invalid; no child was created or changed",
         },
         {
             "type": c.COND_INVALID,
             "status": "True",
-            "reason": Reason.INVALID_SPEC.value,
+            "reason": reason.value,
             "message": message,
         },
     ]
@@ -183,11 +195,7 @@ def _invalid_plan(body: Mapping[str, Any], problems: list, now: str) -> Plan:
         (x.get("message") for x in old.get("conditions") or () if x.get("type") == c.COND_INVALID),
         None,
     )
-    events = (
-        (Event(Reason.INVALID_SPEC, f"spec refused: {message}", "Warning"),)
-        if old_msg != message
-        else ()
-    )
+    events = (Event(reason, f"spec refused: {message}", "Warning"),) if old_msg != message else ()
     return Plan(status=status if changed else None, events=events)
 
 
@@ -215,6 +223,28 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     shapes = builders.role_shapes(spec)
     revisions = builders.revisions(spec, command=options.command)
 
+    del recorded  # per role below (context in status.groups, generation in generation.groups)
+    fabric_pods = (
+        spec.context.handle_type is HandleType.FABRIC
+        and shapes[Role.CONTEXT].pods_per_group > 1
+        and options.compute_domains
+    )
+    if fabric_pods and not observed.compute_domains:
+        return _invalid_plan(
+            body,
+            [
+                "handleType fabric across "
+                f"{shapes[Role.CONTEXT].pods_per_group} pods per group needs one NVIDIA "
+                "ComputeDomain (resource.nvidia.com/v1beta1 computedomains) per group "
+                "incarnation for its NVLink/IMEX channel, and this cluster does not serve "
+                "that API: install the NVIDIA DRA driver for GPUs, or put every rank of a "
+                "group in one pod (ranksPerPod) with handleType posixFd"
+            ],
+            now,
+            reason=Reason.COMPUTE_DOMAIN_UNAVAILABLE,
+        )
+
+    pre_creates: list[dict[str, Any]] = []
     creates: list[dict[str, Any]] = []
     gates: list[GateChange] = []
     deletes: list[Delete] = []
@@ -222,54 +252,210 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     views: dict[Role, list[GroupView]] = {Role.CONTEXT: [], Role.GENERATION: []}
     serving_endpoints: list[builders.Endpoint] = []
     outdated = 0
-    draining: list[dict[str, Any]] = []
+    requeue: list[float] = []
+    entries: dict[Role, list[dict[str, Any]]] = {}
+    draining_count: dict[Role, int] = {}
+    incarnation_objects: set[ChildKey] = set()
+
+    def _create_incarnation(
+        role: Role,
+        shape: builders.RoleShape,
+        index: int,
+        inc: int,
+        rev: str,
+        pod_indices: Any,
+        *,
+        fresh: bool = True,
+    ) -> None:
+        """Pods of one incarnation, after its gang PodGroup and ComputeDomain."""
+        group = naming.group_name(owner.name, role, index)
+        gang_name = cd_template = None
+        if options.gang and observed.gang:
+            gang_name = naming.incarnation(group, inc)
+            obj = builders.pod_group(
+                owner,
+                role=role,
+                group_index=index,
+                incarnation=inc,
+                min_count=shape.pods_per_group,
+            )
+            key = ChildKey("PodGroup", gang_name)
+            incarnation_objects.add(key)
+            if key not in observed.children:
+                pre_creates.append(obj)
+        if role is Role.CONTEXT and fabric_pods:
+            obj = builders.compute_domain(
+                owner,
+                role=role,
+                group_index=index,
+                incarnation=inc,
+                nodes=shape.pods_per_group,
+            )
+            key = ChildKey("ComputeDomain", obj["metadata"]["name"])
+            incarnation_objects.add(key)
+            cd_template = naming.channel_claim_template(group, inc)
+            if key not in observed.children:
+                pre_creates.append(obj)
+        for i in pod_indices:
+            creates.append(
+                builders.worker_pod(
+                    spec,
+                    owner,
+                    role=role,
+                    group_index=index,
+                    incarnation=inc,
+                    pod_index=i,
+                    revision=rev,
+                    command=options.command,
+                    pod_group=gang_name,
+                    channel_template=cd_template,
+                )
+            )
+        if fresh:
+            events.append(
+                Event(
+                    Reason.CREATED_GROUP,
+                    f"created {role.value} group {group} incarnation {inc} "
+                    f"({shape.pods_per_group} pods, {shape.world_size} ranks, revision {rev})",
+                )
+            )
 
     for role, shape in shapes.items():
-        revision = revisions[role]
-        for index in range(shape.replicas):
+        target = revisions[role]
+        role_records = _records(owner.name, role, old_status)
+        role_pods = [p for p in observed.pods if p.role is role]
+        indices = sorted({p.group_index for p in role_pods} | set(role_records))
+        slots: list[groups.GroupSlot] = []
+        role_views: dict[int, GroupView] = {}
+        role_entries: dict[int, dict[str, Any]] = {}
+        draining_idx: set[int] = set()
+        for index in indices:
             name = naming.group_name(owner.name, role, index)
             all_pods = observed.group_pods(role, index)
             live = [p for p in all_pods if p.live]
-            prev = recorded.get(name) or {}
-            if not live:
-                inc = _next_incarnation(all_pods, prev.get("incarnation"))
-                rev = revision
-                current: list[ObservedPod] = []
-            else:
-                inc = max(p.incarnation for p in live)
-                current = [p for p in live if p.incarnation == inc]
-                rev = current[0].revision
+            prev = role_records.get(index) or {}
+            restarts = int(prev.get("restarts", 0))
+            last_failure = prev.get("lastFailure")
+            for p in all_pods:  # stuck Terminating: force the delete (the kubelet is gone)
+                if p.deleting and _stuck_terminating(p, now):
+                    deletes.append(Delete("Pod", p.name, grace_s=0))
+                    events.append(
+                        Event(
+                            Reason.FORCE_DELETED,
+                            f"pod {p.name} stuck terminating since {p.deleted}; "
+                            "deleted with grace period 0",
+                            "Warning",
+                        )
+                    )
+            if live and any(p.draining for p in live):
+                # Draining: the gates were closed (reason GroupDraining); now delete.
                 for p in live:
-                    if p.incarnation != inc:
-                        deletes.append(Delete("Pod", p.name))
-            if rev != revision:
-                outdated += 1
+                    deletes.append(Delete("Pod", p.name, grace_s=p.grace_s))
+                events.append(
+                    Event(
+                        Reason.DELETED_GROUP,
+                        f"deleting {role.value} group {name} ({len(live)} pods, gate closed)",
+                    )
+                )
+                draining_idx.add(index)
+                role_entries[index] = _draining_entry(name, live, shape, restarts)
+                continue
+            if not live:
+                terminating = [p for p in all_pods if p.deleting]
+                waiting = prev.get("phase") in (
+                    GroupPhase.RESTARTING.value,
+                    GroupPhase.FAILED.value,
+                ) and isinstance(last_failure, Mapping)
+                vanished = prev.get("phase") in _RUNNING_PHASES and not terminating
+                if vanished:  # every pod of a running incarnation is gone: a failure
+                    restarts += 1
+                    last_failure = {
+                        "phase": "exit",
+                        "message": f"every pod of incarnation {prev.get('incarnation', 0)} is gone",
+                        "reason": groups.FailureClass.POD_MISSING,
+                        "time": now,
+                        "incarnation": int(prev.get("incarnation", 0)),
+                    }
+                    events.append(
+                        Event(
+                            Reason.GROUP_FAILED,
+                            f"{role.value} group {name}: {last_failure['message']}; "
+                            f"restart {restarts} follows its backoff",
+                            "Warning",
+                        )
+                    )
+                    prev = {**prev, "phase": GroupPhase.RESTARTING.value}
+                    waiting = True
+                if not waiting:
+                    if terminating:
+                        draining_idx.add(index)
+                        role_entries[index] = _draining_entry(name, terminating, shape, restarts)
+                    continue
+                inc = int(prev.get("incarnation", 0))
+                limit = spec.failure_policy.restart_limit
+                if limit is not None and restarts > limit:
+                    view = GroupView(
+                        name=name,
+                        index=index,
+                        incarnation=inc,
+                        revision=target,
+                        phase=GroupPhase.FAILED,
+                        ranks_ready=0,
+                        ranks_total=shape.world_size,
+                    )
+                else:
+                    wait = groups.backoff_s(
+                        restarts,
+                        initial_s=spec.failure_policy.backoff_initial_seconds,
+                        max_s=spec.failure_policy.backoff_max_seconds,
+                    )
+                    since = groups.seconds_since(last_failure.get("time"), now)
+                    left = wait - since if since is not None else 0.0
+                    if terminating or left > 0 or observed.create_blocked:
+                        requeue.append(max(0.5, left))
+                        view = GroupView(
+                            name=name,
+                            index=index,
+                            incarnation=inc,
+                            revision=target,
+                            phase=GroupPhase.RESTARTING,
+                            ranks_ready=0,
+                            ranks_total=shape.world_size,
+                        )
+                    else:
+                        inc = _next_incarnation(all_pods, inc)
+                        _create_incarnation(
+                            role, shape, index, inc, target, range(shape.pods_per_group)
+                        )
+                        events.append(
+                            Event(
+                                Reason.RESTARTED_GROUP,
+                                f"restarted {role.value} group {name} as incarnation {inc} "
+                                f"(restart {restarts}, after {wait} s backoff, revision {target})",
+                            )
+                        )
+                        view = GroupView(
+                            name=name,
+                            index=index,
+                            incarnation=inc,
+                            revision=target,
+                            phase=GroupPhase.PENDING,
+                            ranks_ready=0,
+                            ranks_total=shape.world_size,
+                        )
+                role_views[index] = view
+                role_entries[index] = _entry(view, restarts, last_failure)
+                slots.append(groups.GroupSlot(index, new=True, serving=False))
+                continue
+            inc = max(p.incarnation for p in live)
+            current = [p for p in live if p.incarnation == inc]
+            rev = current[0].revision
+            for p in live:
+                if p.incarnation != inc:
+                    deletes.append(Delete("Pod", p.name))
             have = {p.pod_index for p in current}
             missing = [i for i in range(shape.pods_per_group) if i not in have]
             young = not any(p.started for p in current)
-            if missing and young:
-                for i in missing:
-                    creates.append(
-                        builders.worker_pod(
-                            spec,
-                            owner,
-                            role=role,
-                            group_index=index,
-                            incarnation=inc,
-                            pod_index=i,
-                            revision=rev,
-                            command=options.command,
-                        )
-                    )
-                if not current:
-                    events.append(
-                        Event(
-                            Reason.CREATED_GROUP,
-                            f"created {role.value} group {name} incarnation {inc} "
-                            f"({shape.pods_per_group} pods, {shape.world_size} ranks, "
-                            f"revision {rev})",
-                        )
-                    )
             view = evaluate_group(
                 name=name,
                 index=index,
@@ -281,22 +467,87 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
                 reports=observed.ranks,
                 previous_digest=prev.get("layoutDigest"),
             )
-            if missing and not young and view.phase is not GroupPhase.FAILED:
+            failure = view.failure
+            if view.phase is GroupPhase.FAILED and failure is not None:
+                bad = next((p for p in current if p.failed), None)
+                phase, why = groups.classify_failure(
+                    message=bad.termination_message if bad else None,
+                    exit_code=bad.exit_code if bad else None,
+                    terminated_reason=bad.terminated_reason if bad else None,
+                    rank_phase=failure.get("phase") if failure.get("phase") != "exit" else None,
+                    was_serving=any(p.gate for p in current)
+                    or prev.get("phase") == GroupPhase.SERVING.value,
+                )
+                failure = {**failure, "phase": phase, "reason": why}
+            elif missing and not young:
+                failure = {
+                    "phase": "exit",
+                    "message": f"pods {missing} of incarnation {inc} are gone",
+                    "reason": groups.FailureClass.POD_MISSING,
+                }
+            elif view.phase in (GroupPhase.SCHEDULING, GroupPhase.PENDING) and any(
+                _unschedulable_too_long(p, now, spec.failure_policy.scheduling_timeout_seconds)
+                for p in current
+            ):
+                failure = {
+                    "phase": "scheduling",
+                    "message": f"pods of incarnation {inc} not scheduled within "
+                    f"{spec.failure_policy.scheduling_timeout_seconds} s",
+                    "reason": groups.FailureClass.UNSCHEDULABLE,
+                }
+            else:
+                failure = None
+            if failure is not None:
+                # Fail together: gates down, the whole incarnation deleted, restart later.
+                counted = (
+                    isinstance(last_failure, Mapping) and last_failure.get("incarnation") == inc
+                )
+                if not counted:
+                    restarts += 1
+                    last_failure = {**failure, "time": now, "incarnation": inc}
+                for p in current:
+                    if p.gate and not p.failed:
+                        gates.append(GateChange(p.name, False, f"{name} is Failed"))
+                    deletes.append(Delete("Pod", p.name))
+                limit = spec.failure_policy.restart_limit
+                out = limit is not None and restarts > limit
+                wait = groups.backoff_s(
+                    restarts,
+                    initial_s=spec.failure_policy.backoff_initial_seconds,
+                    max_s=spec.failure_policy.backoff_max_seconds,
+                )
+                if not counted:
+                    events.append(
+                        Event(
+                            Reason.GROUP_FAILED,
+                            f"{role.value} group {name} incarnation {inc} failed at "
+                            f"{last_failure['phase']} ({last_failure['reason']}): "
+                            f"{last_failure['message']}; "
+                            + (
+                                f"restart limit {limit} reached, it stays failed"
+                                if out
+                                else f"whole incarnation deleted, restart {restarts} in {wait} s"
+                            ),
+                            "Warning",
+                        )
+                    )
+                requeue.append(float(wait))
                 view = GroupView(
                     name=name,
                     index=index,
                     incarnation=inc,
                     revision=rev,
-                    phase=GroupPhase.FAILED,
+                    phase=GroupPhase.FAILED if out else GroupPhase.RESTARTING,
                     ranks_ready=0,
                     ranks_total=shape.world_size,
-                    failure={
-                        "phase": "exit",
-                        "message": f"pods {missing} of incarnation {inc} are gone",
-                        "reason": "PodMissing",
-                    },
+                    failure=last_failure,
                 )
-            views[role].append(view)
+                role_views[index] = view
+                role_entries[index] = _entry(view, restarts, last_failure)
+                slots.append(groups.GroupSlot(index, new=True, serving=False))
+                continue
+            if missing and young and not observed.create_blocked:
+                _create_incarnation(role, shape, index, inc, rev, missing, fresh=not current)
             for p in current:
                 if p.failed:
                     continue
@@ -320,45 +571,68 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
                         "Warning",
                     )
                 )
+            role_views[index] = view
+            role_entries[index] = _entry(view, restarts, last_failure)
+            slots.append(groups.GroupSlot(index, new=rev == target, serving=view.committed))
+
+        # Rollout and scale, counted in whole groups.
+        step = groups.rollout_step(
+            slots,
+            replicas=shape.replicas,
+            max_surge=spec.rollout.max_surge,
+            max_unavailable=spec.rollout.max_unavailable,
+        )
+        outdated += sum(1 for s in slots if not s.new)
+        drained_pods = {p.name for p in role_pods if p.group_index in step.drain}
+        gates[:] = [g for g in gates if g.pod not in drained_pods]
+        for index in step.drain:
+            name = naming.group_name(owner.name, role, index)
+            current_pods = [p for p in observed.group_pods(role, index) if p.live]
+            for p in current_pods:
+                gates.append(GateChange(p.name, False, f"{name} drained", c.GATE_REASON_DRAINING))
+            events.append(
+                Event(
+                    Reason.DRAINING_GROUP,
+                    f"draining {role.value} group {name} (revision "
+                    f"{role_views[index].revision}, target {target}, replicas "
+                    f"{shape.replicas}): gate closed first, pods deleted next",
+                )
+            )
+            draining_idx.add(index)
+            if current_pods:
+                role_entries[index] = _draining_entry(name, current_pods, shape, 0)
+            else:
+                role_entries.pop(index, None)
+            role_views.pop(index, None)
+        if step.create and not observed.create_blocked:
+            used = {p.group_index for p in role_pods} | set(role_entries)
+            for index in groups.free_indices(used, step.create):
+                inc = 0
+                _create_incarnation(
+                    role, shape, index, inc, target, range(shape.pods_per_group), fresh=True
+                )
+                view = GroupView(
+                    name=naming.group_name(owner.name, role, index),
+                    index=index,
+                    incarnation=inc,
+                    revision=target,
+                    phase=GroupPhase.PENDING,
+                    ranks_ready=0,
+                    ranks_total=shape.world_size,
+                )
+                role_views[index] = view
+                role_entries[index] = _entry(view, 0, None)
+        for index in sorted(role_views):
+            view = role_views[index]
+            views[role].append(view)
             if view.committed and role is Role.CONTEXT:
                 serving_endpoints += [
-                    builders.Endpoint(p.name, p.ip) for p in current if p.ip is not None
+                    builders.Endpoint(p.name, p.ip)
+                    for p in observed.group_pods(role, index)
+                    if p.live and p.incarnation == view.incarnation and p.ip is not None
                 ]
-        # Groups beyond the desired count: drain (endpoints go first, then the pods).
-        extra = sorted(
-            {
-                p.group_index
-                for p in observed.pods
-                if p.role is role and p.group_index >= shape.replicas
-            }
-        )
-        for index in extra:
-            name = naming.group_name(owner.name, role, index)
-            pods = observed.group_pods(role, index)
-            live = [p for p in pods if p.live]
-            for p in live:
-                deletes.append(Delete("Pod", p.name))
-            if live:
-                events.append(
-                    Event(
-                        Reason.DELETED_GROUP,
-                        f"deleting {role.value} group {name} ({len(live)} pods): beyond "
-                        f"replicas {shape.replicas}",
-                    )
-                )
-            if role is Role.CONTEXT:
-                draining.append(
-                    {
-                        "name": name,
-                        "revision": pods[0].revision,
-                        "incarnation": max(p.incarnation for p in pods),
-                        "phase": GroupPhase.DRAINING.value,
-                        "ranksReady": 0,
-                        "ranksTotal": shape.world_size,
-                        "leaks": 0,
-                        "restarts": int((recorded.get(name) or {}).get("restarts", 0)),
-                    }
-                )
+        entries[role] = [role_entries[i] for i in sorted(role_entries)]
+        draining_count[role] = sum(1 for i in draining_idx if i in role_entries)
     # Roles that the spec no longer runs (generation removed): drain every pod.
     for p in observed.pods:
         if p.role not in shapes and p.live:
@@ -383,6 +657,12 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     keep |= {
         ChildKey("ConfigMap", naming.config_map(owner.name, role, rev)) for role, rev in in_use
     }
+    keep |= incarnation_objects
+    for p in observed.pods:  # an incarnation's PodGroup and ComputeDomain live as its pods do
+        inc_name = naming.incarnation(
+            naming.group_name(owner.name, p.role, p.group_index), p.incarnation
+        )
+        keep |= {ChildKey("PodGroup", inc_name), ChildKey("ComputeDomain", inc_name)}
     apply = tuple(
         o
         for o in wanted
@@ -404,8 +684,9 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     gen_views = views[Role.GENERATION]
     ready = sum(1 for v in ctx_views if v.committed)
     gen_ready = sum(1 for v in gen_views if v.committed)
-    failed = [v.name for v in ctx_views + gen_views if v.phase is GroupPhase.FAILED]
-    existing = len(ctx_views) + len(draining)
+    down = (GroupPhase.FAILED, GroupPhase.RESTARTING)
+    failed = [v.name for v in ctx_views + gen_views if v.phase in down]
+    existing = len(ctx_views) + draining_count.get(Role.CONTEXT, 0)
     desired = shapes[Role.CONTEXT].replicas
     gen_desired = shapes[Role.GENERATION].replicas if Role.GENERATION in shapes else 0
     generation = meta.get("generation")
@@ -419,14 +700,20 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         generation_ready=gen_ready,
         observed_generation=generation,
     )
+    if observed.create_error:
+        conds.append(
+            {
+                "type": c.COND_REPLICA_FAILURE,
+                "status": "True",
+                "reason": Reason.FAILED_CREATE.value,
+                "message": observed.create_error[:4000],
+                **({"observedGeneration": generation} if generation is not None else {}),
+            }
+        )
     all_ready = conds[0]["status"] == "True"
     phase = deployment_phase(
         all_ready=all_ready, failed=bool(failed), started=bool(observed.pods or creates)
     )
-    groups = [
-        v.to_status(restarts=int((recorded.get(v.name) or {}).get("restarts", 0)))
-        for v in ctx_views
-    ] + draining
     status: dict[str, Any] = {
         "phase": phase.value,
         "conditions": carry_transition_times(conds, old_status.get("conditions"), now),
@@ -435,22 +722,105 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         "readyGroups": ready,
         "selector": f"{c.LABEL_DEPLOYMENT}={owner.name},{c.LABEL_ROLE}={Role.CONTEXT.value}",
         "revision": revisions[Role.CONTEXT],
-        "groups": groups,
+        "groups": entries.get(Role.CONTEXT, []),
         "endpoint": (
             f"http://{naming.client_service(owner.name)}.{owner.namespace}.svc:{spec.server.port}"
         ),
     }
     if Role.GENERATION in shapes:
         status["generation"] = {"replicas": len(gen_views), "readyReplicas": gen_ready}
+        kept = [  # generation entries only where they carry restart bookkeeping
+            e for e in entries.get(Role.GENERATION, []) if e.get("restarts") or e.get("lastFailure")
+        ]
+        if kept:
+            status["generation"]["groups"] = kept
     busy = not all_ready or bool(creates or deletes or gates)
+    delay = REQUEUE_BUSY_S if busy else REQUEUE_IDLE_S
+    if requeue:
+        delay = min(REQUEUE_IDLE_S, max(min(requeue), 0.5))
+        if busy and not (creates or deletes or gates):
+            delay = min(delay, REQUEUE_BUSY_S)
     return Plan(
         apply=apply,
+        create=tuple(pre_creates),
         create_pods=tuple(creates),
         gates=tuple(gates),
         slices=slice_writes,
         delete=tuple(deletes),
         status=status if status_differs(status, old_status) else None,
         events=tuple(events),
-        requeue_after_s=REQUEUE_BUSY_S if busy else REQUEUE_IDLE_S,
+        requeue_after_s=delay,
         groups=tuple(ctx_views + gen_views),
     )
+
+
+def _records(deployment: str, role: Role, status: Mapping[str, Any]) -> dict[int, dict]:
+    """The recorded status entries of ``role``'s groups by index (context in
+    ``status.groups``, generation in ``status.generation.groups``)."""
+    if role is Role.CONTEXT:
+        items = status.get("groups") or ()
+    else:
+        items = (status.get("generation") or {}).get("groups") or ()
+    prefix = naming.group_name(deployment, role, 0)[:-1]
+    out: dict[int, dict] = {}
+    for g in items:
+        if not isinstance(g, Mapping):
+            continue
+        name = str(g.get("name", ""))
+        rest = name[len(prefix) :]
+        if name.startswith(prefix) and rest.isdigit():
+            out[int(rest)] = dict(g)
+    return out
+
+
+def _entry(view: GroupView, restarts: int, last_failure: Any) -> dict[str, Any]:
+    """The status entry of a group: the view, its restarts and its last failure."""
+    out = view.to_status(restarts=restarts)
+    if isinstance(last_failure, Mapping):
+        out["lastFailure"] = dict(last_failure)
+    return out
+
+
+def _draining_entry(
+    name: str, pods: list[ObservedPod], shape: builders.RoleShape, restarts: int
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "revision": pods[0].revision,
+        "incarnation": max(p.incarnation for p in pods),
+        "phase": GroupPhase.DRAINING.value,
+        "ranksReady": 0,
+        "ranksTotal": shape.world_size,
+        "leaks": 0,
+        "restarts": restarts,
+    }
+
+
+_RUNNING_PHASES = frozenset(
+    {
+        GroupPhase.SCHEDULING.value,
+        GroupPhase.RENDEZVOUS.value,
+        GroupPhase.SETTING_UP.value,
+        GroupPhase.SERVING.value,
+    }
+)
+"""Recorded phases of an incarnation whose pods existed (their vanishing is a failure;
+a Pending group may never have been created, e.g. refused by a quota)."""
+
+STUCK_TERMINATING_MARGIN_S = 30
+"""Seconds past a pod's grace period after which a terminating pod counts as stuck."""
+
+
+def _stuck_terminating(pod: ObservedPod, now: str) -> bool:
+    """Deleted longer ago than its grace period plus the margin, and still there."""
+    since = groups.seconds_since(pod.deleted, now)
+    grace = pod.grace_s if pod.grace_s is not None else 30
+    return since is not None and since > grace + STUCK_TERMINATING_MARGIN_S
+
+
+def _unschedulable_too_long(pod: ObservedPod, now: str, timeout_s: int) -> bool:
+    """Not bound to a node (or not started) ``timeout_s`` after its creation."""
+    if pod.scheduled and pod.started:
+        return False
+    since = groups.seconds_since(pod.created, now)
+    return since is not None and since > timeout_s

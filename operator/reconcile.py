@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 from dwdp.operator.constants import Reason
-from dwdp.operator.kube import ApiError, Kube, now_rfc3339
+from dwdp.operator.kube import OPTIONAL_KINDS, ApiError, Kube, now_rfc3339
 from dwdp.operator.observe import Observed, pod_from_object
 from dwdp.operator.plan import Plan, PlanOptions, plan
 from dwdp.operator.probe import probe_ranks, to_probe
@@ -34,21 +35,62 @@ Key = tuple[str, str]
 """(namespace, name) of a DwdpDeployment."""
 
 
-async def gather(kube: Kube, body: dict) -> Observed:
-    """List the deployment's children and ask the ranks of starting groups."""
+async def gather(kube: Kube, body: dict, memory: _Memory | None = None) -> Observed:
+    """List the deployment's children and ask the ranks of starting groups; find out
+    which optional APIs (gang PodGroup, ComputeDomain) the apiserver serves."""
     meta = body["metadata"]
-    pods, others = await kube.list_children(meta["namespace"], meta["name"])
+    optional = tuple([kind for kind in OPTIONAL_KINDS if await kube.served(kind)])
+    pods, others = await kube.list_children(meta["namespace"], meta["name"], optional)
     port = int(((body.get("spec") or {}).get("server") or {}).get("port", 8000))
     summaries = [s for s in (pod_from_object(p) for p in pods) if s is not None]
     ranks = await probe_ranks(to_probe(summaries), base_port=port)
-    return Observed.from_objects(pods=pods, children=others, ranks=ranks)
+    memory = memory or _Memory()
+    return Observed.from_objects(
+        pods=pods,
+        children=others,
+        ranks=ranks,
+        gang="PodGroup" in optional,
+        compute_domains="ComputeDomain" in optional,
+        create_error=memory.create_error,
+        create_blocked=memory.create_blocked(),
+    )
+
+
+CREATE_BACKOFF_INITIAL_S = 5.0
+"""Wait before retrying a refused creation (quota, admission), in seconds; doubles."""
+CREATE_BACKOFF_MAX_S = 60.0
+"""Upper bound of the creation retry wait, in seconds."""
 
 
 @dataclass
 class _Memory:
-    """What a deployment's loop remembers between cycles (failure reports only)."""
+    """What a deployment's loop remembers between cycles: failures already reported, and
+    the retry backoff of refused creations (pacing only; the decisions come from the
+    cluster)."""
 
     reported_errors: set[str] = field(default_factory=set)
+    create_error: str | None = None
+    create_failures: int = 0
+    create_retry_at: float = 0.0
+
+    def create_blocked(self) -> bool:
+        """A refused creation waits for its retry time."""
+        return self.create_error is not None and time.monotonic() < self.create_retry_at
+
+    def create_wait_s(self) -> float:
+        """Seconds until the next creation attempt (0 when none waits)."""
+        return max(0.0, self.create_retry_at - time.monotonic()) if self.create_error else 0.0
+
+    def creation_refused(self, message: str) -> None:
+        self.create_failures += 1
+        self.create_error = message
+        wait = min(CREATE_BACKOFF_MAX_S, CREATE_BACKOFF_INITIAL_S * 2 ** (self.create_failures - 1))
+        self.create_retry_at = time.monotonic() + wait
+
+    def creation_worked(self) -> None:
+        self.create_failures = 0
+        self.create_error = None
+        self.create_retry_at = 0.0
 
 
 async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None) -> bool:
@@ -69,12 +111,27 @@ async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None
 
     for obj in p.apply:
         await attempt(f"apply {obj['kind']} {obj['metadata']['name']}", kube.apply(obj))
-    for pod in p.create_pods:
-        await attempt(f"create Pod {pod['metadata']['name']}", kube.create(pod))
+    refused: str | None = None
+    for obj in (*p.create, *p.create_pods):
+        # Creations stop at the first refusal (quota, admission): the rest would be refused
+        # too; the loop retries after a backoff, so a refusal never becomes a write storm.
+        # A refused PodGroup or ComputeDomain stops the pods that need it.
+        try:
+            await kube.create(obj)
+        except ApiError as exc:
+            ok = False
+            refused = f"cannot create {obj['kind']} {obj['metadata']['name']}: {exc.message}"
+            log.warning("%s/%s: %s", ns, name, refused)
+            break
+    if memory is not None and (p.create or p.create_pods):
+        if refused is None:
+            memory.creation_worked()
+        else:
+            memory.creation_refused(refused)
     for gate in p.gates:
         await attempt(
             f"set the gate of {gate.pod}",
-            kube.set_gate(ns, gate.pod, ready=gate.ready, message=gate.message),
+            kube.set_gate(ns, gate.pod, ready=gate.ready, message=gate.message, reason=gate.reason),
         )
     for obj in p.slices:
         await attempt(f"apply EndpointSlice {obj['metadata']['name']}", kube.apply(obj))
@@ -110,11 +167,15 @@ async def reconcile_once(
     body = await kube.get_deployment(ns, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return None
-    observed = await gather(kube, body)
+    observed = await gather(kube, body, memory)
     p = plan(body, observed, options=options, now=now_rfc3339())
     if p.writes:
         log.debug("%s/%s: plan with %d writes", ns, name, p.writes)
     ok = await execute(kube, body, p, memory)
+    if memory is not None and memory.create_error is not None:
+        # A refusal waits for its retry time (the status shows the condition meanwhile).
+        wait = memory.create_wait_s()
+        return max(MIN_INTERVAL_S, min(p.requeue_after_s, wait or ERROR_REQUEUE_S))
     return p.requeue_after_s if ok else ERROR_REQUEUE_S
 
 

@@ -179,7 +179,7 @@ def conditions(
     ``desired``/``ready``/``existing`` count context groups; ``failed`` names the failed
     groups (any role); ``outdated`` counts groups at an older revision.
     """
-    all_ready = ready == desired and generation_ready == generation_desired and not failed
+    all_ready = ready >= desired and generation_ready >= generation_desired and not failed
     ready_msg = (
         f"{ready}/{desired} context groups serving, "
         f"{generation_ready}/{generation_desired} generation servers serving"
@@ -199,7 +199,7 @@ def conditions(
         progressing = (
             True,
             Reason.GROUPS_NOT_READY,
-            f"{outdated} groups run an older revision (they are replaced on restart)",
+            f"rolling out: {outdated} groups run an older revision",
         )
     else:
         progressing = (False, Reason.STABLE, "no change under way")

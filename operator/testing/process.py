@@ -41,12 +41,16 @@ class OperatorProcess:
         *,
         webhook: str | None = None,
         extra_args: tuple[str, ...] = (),
+        compute_domains: str = "off",
     ) -> None:
         self.env = dict(env)
         self.log_path = log_path
         self.webhook = webhook
         """Name of the ValidatingWebhookConfiguration to manage; None: no webhook."""
         self.extra_args = extra_args
+        self.compute_domains = compute_domains
+        """``--compute-domains``: off by default (the rank program runs on CPUs, fabric is
+        nominal there); ``auto`` to test ComputeDomains."""
         self.proc: subprocess.Popen | None = None
         self.liveness_port = 0
 
@@ -66,6 +70,8 @@ class OperatorProcess:
             f"http://127.0.0.1:{self.liveness_port}/healthz",
             "--worker-command",
             RANKPROG_COMMAND,
+            "--compute-domains",
+            self.compute_domains,
             *self.extra_args,
         ]
         if self.webhook:

@@ -11,7 +11,7 @@ from dwdp.operator.constants import Reason
 from dwdp.operator.observe import Observed, RankReport
 from dwdp.operator.plan import Delete, GateChange, PlanOptions, plan
 
-OPTIONS = PlanOptions()
+OPTIONS = PlanOptions(compute_domains=False)  # fabric is nominal on CPU test clusters
 
 
 def body(replicas: int = 2, **spec_patch) -> dict:
@@ -82,7 +82,13 @@ class Sim:
         for gate in p.gates:
             conds = self.objects[("Pod", gate.pod)]["status"]["conditions"]
             conds[:] = [x for x in conds if x["type"] != c.GATE_CONDITION]
-            conds.append({"type": c.GATE_CONDITION, "status": "True" if gate.ready else "False"})
+            conds.append(
+                {
+                    "type": c.GATE_CONDITION,
+                    "status": "True" if gate.ready else "False",
+                    "reason": gate.reason or "x",
+                }
+            )
         for d in p.delete:
             self.objects.pop((d.kind, d.name), None)
         if p.status is not None:
@@ -158,15 +164,19 @@ def test_scale_adds_and_removes_whole_groups_only() -> None:
     sim.step()
     sim.body["spec"]["context"]["replicas"] = 1
     p = sim.step()
-    assert p.create_pods == ()
-    assert sorted(p.delete, key=lambda d: d.name) == [
-        Delete("Pod", n)
-        for n in ["demo-g1-i0-p0", "demo-g1-i0-p1", "demo-g2-i0-p0", "demo-g2-i0-p1"]
-    ]
-    assert [e.reason for e in p.events] == [Reason.DELETED_GROUP, Reason.DELETED_GROUP]
-    # The removed groups' endpoints leave the slices in the same plan (slices go first).
+    # Drain, step 1: the gates close (reason GroupDraining) and the endpoints leave the
+    # slices; no pod is deleted yet.
+    assert p.create_pods == () and p.delete == ()
+    drained = ["demo-g1-i0-p0", "demo-g1-i0-p1", "demo-g2-i0-p0", "demo-g2-i0-p1"]
+    assert sorted(g.pod for g in p.gates) == drained
+    assert {(g.ready, g.reason) for g in p.gates} == {(False, c.GATE_REASON_DRAINING)}
+    assert [e.reason for e in p.events] == [Reason.DRAINING_GROUP, Reason.DRAINING_GROUP]
     assert [len(s["endpoints"]) for s in p.slices] == [2, 2]
     assert [g["phase"] for g in p.status["groups"]] == ["Serving", "Draining", "Draining"]
+    # Step 2: the pods go, with their grace period.
+    p = sim.step()
+    assert sorted(p.delete, key=lambda d: d.name) == [Delete("Pod", n, 30) for n in drained]
+    assert [e.reason for e in p.events] == [Reason.DELETED_GROUP, Reason.DELETED_GROUP]
     p = sim.step()
     assert sim.names("Pod") == ["demo-g0-i0-p0", "demo-g0-i0-p1"]
     assert p.status["replicas"] == 1 and p.status["phase"] == "Ready"
@@ -213,8 +223,12 @@ def test_a_failed_pod_fails_its_group_only_and_closes_its_gate() -> None:
     assert [len(s["endpoints"]) for s in p.slices] == [2, 2]
     groups = {g["name"]: g for g in p.status["groups"]}
     assert groups["demo-g0"]["phase"] == "Serving"
-    assert groups["demo-g1"]["phase"] == "Failed"
+    assert groups["demo-g1"]["phase"] == "Restarting"
     assert groups["demo-g1"]["lastFailure"]["phase"] == "P3"
+    assert groups["demo-g1"]["lastFailure"]["reason"] == "SetupFailed"
+    assert groups["demo-g1"]["restarts"] == 1
+    # Fail together: the whole incarnation goes, the other group is untouched.
+    assert sorted(d.name for d in p.delete) == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
     assert p.status["phase"] == "Degraded"
     degraded = p.status["conditions"][2]
     assert (degraded["status"], degraded["reason"]) == ("True", "GroupFailed")
@@ -224,10 +238,16 @@ def test_old_incarnation_pods_are_deleted_and_next_incarnation_follows_the_recor
     sim = Sim(body(replicas=1))
     sim.step()
     sim.step()
-    # Someone removed every pod of the group: the next incarnation is 1, not 0.
+    # Someone removed every pod of the group: a failure; the next incarnation is 1.
     for name in sim.names("Pod"):
         del sim.objects[("Pod", name)]
-    p = sim.step()
+    p = sim.step("2026-01-01T00:00:00Z")
+    assert p.create_pods == ()
+    assert p.status["groups"][0]["phase"] == "Restarting"
+    assert p.status["groups"][0]["lastFailure"]["reason"] == "PodMissing"
+    assert p.requeue_after_s <= 10  # at most the first backoff (default 10 s)
+    assert sim.step("2026-01-01T00:00:09Z").create_pods == ()
+    p = sim.step("2026-01-01T00:00:10Z")
     assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g0-i1-p0", "demo-g0-i1-p1"]
     env = {e["name"]: e.get("value") for e in p.create_pods[0]["spec"]["containers"][0]["env"]}
     assert env["DWDP_INCARNATION"] == "1"
@@ -250,9 +270,11 @@ def test_spec_change_applies_a_new_config_and_keeps_the_old_for_live_groups() ->
     new_rev = p.status["revision"]
     assert new_rev != old_rev
     assert [o["metadata"]["name"] for o in p.apply] == [f"demo-context-{new_rev}"]
-    assert p.create_pods == () and p.delete == ()  # live groups are never patched
+    # Live groups are never patched: a surge group starts at the new revision.
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
+    assert p.delete == ()
     assert sim.names("ConfigMap") == sorted([f"demo-context-{old_rev}", f"demo-context-{new_rev}"])
-    assert p.status["groups"][0]["revision"] == old_rev
+    assert [g["revision"] for g in p.status["groups"]] == [old_rev, new_rev]
 
 
 def test_changed_child_is_reapplied_and_unknown_child_deleted() -> None:
