@@ -48,7 +48,6 @@ class LaunchOptions:
     stop_grace_s: float | None = None
 
 
-
 def child_env(
     base: dict[str, str], *, first_rank: int, local_rank: int, nproc: int, config: str, term: str
 ) -> dict[str, str]:
@@ -130,6 +129,19 @@ def run_launcher(opts: LaunchOptions) -> int:
             signal.signal(s, handler)
 
 
+def launcher_line(local_rank: int, rank: int, code: int, cause: str) -> str:
+    """The pod's termination line for a child that ended: ``<phase>: local rank k (rank r)
+    <how>: <cause>``. The phase leads, as the operator classifies by the first word: the
+    child's own phase (its line starts ``<phase>: ``), else ``exit`` (killed, or ended
+    without a cause)."""
+    how = f"exited with status {code}" if code >= 0 else f"killed by signal {-code}"
+    phase, sep, rest = cause.partition(": ")
+    if not sep or not phase or " " in phase:
+        phase, rest = "exit", cause
+    line = f"{phase}: local rank {local_rank} (rank {rank}) {how}"
+    return f"{line}: {rest}" if rest else line
+
+
 def _watch(children, stopping, grace, first_rank, termination_log) -> int:
     while True:
         if stopping["signal"] is not None:
@@ -141,10 +153,7 @@ def _watch(children, stopping, grace, first_rank, termination_log) -> int:
             if code is None:
                 continue
             cause = term.read_text().strip() if term.is_file() else ""
-            what = f"exited with status {code}" if code >= 0 else f"killed by signal {-code}"
-            line = f"local rank {k} (rank {first_rank + k}) {what}"
-            if cause:
-                line += f": {cause}"
+            line = launcher_line(k, first_rank + k, code, cause)
             log.error("launcher: %s; stopping the other local ranks", line)
             _stop_all(children, grace)
             write_termination_message(line, termination_log)

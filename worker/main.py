@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dwdp.worker.server.status import rank_identity
 from dwdp.worker.termination import write_termination_message
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,36 @@ def warn_once(message: str) -> bool:
         _warned.add(message)
     log.warning("%s", message)
     return True
+
+
+STAGE_CONFIG = "config"
+"""Reading the launch config and checking the launch rules."""
+STAGE_CHECKPOINT = "checkpoint"
+"""Checking the checkpoint headers, the adapter and the expert partition."""
+STAGE_RENDEZVOUS = "rendezvous"
+"""Joining the group."""
+STAGE_LOAD = "load"
+"""Loading the model."""
+STAGE_SETUP = "setup"
+"""DWDP setup; a ``SetupError`` names its phase (P1-P6, handshake, allocate, map, commit)."""
+STAGE_ENGINE = "engine"
+"""The engine (a forward raised after the commit)."""
+STAGE_SERVE = "serve"
+"""The HTTP server."""
+
+
+def phased(stage: str, exc: BaseException) -> str:
+    """The termination line ``<phase>: <ErrorType>: <message>`` the operator classifies
+    failures by (the first word before ':'). The phase is the setup phase a ``SetupError``
+    names, ``rendezvous`` for a transport timeout, otherwise the startup stage."""
+    from dwdp.worker.termination import one_line
+
+    phase = getattr(exc, "phase", None)
+    if stage == STAGE_SETUP and isinstance(phase, str) and phase:
+        stage = str(phase)
+    elif type(exc).__name__ in ("RendezvousTimeout", "LoopbackAcrossHosts"):
+        stage = STAGE_RENDEZVOUS
+    return f"{stage}: {one_line(exc)}"
 
 
 class WorkerStartupError(RuntimeError):
@@ -162,10 +193,12 @@ def _device_for(cfg: Any, local_rank: int) -> str:
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
+    stage = {"now": STAGE_CONFIG}
     try:
         cfg = check_launch(load_launch_config(opts.config), opts.role)
         local_rank = int(os.environ.get(ENV_LOCAL_RANK, "0"))
         port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
+        stage["now"] = STAGE_CHECKPOINT
         plan = check_model(cfg)
         _torch_threads()
         from dwdp.worker.attach import join_group, setup_dwdp
@@ -174,19 +207,23 @@ def run_worker(opts: WorkerOptions) -> int:
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
 
+        stage["now"] = STAGE_RENDEZVOUS
         group = join_group(cfg)
+        stage["now"] = STAGE_LOAD
         dtype = cfg.model.dtype
         model, tokenizer = load_checkpoint(cfg.model.path, dtype=dtype)
         device = _device_for(cfg, local_rank)
         if device != "cpu":
             model.to(device)
+        stage["now"] = STAGE_SETUP
         dwdp = setup_dwdp(model, plan.adapter, cfg, group=group)
+        stage["now"] = STAGE_ENGINE
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}
 
         def on_fatal(exc: BaseException) -> None:
             fatal.append(exc)
-            write_termination_message(exc, opts.termination_log)
+            write_termination_message(phased(STAGE_ENGINE, exc), opts.termination_log)
             server = server_holder.get("server")
             if server is not None:
                 server.should_exit = True
@@ -203,8 +240,13 @@ def run_worker(opts: WorkerOptions) -> int:
         stop_engine = engine.stop
         engine.start()
         app = build_app(
-            engine, dwdp=dwdp, served_name=cfg.model.served_name, on_shutdown=engine.stop
+            engine,
+            dwdp=dwdp,
+            served_name=cfg.model.served_name,
+            on_shutdown=engine.stop,
+            identity=rank_identity(),
         )
+        stage["now"] = STAGE_SERVE
         log.info(
             "rank serving on %s:%d (role %s, %s)",
             opts.host,
@@ -228,7 +270,7 @@ def run_worker(opts: WorkerOptions) -> int:
             return 1
         return 0
     except Exception as exc:
-        line = write_termination_message(exc, opts.termination_log)
+        line = write_termination_message(phased(stage["now"], exc), opts.termination_log)
         log.error("worker failed: %s", line)
         return 1
     finally:

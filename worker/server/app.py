@@ -22,7 +22,12 @@ from dwdp.worker.server.protocol import (
     ModelList,
 )
 from dwdp.worker.server.serving import OpenAIServing, ServingError
-from dwdp.worker.server.status import DwdpStatusSource, NoDwdp
+from dwdp.worker.server.status import (
+    DwdpStatusSource,
+    NoDwdp,
+    engine_failure,
+    with_identity,
+)
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -60,8 +65,14 @@ def build_app(
     dwdp: DwdpStatusSource | None = None,
     served_name: str | None = None,
     on_shutdown: Any = None,
+    identity: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app of one rank.
+
+    ``identity`` (``group``, ``incarnation``, ``revision`` of the rank, see
+    :func:`dwdp.worker.server.status.rank_identity`) is added to every ``/dwdp/status``
+    answer, so the operator's commit gate can check that every rank of a group incarnation
+    runs the same revision. A rank whose engine died answers phase ``failed``.
 
     ``on_shutdown`` (a callable) runs in the lifespan shutdown, after uvicorn stopped
     accepting and its graceful-shutdown bound (if any) cancelled the remaining handlers; the
@@ -147,6 +158,7 @@ def build_app(
 
     @app.get("/dwdp/status")
     async def dwdp_status(request: Request) -> dict[str, Any]:
-        return _serving(request).dwdp.status()
+        serving = _serving(request)
+        return with_identity(serving.dwdp.status(), identity, engine_failure(serving.engine))
 
     return app

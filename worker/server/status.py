@@ -6,10 +6,52 @@ model (``dwdp.worker.attach``) implements it, and ``NoDwdp`` stands for a rank w
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 PHASE_DISABLED = "disabled"
 PHASE_COMMITTED = "committed"
+PHASE_FAILED = "failed"
+"""The engine died after the commit (a forward raised); the rank is about to exit."""
+
+ENV_GROUP = "DWDP_GROUP"
+ENV_INCARNATION = "DWDP_INCARNATION"
+ENV_REVISION = "DWDP_REVISION"
+
+
+def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``group``, ``incarnation`` (an integer when it is one, e.g. ``"3"`` or ``"i3"``) and
+    ``revision`` of this rank, from the operator's environment (absent ones are left out)."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    if env.get(ENV_GROUP):
+        out["group"] = env[ENV_GROUP]
+    inc = env.get(ENV_INCARNATION)
+    if inc:
+        digits = inc[1:] if inc[:1] in ("i", "I") else inc
+        out["incarnation"] = int(digits) if digits.isdigit() else inc
+    if env.get(ENV_REVISION):
+        out["revision"] = env[ENV_REVISION]
+    return out
+
+
+def engine_failure(engine: Any) -> str | None:
+    """The engine's fatal error as text, or None while it can serve (or cannot say)."""
+    dead = getattr(engine, "_dead", None)
+    return None if dead is None else f"{type(dead).__name__}: {dead}"
+
+
+def with_identity(
+    status: dict[str, Any], identity: Mapping[str, Any] | None, failure: str | None = None
+) -> dict[str, Any]:
+    """``status`` plus the rank's identity; phase ``failed`` (with ``error``) when the
+    engine died."""
+    out = {**status, **(identity or {})}
+    if failure is not None:
+        out["phase"] = PHASE_FAILED
+        out["error"] = failure
+    return out
 
 
 @runtime_checkable

@@ -102,6 +102,7 @@ class TcpStoreTransport(Transport):
         try:
             if config.rank != 0:  # TCPStore's own retry backs off by seconds: wait here
                 _wait_for_listener(host, port, deadline)
+            self._listener = _bind_listener(host, port) if config.rank == 0 else None
             self._store = TCPStore(
                 host,
                 port,
@@ -109,6 +110,7 @@ class TcpStoreTransport(Transport):
                 is_master=config.rank == 0,
                 timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
                 wait_for_workers=False,
+                master_listen_fd=self._listener.fileno() if self._listener else None,
             )
         except Exception as exc:
             if config.rank == 0:
@@ -204,6 +206,32 @@ class TcpStoreTransport(Transport):
             pass
         finally:
             del self._store
+            if getattr(self, "_listener", None) is not None:
+                self._listener.close()
+                self._listener = None
+
+
+def _bind_listener(host: str, port: int) -> socket.socket | None:
+    """A listening socket bound to ``host``'s own address when it is one of this machine's
+    (so stores of several groups on one host, each pod with its own address, do not clash on
+    the port, as TCPStore alone binds every address); None when ``host`` is not local (the
+    store then listens on every address)."""
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for *_, addr in infos:
+        if ipaddress.ip_address(addr[0]).is_unspecified:
+            continue
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(512)
+            return sock
+        except OSError:
+            sock.close()
+    return None
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:

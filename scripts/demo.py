@@ -1,0 +1,468 @@
+"""The demo's driver (README command 1; ``scripts/demo.sh`` runs it with the venv's python).
+
+From a built local control plane to answers: start the embedded cluster in its own state
+folder, ``helm install`` the operator, make a tiny DeepSeek-V3-family checkpoint, apply
+``examples/04-demo.yaml`` (2 context DWDP groups of 4 ranks, expert + dense DWDP on the cpu
+backend, and one generation server), wait for Ready while printing the group phases, send
+completion and chat requests through the client Service (its EndpointSlice addresses: the
+local cluster has no kube-proxy) to every rank of every group and to the generation server,
+compare every answer with a single-process run of the same checkpoint with replicated
+weights (greedy), print ``kubectl get dwdp -o wide``, the time from apply to Ready and the
+requests per second served, and tear everything down (``--keep`` leaves it running).
+
+The end-to-end cluster test (tests/cluster/test_e2e_demo.py) imports the steps from here.
+Exit status: 0 when every answer equals the reference, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "dwdp-operator"
+EXAMPLE = REPO / "examples" / "04-demo.yaml"
+NAME = "demo"
+NAMESPACE = "dwdp-demo"
+OPERATOR_NAMESPACE = "dwdp-system"
+RELEASE = "dwdp"
+MODEL_DIR = "tiny-deepseek-v3"
+NUM_EXPERTS = 8
+SEED = 7
+PROMPTS = ("The capital of France is", "Once upon a time", "DWDP shares the experts")
+CHAT = [{"role": "user", "content": "Say hello to the DWDP group."}]
+MAX_TOKENS = 8
+READY_TIMEOUT_S = 900.0
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+# ----------------------------------------------------------------------------- steps
+
+NODE_GPUS = 16
+"""nvidia.com/gpu capacity of the local node: the operator asks one per rank (2 groups x 4
+ranks + 1 generation server = 9, above the default 8); the cpu backend uses none."""
+
+
+def start_cluster(state: Path, *, gpus: int = NODE_GPUS) -> Any:
+    """Start (or reuse) the local control plane in ``state`` on a pod network no other
+    cluster on this host uses; returns a ``dwdp.devcluster.testing.TestCluster``."""
+    import random
+    import subprocess
+
+    from dwdp.devcluster import build, tools
+    from dwdp.devcluster.cluster import Cluster
+    from dwdp.devcluster.testing import TestCluster
+
+    binary = build.build()
+    tools_bin = tools.ensure_tools()
+    c = Cluster(state)
+    overrides: dict[str, Any] = {"node": {"gpus": gpus}}
+    if c.config() is None:
+        routes = subprocess.run(
+            ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
+        ).stdout
+        free = [n for n in range(65, 128) if f"local 100.{n}.0.0/16" not in routes]
+        overrides["pod_net"] = f"100.{random.choice(free or [127])}"
+    try:
+        c.up(binary=binary, **overrides)
+    except Exception:
+        c.down(timeout_s=5)
+        raise
+    return TestCluster(c, tools_bin)
+
+
+def make_model(models: Path) -> Path:
+    """The tiny seeded DeepSeek-V3-family checkpoint under ``models`` (made once)."""
+    from dwdp.worker.testing.checkpoint import make_checkpoint
+
+    out = models / MODEL_DIR
+    if not (out / "config.json").is_file():
+        if out.exists():
+            shutil.rmtree(out)
+        make_checkpoint("deepseek_v3", out, num_experts=NUM_EXPERTS, seed=SEED)
+    return out
+
+
+def manifest(models: Path, *, name: str = NAME) -> dict[str, Any]:
+    """``examples/04-demo.yaml`` with its hostPath pointing at ``models``."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["model"]["hostPath"] = str(models.resolve())
+    return doc
+
+
+def install_operator(tc: Any, namespace: str = OPERATOR_NAMESPACE, *, watch: str | None = None):
+    """``helm install`` the chart (CRD included) and wait for the operator pod."""
+    args = ["upgrade", "--install", RELEASE, str(CHART), "-n", namespace, "--create-namespace"]
+    if watch:
+        args += ["--set", f"watchNamespaces[0]={watch}"]
+    tc.helm(*args, "--wait", "--timeout", "180s", timeout=240)
+    tc.kubectl(
+        "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=60s"
+    )
+
+
+def group_phases(tc: Any, ns: str, name: str) -> tuple[str, str]:
+    """(deployment phase, one-line summary of the groups and generation servers)."""
+    obj = tc.get("dwdp", name, ns)
+    st = obj.get("status") or {}
+    groups = ", ".join(
+        f"{g['name']} i{g.get('incarnation', 0)} {g.get('phase')} "
+        f"{g.get('ranksReady', 0)}/{g.get('ranksTotal', 0)}"
+        for g in st.get("groups") or ()
+    )
+    gen = st.get("generation") or {}
+    text = f"{st.get('phase') or '-'}: {groups or 'no groups yet'}"
+    if gen:
+        text += f"; generation {gen.get('readyReplicas', 0)}/{gen.get('replicas', 0)}"
+    return st.get("phase") or "", text
+
+
+def wait_ready(
+    tc: Any,
+    ns: str,
+    name: str,
+    *,
+    groups: int,
+    timeout: float = READY_TIMEOUT_S,
+    show: Callable[[str], None] = say,
+) -> float:
+    """Wait until the deployment is Ready with ``groups`` committed groups, printing each new
+    phase summary; returns the seconds waited. Raises AssertionError on timeout."""
+    start = time.monotonic()
+    last = ""
+    while True:
+        try:
+            obj = tc.get("dwdp", name, ns)
+        except AssertionError:
+            obj = {}
+        st = obj.get("status") or {}
+        try:
+            _, text = group_phases(tc, ns, name)
+        except AssertionError:
+            text = "not found"
+        if text != last:
+            show(f"  [{time.monotonic() - start:6.1f}s] {text}")
+            last = text
+        gen = st.get("generation") or {}
+        if (
+            st.get("phase") == "Ready"
+            and st.get("readyGroups") == groups
+            and st.get("observedGeneration") == obj["metadata"].get("generation")
+            and gen.get("readyReplicas", 0) == gen.get("replicas", 0)
+        ):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{name} not Ready after {timeout:.0f} s; last: {text}")
+        time.sleep(1.0)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One rank's HTTP server as listed by the client Service's EndpointSlices."""
+
+    group: str
+    address: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+
+def service_endpoints(tc: Any, ns: str, name: str) -> list[Endpoint]:
+    """Every ready (address, port) of the client Service ``name``, tagged with its group."""
+    slices = json.loads(
+        tc.kubectl(
+            "get",
+            "endpointslices",
+            "-n",
+            ns,
+            "-l",
+            f"kubernetes.io/service-name={name}",
+            "-o",
+            "json",
+        ).stdout
+    )["items"]
+    pods = json.loads(
+        tc.kubectl("get", "pods", "-n", ns, "-l", "dwdp.io/deployment", "-o", "json").stdout
+    )["items"]
+    group_of = {
+        p["status"].get("podIP"): p["metadata"]["labels"].get("dwdp.io/group", "?")
+        for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+    }
+    out = []
+    for s in slices:
+        for port in s.get("ports") or ():
+            for ep in s.get("endpoints") or ():
+                if (ep.get("conditions") or {}).get("ready") is False:
+                    continue
+                for addr in ep.get("addresses") or ():
+                    out.append(Endpoint(group_of.get(addr, "?"), addr, int(port["port"])))
+    return sorted(out, key=lambda e: (e.group, e.address, e.port))
+
+
+def generation_endpoints(tc: Any, ns: str, port: int = 8000) -> list[Endpoint]:
+    """The generation servers (their pod addresses: the client Service lists context ranks)."""
+    pods = json.loads(
+        tc.kubectl("get", "pods", "-n", ns, "-l", "dwdp.io/role=generation", "-o", "json").stdout
+    )["items"]
+    return [
+        Endpoint(
+            p["metadata"]["labels"].get("dwdp.io/group", p["metadata"]["name"]),
+            p["status"]["podIP"],
+            port,
+        )
+        for p in pods
+        if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def requests_of() -> list[tuple[str, dict[str, Any]]]:
+    """The demo's requests: one completion per prompt and one chat, greedy."""
+    reqs: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0})
+        for p in PROMPTS
+    ]
+    reqs.append(
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0})
+    )
+    return reqs
+
+
+def answer_of(path: str, body: dict[str, Any]) -> str:
+    choice = body["choices"][0]
+    return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+
+def ask(url: str, path: str, req: dict[str, Any], timeout: float = 120.0) -> str:
+    """POST one request; returns the answer text. Raises on an HTTP error."""
+    import httpx
+
+    r = httpx.post(url + path, json=req, timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+    return answer_of(path, r.json())
+
+
+def reference_answers(model_dir: Path) -> list[str]:
+    """The answers of a single process with replicated weights (same server code, no DWDP)."""
+    import torch
+    from dwdp.worker.engine.batching import BatchingEngine
+    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.server.app import build_app
+    from fastapi.testclient import TestClient
+
+    torch.set_num_threads(1)
+    model, tok = load_checkpoint(str(model_dir))
+    engine = BatchingEngine(model, tok, model_name=MODEL_DIR).start()
+    try:
+        app = build_app(engine, served_name=MODEL_DIR)
+        with TestClient(app) as client:
+            out = []
+            for path, req in requests_of():
+                r = client.post(path, json=req)
+                assert r.status_code == 200, r.text
+                out.append(answer_of(path, r.json()))
+            return out
+    finally:
+        engine.stop()
+
+
+@dataclass
+class Results:
+    """What the demo asked and got."""
+
+    rows: list[tuple[Endpoint, str, str, bool]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and all(r[3] for r in self.rows)
+
+
+def ask_everyone(endpoints: list[Endpoint], want: list[str]) -> Results:
+    """Every request of the demo to every endpoint, compared with ``want``."""
+    res = Results()
+    for ep in endpoints:
+        for (path, req), expected in zip(requests_of(), want, strict=True):
+            try:
+                got = ask(ep.url, path, req)
+            except Exception as exc:  # reported as a mismatch, with the cause
+                got = f"<error: {exc}>"
+            res.rows.append((ep, path, got, got == expected))
+    return res
+
+
+def throughput(endpoints: list[Endpoint], *, count: int, workers: int = 8) -> tuple[float, int]:
+    """Send ``count`` completion requests spread over ``endpoints`` concurrently; returns
+    (requests per second, failures)."""
+    path, req = requests_of()[0]
+    jobs = [endpoints[i % len(endpoints)].url for i in range(count)]
+
+    def one(url: str) -> bool:
+        try:
+            ask(url, path, req)
+            return True
+        except Exception:
+            return False
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        oks = list(pool.map(one, jobs))
+    took = time.monotonic() - start
+    return count / took, oks.count(False)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def default_state_dir() -> Path:
+    base = Path(os.environ.get("DWDP_CACHE_DIR") or Path.home() / ".cache" / "dwdp")
+    return base / "clusters" / "demo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/demo.sh", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the cluster and the deployment "
+        "running and print how to reach them and stop them",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="cluster state folder (default ~/.cache/dwdp/clusters/demo)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=48,
+        help="completion requests of the throughput round (default 48)",
+    )
+    args = p.parse_args(argv)
+
+    state = (args.state_dir or default_state_dir()).resolve()
+    if state.exists() and not args.keep:
+        from dwdp.devcluster.cluster import Cluster
+
+        Cluster(state).down(timeout_s=10)
+        shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    say(f"== 1/7 starting the local control plane (state {state})")
+    tc = start_cluster(state)
+    ok = False
+    try:
+        say(f"   up in {time.monotonic() - t0:.1f} s; KUBECONFIG={tc.kubeconfig}")
+        say("== 2/7 installing the operator with its Helm chart (charts/dwdp-operator)")
+        install_operator(tc)
+        say(tc.kubectl("get", "pods", "-n", OPERATOR_NAMESPACE).stdout.rstrip())
+        say("== 3/7 making a tiny DeepSeek-V3-family checkpoint")
+        models = state / "models"
+        model_dir = make_model(models)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        say(
+            f"   {model_dir}: {cfg.get('num_hidden_layers')} layers, "
+            f"{cfg.get('n_routed_experts')} routed experts + {cfg.get('n_shared_experts')} "
+            f"shared, hidden {cfg.get('hidden_size')}"
+        )
+        say(f"== 4/7 kubectl apply -f {EXAMPLE.relative_to(REPO)} (namespace {NAMESPACE})")
+        tc.kubectl("create", "namespace", NAMESPACE, check=False)
+        doc = manifest(models)
+        spec = doc["spec"]["context"]
+        ranks = spec["dwdp"]["dwdpSize"]
+        t_apply = time.monotonic()
+        tc.apply(NAMESPACE, doc)
+        ready_s = wait_ready(tc, NAMESPACE, NAME, groups=spec["replicas"])
+        say(f"   Ready {ready_s:.1f} s after apply")
+        say(tc.kubectl("get", "dwdp", "-n", NAMESPACE, "-o", "wide").stdout.rstrip())
+        say("== 5/7 reference: one process, replicated weights, same checkpoint, greedy")
+        want = reference_answers(model_dir)
+        for (path, req), text in zip(requests_of(), want, strict=True):
+            q = req.get("prompt") or req["messages"][-1]["content"]
+            say(f"   {path:22} {q!r} -> {text!r}")
+        say(
+            "== 6/7 asking every rank of every group through the client Service, and the "
+            "generation server"
+        )
+        ctx = service_endpoints(tc, NAMESPACE, NAME)
+        gen = generation_endpoints(tc, NAMESPACE)
+        groups = sorted({e.group for e in ctx})
+        say(
+            f"   client Service {NAME}: {len(ctx)} endpoints in {len(groups)} groups "
+            f"({', '.join(groups)}); {ranks} ranks each"
+        )
+        res = ask_everyone(ctx + gen, want)
+        for ep, path, got, same in res.rows:
+            mark = "==" if same else "!="
+            say(f"   {ep.group:14} {ep.address}:{ep.port} {path:22} {got!r} {mark} reference")
+        rps, failed = throughput(ctx, count=args.requests)
+        say(
+            f"   throughput: {args.requests} completions ({MAX_TOKENS} tokens each) over "
+            f"{len(ctx)} ranks: {rps:.2f} requests/s, {failed} failed"
+        )
+        say("== 7/7 summary")
+        say(tc.kubectl("get", "dwdp", "-n", NAMESPACE, "-o", "wide").stdout.rstrip())
+        ok = res.ok and failed == 0 and len(groups) == spec["replicas"]
+        say(f"   answers equal to the reference: {sum(r[3] for r in res.rows)}/{len(res.rows)}")
+        say(f"   time from apply to Ready: {ready_s:.1f} s")
+        say(f"   requests/s served: {rps:.2f}")
+        say(f"   total {time.monotonic() - t0:.1f} s (apply at +{t_apply - t0:.1f} s)")
+        say("DEMO OK" if ok else "DEMO FAILED: some answers differ from the reference")
+    except Exception as exc:
+        say(f"DEMO FAILED: {exc}")
+        with contextlib.suppress(Exception):
+            say(tc.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout)
+    finally:
+        if args.keep:
+            say("\nThe cluster keeps running. Reach it with:")
+            say(f'  eval "$(.venv/bin/dwdp dev env --state-dir {state})"  # or:')
+            say(f"  export KUBECONFIG={tc.kubeconfig} PATH={tc.tools_bin}:$PATH")
+            say(f"  kubectl get dwdp -n {NAMESPACE} -o wide")
+            say(f"  kubectl get endpointslices -n {NAMESPACE} -l kubernetes.io/service-name={NAME}")
+            say(
+                "  curl http://<address>:<port>/v1/completions -H 'content-type: "
+                'application/json\' -d \'{"prompt": "Hello", "max_tokens": 8}\''
+            )
+            say("Stop it with:")
+            say(f"  .venv/bin/dwdp dev down --state-dir {state} && rm -rf {state}")
+        else:
+            say("== tearing down")
+            tc.kubectl(
+                "delete",
+                "dwdp",
+                NAME,
+                "-n",
+                NAMESPACE,
+                "--wait=true",
+                "--timeout=60s",
+                check=False,
+                timeout=90,
+            )
+            tc.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, check=False)
+            tc.cluster.down(timeout_s=20)
+            shutil.rmtree(state, ignore_errors=True)
+            say("   cluster stopped, state removed")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

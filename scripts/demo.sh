@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# README command 1, the demo. From nothing on a fresh machine: makes the virtual environment
+# .venv with every Python package, builds the local control plane (cached), then runs the
+# driver scripts/demo.py: the embedded cluster, the operator installed by its Helm chart, a
+# tiny DeepSeek-V3-family checkpoint, examples/04-demo.yaml applied (2 DWDP groups of 4 ranks
+# and a generation server), answers from every group checked against a single-process
+# reference, time to Ready and requests/s, teardown.
+# Options go to the driver: --keep (leave it running; prints how to reach and stop it),
+# --state-dir DIR, --requests N.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import dwdp.worker.engine.loader, dwdp.operator, fastapi, httpx, kopf" 2>/dev/null; then
+  log "installing Python packages (first run: a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+fi
+export PATH="$PWD/.venv/bin:$PATH"
+
+log "building the local control plane (first build: about 30 minutes; cached afterwards)"
+dwdp dev build --tools
+
+log "running the demo"
+exec .venv/bin/python scripts/demo.py "$@"
