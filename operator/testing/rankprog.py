@@ -14,6 +14,7 @@ Controls (environment, e.g. from the DwdpDeployment's ``spec.env``):
   the process exits 1 (every local rank with it: fail-together within the pod).
 - ``RANKPROG_FAIL_RANK``: the global rank that fails (default: every rank).
 - ``RANKPROG_FAIL_INCARNATION``: fail only in this incarnation (default: every one).
+- ``RANKPROG_FAIL_GROUP``: fail only in this group (``DWDP_GROUP``; default: every one).
 - ``RANKPROG_COMMIT=0``: never commit (stay in P5).
 - ``RANKPROG_PHASE_S``: seconds spent in each setup phase (default 0.05).
 """
@@ -131,6 +132,9 @@ class Rank:
         told = os.environ.get("RANKPROG_FAIL_PHASE")
         who = os.environ.get("RANKPROG_FAIL_RANK")
         inc = os.environ.get("RANKPROG_FAIL_INCARNATION")
+        group = os.environ.get("RANKPROG_FAIL_GROUP")
+        if group not in (None, "") and group != self.group:
+            return
         if (
             told == phase
             and (who in (None, "") or int(who) == self.rank)

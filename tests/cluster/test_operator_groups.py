@@ -1,0 +1,250 @@
+"""Issue 8 on the local control plane: fail-together restarts with backoff, group rollouts
+that never drop below capacity nor mix revisions in a group, a quota that refuses pods.
+
+One ``dwdp operator`` process serves the module (ComputeDomains off: fabric is nominal on
+the CPU cluster; gang PodGroups on where the apiserver serves them). Deployments are small
+(1-2 pods of 1-2 ranks per group) with short backoffs, and each test cleans up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+from dwdp.devcluster.testing import TestCluster
+from dwdp.operator.testing.process import OperatorProcess
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    from dwdp.api.crd import crd_yaml
+
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=30s"
+    )
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(cluster.env, log)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print(op.log()[-4000:])
+
+
+def deployment(
+    name: str,
+    *,
+    replicas: int,
+    ranks_per_pod: int,
+    dwdp_size: int,
+    env: dict[str, str] | None = None,
+    **spec,
+) -> dict:
+    return {
+        "apiVersion": "dwdp.io/v1alpha1",
+        "kind": "DwdpDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"path": "/models/tiny"},
+            "image": "dwdp-worker:dev",
+            "context": {
+                "replicas": replicas,
+                "ranksPerPod": ranks_per_pod,
+                "dwdp": {"dwdpSize": dwdp_size},
+            },
+            "rendezvous": {"timeoutSeconds": 30},
+            "gracefulShutdownTimeoutSeconds": 1,
+            "env": [{"name": k, "value": v} for k, v in (env or {}).items()],
+            **spec,
+        },
+    }
+
+
+def status(cluster: TestCluster, ns: str, name: str) -> dict:
+    return cluster.get("dwdpdeployment", name, ns).get("status") or {}
+
+
+def pods(cluster: TestCluster, ns: str) -> list[dict]:
+    out = cluster.kubectl("get", "pods", "-n", ns, "-l", "dwdp.io/deployment", "-o", "json")
+    return json.loads(out.stdout)["items"]
+
+
+def gated(pod: dict) -> bool:
+    return any(
+        c.get("type") == "dwdp.io/group-ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or ()
+    )
+
+
+def wait_ready(cluster: TestCluster, ns: str, name: str, ready: int, timeout: float = 90) -> dict:
+    def check():
+        obj = cluster.get("dwdpdeployment", name, ns)
+        st = obj.get("status") or {}
+        ok = (
+            st.get("phase") == "Ready"
+            and st.get("readyGroups") == ready
+            and st.get("observedGeneration") == obj["metadata"]["generation"]
+            and len(st.get("groups") or ()) == ready
+            and all(g.get("revision") == st.get("revision") for g in st.get("groups") or ())
+        )
+        return st if ok else None
+
+    return cluster.wait_for(check, timeout=timeout, interval=0.5, message=f"{name} Ready")
+
+
+def test_rank_failing_at_p3_restarts_its_group_only_with_growing_backoff(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns, name = namespace, "failp3"
+    obj = deployment(
+        name,
+        replicas=2,
+        ranks_per_pod=1,
+        dwdp_size=2,
+        env={
+            "RANKPROG_FAIL_PHASE": "P3",
+            "RANKPROG_FAIL_RANK": "1",
+            "RANKPROG_FAIL_GROUP": f"{name}-g1",
+        },
+        failurePolicy={"backoffInitialSeconds": 2, "backoffMaxSeconds": 16},
+    )
+    cluster.apply(ns, obj)
+    seen: dict[int, float] = {}  # restarts -> first time seen (monotonic)
+    deadline = time.monotonic() + 120
+    g0_incarnations = set()
+    while time.monotonic() < deadline and len(seen) < 4:
+        st = status(cluster, ns, name)
+        groups = {g["name"]: g for g in st.get("groups") or ()}
+        g1 = groups.get(f"{name}-g1") or {}
+        if g1.get("restarts") and g1["restarts"] not in seen:
+            seen[g1["restarts"]] = time.monotonic()
+            assert g1["lastFailure"]["phase"] == "P3"
+            assert g1["lastFailure"]["reason"] == "SetupFailed"
+        if f"{name}-g0" in groups:
+            g0_incarnations.add(groups[f"{name}-g0"]["incarnation"])
+        for p in pods(cluster, ns):
+            env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+            assert env["DWDP_INCARNATION"] == p["metadata"]["labels"]["dwdp.io/incarnation"]
+        time.sleep(0.25)
+    assert sorted(seen) == [1, 2, 3, 4], seen
+    gaps = [seen[k + 1] - seen[k] for k in (1, 2, 3)]
+    print(f"failure gaps (s) for backoffs 2/4/8: {[round(g, 1) for g in gaps]}")
+    assert gaps[0] < gaps[1] < gaps[2], gaps
+    assert gaps[2] >= 8
+    assert g0_incarnations == {0}  # the other group kept running
+    st = status(cluster, ns, name)
+    g0 = next(g for g in st["groups"] if g["name"] == f"{name}-g0")
+    assert g0["phase"] == "Serving" and g0.get("restarts", 0) == 0
+    events = cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "reason=GroupFailed", "-o", "json"
+    ).stdout
+    assert any("P3" in e["message"] for e in json.loads(events)["items"])
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+def _watch_rollout(
+    cluster: TestCluster, ns: str, name: str, revision: str, floor: int, timeout: float = 150
+) -> int:
+    """Poll until every group is at ``revision`` and Ready; assert at every look that at
+    least ``floor`` groups are gated ready and no group has pods of two revisions. Returns
+    the number of looks."""
+    deadline = time.monotonic() + timeout
+    looks = 0
+    while True:
+        items = [p for p in pods(cluster, ns) if not p["metadata"].get("deletionTimestamp")]
+        by_group: dict[str, list[dict]] = {}
+        for p in pods(cluster, ns):
+            by_group.setdefault(p["metadata"]["labels"]["dwdp.io/group"], []).append(p)
+        for group, members in by_group.items():
+            revs = {m["metadata"]["labels"]["dwdp.io/revision"] for m in members}
+            assert len(revs) == 1, f"group {group} has pods of revisions {revs}"
+        live: dict[str, list[dict]] = {}
+        for p in items:
+            live.setdefault(p["metadata"]["labels"]["dwdp.io/group"], []).append(p)
+        serving = sum(1 for members in live.values() if all(gated(m) for m in members))
+        assert serving >= floor, f"only {serving} groups gated ready (floor {floor})"
+        looks += 1
+        st = status(cluster, ns, name)
+        if (
+            st.get("phase") == "Ready"
+            and st.get("revision") == revision
+            and all(g["revision"] == revision for g in st.get("groups") or ())
+            and len(st.get("groups") or ()) == 3
+        ):
+            return looks
+        assert time.monotonic() < deadline, f"rollout to {revision} not done: {st}"
+        time.sleep(0.2)
+
+
+def _new_revision(cluster: TestCluster, ns: str, name: str, old: str) -> str:
+    def check():
+        st = status(cluster, ns, name)
+        return st.get("revision") if st.get("revision") not in (None, old) else None
+
+    return cluster.wait_for(check, timeout=30, interval=0.2, message="new revision")
+
+
+def test_rollouts_keep_capacity_and_never_mix_revisions(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns, name = namespace, "roll"
+    obj = deployment(name, replicas=3, ranks_per_pod=2, dwdp_size=2, env={"V": "1"})
+    cluster.apply(ns, obj)
+    st = wait_ready(cluster, ns, name, 3)
+    # maxSurge 1, maxUnavailable 0: never fewer than 3 serving.
+    obj["spec"]["env"] = [{"name": "V", "value": "2"}]
+    cluster.apply(ns, obj)
+    rev2 = _new_revision(cluster, ns, name, st["revision"])
+    looks = _watch_rollout(cluster, ns, name, rev2, floor=3)
+    print(f"surge rollout: {looks} looks, never below 3")
+    # maxSurge 0, maxUnavailable 1: never fewer than 2; a second update mid-rollout
+    # converges to the newest revision.
+    obj["spec"]["rollout"] = {"maxSurge": 0, "maxUnavailable": 1}
+    obj["spec"]["env"] = [{"name": "V", "value": "3"}]
+    cluster.apply(ns, obj)
+    rev3 = _new_revision(cluster, ns, name, rev2)
+    cluster.wait_for(
+        lambda: any(
+            g["revision"] == rev3 and g["phase"] == "Serving"
+            for g in status(cluster, ns, name).get("groups") or ()
+        ),
+        timeout=60,
+        interval=0.2,
+        message="one group at rev3",
+    )
+    obj["spec"]["env"] = [{"name": "V", "value": "4"}]
+    cluster.apply(ns, obj)
+    rev4 = _new_revision(cluster, ns, name, rev3)
+    _watch_rollout(cluster, ns, name, rev4, floor=2)
+    # Operator killed mid-rollout: the restarted one resumes, and groups already at the
+    # newest revision keep their incarnation (they are not restarted).
+    obj["spec"]["env"] = [{"name": "V", "value": "5"}]
+    cluster.apply(ns, obj)
+    rev5 = _new_revision(cluster, ns, name, rev4)
+    cluster.wait_for(
+        lambda: any(
+            g["revision"] == rev5 and g["phase"] == "Serving"
+            for g in status(cluster, ns, name).get("groups") or ()
+        ),
+        timeout=60,
+        interval=0.2,
+        message="one group at rev5",
+    )
+    up_to_date = {
+        p["metadata"]["name"]
+        for p in pods(cluster, ns)
+        if p["metadata"]["labels"]["dwdp.io/revision"] == rev5 and gated(p)
+    }
+    assert up_to_date
+    operator.stop(grace_s=0.1)
+    operator.start()
+    _watch_rollout(cluster, ns, name, rev5, floor=2)
+    names = {p["metadata"]["name"] for p in pods(cluster, ns)}
+    assert up_to_date <= names, "an up-to-date group was restarted"
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
