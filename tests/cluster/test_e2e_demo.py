@@ -1,0 +1,207 @@
+"""The demo end to end on a real local control plane (issue 9), plus a rank killed while serving.
+
+The steps come from scripts/demo.py (README command 1): the operator installed by its Helm
+chart, a tiny DeepSeek-V3-family checkpoint, examples/04-demo.yaml (2 context DWDP groups of
+4 ranks with expert + dense DWDP on the cpu backend, one generation server). Every rank of
+every group, reached through the client Service's EndpointSlice addresses, and the generation
+server must answer exactly as a single process with replicated weights. Then one rank process
+of group g0 is killed: the group must fail together, be replaced by incarnation 1 and serve
+the same answers again, while group g1 answers every request throughout.
+
+The test runs its own cluster (the node needs 9 ``nvidia.com/gpu``: one per rank and one for
+the generation server; the shared session cluster has 8), in a temporary state folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def _demo():
+    spec = importlib.util.spec_from_file_location("dwdp_demo_driver", REPO / "scripts" / "demo.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+demo = _demo()
+NS = "e2e"
+
+
+@pytest.fixture(scope="module")
+def deployed() -> Iterator[tuple[Any, Path, list[str]]]:
+    """A cluster with the operator and the demo deployment Ready; yields (cluster, model
+    directory, reference answers)."""
+    state = Path(tempfile.mkdtemp(prefix="dwdp-e2e-"))
+    try:
+        tc = demo.start_cluster(state)
+    except Exception as exc:
+        shutil.rmtree(state, ignore_errors=True)
+        pytest.fail(f"local cluster did not start: {exc}", pytrace=False)
+    try:
+        tc.kubectl("create", "namespace", NS)
+        demo.install_operator(tc, watch=NS)
+        models = state / "models"
+        model_dir = demo.make_model(models)
+        tc.apply(NS, demo.manifest(models))
+        took = demo.wait_ready(tc, NS, demo.NAME, groups=2, timeout=900)
+        print(f"apply -> Ready: {took:.1f} s")
+        want = demo.reference_answers(model_dir)
+        yield tc, model_dir, want
+    finally:
+        print(tc.kubectl("get", "dwdp,pods", "-n", NS, "-o", "wide", check=False).stdout)
+        tc.kubectl(
+            "delete",
+            "dwdp",
+            demo.NAME,
+            "-n",
+            NS,
+            "--wait=true",
+            "--timeout=60s",
+            check=False,
+            timeout=90,
+        )
+        tc.cluster.down(timeout_s=20)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _by_group(endpoints: list[Any]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for ep in endpoints:
+        out.setdefault(ep.group, []).append(ep)
+    return out
+
+
+def test_every_group_and_the_generation_server_answer_like_the_reference(deployed) -> None:
+    tc, _model, want = deployed
+    ctx = demo.service_endpoints(tc, NS, demo.NAME)
+    groups = _by_group(ctx)
+    assert sorted(groups) == ["demo-g0", "demo-g1"]
+    assert all(len(eps) == 4 for eps in groups.values())  # 4 ranks, one port each
+    gen = demo.generation_endpoints(tc, NS)
+    assert len(gen) == 1
+    res = demo.ask_everyone(ctx + gen, want)
+    bad = [(ep.url, path, got) for ep, path, got, same in res.rows if not same]
+    assert not bad, f"answers differ from the reference {want}: {bad}"
+    assert len(res.rows) == 9 * len(want)
+    status = tc.get("dwdp", demo.NAME, NS)["status"]
+    assert [(g["name"], g["phase"], g["ranksReady"]) for g in status["groups"]] == [
+        ("demo-g0", "Serving", 4),
+        ("demo-g1", "Serving", 4),
+    ]
+    digests = {g["layoutDigest"] for g in status["groups"]}
+    assert len(digests) == 1  # same checkpoint and settings: one layout
+    import httpx
+
+    # /dwdp/status of a rank carries the identity the commit gate checks
+    st = httpx.get(groups["demo-g1"][0].url + "/dwdp/status", timeout=10).json()
+    assert st["phase"] == "committed"
+    assert st["group"] == "demo-g1" and st["incarnation"] == 0
+    assert st["revision"] == status["revision"]
+    table = tc.kubectl("get", "dwdp", "-n", NS, "-o", "wide").stdout.splitlines()
+    assert table[1].split()[:4] == ["demo", "2", "2", "Ready"]
+
+
+def _rank_pids(group: str, local_rank: int) -> list[int]:
+    """PIDs of the ``dwdp worker`` processes of ``group``'s local rank ``local_rank``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"worker" not in cmd or b"dwdp" not in cmd:
+                continue
+            env = dict(
+                e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e
+            )
+        except OSError:
+            continue
+        if (
+            env.get(b"DWDP_GROUP") == group.encode()
+            and env.get(b"DWDP_LOCAL_RANK") == str(local_rank).encode()
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_killed_rank_fails_its_group_together_and_it_serves_again(deployed) -> None:
+    tc, _model, want = deployed
+    groups = _by_group(demo.service_endpoints(tc, NS, demo.NAME))
+    other = groups["demo-g1"]
+    path, req = demo.requests_of()[0]
+    stop = threading.Event()
+    errors: list[str] = []
+    served = [0]
+
+    def keep_asking() -> None:  # group g1 must answer throughout
+        i = 0
+        while not stop.is_set():
+            ep = other[i % len(other)]
+            i += 1
+            try:
+                got = demo.ask(ep.url, path, req, timeout=60)
+                if got != want[0]:
+                    errors.append(f"{ep.url}: {got!r} != {want[0]!r}")
+                served[0] += 1
+            except Exception as exc:
+                errors.append(f"{ep.url}: {exc}")
+            time.sleep(0.2)
+
+    pids = _rank_pids("demo-g0", 1)
+    assert len(pids) == 1, f"rank processes of demo-g0 local rank 1: {pids}"
+    asker = threading.Thread(target=keep_asking, daemon=True)
+    asker.start()
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+
+        def replaced() -> dict | None:
+            st = tc.get("dwdp", demo.NAME, NS).get("status") or {}
+            g0 = next((g for g in st.get("groups") or () if g["name"] == "demo-g0"), None)
+            if g0 and g0.get("incarnation", 0) >= 1 and g0.get("phase") == "Serving":
+                return st
+            return None
+
+        try:
+            st = tc.wait_for(replaced, timeout=900, interval=1.0, message="demo-g0 replaced")
+        except AssertionError:
+            st = tc.get("dwdp", demo.NAME, NS).get("status") or {}
+            pods = tc.kubectl("get", "pods", "-n", NS, "-o", "wide", check=False).stdout
+            raise AssertionError(
+                f"demo-g0 was not replaced by a serving incarnation; status:\n"
+                f"{json.dumps(st, indent=1)}\n{pods}"
+            ) from None
+        g0 = next(g for g in st["groups"] if g["name"] == "demo-g0")
+        assert g0["restarts"] >= 1
+        assert g0["lastFailure"]["phase"] == "exit", g0["lastFailure"]
+        assert "killed by signal 9" in g0["lastFailure"]["message"]
+        demo.wait_ready(tc, NS, demo.NAME, groups=2, timeout=300)
+    finally:
+        stop.set()
+        asker.join(timeout=120)
+    assert not errors, f"group g1 failed requests while g0 restarted: {errors[:5]}"
+    assert served[0] > 0
+    groups = _by_group(demo.service_endpoints(tc, NS, demo.NAME))
+    assert sorted(groups) == ["demo-g0", "demo-g1"]
+    res = demo.ask_everyone(groups["demo-g0"], want)
+    bad = [(ep.url, p, got) for ep, p, got, same in res.rows if not same]
+    assert not bad, f"the new incarnation answers differently: {bad}"
