@@ -1,0 +1,63 @@
+"""The worker side of the operator contract: ``/dwdp/status`` names the rank's group,
+incarnation and revision (and ``failed`` once the engine died), and every termination line
+starts with the phase the operator classifies the failure by."""
+
+from __future__ import annotations
+
+import pytest
+from dwdp.worker.launcher import launcher_line
+from dwdp.worker.main import STAGE_RENDEZVOUS, STAGE_SETUP, phased
+from dwdp.worker.server.status import NoDwdp, engine_failure, rank_identity, with_identity
+
+pytestmark = pytest.mark.unit
+
+
+def test_identity_from_the_operator_environment() -> None:
+    env = {"DWDP_GROUP": "demo-g0", "DWDP_INCARNATION": "3", "DWDP_REVISION": "abc123"}
+    assert rank_identity(env) == {"group": "demo-g0", "incarnation": 3, "revision": "abc123"}
+    assert rank_identity({"DWDP_INCARNATION": "i2"}) == {"incarnation": 2}
+    assert rank_identity({}) == {}
+
+
+def test_status_carries_the_identity_and_failed_when_the_engine_died() -> None:
+    ident = {"group": "g", "incarnation": 0, "revision": "r"}
+    st = with_identity(NoDwdp().status(), ident)
+    assert st["phase"] == "disabled" and st["revision"] == "r" and st["group"] == "g"
+
+    class Dead:
+        _dead = RuntimeError("boom")
+
+    st = with_identity(NoDwdp().status(), ident, engine_failure(Dead()))
+    assert st["phase"] == "failed" and st["error"] == "RuntimeError: boom"
+    assert engine_failure(object()) is None
+
+
+def test_app_status_route_reports_identity() -> None:
+    from dwdp.worker.server.app import build_app
+    from fastapi.testclient import TestClient
+
+    class Engine:
+        _dead = None
+        model_name = "m"
+
+    app = build_app(Engine(), identity={"group": "g1", "incarnation": 1, "revision": "rv"})
+    body = TestClient(app).get("/dwdp/status").json()
+    assert (body["group"], body["incarnation"], body["revision"]) == ("g1", 1, "rv")
+
+
+class _SetupError(RuntimeError):
+    phase = "P3"
+
+
+class RendezvousTimeout(RuntimeError):
+    pass
+
+
+def test_termination_lines_lead_with_the_phase() -> None:
+    assert phased(STAGE_SETUP, _SetupError("map failed")) == "P3: _SetupError: map failed"
+    assert phased("load", ValueError("bad")) == "load: ValueError: bad"
+    assert phased(STAGE_RENDEZVOUS, RendezvousTimeout("late")).startswith("rendezvous: ")
+    line = launcher_line(2, 6, 1, "P3: SetupError: map failed")
+    assert line == "P3: local rank 2 (rank 6) exited with status 1: SetupError: map failed"
+    assert launcher_line(1, 1, -9, "") == "exit: local rank 1 (rank 1) killed by signal 9"
+    assert launcher_line(0, 0, 1, "no phase here").startswith("exit: local rank 0 (rank 0)")
