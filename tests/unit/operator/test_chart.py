@@ -73,6 +73,12 @@ def test_rbac_is_exactly_the_documented_set(helm: str) -> None:
         ("discovery.k8s.io", "endpointslices", "create"),
         ("discovery.k8s.io", "endpointslices", "patch"),
         ("discovery.k8s.io", "endpointslices", "delete"),
+        ("scheduling.k8s.io", "podgroups", "list"),
+        ("scheduling.k8s.io", "podgroups", "create"),
+        ("scheduling.k8s.io", "podgroups", "delete"),
+        ("resource.nvidia.com", "computedomains", "list"),
+        ("resource.nvidia.com", "computedomains", "create"),
+        ("resource.nvidia.com", "computedomains", "delete"),
         ("", "events", "create"),
     } | {
         ("", kind, verb)
