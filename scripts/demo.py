@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         help="completion requests of the throughput round (default 48)",
     )
     args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in the log
 
     state = (args.state_dir or default_state_dir()).resolve()
     if state.exists() and not args.keep:

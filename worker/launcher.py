@@ -132,14 +132,15 @@ def run_launcher(opts: LaunchOptions) -> int:
 def launcher_line(local_rank: int, rank: int, code: int, cause: str) -> str:
     """The pod's termination line for a child that ended: ``<phase>: local rank k (rank r)
     <how>: <cause>``. The phase leads, as the operator classifies by the first word: the
-    child's own phase (its line starts ``<phase>: ``), else ``exit`` (killed, or ended
-    without a cause)."""
+    child's own phase (its line starts ``<phase>: ``). A child that left no phased cause
+    (killed by a signal, OOM) gets no phase word, so the operator infers it (``serve`` for a
+    group that was serving, else ``exit``)."""
     how = f"exited with status {code}" if code >= 0 else f"killed by signal {-code}"
     phase, sep, rest = cause.partition(": ")
-    if not sep or not phase or " " in phase:
-        phase, rest = "exit", cause
-    line = f"{phase}: local rank {local_rank} (rank {rank}) {how}"
-    return f"{line}: {rest}" if rest else line
+    line = f"local rank {local_rank} (rank {rank}) {how}"
+    if sep and phase and " " not in phase:
+        return f"{phase}: {line}: {rest}"
+    return f"{line}: {cause}" if cause else line
 
 
 def _watch(children, stopping, grace, first_rank, termination_log) -> int:
