@@ -668,20 +668,25 @@ class DeploymentPhase(enum.StrEnum):
 
 
 class GroupPhase(enum.StrEnum):
-    """Values of ``status.groups[].phase`` (one DWDP group incarnation)."""
+    """Values of ``status.groups[].phase`` (one DWDP group incarnation); the operator
+    writes exactly these (``dwdp.operator.constants.GroupPhase`` is this enum)."""
 
     PENDING = "Pending"
-    """Pods created, not all scheduled or started."""
-    STARTING = "Starting"
-    """Rendezvous, model load and DWDP setup under way."""
-    COMMITTED = "Committed"
-    """Every rank committed with one revision and layout digest; receives traffic."""
-    DRAINING = "Draining"
-    """Removed from traffic, stopping (rollout or scale-down)."""
-    BACKOFF = "Backoff"
-    """Failed together; the next incarnation waits for its backoff."""
+    """Not every pod exists yet, or a pod's containers have not started."""
+    SCHEDULING = "Scheduling"
+    """Some pod is not bound to a node yet."""
+    RENDEZVOUS = "Rendezvous"
+    """Every pod runs; ranks are meeting (or have not reported yet)."""
+    SETTING_UP = "SettingUp"
+    """Ranks report model load or DWDP setup, not all committed."""
+    SERVING = "Serving"
+    """Every rank committed with one revision and layout digest; the gate is open."""
     FAILED = "Failed"
-    """Failed and out of restarts."""
+    """A pod or rank of the incarnation failed (or it is out of restarts)."""
+    RESTARTING = "Restarting"
+    """The failed incarnation is being replaced by the next one (after its backoff)."""
+    DRAINING = "Draining"
+    """Removed from traffic and being deleted (scale-down or rollout)."""
 
 
 class _StatusModel(ApiModel):
@@ -716,7 +721,9 @@ class GroupStatus(_StatusModel):
     name: str = Field(max_length=253)
     revision: str = Field("", max_length=128)
     incarnation: int = 0
-    phase: str = Field("Pending", max_length=64, description="One of GroupPhase.")
+    phase: str = Field(
+        "Pending", max_length=64, description="One of: " + ", ".join(GroupPhase) + "."
+    )
     ranks_ready: int = 0
     ranks_total: int = 0
     layout_digest: str | None = Field(None, max_length=256)

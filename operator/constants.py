@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 
 from dwdp.api.deployment import GROUP, PLURAL, VERSION
+from dwdp.api.deployment import GroupPhase as GroupPhase  # status.groups[].phase values
 
 API_GROUP = GROUP
 """API group of DwdpDeployment (``dwdp.io``)."""
@@ -151,27 +152,6 @@ class Reason(enum.StrEnum):
     FAILED_CREATE = "FailedCreate"
     CREATED = "Created"
     COMPUTE_DOMAIN_UNAVAILABLE = "ComputeDomainUnavailable"
-
-
-class GroupPhase(enum.StrEnum):
-    """Phase of one group incarnation, as ``status.groups[].phase`` shows it."""
-
-    PENDING = "Pending"
-    """Not every pod exists yet, or a pod's containers have not started."""
-    SCHEDULING = "Scheduling"
-    """Some pod is not bound to a node yet."""
-    RENDEZVOUS = "Rendezvous"
-    """Every pod runs; ranks are meeting (or have not reported yet)."""
-    SETTING_UP = "SettingUp"
-    """Ranks report model load or DWDP setup, not all committed."""
-    SERVING = "Serving"
-    """Every rank committed with one revision and layout digest; the gate is open."""
-    FAILED = "Failed"
-    """A pod or rank of the incarnation failed."""
-    RESTARTING = "Restarting"
-    """The failed incarnation is being replaced by the next one."""
-    DRAINING = "Draining"
-    """Removed from traffic and being deleted (scale-down or rollout)."""
 
 
 class Component(enum.StrEnum):
