@@ -6,11 +6,13 @@ login through the ``kubernetes`` client; an event handler on DwdpDeployments tha
 owner's loop; cleanup; and, when a webhook is configured, the validating admission handler
 that applies every rule of :func:`dwdp.api.deployment.deployment_problems`. No handler needs
 a finalizer and none writes: all writes happen in the loops (:mod:`dwdp.operator.reconcile`).
+A liveness probe ``writes`` reports the client's write counters (:attr:`Kube.writes`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +121,17 @@ def build_registry(reconcilers: Reconcilers, config: OperatorConfig) -> kopf.Ope
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
         await reconcilers.stop_all()
+
+    @kopf.on.probe(id="writes", registry=registry)
+    def writes(**_: Any) -> dict[str, Any]:
+        # The operator's API write counters on the liveness endpoint (kopf caches probe
+        # results for 10 s): total, by "VERB Kind", and the wall time they were read at.
+        counts = reconcilers.kube.writes
+        return {
+            "total": sum(counts.values()),
+            "by": {f"{verb} {kind}": n for (verb, kind), n in sorted(counts.items())},
+            "at": time.time(),
+        }
 
     if config.webhook is not None:
 

@@ -9,6 +9,7 @@ grace period) and deletes the webhook configuration it made.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -124,6 +125,14 @@ class OperatorProcess:
             if candidate.is_file():
                 return str(candidate)
         return "kubectl"
+
+    def writes(self) -> dict:
+        """The operator's API write counters from its liveness endpoint: ``total``, ``by``
+        (``"VERB Kind"`` -> count) and ``at`` (wall time of the reading). kopf caches probe
+        results for 10 s: readings less than 10 s apart may repeat the previous one."""
+        url = f"http://127.0.0.1:{self.liveness_port}/healthz"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.loads(resp.read())["writes"]
 
     def log(self) -> str:
         """The operator's log so far (last 20000 characters)."""

@@ -74,6 +74,8 @@ def test_helm_install_runs_the_operator_under_its_rbac(
         f"workerCommand={RANKPROG_COMMAND}",
         "--set",
         f"watchNamespaces[0]={ns}",
+        "--set",
+        "computeDomains=off",  # 02-small is fabric across 2 pods; no ComputeDomain CRD here
         "--wait",
         "--timeout",
         "120s",
