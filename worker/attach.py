@@ -34,10 +34,9 @@ stale copy in a slot is read.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +161,7 @@ def setup_dwdp(model: Any, adapter: Any, cfg: Any, *, group: Any) -> Any:
         enable_dense=d.enable_dense,
         num_slots=d.num_prefetch_slots,
         copy_mode=copy_mode,
+        gather_kernel=d.gather_kernel,
     )
 
 
@@ -462,12 +462,15 @@ def attach(
     enable_dense: bool,
     num_slots: int = 2,
     copy_mode: Any = None,
+    gather_kernel: Any = None,
 ) -> DwdpAttachment:
     """Set DWDP up on ``model`` over ``transport`` (a collective: every rank calls it with
     the same arguments) and attach the schedules; returns the committed attachment.
 
     ``partition``: the expert partition (``None``: no expert DWDP; dense DWDP alone is the
-    standalone mode this worker does not run). Raises ``SetupError`` on every rank alike,
+    standalone mode this worker does not run); ``gather_kernel``: the ``GatherKernel``
+    each manager (dense, expert) resolves once and passes to every copy launch (``None``:
+    the backend's default). Raises ``SetupError`` on every rank alike,
     ``UnsupportedArchitectureError`` when ``enable_dense`` and the architecture declares no
     dense roots, ``DwdpConfigError`` for a model without MoE layers.
     """
@@ -491,17 +494,17 @@ def attach(
         )
     counters = _Counters()
 
-    with _setup_stream(backend):
-        dense, experts, freed, leaks = _setup_and_repoint(
-            model,
-            layers,
-            backend=backend,
-            transport=transport,
-            partition=partition,
-            enable_dense=enable_dense,
-            num_slots=num_slots,
-            copy_mode=copy_mode,
-        )
+    dense, experts, freed, leaks = _setup_and_repoint(
+        model,
+        layers,
+        backend=backend,
+        transport=transport,
+        partition=partition,
+        enable_dense=enable_dense,
+        num_slots=num_slots,
+        copy_mode=copy_mode,
+        gather_kernel=gather_kernel,
+    )
 
     # 4. Schedules on one copy stream; attached dense starts the expert prefetch at H0.
     copy_stream = backend.new_stream("dwdp-copy")
@@ -579,31 +582,6 @@ def attach(
     return attachment
 
 
-@contextlib.contextmanager
-def _setup_stream(backend: Any) -> Iterator[None]:
-    """Run setup on a created stream where the backend has device streams.
-
-    [Note: setup stream] Setup gathers every layer once on the "current" stream and checks
-    the bytes; on CUDA the current stream is the legacy NULL stream outside any stream
-    context, and batched copies (cuMemcpyBatchAsync) refuse it. Setup therefore runs under a
-    created stream that first waits for the default stream (the loaded weights,
-    read-after-write); the default stream then waits for setup (the slots it filled).
-    """
-    if backend.name != "cuda":
-        yield
-        return
-    import torch
-
-    device = torch.device("cuda", getattr(backend, "device", 0) or 0)
-    default = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(default)
-    with torch.cuda.stream(stream):
-        yield
-    default.wait_stream(stream)
-    stream.synchronize()  # setup only
-
-
 def _setup_and_repoint(
     model: Any,
     layers: list[Any],
@@ -614,6 +592,7 @@ def _setup_and_repoint(
     enable_dense: bool,
     num_slots: int,
     copy_mode: Any,
+    gather_kernel: Any = None,
 ) -> tuple[Any, Any, int, Any]:
     """Dense setup, expert setup, the expert gather check and the repoint (see ``attach``).
     Returns ``(dense, experts, expert bytes freed, leak report)``."""
@@ -622,7 +601,7 @@ def _setup_and_repoint(
     from dwdp.worker.expert.layout import ExpertLayerWeights
     from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
     from dwdp.worker.setup.expert import setup_experts
-    from dwdp.worker.setup.phases import SetupError
+    from dwdp.worker.setup.phases import ExpertPhase, SetupError, setup_stream
     from dwdp.worker.setup.vote import vote
 
     device = layers[0].experts.gate_up_proj.device
@@ -635,7 +614,9 @@ def _setup_and_repoint(
             backend=backend,
             transport=transport,
             enable_dense=True,
-            options=DenseSetupOptions(copy_mode=copy_mode, device=device),
+            options=DenseSetupOptions(
+                copy_mode=copy_mode, device=device, gather_kernel=gather_kernel
+            ),
         )
 
     # 2. Experts: this rank's range of every MoE layer's tables into its store.
@@ -655,10 +636,18 @@ def _setup_and_repoint(
             transport=transport,
             num_slots=num_slots,
             copy_mode=copy_mode,
+            gather_kernel=gather_kernel,
         )
+    except SetupError as exc:
+        if dense is None:
+            raise
+        dense.release()  # past the dense commit: no fallback, the process must exit
+        raise SetupError(
+            exc.phase, ExpertPhase(exc.phase).what, exc.errors, restored=False
+        ) from exc
     except BaseException:
         if dense is not None:
-            dense.release()  # past the dense commit: no fallback, the process must exit
+            dense.release()
         raise
     del weights
 
@@ -667,7 +656,7 @@ def _setup_and_repoint(
     originals = {m.moe_index: m.expert_tensors() for m in layers}
     error = None
     try:
-        stream = backend.current_stream()
+        stream = setup_stream(backend, "expert-setup")  # [Note: setup stream] in phases
         for m in layers:
             slot = m.moe_index % num_slots
             experts.launch(m.moe_index, slot, stream)

@@ -1,6 +1,10 @@
 """DWDP attached to real transformers models on CUDA: 4 rank processes on one GPU share
 their stores through POSIX file descriptors; greedy tokens and logits must be bitwise those
-of the replicated model on the same GPU, for expert + dense DWDP with 2 and 3 slots."""
+of the replicated model on the same GPU, for expert + dense DWDP, every copy mode (per_slice,
+batched, gather) and both gather kernels (register, tma), with 2 and 3 slots.
+
+The gather kernel is resolved once per manager (dense, expert) from ``attach``'s
+``gather_kernel``; each rank reports the kernel its managers hold."""
 
 from __future__ import annotations
 
@@ -18,9 +22,13 @@ torch = pytest.importorskip("torch")
 
 WORLD = 4
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")
-SCENARIOS = [
-    (arch, slots, mode) for arch in ARCHS for slots, mode in ((2, "per_slice"), (3, "batched"))
-]
+MODES = (
+    (2, "per_slice", None),
+    (3, "batched", None),
+    (2, "gather", "register"),
+    (3, "gather", "tma"),
+)
+SCENARIOS = [(arch, slots, mode, kernel) for arch in ARCHS for slots, mode, kernel in MODES]
 
 CHILD = textwrap.dedent(
     """
@@ -63,16 +71,17 @@ CHILD = textwrap.dedent(
                               address=("127.0.0.1", port), timeout_s=240)
     backend = CudaBackend(device=0, handle_type=HandleType.POSIX_FD)
     with TcpStoreTransport(config) as transport:
-        for index, (arch, slots, mode) in enumerate(scenarios):
+        for index, (arch, slots, mode, kernel) in enumerate(scenarios):
             model, tok = load_checkpoint(ckpts[arch])
             model.to("cuda:0")
             adapter = adapter_for(model)
             e = adapter.moe_layers(model)[0].num_experts
             att = attach(model, adapter, backend=backend, transport=transport,
                          partition=expert_partition(e, 4), enable_dense=True,
-                         num_slots=slots, copy_mode=CopyMode(mode))
+                         num_slots=slots, copy_mode=CopyMode(mode), gather_kernel=kernel)
             torch.save(run(model, tok), out / f"dwdp.{index}.{rank}.pt")
             status = att.status()
+            status["gather_kernels"] = [str(m.gather.kernel) for m in (att.dense, att.experts)]
             (out / f"status.{index}.{rank}.json").write_text(json.dumps(status))
             torch.cuda.synchronize()
             transport.barrier(label=f"done{index}")
@@ -120,7 +129,7 @@ def run(tmp_path_factory):
     outs = []
     for p in procs:
         try:
-            outs.append(p.communicate(timeout=500))
+            outs.append(p.communicate(timeout=600))
         except subprocess.TimeoutExpired:
             p.kill()
             outs.append(p.communicate())
@@ -129,9 +138,9 @@ def run(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize(("arch", "slots", "mode"), SCENARIOS)
-def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode):
-    index = SCENARIOS.index((arch, slots, mode))
+@pytest.mark.parametrize(("arch", "slots", "mode", "kernel"), SCENARIOS)
+def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode, kernel):
+    index = SCENARIOS.index((arch, slots, mode, kernel))
     want = torch.load(run / f"ref.{arch}.pt")
     digests = set()
     for rank in range(WORLD):
@@ -142,5 +151,7 @@ def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode):
         status = json.loads((run / f"status.{index}.{rank}.json").read_text())
         assert status["backend"] == "cuda" and status["leaks"] == 0
         assert status["bytes_moved_remote"] > 0
+        # both managers hold the kernel asked for (register: the backend's default)
+        assert status["gather_kernels"] == [kernel or "register"] * 2
         digests.add(status["layout_digest"])
     assert len(digests) == 1

@@ -24,14 +24,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from dwdp.api.enums import CopyMode
+from dwdp.api.enums import CopyMode, GatherKernel
 from dwdp.worker.backend.base import Backend
 from dwdp.worker.dense.architecture import DenseLayerLike
 from dwdp.worker.dense.layout import DEFAULT_ALIGN, DenseLayout, collect_dense_layout, view_in
 from dwdp.worker.dense.repoint import count_leaks, current_tensor, watch_storages
 from dwdp.worker.dense.rows import row_store_layout, write_rows
 from dwdp.worker.dense.state import DenseDwdp, DenseState, SlotRings
-from dwdp.worker.setup.phases import DensePhase, FailureInjector, SetupError, describe
+from dwdp.worker.setup.phases import (
+    DensePhase,
+    FailureInjector,
+    SetupError,
+    describe,
+    setup_stream,
+)
 from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import Transport
 from torch import nn
@@ -50,10 +56,12 @@ class MemoryFitError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class DenseSetupOptions:
     """Knobs of dense setup. ``rings``: slots per segment; ``align``: bytes; ``dtype`` /
-    ``device``: the final form every moved tensor must have (``None``: unchecked)."""
+    ``device``: the final form every moved tensor must have (``None``: unchecked);
+    ``gather_kernel``: resolved once at P1 (``None``: the backend's default)."""
 
     rings: SlotRings = field(default_factory=SlotRings)
     copy_mode: CopyMode = CopyMode.PER_SLICE
+    gather_kernel: GatherKernel | str | None = None
     align: int = DEFAULT_ALIGN
     dtype: torch.dtype | None = None
     device: torch.device | str | None = None
@@ -149,8 +157,9 @@ def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: 
                 raise MemoryFitError(
                     f"the row store ({rows.nbytes} bytes) and the prefetch slots "
                     f"({need - rows.nbytes} bytes) need {need} bytes but {free} bytes are free")
+            gather = backend.resolve_gather(options.gather_kernel)
             dense = DenseDwdp(backend=backend, layout=layout, rows=rows, rank=transport.rank,
-                              rings=options.rings, copy_mode=options.copy_mode)
+                              rings=options.rings, copy_mode=options.copy_mode, gather=gather)
             summary = LayoutSummary(True, layout.digest, tuple(layout.checksums.items()), need)
         injector.check(phase, transport.rank)
     except Exception as exc:
@@ -196,18 +205,21 @@ def _p2_allocate(dense: DenseDwdp) -> None:
     dense.allocate()
     assert dense.store is not None
     write_rows(dense.layout, dense.rows, dense.rank, dense.store.tensor())
+    dense.backend.current_stream().synchronize()  # setup only: peers read it after the vote
 
 
-def _gather(dense: DenseDwdp, layer: int, segment: Any, slot: int) -> None:
-    stream = dense.backend.current_stream()
+def _gather(dense: DenseDwdp, layer: int, segment: Any, slot: int, stream: Any) -> None:
+    """One blob into its slot on setup's created stream (see [Note: setup stream] in
+    ``phases``), then wait: the byte check reads the slot on the host."""
     dense.launch(layer, segment, slot, stream)
-    stream.synchronize()  # setup only: the byte check below reads the slot on the host
+    stream.synchronize()  # setup only
 
 
 def _p4_gather_check(dense: DenseDwdp) -> None:
+    stream = setup_stream(dense.backend, "dense-setup")
     for blob in dense.layout.blobs:
         slot = dense.home_slot(blob.layer, blob.segment)
-        _gather(dense, blob.layer, blob.segment, slot)
+        _gather(dense, blob.layer, blob.segment, slot, stream)
         data = dense.slot_buffers(blob.segment)[slot].tensor()
         for entry in blob.entries:
             assert entry.source is not None
@@ -223,9 +235,10 @@ def _p5_repoint(dense: DenseDwdp) -> None:
         for entry in blob.entries:
             for ref in entry.tensors:
                 dense.originals.repoint(ref, view_in(slot.tensor(), 0, ref, entry))
+    stream = setup_stream(dense.backend, "dense-setup")
     for blob in dense.layout.blobs:
         slot_index = dense.home_slot(blob.layer, blob.segment)
-        _gather(dense, blob.layer, blob.segment, slot_index)
+        _gather(dense, blob.layer, blob.segment, slot_index, stream)
         slot_ptr = dense.slot_buffers(blob.segment)[slot_index].tensor().untyped_storage()
         for ref in blob.tensors():
             now = current_tensor(ref)

@@ -20,9 +20,10 @@ import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from dwdp.api.enums import CopyMode
+from dwdp.api.enums import CopyMode, GatherKernel
 from dwdp.worker.backend.base import Backend, Buffer, CopyPlan, PeerView, Store, Stream
 from dwdp.worker.expert.layout import (
     ChunkSpec,
@@ -71,12 +72,15 @@ class ExpertDwdp:
     """
 
     def __init__(self, *, backend: Backend, layout: ExpertStoreLayout, rank: int,
-                 num_slots: int, copy_mode: CopyMode) -> None:
+                 num_slots: int, copy_mode: CopyMode, gather: Any = None) -> None:
         self.backend = backend
         self.layout = layout
         self.rank = rank
         self.num_slots = num_slots
         self.copy_mode = copy_mode
+        self.gather = gather
+        """The gather kernel resolved once for this manager (``backend.resolve_gather``),
+        passed to every ``launch_copies``; set at the allocate step."""
         self.state = ExpertState.SETTING_UP
         self.store: Store | None = None
         self.slots: tuple[Buffer, ...] = ()
@@ -92,7 +96,8 @@ class ExpertDwdp:
 
     def launch(self, layer: int, slot: int, stream: Stream) -> None:
         """Enqueue layer ``layer``'s expert copies into ``slot`` on ``stream``."""
-        self.backend.launch_copies(self.plan(layer, slot), stream, mode=self.copy_mode)
+        self.backend.launch_copies(self.plan(layer, slot), stream, mode=self.copy_mode,
+                                   gather=self.gather)
 
     def slot_views(self, slot: int, layer: int = 0) -> dict[str, torch.Tensor]:
         """Slot ``slot`` as ``name -> [num_experts, *chunk_shape]`` tensors (layer
@@ -144,13 +149,15 @@ def setup_experts(
     transport: Transport,
     num_slots: int = 2,
     copy_mode: CopyMode = CopyMode.PER_SLICE,
+    gather_kernel: GatherKernel | str | None = None,
     injector: FailureInjector | None = None,
 ) -> ExpertDwdp:
     """Set expert DWDP up on this rank; a collective over ``transport``.
 
     ``layers``: the MoE layers in order, each with this rank's range of every expert
     tensor; ``partition``: the ``ExpertPartition`` of ``dwdp.api.partition`` (``ranges``,
-    one ``[start, end)`` per rank). Returns the committed :class:`ExpertDwdp`; raises
+    one ``[start, end)`` per rank); ``gather_kernel``: resolved once, at the allocate step
+    (``None``: the backend's default). Returns the committed :class:`ExpertDwdp`; raises
     :class:`SetupError` on every rank alike.
     """
     injector = injector if injector is not None else FailureInjector.from_env()
@@ -161,7 +168,7 @@ def setup_experts(
         experts = ExpertDwdp(backend=backend, layout=layout, rank=rank, num_slots=num_slots,
                              copy_mode=copy_mode)
         _step(ExpertPhase.ALLOCATE, experts, transport, injector,
-              lambda: _allocate(experts, layers))
+              lambda: _allocate(experts, layers, gather_kernel))
         _step(ExpertPhase.MAP, experts, transport, injector, lambda: _map(experts, transport))
         _step(ExpertPhase.COMMIT, experts, transport, injector, lambda: None)
     except BaseException:
@@ -241,8 +248,10 @@ def _step(phase: ExpertPhase, experts: ExpertDwdp, transport: Transport,
         raise SetupError(phase, phase.what, verdict.errors, restored=True)
 
 
-def _allocate(experts: ExpertDwdp, layers: Sequence[ExpertLayerWeights]) -> None:
+def _allocate(experts: ExpertDwdp, layers: Sequence[ExpertLayerWeights],
+              gather_kernel: GatherKernel | str | None) -> None:
     layout, rank, backend = experts.layout, experts.rank, experts.backend
+    experts.gather = backend.resolve_gather(gather_kernel)
     need = layout.store_bytes[rank] + experts.num_slots * layout.slot_bytes
     free = backend.free_bytes()
     if need > free:
@@ -257,6 +266,7 @@ def _allocate(experts: ExpertDwdp, layers: Sequence[ExpertLayerWeights]) -> None
             source = layer.tensors[chunk.name].reshape(-1).view(torch.uint8)
             offset = layout.store_offsets[rank][index][t]
             data[offset : offset + source.numel()].copy_(source)
+    backend.current_stream().synchronize()  # setup only: peers read the store after the vote
     experts.slots = tuple(backend.allocate(layout.slot_bytes, tag=f"expert-slot{i}")
                           for i in range(experts.num_slots))
 

@@ -13,6 +13,7 @@ import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 ENV_FAIL_AT = "DWDP_FAIL_AT"
 """Failure injection for tests: ``PHASE:rankR`` (or ``PHASE:R``, ``PHASE:*``), comma
@@ -147,6 +148,22 @@ class FailureInjector:
                 raise InjectedFailure(f"injected failure at {phase} on rank {rank}")
         if self.hook is not None:
             self.hook(phase, rank)
+
+
+def setup_stream(backend: Any, name: str) -> Any:
+    """A created stream for setup's gathers (P4/P5 and the expert check), ordered after the
+    work enqueued so far on the compute stream (the weights and stores written there).
+
+    [Note: setup stream] Setup gathers every layer once and checks the bytes on the host.
+    It never uses ``backend.current_stream()`` for the copies: on CUDA that is the legacy
+    NULL stream outside any stream context, which batched copies (cuMemcpyBatchAsync)
+    refuse. The caller synchronizes this stream before reading the slots on the host.
+    """
+    stream = backend.new_stream(name)
+    ready = backend.new_event()
+    ready.record(backend.current_stream())
+    stream.wait_event(ready)
+    return stream
 
 
 def describe(exc: BaseException) -> str:
