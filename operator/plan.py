@@ -663,6 +663,10 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
             naming.group_name(owner.name, p.role, p.group_index), p.incarnation
         )
         keep |= {ChildKey("PodGroup", inc_name), ChildKey("ComputeDomain", inc_name)}
+    if observed.create_blocked:
+        # A refused creation waits for its retry: keep the PodGroups and ComputeDomains it
+        # made (the retry reuses them) rather than delete and re-create them every attempt.
+        keep |= {k for k in observed.children if k.kind in ("PodGroup", "ComputeDomain")}
     apply = tuple(
         o
         for o in wanted

@@ -1,0 +1,278 @@
+"""Issue 8 on the local control plane, failures from outside the rank program: a rank
+process killed (SIGKILL) while its group serves, and a ResourceQuota that refuses a group's
+pods.
+
+One ``dwdp operator`` process serves the module; the deployments are small (1-2 pods per
+group, 2 groups) and each test deletes what it made. The pods are processes of the process
+kubelet of tools/devcluster, whose ``containerID`` is ``process://<pid>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dwdp.devcluster.testing import TestCluster
+from dwdp.operator.testing.process import OperatorProcess
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    from dwdp.api.crd import crd_yaml
+
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=30s"
+    )
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(cluster.env, log)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print(op.log()[-4000:])
+
+
+def deployment(name: str, *, replicas: int, ranks_per_pod: int, dwdp_size: int, **spec) -> dict:
+    return {
+        "apiVersion": "dwdp.io/v1alpha1",
+        "kind": "DwdpDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"path": "/models/tiny"},
+            "image": "dwdp-worker:dev",
+            "context": {
+                "replicas": replicas,
+                "ranksPerPod": ranks_per_pod,
+                "dwdp": {"dwdpSize": dwdp_size},
+            },
+            "rendezvous": {"timeoutSeconds": 30},
+            "gracefulShutdownTimeoutSeconds": 1,
+            **spec,
+        },
+    }
+
+
+def status(cluster: TestCluster, ns: str, name: str) -> dict:
+    return cluster.get("dwdpdeployment", name, ns).get("status") or {}
+
+
+def groups(st: dict) -> dict[str, dict]:
+    return {g["name"]: g for g in st.get("groups") or ()}
+
+
+def pods(cluster: TestCluster, ns: str) -> list[dict]:
+    out = cluster.kubectl("get", "pods", "-n", ns, "-l", "dwdp.io/deployment", "-o", "json")
+    return json.loads(out.stdout)["items"]
+
+
+def gated(pod: dict) -> bool:
+    return any(
+        c.get("type") == "dwdp.io/group-ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or ()
+    )
+
+
+def group_of(pod: dict) -> str:
+    return pod["metadata"]["labels"]["dwdp.io/group"]
+
+
+def pid_of(pod: dict) -> int:
+    """The pid of the pod's (only) container: the process kubelet reports it in the
+    containerID as ``process://<pid>``."""
+    (ctr,) = pod["status"]["containerStatuses"]
+    scheme, _, pid = ctr["containerID"].partition("://")
+    assert scheme == "process", ctr["containerID"]
+    return int(pid)
+
+
+def test_rank_killed_while_serving_replaces_its_group_once_as_a_crash(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns, name = namespace, "kill"
+    obj = deployment(
+        name,
+        replicas=2,
+        ranks_per_pod=1,
+        dwdp_size=2,  # 2 pods of 1 rank per group
+        failurePolicy={"backoffInitialSeconds": 1, "backoffMaxSeconds": 4},
+    )
+    cluster.apply(ns, obj)
+    g0, g1 = f"{name}-g0", f"{name}-g1"
+
+    def ready() -> dict | None:
+        st = status(cluster, ns, name)
+        gs = groups(st)
+        ok = (
+            st.get("phase") == "Ready"
+            and st.get("readyGroups") == 2
+            and all(gs.get(g, {}).get("phase") == "Serving" for g in (g0, g1))
+        )
+        return st if ok else None
+
+    st = cluster.wait_for(ready, timeout=90, interval=0.5, message=f"{name} Ready")
+    assert {g["incarnation"] for g in st["groups"]} == {0}
+    before = pods(cluster, ns)
+    old_g1 = {p["metadata"]["name"] for p in before if group_of(p) == g1}
+    g0_pods = {p["metadata"]["name"] for p in before if group_of(p) == g0}
+    assert len(old_g1) == 2 and len(g0_pods) == 2
+
+    # SIGKILL the rank process of one pod of g1 (check that it is that pod's rank first).
+    victim = next(p for p in before if group_of(p) == g1)
+    pid = pid_of(victim)
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert f"DWDP_GROUP={g1}".encode() in environ, "containerID pid is not the g1 rank"
+    assert b"rankprog" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    failure_seen: float | None = None
+    serving_again: float | None = None
+    looks = 0
+    deadline = killed_at + 90
+    while time.monotonic() < deadline:
+        st = status(cluster, ns, name)
+        gs = groups(st)
+        # The other group keeps serving: same incarnation, its pods gated at every look.
+        assert gs[g0]["incarnation"] == 0 and gs[g0].get("restarts", 0) == 0, gs[g0]
+        assert gs[g0]["phase"] == "Serving", gs[g0]
+        live = pods(cluster, ns)
+        assert {p["metadata"]["name"] for p in live if group_of(p) == g0} == g0_pods
+        assert all(gated(p) for p in live if group_of(p) == g0)
+        looks += 1
+        g = gs.get(g1) or {}
+        assert g.get("restarts", 0) <= 1, f"g1 replaced more than once: {g}"
+        if g.get("restarts") == 1 and failure_seen is None:
+            failure_seen = time.monotonic()
+            print(f"lastFailure: {g['lastFailure']}")
+            assert g["lastFailure"]["reason"] == "Crash", g["lastFailure"]
+        if (
+            g.get("restarts") == 1
+            and g.get("incarnation") == 1
+            and g.get("phase") == "Serving"
+            and serving_again is None
+        ):
+            serving_again = time.monotonic()
+            new_g1 = [p for p in live if group_of(p) == g1]
+            # The whole group was replaced: no pod of incarnation 0 is left, both new pods
+            # carry incarnation 1 (label and environment).
+            assert len(new_g1) == 2 and not old_g1 & {p["metadata"]["name"] for p in new_g1}
+            for p in new_g1:
+                assert p["metadata"]["labels"]["dwdp.io/incarnation"] == "1"
+                env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+                assert env["DWDP_INCARNATION"] == "1"
+        if serving_again is not None and time.monotonic() > serving_again + 3:
+            break  # a few more looks: still once, g0 still untouched
+        time.sleep(0.25)
+    assert failure_seen is not None, f"no failure recorded for {g1}: {st}"
+    assert serving_again is not None, f"{g1} not serving again: {st}"
+    print(
+        f"kill -9 of {victim['metadata']['name']} (pid {pid}): failure recorded after "
+        f"{failure_seen - killed_at:.1f} s, group serving again (incarnation 1) after "
+        f"{serving_again - killed_at:.1f} s; {looks} looks, g0 gated at every one"
+    )
+    st = status(cluster, ns, name)
+    assert groups(st)[g1]["restarts"] == 1 and groups(st)[g1]["incarnation"] == 1
+    events = cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "reason=GroupFailed", "-o", "json"
+    ).stdout
+    messages = [e["message"] for e in json.loads(events)["items"]]
+    assert any(g1 in m for m in messages), messages
+    assert not any(g0 in m for m in messages), messages
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+# A refused creation is retried after 5 s, doubling to 60 s (CREATE_BACKOFF_INITIAL_S,
+# CREATE_BACKOFF_MAX_S in operator/reconcile.py): attempts at t = 0, 5, 15, 35, 75, 135...
+# so any 60 s window holds at most 4 attempts (0, 5, 15, 35). One attempt writes: the refused
+# pod create (creations stop at the first refusal), two status applies (the cycle that is
+# refused and the next one) and one Event: 4 writes; the gang PodGroup is created once, by
+# the first attempt, and kept while the retry waits. A Serving group at rest writes nothing.
+# Hence at most 4 x 4 + 1 = 17 writes in the minute and at most 4 pod creates (a storm would
+# be one create every reconcile cycle, ~0.3 s: ~200 a minute). Measured: 12 (3 attempts).
+MAX_WRITES_PER_MINUTE = 17
+MAX_POD_CREATES_PER_MINUTE = 4
+
+
+def fresh_writes(operator: OperatorProcess) -> dict:
+    """The operator's write counters read now (kopf caches probe results for 10 s)."""
+    w = operator.writes()
+    if w["at"] < time.time() - 1:
+        time.sleep(max(0.0, w["at"] + 10.5 - time.time()))
+        w = operator.writes()
+    assert w["at"] >= time.time() - 2, w
+    return w
+
+
+def test_quota_refusing_pods_is_a_condition_and_no_write_storm(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns, name = namespace, "quota"
+    # 2 groups of 1 pod (2 ranks each); the quota admits one pod: g1 is refused.
+    cluster.apply(
+        ns,
+        {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {"name": "pods"},
+            "spec": {"hard": {"pods": "1"}},
+        },
+    )
+    cluster.wait_for(
+        lambda: (cluster.get("resourcequota", "pods", ns).get("status") or {}).get("hard"),
+        timeout=30,
+        interval=0.5,
+        message="quota status computed",
+    )
+    cluster.apply(ns, deployment(name, replicas=2, ranks_per_pod=2, dwdp_size=2))
+    g0 = f"{name}-g0"
+
+    def refused() -> dict | None:
+        st = status(cluster, ns, name)
+        cond = next(
+            (c for c in st.get("conditions") or () if c.get("type") == "ReplicaFailure"), None
+        )
+        serving = groups(st).get(g0, {}).get("phase") == "Serving"
+        return cond if cond and cond.get("status") == "True" and serving else None
+
+    cond = cluster.wait_for(refused, timeout=90, interval=0.5, message="ReplicaFailure")
+    print(f"condition: {cond}")
+    assert cond["reason"] == "FailedCreate"
+    assert "exceeded quota" in cond["message"] and "pods" in cond["message"], cond
+    assert f"{name}-g1" in cond["message"], cond
+
+    w0 = fresh_writes(operator)
+    time.sleep(max(0.0, w0["at"] + 60 - time.time()))
+    w1 = fresh_writes(operator)
+    window = w1["at"] - w0["at"]
+    total = w1["total"] - w0["total"]
+    by = {k: v - w0["by"].get(k, 0) for k, v in w1["by"].items() if v != w0["by"].get(k, 0)}
+    print(f"operator API writes under the quota in {window:.1f} s: {total} {by}")
+    assert 60 <= window < 63, window
+    assert total <= MAX_WRITES_PER_MINUTE, by
+    assert by.get("POST Pod", 0) <= MAX_POD_CREATES_PER_MINUTE, by
+    assert total >= 1, "no retry at all within a minute"  # it does keep retrying
+    assert len([p for p in pods(cluster, ns) if group_of(p) == g0]) == 1
+
+    # The quota lifted: the next retry (at most 60 s away) creates g1, the condition clears.
+    cluster.kubectl("delete", "resourcequota", "pods", "-n", ns)
+    lifted = time.monotonic()
+
+    def recovered() -> dict | None:
+        st = status(cluster, ns, name)
+        conds = {c["type"]: c for c in st.get("conditions") or ()}
+        rf = conds.get("ReplicaFailure")
+        ok = st.get("readyGroups") == 2 and (rf is None or rf.get("status") != "True")
+        return st if ok else None
+
+    cluster.wait_for(recovered, timeout=90, interval=1.0, message="g1 created after the quota")
+    print(f"quota lifted: both groups ready after {time.monotonic() - lifted:.1f} s")
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
