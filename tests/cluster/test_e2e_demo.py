@@ -45,6 +45,7 @@ def _demo():
 
 demo = _demo()
 NS = "e2e"
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,7 @@ def test_a_killed_rank_fails_its_group_together_and_it_serves_again(deployed) ->
     assert len(pids) == 1, f"rank processes of demo-g0 local rank 1: {pids}"
     asker = threading.Thread(target=keep_asking, daemon=True)
     asker.start()
+    killed_at = time.monotonic()
     try:
         os.kill(pids[0], signal.SIGKILL)
 
@@ -196,6 +198,11 @@ def test_a_killed_rank_fails_its_group_together_and_it_serves_again(deployed) ->
         assert g0["lastFailure"]["phase"] in ("serve", "exit"), g0["lastFailure"]
         assert "killed by signal 9" in g0["lastFailure"]["message"]
         demo.wait_ready(tc, NS, demo.NAME, groups=2, timeout=300)
+        print(
+            f"kill -> demo-g0 incarnation {g0['incarnation']} serving: "
+            f"{time.monotonic() - killed_at:.1f} s; demo-g1 answered {served[0]} requests "
+            f"meanwhile, {len(errors)} failed"
+        )
     finally:
         stop.set()
         asker.join(timeout=120)
