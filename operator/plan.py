@@ -96,6 +96,8 @@ class Event:
     reason: Reason
     message: str
     type: str = "Normal"
+    group: str = ""
+    """The group a CreatedGroup Event reports (not posted when its creation was refused)."""
 
 
 @dataclass(frozen=True)
@@ -317,6 +319,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
                     Reason.CREATED_GROUP,
                     f"created {role.value} group {group} incarnation {inc} "
                     f"({shape.pods_per_group} pods, {shape.world_size} ranks, revision {rev})",
+                    group=group,
                 )
             )
 

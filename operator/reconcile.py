@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from dwdp.operator.constants import Reason
+from dwdp.operator.constants import LABEL_GROUP, Reason
 from dwdp.operator.kube import OPTIONAL_KINDS, ApiError, Kube, now_rfc3339
 from dwdp.operator.observe import Observed, pod_from_object
 from dwdp.operator.plan import Plan, PlanOptions, plan
@@ -112,7 +112,9 @@ async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None
     for obj in p.apply:
         await attempt(f"apply {obj['kind']} {obj['metadata']['name']}", kube.apply(obj))
     refused: str | None = None
-    for obj in (*p.create, *p.create_pods):
+    not_created: set[str] = set()
+    creations = (*p.create, *p.create_pods)
+    for i, obj in enumerate(creations):
         # Creations stop at the first refusal (quota, admission): the rest would be refused
         # too; the loop retries after a backoff, so a refusal never becomes a write storm.
         # A refused PodGroup or ComputeDomain stops the pods that need it.
@@ -122,6 +124,9 @@ async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None
             ok = False
             refused = f"cannot create {obj['kind']} {obj['metadata']['name']}: {exc.message}"
             log.warning("%s/%s: %s", ns, name, refused)
+            not_created = {
+                (o["metadata"].get("labels") or {}).get(LABEL_GROUP, "") for o in creations[i:]
+            }
             break
     if memory is not None and (p.create or p.create_pods):
         if refused is None:
@@ -142,6 +147,8 @@ async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None
     if p.status is not None:
         await attempt("write the status", kube.apply_status(ns, name, p.status))
     for ev in p.events:
+        if ev.reason is Reason.CREATED_GROUP and ev.group in not_created:
+            continue  # its creation was refused: the ReplicaFailure condition says so
         log.info("%s/%s: %s: %s", ns, name, ev.reason.value, ev.message)
         await attempt(
             "post an Event", kube.event(body, reason=ev.reason, message=ev.message, type_=ev.type)

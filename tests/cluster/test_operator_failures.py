@@ -193,12 +193,13 @@ def test_rank_killed_while_serving_replaces_its_group_once_as_a_crash(
 # A refused creation is retried after 5 s, doubling to 60 s (CREATE_BACKOFF_INITIAL_S,
 # CREATE_BACKOFF_MAX_S in operator/reconcile.py): attempts at t = 0, 5, 15, 35, 75, 135...
 # so any 60 s window holds at most 4 attempts (0, 5, 15, 35). One attempt writes: the refused
-# pod create (creations stop at the first refusal), two status applies (the cycle that is
-# refused and the next one) and one Event: 4 writes; the gang PodGroup is created once, by
-# the first attempt, and kept while the retry waits. A Serving group at rest writes nothing.
-# Hence at most 4 x 4 + 1 = 17 writes in the minute and at most 4 pod creates (a storm would
-# be one create every reconcile cycle, ~0.3 s: ~200 a minute). Measured: 12 (3 attempts).
-MAX_WRITES_PER_MINUTE = 17
+# pod create (creations stop at the first refusal) and two status applies (the cycle that is
+# refused and the next one): 3 writes; no CreatedGroup Event for a refused group; the gang
+# PodGroup is created once, by the first attempt, and kept while the retry waits. A Serving
+# group at rest writes nothing. Hence at most 4 x 3 + 1 = 13 writes in the minute and at
+# most 4 pod creates (a storm would be one create every reconcile cycle, ~0.3 s: ~200 a
+# minute).
+MAX_WRITES_PER_MINUTE = 13
 MAX_POD_CREATES_PER_MINUTE = 4
 
 
@@ -261,6 +262,11 @@ def test_quota_refusing_pods_is_a_condition_and_no_write_storm(
     assert by.get("POST Pod", 0) <= MAX_POD_CREATES_PER_MINUTE, by
     assert total >= 1, "no retry at all within a minute"  # it does keep retrying
     assert len([p for p in pods(cluster, ns) if group_of(p) == g0]) == 1
+    events = cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "reason=CreatedGroup", "-o", "json"
+    ).stdout
+    created = [e["message"] for e in json.loads(events)["items"]]
+    assert not any(f"{name}-g1 " in m for m in created), created  # it was refused
 
     # The quota lifted: the next retry (at most 60 s away) creates g1, the condition clears.
     cluster.kubectl("delete", "resourcequota", "pods", "-n", ns)
