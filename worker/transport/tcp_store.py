@@ -112,7 +112,13 @@ class TcpStoreTransport(Transport):
                 wait_for_workers=False,
                 master_listen_fd=self._listener.fileno() if self._listener else None,
             )
+            if self._listener is not None:  # the store owns the descriptor now and closes it
+                self._listener.detach()
+                self._listener = None
         except Exception as exc:
+            if getattr(self, "_listener", None) is not None:
+                self._listener.close()
+                self._listener = None
             if config.rank == 0:
                 raise TransportError(
                     f"rank 0 could not host the rendezvous store on {host}:{port}: {exc}"
