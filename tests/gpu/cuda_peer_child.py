@@ -36,6 +36,14 @@ class StoreTransport:
     def barrier(self) -> None:
         self.allgather_object(None)
 
+    def close(self) -> None:
+        """Rank 0 hosts the store: it leaves last, after every peer said it is done reading
+        (otherwise a peer still inside the last barrier loses its connection)."""
+        if self.rank == 0:
+            self._store.wait([f"left/{r}" for r in range(1, self.world_size)])
+        else:
+            self._store.set(f"left/{self.rank}", b"1")
+
 
 def store_bytes(rank: int) -> int:
     return 3 * MIB + 4096 * rank + 7
@@ -132,6 +140,7 @@ def main() -> None:
     backend.close()
     out["handles_end"] = live_handles()
     transport.barrier()
+    transport.close()
     print(json.dumps(out), flush=True)
 
 
