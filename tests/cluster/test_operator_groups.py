@@ -112,11 +112,11 @@ def test_rank_failing_at_p3_restarts_its_group_only_with_growing_backoff(
             "RANKPROG_FAIL_RANK": "1",
             "RANKPROG_FAIL_GROUP": f"{name}-g1",
         },
-        failurePolicy={"backoffInitialSeconds": 2, "backoffMaxSeconds": 16},
+        failurePolicy={"backoffInitialSeconds": 5, "backoffMaxSeconds": 40},
     )
     cluster.apply(ns, obj)
     seen: dict[int, float] = {}  # restarts -> first time seen (monotonic)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     g0_incarnations = set()
     while time.monotonic() < deadline and len(seen) < 4:
         st = status(cluster, ns, name)
@@ -134,9 +134,12 @@ def test_rank_failing_at_p3_restarts_its_group_only_with_growing_backoff(
         time.sleep(0.25)
     assert sorted(seen) == [1, 2, 3, 4], seen
     gaps = [seen[k + 1] - seen[k] for k in (1, 2, 3)]
-    print(f"failure gaps (s) for backoffs 2/4/8: {[round(g, 1) for g in gaps]}")
+    print(f"failure gaps (s) for backoffs 5/10/20: {[round(g, 1) for g in gaps]}")
+    # Each gap is the backoff plus a restart (pods, rendezvous, setup up to P3) whose length
+    # varies by seconds on a loaded machine; backoffs that double from 5 s keep the
+    # comparison above that noise. The second and third failures wait longer than the first.
     assert gaps[0] < gaps[1] < gaps[2], gaps
-    assert gaps[2] >= 8
+    assert gaps[2] >= 20, gaps
     assert g0_incarnations == {0}  # the other group kept running
     st = status(cluster, ns, name)
     g0 = next(g for g in st["groups"] if g["name"] == f"{name}-g0")
