@@ -8,15 +8,16 @@ request here. An unreachable rank or an unreadable answer reads as None (not rep
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterable
 
+import aiohttp
 from dwdp.operator.observe import ObservedPod, RankReport, rank_report_from_json
 
 __all__ = ["PROBE_TIMEOUT_S", "probe_ranks", "to_probe"]
 
-PROBE_TIMEOUT_S = 1.0
-"""Timeout of one rank's status request, in seconds."""
+PROBE_TIMEOUT_S = 3.0
+"""Timeout of one rank's status request, in seconds (a loaded host answers slowly; a
+rank that misses it only reads as not reported yet for this cycle)."""
 
 
 def to_probe(pods: Iterable[ObservedPod]) -> list[ObservedPod]:
@@ -26,25 +27,17 @@ def to_probe(pods: Iterable[ObservedPod]) -> list[ObservedPod]:
     ]
 
 
-async def _get_json(host: str, port: int, path: str, timeout: float) -> object | None:
+async def _get_json(
+    session: aiohttp.ClientSession, host: str, port: int, path: str
+) -> object | None:
+    """The JSON body of ``GET http://host:port/path``; None for any failure (refused,
+    timed out, not 200, not JSON): a rank that cannot answer has not reported yet."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, TimeoutError):
-        return None
-    try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\nAccept: */*\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(1 << 20), timeout)
-    except (OSError, TimeoutError):
-        return None
-    finally:
-        writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/") or b" 200 " not in head.split(b"\r\n", 1)[0] + b" ":
-        return None
-    try:
-        return json.loads(body)
-    except ValueError:
+        async with session.get(f"http://{host}:{port}{path}") as resp:
+            if resp.status != 200:
+                return None
+            return await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
 
 
@@ -53,12 +46,16 @@ async def probe_ranks(
 ) -> dict[str, tuple[RankReport | None, ...]]:
     """Reports of every rank of ``pods`` by pod name, in local-rank order."""
     pods = list(pods)
-    jobs = [
-        _get_json(p.ip or "", base_port + k, "/dwdp/status", timeout)
-        for p in pods
-        for k in range(p.ranks)
-    ]
-    answers = iter(await asyncio.gather(*jobs))
+    if not pods:
+        return {}
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+        jobs = [
+            _get_json(session, p.ip or "", base_port + k, "/dwdp/status")
+            for p in pods
+            for k in range(p.ranks)
+        ]
+        answers = iter(await asyncio.gather(*jobs))
     return {
         p.name: tuple(rank_report_from_json(next(answers)) for _ in range(p.ranks)) for p in pods
     }
