@@ -110,11 +110,18 @@ def _load_documents(filename: str) -> list[Any]:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from dwdp.api.deployment import deployment_problems
-
     filename = args.filename
     shown = "<stdin>" if filename == "-" else filename
-    docs = _load_documents(filename)
+    try:
+        return _validate_documents(_load_documents(filename), shown)
+    except RecursionError:
+        message = f"{shown}: the YAML is nested too deeply to be a DwdpDeployment"
+        raise _user_error(message) from None
+
+
+def _validate_documents(docs: list[Any], shown: str) -> int:
+    from dwdp.api.deployment import deployment_problems
+
     failed = False
     for index, doc in enumerate(docs):
         label = shown if len(docs) == 1 else f"{shown} (document {index + 1})"
@@ -145,9 +152,11 @@ def _cmd_partition(args: argparse.Namespace) -> int:
         print(json.dumps(part.to_dict(), indent=2))
         return 0
     print(f"{'rank':>4}  {'start':>5}  {'end':>5}  {'count':>5}  serves")
+    covered = 0  # experts below this are served by a lower rank (the owner rule)
     for rank, (start, end) in enumerate(part.ranges):
-        served = [e for e in range(start, end) if part.owner(e) == rank]
-        serves = f"[{served[0]}, {served[-1] + 1})" if served else "-"
+        first = max(start, covered)
+        serves = f"[{first}, {end})" if first < end else "-"
+        covered = max(covered, end)
         print(f"{rank:>4}  {start:>5}  {end:>5}  {end - start:>5}  {serves}")
     print(part.describe())
     return 0

@@ -9,6 +9,10 @@
 # --state-dir DIR, --requests N.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The repository root holds the folder operator/ (the sub-package dwdp.operator): a Python
+# started here must not put the current folder on sys.path, or that folder hides the
+# standard library's `operator` module (`python -m pip` breaks in a fresh .venv).
+export PYTHONSAFEPATH=1
 
 log() { printf '\n== %s\n' "$*"; }
 

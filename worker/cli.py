@@ -6,6 +6,9 @@ Top-level imports stay light (no torch): each command imports its implementation
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
 
 from dwdp.worker.testing import cli as testing_cli
 
@@ -61,7 +64,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _worker(args: argparse.Namespace) -> int:
     from dwdp.worker.main import WorkerOptions, run_worker
 
-    return run_worker(
+    code = run_worker(
         WorkerOptions(
             config=args.config,
             role=args.role,
@@ -70,6 +73,14 @@ def _worker(args: argparse.Namespace) -> int:
             termination_log=args.termination_log,
         )
     )
+    # run_worker has stopped the engine and released the DWDP state and the group transport.
+    # Leave without the interpreter's teardown: collecting a loaded model's objects can take
+    # longer than the launcher's stop grace on a busy host, which would turn a clean stop
+    # into a SIGKILL and a failed pod.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,10 +89,17 @@ def run_launcher(opts: LaunchOptions) -> int:
         nproc = opts.nproc or int(os.environ.get(ENV_LOCAL_WORLD_SIZE) or 1)
         first_rank = int(os.environ.get(ENV_RANK) or 0)
     except ValueError as exc:
-        write_termination_message(f"launcher: {exc}", opts.termination_log)
+        line = (
+            f"launcher: {ENV_LOCAL_WORLD_SIZE} and {ENV_RANK} must be whole numbers "
+            f"(got {os.environ.get(ENV_LOCAL_WORLD_SIZE)!r}, {os.environ.get(ENV_RANK)!r}): {exc}"
+        )
+        write_termination_message(line, opts.termination_log)
+        log.error("%s", line)
         return 1
     if nproc < 1:
-        write_termination_message(f"launcher: local ranks {nproc} < 1", opts.termination_log)
+        line = f"launcher: the number of local ranks must be at least 1 (got {nproc})"
+        write_termination_message(line, opts.termination_log)
+        log.error("%s", line)
         return 1
     grace = _stop_grace(opts, config)
     workdir = Path(tempfile.mkdtemp(prefix="dwdp-launch-"))
@@ -127,6 +135,7 @@ def run_launcher(opts: LaunchOptions) -> int:
         _stop_all(children, grace)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def launcher_line(local_rank: int, rank: int, code: int, cause: str) -> str:
@@ -174,6 +183,10 @@ def _stop_all(children, grace: float) -> list[int]:
         try:
             codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
+            log.warning(
+                "launcher: local rank %d (pid %d) still running %.0f s after SIGTERM; SIGKILL",
+                _k, proc.pid, grace,
+            )
             proc.kill()
             codes.append(proc.wait())
     return codes

@@ -189,6 +189,7 @@ def test_console_script_exit_codes(tmp_path) -> None:
         ("", "no YAML document"),
         ("- a\n- b\n", "must be a mapping"),
         ("!!python/object:os.system {}\n", "invalid YAML"),
+        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
     ],
 )
 def test_validate_user_errors_are_one_line(tmp_path, content, needle) -> None:

@@ -311,3 +311,25 @@ def test_cli_partition_table_json_and_error() -> None:
     assert proc.returncode == 1
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert "capped" in proc.stderr and "experts=10" in proc.stderr
+
+
+def test_cli_partition_serves_column_follows_the_owner_rule() -> None:
+    # Redundant: ranges [0,16) [8,24) [16,32) [24,40); each expert is served by the lowest
+    # rank storing it, so rank r > 0 serves only the tail its predecessor does not store.
+    proc = _dwdp(
+        "--experts", "40", "--dwdp-size", "4", "--experts-per-worker", "16",
+        "--prefetch-experts", "8",
+    )
+    assert proc.returncode == 0, proc.stderr
+    serves = [line.split()[-2:] for line in proc.stdout.splitlines()[1:5]]
+    assert serves == [["[0,", "16)"], ["[16,", "24)"], ["[24,", "32)"], ["[32,", "40)"]]
+
+
+def test_cli_partition_of_many_experts_answers_at_once() -> None:
+    # The table is computed per rank, not per expert: a per-expert walk over 10^8 experts
+    # takes minutes and runs into _dwdp's timeout.
+    proc = _dwdp("--experts", "100000000", "--dwdp-size", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == (
+        "balanced, 1 x 33333334 + 2 x 33333333 of 100000000"
+    )
