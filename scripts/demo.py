@@ -361,11 +361,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in the log
 
     state = (args.state_dir or default_state_dir()).resolve()
-    if state.exists() and not args.keep:
+    if state.exists():
         from dwdp.devcluster.cluster import Cluster
 
-        Cluster(state).down(timeout_s=10)
-        shutil.rmtree(state, ignore_errors=True)
+        if Cluster(state).running():  # another demo (or one left with --keep) owns it
+            print(
+                f"demo: a cluster is already running in {state}; stop it with "
+                f"`.venv/bin/dwdp dev down --state-dir {state} && rm -rf {state}`, "
+                "or run this demo elsewhere with --state-dir DIR",
+                file=sys.stderr,
+            )
+            return 1
+        shutil.rmtree(state, ignore_errors=True)  # what a stopped demo left behind
     state.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     say(f"== 1/7 starting the local control plane (state {state})")

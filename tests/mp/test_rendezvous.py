@@ -57,11 +57,15 @@ def test_a_rank_that_never_arrives_fails_the_others_at_the_timeout(ranks, group)
 
     ranks.start([0, 1, 2], _target(group, free_port()))
     assert ranks.wait(60) == dict.fromkeys(range(3), 0)
-    for rec in _records(ranks.out, range(3)).values():
+    recs = _records(ranks.out, range(3)).values()
+    for rec in recs:
         assert rec["error"].startswith("RendezvousTimeout")
         assert "rank(s) [3] did not arrive" in rec["error"]
         assert rec["missing"] == [3]
-        assert TIMEOUT_S * 0.9 <= rec["elapsed_s"] < TIMEOUT_S + 8
+        assert rec["elapsed_s"] < TIMEOUT_S + 8
+    # The first rank to time out waited the whole timeout and published the verdict; a rank
+    # that started later receives that verdict, so its own wait can be shorter by its lag.
+    assert max(rec["elapsed_s"] for rec in recs) >= TIMEOUT_S * 0.9
 
 
 def test_a_missing_rank_zero_is_named(ranks, group):
