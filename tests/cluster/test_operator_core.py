@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dwdp.devcluster.testing import TestCluster
+from dwdp.operator.testing.cluster import running_operator
 from dwdp.operator.testing.process import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,20 +44,9 @@ caselib = _load("caselib", REPO / "tests" / "cases" / "caselib.py")
 def operator(
     cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    from dwdp.api.crd import crd_yaml
-
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=30s"
-    )
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(cluster.env, log, webhook=WEBHOOK)
-    op.start()
-    try:
+    with running_operator(cluster, log, webhook=WEBHOOK) as op:
         yield op
-    finally:
-        op.stop()
-        print(op.log()[-4000:])
 
 
 def example(name: str) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from dwdp.devcluster.testing import TestCluster
+from dwdp.operator.testing.cluster import gated, pods, running_operator, status
 from dwdp.operator.testing.process import OperatorProcess
 
 
@@ -25,20 +26,9 @@ from dwdp.operator.testing.process import OperatorProcess
 def operator(
     cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    from dwdp.api.crd import crd_yaml
-
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=30s"
-    )
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(cluster.env, log)
-    op.start()
-    try:
+    with running_operator(cluster, log) as op:
         yield op
-    finally:
-        op.stop()
-        print(op.log()[-4000:])
 
 
 def deployment(name: str, *, replicas: int, ranks_per_pod: int, dwdp_size: int, **spec) -> dict:
@@ -61,24 +51,8 @@ def deployment(name: str, *, replicas: int, ranks_per_pod: int, dwdp_size: int, 
     }
 
 
-def status(cluster: TestCluster, ns: str, name: str) -> dict:
-    return cluster.get("dwdpdeployment", name, ns).get("status") or {}
-
-
 def groups(st: dict) -> dict[str, dict]:
     return {g["name"]: g for g in st.get("groups") or ()}
-
-
-def pods(cluster: TestCluster, ns: str) -> list[dict]:
-    out = cluster.kubectl("get", "pods", "-n", ns, "-l", "dwdp.io/deployment", "-o", "json")
-    return json.loads(out.stdout)["items"]
-
-
-def gated(pod: dict) -> bool:
-    return any(
-        c.get("type") == "dwdp.io/group-ready" and c.get("status") == "True"
-        for c in (pod.get("status") or {}).get("conditions") or ()
-    )
 
 
 def group_of(pod: dict) -> str:

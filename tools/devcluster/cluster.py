@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -48,10 +49,20 @@ class ClusterError(RuntimeError):
     """A component failed to start or to become ready; the message names its log."""
 
 
+_PORT_RANGE = (20000, 32000)
+"""Where cluster ports are picked: below Linux's ephemeral range (32768-60999), so an
+outgoing connection made between the pick and the component's start cannot take the port."""
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port of ``_PORT_RANGE`` that is free on 127.0.0.1 now (random, so clusters started
+    side by side do not probe the same ports). Raises ``ClusterError`` if none is found."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        if _port_free(port):
+            return port
+    raise ClusterError(f"no free port in {_PORT_RANGE[0]}-{_PORT_RANGE[1]} on 127.0.0.1")
 
 
 def _port_free(port: int) -> bool:

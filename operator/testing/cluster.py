@@ -1,0 +1,62 @@
+"""Helpers of the operator's cluster tests: install the CRD, run ``dwdp operator`` as a
+process for a test module, and read a DwdpDeployment's status and pods.
+
+``cluster`` is a ``dwdp.devcluster.testing.TestCluster`` (the ``cluster`` fixture of
+tests/cluster); nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from dwdp.operator.testing.process import OperatorProcess
+
+GATE = "dwdp.io/group-ready"
+"""The readiness gate condition the operator sets on the pods of a committed group."""
+
+
+def install_crd(cluster: Any) -> None:
+    """Apply the generated DwdpDeployment CRD and wait (30 s at most) until it is served."""
+    from dwdp.api.crd import crd_yaml
+
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=30s"
+    )
+
+
+@contextmanager
+def running_operator(cluster: Any, log: Path, **options: Any) -> Iterator[OperatorProcess]:
+    """Install the CRD, start ``dwdp operator`` (``options`` go to ``OperatorProcess``),
+    yield it, stop it and print the tail of its log (shown by pytest on failure)."""
+    install_crd(cluster)
+    op = OperatorProcess(cluster.env, log, **options)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print(op.log()[-4000:])
+
+
+def status(cluster: Any, ns: str, name: str) -> dict:
+    """The status of DwdpDeployment ``ns/name`` (empty before the operator wrote one)."""
+    return cluster.get("dwdpdeployment", name, ns).get("status") or {}
+
+
+def pods(cluster: Any, ns: str, selector: str = "dwdp.io/deployment") -> list[dict]:
+    """Every pod of ``ns`` matching the label ``selector``, as JSON objects."""
+    out = cluster.kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json")
+    return json.loads(out.stdout)["items"]
+
+
+def gated(pod: dict) -> bool:
+    """True when the pod's ``dwdp.io/group-ready`` condition is True."""
+    return any(
+        c.get("type") == GATE and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or ()
+    )
