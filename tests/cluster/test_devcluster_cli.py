@@ -65,3 +65,34 @@ def test_api_client_fixture(cluster: TestCluster, namespace: str) -> None:
     core = client.CoreV1Api(cluster.api_client())
     assert core.read_namespace(namespace).status.phase == "Active"
     assert core.read_namespaced_service_account("default", namespace).metadata.name == "default"
+
+
+def test_clusters_side_by_side_get_their_own_pod_networks(tmp_path) -> None:
+    """Two clusters started one after the other, neither given a pod network, route /16s
+    that differ, and ``down`` of the second leaves the first one's route in place."""
+
+    def dev(state, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "dwdp", "dev", *args, "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=180, check=False,
+        )
+
+    def local_routes() -> str:
+        return subprocess.run(
+            ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=True
+        ).stdout
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    try:
+        for state in (first, second):
+            up = dev(state, "up")
+            assert up.returncode == 0, up.stdout + up.stderr
+        nets = [json.loads((s / "cluster.json").read_text())["pod_net"] for s in (first, second)]
+        assert nets[0] != nets[1]
+        assert all(f"local {net}.0.0/16 " in local_routes() for net in nets)
+        down = dev(second, "down", "--purge")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert f"local {nets[0]}.0.0/16 " in local_routes()
+    finally:
+        for state in (second, first):
+            dev(state, "down", "--purge")

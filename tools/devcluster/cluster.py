@@ -217,6 +217,21 @@ def ensure_pod_route(pod_net: str) -> None:
         )
 
 
+def free_pod_net(preferred: str) -> str:
+    """``preferred`` (e.g. ``100.64``) unless another cluster on this host already routes
+    it; then the first ``100.N`` (N 65..127) that no cluster routes. Every cluster thus has
+    a pod network of its own, and ``down`` of one never removes another's route. Raises
+    ``ClusterError`` when all are taken."""
+    shown = subprocess.run(
+        ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
+    ).stdout
+    candidates = [preferred] + [f"100.{n}" for n in range(65, 128)]
+    for net in candidates:
+        if f"local {net}.0.0/16 " not in shown + " ":
+            return net
+    raise ClusterError("every pod network 100.64-100.127 is routed by another cluster")
+
+
 def remove_pod_route(pod_net: str) -> None:
     """Remove the pod network's local route (no error if it is not there)."""
     _route("del", pod_net)
@@ -245,9 +260,12 @@ class Cluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         for d in (self.logs, self.run, self.state_dir / "pods"):
             d.mkdir(exist_ok=True)
-        cfg = self.config() or ClusterConfig(
+        stored = self.config()
+        cfg = stored or ClusterConfig(
             venv_bin=str(paths.default_venv_bin()) if paths.default_venv_bin() else None
         )
+        if stored is None and "pod_net" not in overrides:
+            cfg.pod_net = free_pod_net(cfg.pod_net)
         node = overrides.pop("node", None)
         if node:
             cfg.node = dataclasses.replace(cfg.node, **node)
