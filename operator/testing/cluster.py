@@ -43,6 +43,40 @@ def running_operator(cluster: Any, log: Path, **options: Any) -> Iterator[Operat
         print(op.log()[-4000:])
 
 
+def deployment(
+    name: str,
+    *,
+    replicas: int,
+    ranks_per_pod: int,
+    dwdp_size: int,
+    env: dict[str, str] | None = None,
+    **spec: Any,
+) -> dict:
+    """A DwdpDeployment of ``replicas`` context groups of ``dwdp_size`` ranks,
+    ``ranks_per_pod`` per pod, run by the test rank program (1 s graceful shutdown, 30 s
+    rendezvous timeout); ``env`` goes to every rank, ``spec`` overrides top-level fields."""
+    body: dict[str, Any] = {
+        "model": {"path": "/models/tiny"},
+        "image": "dwdp-worker:dev",
+        "context": {
+            "replicas": replicas,
+            "ranksPerPod": ranks_per_pod,
+            "dwdp": {"dwdpSize": dwdp_size},
+        },
+        "rendezvous": {"timeoutSeconds": 30},
+        "gracefulShutdownTimeoutSeconds": 1,
+    }
+    if env:
+        body["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    body.update(spec)
+    return {
+        "apiVersion": "dwdp.io/v1alpha1",
+        "kind": "DwdpDeployment",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
 def status(cluster: Any, ns: str, name: str) -> dict:
     """The status of DwdpDeployment ``ns/name`` (empty before the operator wrote one)."""
     return cluster.get("dwdpdeployment", name, ns).get("status") or {}

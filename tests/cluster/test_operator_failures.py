@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import gated, pods, running_operator, status
+from dwdp.operator.testing.cluster import deployment, gated, pods, running_operator, status
 from dwdp.operator.testing.process import OperatorProcess
 
 
@@ -29,26 +29,6 @@ def operator(
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     with running_operator(cluster, log) as op:
         yield op
-
-
-def deployment(name: str, *, replicas: int, ranks_per_pod: int, dwdp_size: int, **spec) -> dict:
-    return {
-        "apiVersion": "dwdp.io/v1alpha1",
-        "kind": "DwdpDeployment",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"path": "/models/tiny"},
-            "image": "dwdp-worker:dev",
-            "context": {
-                "replicas": replicas,
-                "ranksPerPod": ranks_per_pod,
-                "dwdp": {"dwdpSize": dwdp_size},
-            },
-            "rendezvous": {"timeoutSeconds": 30},
-            "gracefulShutdownTimeoutSeconds": 1,
-            **spec,
-        },
-    }
 
 
 def groups(st: dict) -> dict[str, dict]:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import gated, pods, running_operator, status
+from dwdp.operator.testing.cluster import deployment, gated, pods, running_operator, status
 from dwdp.operator.testing.process import OperatorProcess
 
 
@@ -25,35 +25,6 @@ def operator(
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     with running_operator(cluster, log) as op:
         yield op
-
-
-def deployment(
-    name: str,
-    *,
-    replicas: int,
-    ranks_per_pod: int,
-    dwdp_size: int,
-    env: dict[str, str] | None = None,
-    **spec,
-) -> dict:
-    return {
-        "apiVersion": "dwdp.io/v1alpha1",
-        "kind": "DwdpDeployment",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"path": "/models/tiny"},
-            "image": "dwdp-worker:dev",
-            "context": {
-                "replicas": replicas,
-                "ranksPerPod": ranks_per_pod,
-                "dwdp": {"dwdpSize": dwdp_size},
-            },
-            "rendezvous": {"timeoutSeconds": 30},
-            "gracefulShutdownTimeoutSeconds": 1,
-            "env": [{"name": k, "value": v} for k, v in (env or {}).items()],
-            **spec,
-        },
-    }
 
 
 def wait_ready(cluster: TestCluster, ns: str, name: str, ready: int, timeout: float = 90) -> dict:
