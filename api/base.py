@@ -22,6 +22,7 @@ __all__ = [
     "Bool",
     "NonNegInt",
     "PosInt",
+    "cel_literal",
     "cel_rule",
     "cel_rules",
 ]
@@ -80,7 +81,8 @@ def _field_by_alias(model: type[BaseModel], alias: str) -> FieldInfo | None:
     return None
 
 
-def _cel_literal(value: Any) -> str:
+def cel_literal(value: object) -> str:
+    """``value`` as a CEL literal: ``true``, ``4``, ``'tma'`` (enums by their value)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, enum.Enum):
@@ -111,7 +113,7 @@ def _guarded(model: type[BaseModel], match: re.Match[str]) -> str:
         resolved.append(part)
         annotation = info.annotation
         is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
-        current = annotation if is_model else None
+        current = annotation if is_model and isinstance(annotation, type) else None
     rest = parts[len(resolved):]
     tail = "".join(f".{p}" for p in rest)
     if not resolved or info is None or info.is_required():
@@ -121,7 +123,7 @@ def _guarded(model: type[BaseModel], match: re.Match[str]) -> str:
         return match.group(0)
     path = ".".join(resolved)
     guards = " && ".join(f"has(self.{'.'.join(resolved[: i + 1])})" for i in range(len(resolved)))
-    return f"(({guards}) ? self.{path} : {_cel_literal(default)}){tail}"
+    return f"(({guards}) ? self.{path} : {cel_literal(default)}){tail}"
 
 
 def cel_rules(

@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["register"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``crd``, ``validate`` and ``partition`` to the ``dwdp`` parser."""
     crd = subparsers.add_parser(
         "crd",

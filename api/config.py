@@ -8,19 +8,18 @@ the case table in ``tests/cases`` checks that both reach the same verdict.
 
 from __future__ import annotations
 
-from typing import Any
+from pydantic import ConfigDict, Field, model_validator
 
-from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_rule, cel_rules
+from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_literal, cel_rule, cel_rules
 from dwdp.api.enums import CopyMode, GatherKernel
 from dwdp.api.errors import Problem, RuleViolations
 from dwdp.api.partition import ExpertPartition, expert_partition
-from pydantic import ConfigDict, Field, model_validator
 
 __all__ = ["EXPERT_FIELD_DEFAULTS", "DwdpConfig"]
 
 # The expert fields and the defaults they must keep while enable_experts is false:
 # (python name, camelCase name, default).
-EXPERT_FIELD_DEFAULTS: tuple[tuple[str, str, Any], ...] = (
+EXPERT_FIELD_DEFAULTS: tuple[tuple[str, str, int | bool], ...] = (
     ("dwdp_size", "dwdpSize", 1),
     ("num_groups", "numGroups", 1),
     ("num_experts_per_worker", "numExpertsPerWorker", 0),
@@ -28,12 +27,6 @@ EXPERT_FIELD_DEFAULTS: tuple[tuple[str, str, Any], ...] = (
     ("contention_opt", "contentionOpt", False),
     ("num_prefetch_slots", "numPrefetchSlots", 2),
 )
-
-
-def _cel_literal(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def _cel_rules() -> list[dict[str, str]]:
@@ -63,7 +56,7 @@ def _cel_rules() -> list[dict[str, str]]:
         ),
     ]
     for _, camel, default in EXPERT_FIELD_DEFAULTS:
-        literal = _cel_literal(default)
+        literal = cel_literal(default)
         rules.append(
             cel_rule(
                 f"self.enableExperts || self.{camel} == {literal}",
@@ -93,48 +86,50 @@ class DwdpConfig(ApiModel):
     )
 
     dwdp_size: PosInt = Field(
-        1, description="Ranks (GPUs) per DWDP group; expert DWDP needs more than 1."
+        default=1, description="Ranks (GPUs) per DWDP group; expert DWDP needs more than 1."
     )
     num_groups: PosInt = Field(
-        1, description="DWDP groups per instance (reference semantics); at least 1."
+        default=1, description="DWDP groups per instance (reference semantics); at least 1."
     )
     num_experts_per_worker: NonNegInt = Field(
-        0,
+        default=0,
         description="Routed experts stored per rank (the range size); 0 together with "
         "numPrefetchExperts 0 selects the balanced partition.",
     )
     num_prefetch_experts: NonNegInt = Field(
-        0,
+        default=0,
         description="Stride, in experts, between the starts of consecutive ranks' ranges; "
         "0 together with numExpertsPerWorker 0 selects the balanced partition.",
     )
     contention_opt: Bool = Field(
-        False,
-        description="Batched, peer-interleaved copies; needs copyMode batched or unset.",
+        default=False,
+        description="Batched, peer-interleaved copies: with copyMode unset it means batched "
+        "(one batched copy per layer, peers interleaved); an explicit copyMode must be "
+        "batched.",
     )
     num_prefetch_slots: int = Field(
-        2,
+        default=2,
         strict=True,
         ge=2,
         description="Depth of the expert prefetch ring, at least 2; the gather runs "
         "slots - 1 MoE layers ahead.",
     )
     enable_experts: Bool = Field(
-        True,
+        default=True,
         description="Expert DWDP. When false every expert field keeps its default.",
     )
     enable_dense: Bool = Field(
-        False,
+        default=False,
         description="Dense DWDP (context servers only): also row-shard the non-expert "
         "weights of the MoE decoder layers.",
     )
     copy_mode: CopyMode | None = Field(
-        None,
+        default=None,
         description="per_slice, batched or gather, for every DWDP copy (expert and dense); "
         "unset keeps the default selection.",
     )
     gather_kernel: GatherKernel | None = Field(
-        None, description="register or tma; only with copyMode gather."
+        default=None, description="register or tma; only with copyMode gather."
     )
 
     @model_validator(mode="after")
@@ -197,7 +192,7 @@ class DwdpConfig(ApiModel):
             for py, camel, default in EXPERT_FIELD_DEFAULTS:
                 value = getattr(self, py)
                 if value != default:
-                    shown = _cel_literal(default)
+                    shown = cel_literal(default)
                     problems.append(
                         Problem(
                             (camel,),

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
+
 from dwdp.api.deployment import (
     GROUP,
     KIND,
@@ -123,9 +125,9 @@ def _ordered(node: dict[str, Any]) -> dict[str, Any]:
     return {k: node[k] for k in (*head, *middle, *tail)}
 
 
-def structural(model: type) -> dict[str, Any]:
+def structural(model: type[BaseModel]) -> dict[str, Any]:
     """The structural schema of one pydantic model class (validation view, camelCase)."""
-    raw = model.model_json_schema(by_alias=True, mode="validation")  # type: ignore[attr-defined]
+    raw = model.model_json_schema(by_alias=True, mode="validation")
     return _convert(_resolve(raw, raw.get("$defs", {})))
 
 

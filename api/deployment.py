@@ -5,7 +5,8 @@ short name ``dwdp``. The spec says what to run (model, image, the context DWDP g
 generation servers, rendezvous, rollout and failure policy); the status is what the operator
 observed. :func:`deployment_problems` applies every rule (field rules, DESIGN.md 3.1 through
 :class:`~dwdp.api.config.DwdpConfig`, the launch rules of 3.2 through
-:func:`~dwdp.api.launch.launch_problems`) and names each broken one; the CRD carries the
+:func:`~dwdp.api.launch.launch_problems`, the settings this worker does not run from
+:mod:`~dwdp.api.support`) and names each broken one; the CRD carries the
 same rules as schema constraints and CEL, generated from these classes by
 :mod:`dwdp.api.crd`.
 """
@@ -17,6 +18,8 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
 from dwdp.api.base import ApiModel, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
 from dwdp.api.enums import HandleType, Role, Transport
@@ -24,6 +27,7 @@ from dwdp.api.errors import (
     DwdpValidationError,
     Problem,
     RuleViolations,
+    first_per_field,
     problems_from_validation_error,
 )
 from dwdp.api.launch import (
@@ -35,7 +39,7 @@ from dwdp.api.launch import (
     ParallelConfig,
     launch_problems,
 )
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from dwdp.api.support import Scope, SectionView, worker_limit_problems, worker_limit_rules
 
 __all__ = [
     "API_VERSION",
@@ -143,29 +147,29 @@ class ModelSpec(ApiModel):
         "directory with safetensors).",
     )
     architecture: str | None = Field(
-        None,
+        default=None,
         max_length=128,
         description="Architecture name, when the checkpoint's config.json does not give it.",
     )
     served_name: str | None = Field(
-        None, max_length=253, description="Model name the HTTP API answers to."
+        default=None, max_length=253, description="Model name the HTTP API answers to."
     )
-    dtype: Dtype = Field("auto", description="auto, bfloat16, float16 or float32.")
+    dtype: Dtype = Field(default="auto", description="auto, bfloat16, float16 or float32.")
     pvc_name: str | None = Field(
-        None,
+        default=None,
         max_length=253,
         description="PersistentVolumeClaim holding the checkpoint, mounted read-only at "
         "mountPath.",
     )
     host_path: str | None = Field(
-        None,
+        default=None,
         min_length=1,
         max_length=4096,
         pattern="^/",
         description="Host directory holding the checkpoint, mounted read-only at mountPath.",
     )
     mount_path: str = Field(
-        "/models",
+        default="/models",
         min_length=1,
         max_length=4096,
         pattern="^/",
@@ -217,14 +221,18 @@ class Toleration(ApiModel):
         )
     )
 
-    key: str | None = Field(None, max_length=316, description="Taint key; unset matches all.")
-    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
-    value: str | None = Field(None, max_length=63, description="Taint value (with Equal).")
+    key: str | None = Field(
+        default=None, max_length=316, description="Taint key; unset matches all."
+    )
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value (with Equal).")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        None, description="Taint effect; unset matches all."
+        default=None, description="Taint effect; unset matches all."
     )
     toleration_seconds: int | None = Field(
-        None, strict=True, description="How long a NoExecute taint is tolerated, in seconds."
+        default=None,
+        strict=True,
+        description="How long a NoExecute taint is tolerated, in seconds.",
     )
 
     @model_validator(mode="after")
@@ -252,7 +260,7 @@ class EnvVar(ApiModel):
     )
 
     name: EnvName = Field(description="Variable name (a C identifier).")
-    value: str = Field("", max_length=32768, description="Literal value.")
+    value: str = Field(default="", max_length=32768, description="Literal value.")
 
     @model_validator(mode="after")
     def _check(self) -> EnvVar:
@@ -273,10 +281,10 @@ class ResourceRequirements(ApiModel):
     """Container resources per worker pod (quantities such as ``8Gi``, ``500m``, ``1``)."""
 
     limits: dict[LabelKey, Quantity] | None = Field(
-        None, max_length=32, description="Resource limits by name."
+        default=None, max_length=32, description="Resource limits by name."
     )
     requests: dict[LabelKey, Quantity] | None = Field(
-        None, max_length=32, description="Resource requests by name."
+        default=None, max_length=32, description="Resource requests by name."
     )
 
     @model_validator(mode="after")
@@ -358,15 +366,17 @@ def _rules_context() -> list[dict[str, str]]:
          "equal the ranks of a group (dwdp.dwdpSize x tensor x pipeline x context parallel "
          "sizes)", ".ranksPerPod"),
     ]
-    return [cel_rule(rule, message, field_path=path) for rule, message, path in rules]
+    return worker_limit_rules(Scope.CONTEXT) + [
+        cel_rule(rule, message, field_path=path) for rule, message, path in rules
+    ]
 
 
 class _ServingSection(ApiModel):
     """Settings shared by the context and generation sections."""
 
-    replicas: NonNegInt = Field(1, description="Number of servers (context: DWDP groups).")
+    replicas: NonNegInt = Field(default=1, description="Number of servers (context: DWDP groups).")
     ranks_per_pod: PosInt = Field(
-        1, description="GPUs (ranks) per pod; a pod runs one rank process per GPU."
+        default=1, description="GPUs (ranks) per pod; a pod runs one rank process per GPU."
     )
     parallel: ParallelConfig = Field(
         default_factory=ParallelConfig, json_schema_extra=_EMPTY_DEFAULT
@@ -375,10 +385,10 @@ class _ServingSection(ApiModel):
         default_factory=EngineSwitches, json_schema_extra=_EMPTY_DEFAULT
     )
     transport: Transport = Field(
-        Transport.TCP_STORE, description="tcpStore or mpi: how a server's ranks meet."
+        default=Transport.TCP_STORE, description="tcpStore or mpi: how a server's ranks meet."
     )
-    max_num_tokens: PosInt = Field(8192, description="Tokens per forward pass, at most.")
-    max_batch_size: PosInt = Field(8, description="Requests per forward pass, at most.")
+    max_num_tokens: PosInt = Field(default=8192, description="Tokens per forward pass, at most.")
+    max_batch_size: PosInt = Field(default=8, description="Requests per forward pass, at most.")
     kv_cache: KvCacheConfig = Field(
         default_factory=KvCacheConfig, json_schema_extra=_EMPTY_DEFAULT
     )
@@ -391,8 +401,9 @@ class ContextSpec(_ServingSection):
 
     dwdp: DwdpConfig = Field(default_factory=DwdpConfig, json_schema_extra=_EMPTY_DEFAULT)
     handle_type: HandleType = Field(
-        HandleType.FABRIC,
-        description="fabric (multi-node NVLink), posixFd (one host) or shm (cpu backend).",
+        default=HandleType.FABRIC,
+        description="fabric (multi-node NVLink), posixFd (one host) or shm (cpu backend: "
+        "copyMode per_slice or batched).",
     )
 
     @property
@@ -406,7 +417,9 @@ class ContextSpec(_ServingSection):
         return self.ranks_per_group // self.ranks_per_pod
 
     def rule_problems(self) -> list[Problem]:
-        """The launch rules (DESIGN.md 3.2) and pod-shape rules; paths relative to context."""
+        """The settings this worker does not run (:mod:`dwdp.api.support`), the launch rules
+        (DESIGN.md 3.2) and the pod-shape rules; one problem per field, paths relative to
+        context."""
         probe = LaunchConfig(
             role=Role.CONTEXT,
             model=LaunchModel(path="/"),  # the model takes no part in these rules
@@ -416,7 +429,10 @@ class ContextSpec(_ServingSection):
             handle_type=self.handle_type,
             dwdp=self.dwdp,
         )
-        problems = launch_problems(probe)
+        view = SectionView(self.parallel, self.transport, self.dwdp, self.handle_type)
+        problems = first_per_field(
+            [*worker_limit_problems(view, Scope.CONTEXT), *launch_problems(probe)]
+        )
         world = self.ranks_per_group
         if world % self.ranks_per_pod:
             problems.append(
@@ -453,41 +469,51 @@ class GenerationSpec(_ServingSection):
 
     model_config = ConfigDict(
         json_schema_extra=cel_rules(
-            [
+            lambda: [
+                *worker_limit_rules(Scope.GENERATION),
                 cel_rule(
                     "(self.parallel.tensorParallelSize * self.parallel.pipelineParallelSize * "
                     "self.parallel.contextParallelSize) % self.ranksPerPod == 0",
                     "ranksPerPod must divide the ranks of a server (tensor x pipeline x "
                     "context parallel sizes)",
                     field_path=".ranksPerPod",
-                )
+                ),
             ]
         )
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> GenerationSpec:
+    def rule_problems(self) -> list[Problem]:
+        """The settings this worker does not run, then the pod shape; paths relative to
+        generation."""
+        problems = worker_limit_problems(
+            SectionView(self.parallel, self.transport), Scope.GENERATION
+        )
         world = self.parallel.instance_size
         if world % self.ranks_per_pod:
-            raise RuleViolations(
-                [
-                    Problem(
-                        ("ranksPerPod",),
-                        self.ranks_per_pod,
-                        f"must divide the {world} ranks of a server (tensor x pipeline x "
-                        "context parallel sizes)",
-                    )
-                ]
+            problems.append(
+                Problem(
+                    ("ranksPerPod",),
+                    self.ranks_per_pod,
+                    f"must divide the {world} ranks of a server (tensor x pipeline x "
+                    "context parallel sizes)",
+                )
             )
+        return problems
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerationSpec:
+        problems = self.rule_problems()
+        if problems:
+            raise RuleViolations(problems)
         return self
 
 
 class RendezvousSpec(ApiModel):
     """The group rendezvous: a TCP store on pod 0 of each group."""
 
-    port: Port = Field(29500, description="TCP port of the store on the group's pod 0.")
+    port: Port = Field(default=29500, description="TCP port of the store on the group's pod 0.")
     timeout_seconds: PosInt = Field(
-        1800, description="How long a rank waits for its peers, in seconds."
+        default=1800, description="How long a rank waits for its peers, in seconds."
     )
 
 
@@ -495,7 +521,7 @@ class ServerSpec(ApiModel):
     """The HTTP servers of the workers."""
 
     port: Port = Field(
-        8000, description="Port of local rank 0 in a pod; local rank k serves port + k."
+        default=8000, description="Port of local rank 0 in a pod; local rank k serves port + k."
     )
 
 
@@ -515,9 +541,11 @@ class RolloutSpec(ApiModel):
         )
     )
 
-    max_surge: NonNegInt = Field(1, description="Extra new-revision groups during a rollout.")
+    max_surge: NonNegInt = Field(
+        default=1, description="Extra new-revision groups during a rollout."
+    )
     max_unavailable: NonNegInt = Field(
-        0, description="Groups that may be missing (below replicas) during a rollout."
+        default=0, description="Groups that may be missing (below replicas) during a rollout."
     )
 
     @model_validator(mode="after")
@@ -552,16 +580,17 @@ class FailurePolicy(ApiModel):
     )
 
     backoff_initial_seconds: PosInt = Field(
-        10, description="Wait before the first restart of a failed group, in seconds."
+        default=10, description="Wait before the first restart of a failed group, in seconds."
     )
     backoff_max_seconds: PosInt = Field(
-        300, description="Upper bound of the doubling restart wait, in seconds."
+        default=300, description="Upper bound of the doubling restart wait, in seconds."
     )
     restart_limit: NonNegInt | None = Field(
-        None, description="Restarts of one group before it stays failed; unset: no limit."
+        default=None, description="Restarts of one group before it stays failed; unset: no limit."
     )
     scheduling_timeout_seconds: PosInt = Field(
-        600, description="A group whose pods are not all scheduled by then fails, in seconds."
+        default=600,
+        description="A group whose pods are not all scheduled by then fails, in seconds.",
     )
 
     @model_validator(mode="after")
@@ -599,30 +628,30 @@ class DwdpDeploymentSpec(ApiModel):
     model: ModelSpec
     image: str = Field(min_length=1, max_length=1024, description="Worker container image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        "IfNotPresent", description="Always, IfNotPresent or Never."
+        default="IfNotPresent", description="Always, IfNotPresent or Never."
     )
     resources: ResourceRequirements | None = Field(
-        None, description="Resources of each worker container."
+        default=None, description="Resources of each worker container."
     )
     node_selector: dict[LabelKey, LabelValue] | None = Field(
-        None, max_length=64, description="Node labels every worker pod requires."
+        default=None, max_length=64, description="Node labels every worker pod requires."
     )
     tolerations: list[Toleration] | None = Field(
-        None, max_length=32, description="Tolerations of every worker pod."
+        default=None, max_length=32, description="Tolerations of every worker pod."
     )
     env: list[EnvVar] | None = Field(
-        None, max_length=128, description="Extra environment variables of every worker."
+        default=None, max_length=128, description="Extra environment variables of every worker."
     )
     context: ContextSpec = Field(description="The context (prefill) servers: DWDP groups.")
     generation: GenerationSpec | None = Field(
-        None, description="The generation (decode) servers; unset: none."
+        default=None, description="The generation (decode) servers; unset: none."
     )
     rendezvous: RendezvousSpec = Field(
         default_factory=RendezvousSpec, json_schema_extra=_EMPTY_DEFAULT
     )
     server: ServerSpec = Field(default_factory=ServerSpec, json_schema_extra=_EMPTY_DEFAULT)
     graceful_shutdown_timeout_seconds: PosInt | None = Field(
-        None,
+        default=None,
         description="Bound on a server's graceful stop, in seconds (a positive integer); "
         "unset: no bound.",
     )
@@ -700,9 +729,9 @@ class Condition(_StatusModel):
 
     type: str = Field(max_length=316)
     status: Literal["True", "False", "Unknown"]
-    reason: str | None = Field(None, max_length=1024)
-    message: str | None = Field(None, max_length=32768)
-    last_transition_time: str | None = Field(None, max_length=64)
+    reason: str | None = Field(default=None, max_length=1024)
+    message: str | None = Field(default=None, max_length=32768)
+    last_transition_time: str | None = Field(default=None, max_length=64)
     observed_generation: int | None = None
 
 
@@ -710,23 +739,23 @@ class FailureRecord(_StatusModel):
     """The last failure of a group: where it failed and why."""
 
     phase: str = Field(max_length=128, description="Phase that failed (e.g. rendezvous, P4).")
-    message: str = Field("", max_length=32768)
-    reason: str | None = Field(None, max_length=128, description="Classified failure.")
-    time: str | None = Field(None, max_length=64)
+    message: str = Field(default="", max_length=32768)
+    reason: str | None = Field(default=None, max_length=128, description="Classified failure.")
+    time: str | None = Field(default=None, max_length=64)
 
 
 class GroupStatus(_StatusModel):
     """One DWDP group as the operator sees it."""
 
     name: str = Field(max_length=253)
-    revision: str = Field("", max_length=128)
+    revision: str = Field(default="", max_length=128)
     incarnation: int = 0
     phase: str = Field(
-        "Pending", max_length=64, description="One of: " + ", ".join(GroupPhase) + "."
+        default="Pending", max_length=64, description="One of: " + ", ".join(GroupPhase) + "."
     )
     ranks_ready: int = 0
     ranks_total: int = 0
-    layout_digest: str | None = Field(None, max_length=256)
+    layout_digest: str | None = Field(default=None, max_length=256)
     leaks: int = 0
     restarts: int = 0
     last_failure: FailureRecord | None = None
@@ -746,18 +775,18 @@ class DwdpDeploymentStatus(_StatusModel):
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
-    phase: str | None = Field(None, max_length=64, description="One of DeploymentPhase.")
-    conditions: list[Condition] | None = Field(None, max_length=16)
+    phase: str | None = Field(default=None, max_length=64, description="One of DeploymentPhase.")
+    conditions: list[Condition] | None = Field(default=None, max_length=16)
     observed_generation: int | None = None
-    replicas: int = Field(0, description="Context groups that exist, in any phase.")
-    ready_groups: int = Field(0, description="Context groups committed and serving.")
+    replicas: int = Field(default=0, description="Context groups that exist, in any phase.")
+    ready_groups: int = Field(default=0, description="Context groups committed and serving.")
     selector: str | None = Field(
-        None, max_length=1024, description="Label selector of the context pods (scale)."
+        default=None, max_length=1024, description="Label selector of the context pods (scale)."
     )
-    revision: str | None = Field(None, max_length=128, description="Current spec revision.")
-    groups: list[GroupStatus] | None = Field(None, max_length=1024)
+    revision: str | None = Field(default=None, max_length=128, description="Current spec revision.")
+    groups: list[GroupStatus] | None = Field(default=None, max_length=1024)
     generation: GenerationStatus | None = None
-    endpoint: str | None = Field(None, max_length=1024, description="Client-facing URL.")
+    endpoint: str | None = Field(default=None, max_length=1024, description="Client-facing URL.")
 
 
 # --------------------------------------------------------------------------- object
@@ -768,9 +797,9 @@ class ObjectMeta(ApiModel):
 
     model_config = ConfigDict(extra="allow")
 
-    name: str | None = Field(None, max_length=253)
-    generate_name: str | None = Field(None, max_length=253)
-    namespace: str | None = Field(None, max_length=63)
+    name: str | None = Field(default=None, max_length=253)
+    generate_name: str | None = Field(default=None, max_length=253)
+    namespace: str | None = Field(default=None, max_length=63)
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
 
@@ -809,7 +838,7 @@ class DwdpDeployment(ApiModel):
 # --------------------------------------------------------------------------- functions
 
 
-def deployment_problems(data: Any) -> list[Problem]:
+def deployment_problems(data: object) -> list[Problem]:
     """Every rule a DwdpDeployment document breaks (empty when valid).
 
     ``data`` is the parsed YAML/JSON mapping. Paths are camelCase from the document root.
@@ -823,7 +852,7 @@ def deployment_problems(data: Any) -> list[Problem]:
     return []
 
 
-def parse_deployment(data: Any) -> DwdpDeployment:
+def parse_deployment(data: object) -> DwdpDeployment:
     """Validate a DwdpDeployment document.
 
     Raises:
@@ -874,7 +903,7 @@ def launch_config_for(
         transport=section.transport,
         handle_type=handle,
         dwdp=dwdp,
-        graceful_shutdown_timeout_s=spec.graceful_shutdown_timeout_seconds,
+        gracefulShutdownTimeoutSeconds=spec.graceful_shutdown_timeout_seconds,
         max_num_tokens=section.max_num_tokens,
         max_batch_size=section.max_batch_size,
         kv_cache=section.kv_cache,

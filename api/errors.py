@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Final
 
 from pydantic import ValidationError
 
@@ -21,6 +21,7 @@ __all__ = [
     "DwdpValidationError",
     "Problem",
     "RuleViolations",
+    "first_per_field",
     "format_path",
     "problems_from_validation_error",
 ]
@@ -35,7 +36,7 @@ class _Unset:
         return "unset"
 
 
-UNSET: Any = _Unset()
+UNSET: Final = _Unset()
 
 
 def format_path(path: Sequence[PathPart]) -> str:
@@ -49,7 +50,7 @@ def format_path(path: Sequence[PathPart]) -> str:
     return out or "(document)"
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     """The value as YAML/JSON writes it (``true``, ``"tma"``, ``4``), shortened."""
     try:
         text = json.dumps(value, default=str)
@@ -63,7 +64,7 @@ class Problem:
     """One broken rule: where (``path``), what was there (``value``) and why (``rule``)."""
 
     path: tuple[PathPart, ...]
-    value: Any
+    value: object
     rule: str
 
     @property
@@ -78,6 +79,15 @@ class Problem:
     def __str__(self) -> str:
         shown = "" if self.value is UNSET else f" (got {_show(self.value)})"
         return f"{self.where}: {self.rule}{shown}"
+
+
+def first_per_field(problems: Iterable[Problem]) -> list[Problem]:
+    """``problems`` in order, keeping only the first one of each path (the rule listed
+    first names a field; later rules on the same field are left out)."""
+    found: dict[tuple[PathPart, ...], Problem] = {}
+    for problem in problems:
+        found.setdefault(problem.path, problem)
+    return list(found.values())
 
 
 class RuleViolations(ValueError):
@@ -158,7 +168,7 @@ def problems_from_validation_error(
     return problems
 
 
-def _is_machinery(part: Any) -> bool:
+def _is_machinery(part: object) -> bool:
     return isinstance(part, str) and (
         part.startswith("function-") or part in {"json-or-python[json=...,python=...]"}
     )

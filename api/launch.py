@@ -8,22 +8,26 @@ same order, and :func:`launch_problem` gives the first one without raising. The 
 when the launch is built (operator, ``dwdp validate``) and again on the worker's host,
 which alone knows whether the model declares dense roots (``dense_roots``).
 
-Rule order: role, expert DWDP requirements, dense DWDP mode, dense eager-only
-requirements, dense roots. Paths are relative to the launch config (``parallel.
-tensorParallelSize``); the DwdpDeployment prefixes them with ``spec.context``.
+Rule order: role, the settings this worker does not run (:mod:`dwdp.api.support`), expert
+DWDP requirements, dense DWDP mode, dense eager-only requirements, dense roots; one problem
+per field, the first rule that names it. Paths are relative to the launch config
+(``parallel.tensorParallelSize``); the DwdpDeployment prefixes them with ``spec.context``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Literal
+
+from pydantic import Field
 
 from dwdp.api.base import ApiModel, Bool, PosInt
 from dwdp.api.config import DwdpConfig
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
-from dwdp.api.errors import Problem
-from pydantic import Field
+from dwdp.api.errors import Problem, first_per_field
+from dwdp.api.support import Scope, SectionView, worker_limit_problems
 
 __all__ = [
     "LEGACY_ROLES",
@@ -51,17 +55,22 @@ ROLE_ENV = "DWDP_ROLE"
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 """The dtypes a worker can run; ``auto`` follows the checkpoint."""
 
-LEGACY_ROLES: dict[str, Role] = {"ctx0": Role.CONTEXT, "gen0": Role.GENERATION}
-"""Legacy role spellings (any letter case) and the roles they mean."""
+LEGACY_ROLES: dict[str, Role] = {"ctx": Role.CONTEXT, "gen": Role.GENERATION}
+"""Legacy role prefixes and the roles they mean: ``ctx<N>``/``gen<N>`` (any digits, any
+letter case: ``ctx0``, ``CTX1``, ``Gen3``) name a context or generation server."""
+
+_LEGACY_ROLE = re.compile(r"(ctx|gen)[0-9]+")
 
 class ParallelConfig(ApiModel):
     """The parallel layout of one serving instance (all sizes in ranks)."""
 
-    tensor_parallel_size: PosInt = Field(1, description="Tensor-parallel ranks per instance.")
-    pipeline_parallel_size: PosInt = Field(1, description="Pipeline stages per instance.")
-    context_parallel_size: PosInt = Field(1, description="Context-parallel ranks.")
+    tensor_parallel_size: PosInt = Field(
+        default=1, description="Tensor-parallel ranks per instance."
+    )
+    pipeline_parallel_size: PosInt = Field(default=1, description="Pipeline stages per instance.")
+    context_parallel_size: PosInt = Field(default=1, description="Context-parallel ranks.")
     attention_dp: Bool = Field(
-        False,
+        default=False,
         alias="attentionDP",
         description="Attention data parallelism: each tensor-parallel rank runs its own "
         "attention batch.",
@@ -78,21 +87,21 @@ class ParallelConfig(ApiModel):
 class EngineSwitches(ApiModel):
     """The engine features the launch rules talk about; all off by default."""
 
-    cuda_graphs: Bool = Field(False, description="Capture CUDA graphs of the forward pass.")
-    torch_compile: Bool = Field(False, description="Compile the model with torch.compile.")
+    cuda_graphs: Bool = Field(default=False, description="Capture CUDA graphs of the forward pass.")
+    torch_compile: Bool = Field(default=False, description="Compile the model with torch.compile.")
     overlap_scheduler: Bool = Field(
-        False, description="Overlap the host scheduling of step n+1 with step n on the GPU."
+        default=False, description="Overlap the host scheduling of step n+1 with step n on the GPU."
     )
-    lora: Bool = Field(False, description="Serve LoRA adapters.")
-    speculative_decoding: Bool = Field(False, description="Speculative decoding (drafts).")
-    sleep_mode: Bool = Field(False, description="Release GPU memory while idle (sleep).")
+    lora: Bool = Field(default=False, description="Serve LoRA adapters.")
+    speculative_decoding: Bool = Field(default=False, description="Speculative decoding (drafts).")
+    sleep_mode: Bool = Field(default=False, description="Release GPU memory while idle (sleep).")
 
 
 class KvCacheConfig(ApiModel):
     """KV-cache sizing knobs."""
 
     free_memory_fraction: float = Field(
-        0.9,
+        default=0.9,
         strict=True,
         gt=0,
         le=1,
@@ -100,7 +109,7 @@ class KvCacheConfig(ApiModel):
         "buffers that the KV cache takes.",
     )
     max_tokens: PosInt | None = Field(
-        None, description="Upper bound on KV-cache tokens; unset means no bound."
+        default=None, description="Upper bound on KV-cache tokens; unset means no bound."
     )
 
 
@@ -113,15 +122,15 @@ class LaunchModel(ApiModel):
         description="Directory of the checkpoint inside the worker (absolute path).",
     )
     architecture: str | None = Field(
-        None,
+        default=None,
         max_length=128,
         description="Architecture name when the checkpoint's config.json does not give it.",
     )
     served_name: str | None = Field(
-        None, max_length=253, description="Model name the HTTP API answers to."
+        default=None, max_length=253, description="Model name the HTTP API answers to."
     )
     dtype: Dtype = Field(
-        "auto", description="Weight and activation dtype; auto follows the checkpoint."
+        default="auto", description="Weight and activation dtype; auto follows the checkpoint."
     )
 
 
@@ -129,7 +138,7 @@ class LaunchConfig(ApiModel):
     """Everything one worker rank needs to start (rendezvous details come from env)."""
 
     role: Role | None = Field(
-        None,
+        default=None,
         description="context, generation or aggregated; unset: from the DWDP_ROLE "
         "environment variable.",
     )
@@ -137,22 +146,22 @@ class LaunchConfig(ApiModel):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     engine: EngineSwitches = Field(default_factory=EngineSwitches)
     transport: Transport = Field(
-        Transport.TCP_STORE, description="How the group's ranks run their collectives."
+        default=Transport.TCP_STORE, description="How the group's ranks run their collectives."
     )
     handle_type: HandleType = Field(
-        HandleType.FABRIC, description="How a rank's store is shared with its peers."
+        default=HandleType.FABRIC, description="How a rank's store is shared with its peers."
     )
     dwdp: DwdpConfig = Field(default_factory=DwdpConfig)
     graceful_shutdown_timeout_s: PosInt | None = Field(
-        None,
+        default=None,
         alias="gracefulShutdownTimeoutSeconds",
         description="Bound, in seconds, on the server's graceful stop; unset: no bound.",
     )
-    max_num_tokens: PosInt = Field(8192, description="Tokens per forward pass, at most.")
-    max_batch_size: PosInt = Field(8, description="Requests per forward pass, at most.")
+    max_num_tokens: PosInt = Field(default=8192, description="Tokens per forward pass, at most.")
+    max_batch_size: PosInt = Field(default=8, description="Requests per forward pass, at most.")
     kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig)
     server_port: int = Field(
-        8000,
+        default=8000,
         strict=True,
         ge=1,
         le=65535,
@@ -191,111 +200,148 @@ def dense_mode(cfg: LaunchConfig) -> DenseMode | None:
 
 
 def launch_problems(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> list[Problem]:
-    """Every launch rule ``cfg`` breaks, in rule order, one problem per field.
+    """Every launch rule ``cfg`` breaks, in rule order, one problem per field (the first
+    rule that names it).
 
     Args:
         cfg: the launch.
         dense_roots: whether the model's architecture declares dense roots; None (not
             known yet, as when the operator builds the launch) skips that rule.
     """
-    found: dict[tuple[str | int, ...], Problem] = {}
+    view = SectionView(cfg.parallel, cfg.transport, cfg.dwdp, cfg.handle_type)
+    return first_per_field(
+        [
+            *_role_problems(cfg),
+            *worker_limit_problems(view, Scope.LAUNCH),
+            *_expert_problems(cfg),
+            *_dense_mode_problems(cfg),
+            *_dense_eager_problems(cfg, dense_roots),
+        ]
+    )
 
-    def refuse(path: tuple[str, ...], value: object, rule: str) -> None:
-        found.setdefault(path, Problem(path, value, rule))
 
+def _role_problems(cfg: LaunchConfig) -> list[Problem]:
+    """Dense DWDP on a generation server."""
+    if cfg.dwdp.enable_dense and cfg.role is Role.GENERATION:
+        return [
+            Problem(
+                ("dwdp", "enableDense"),
+                True,
+                "dense DWDP is for context (prefill) servers; a generation server refuses it",
+            )
+        ]
+    return []
+
+
+def _expert_problems(cfg: LaunchConfig) -> list[Problem]:
+    """What expert DWDP needs of the parallel layout and the engine."""
     d, par, eng = cfg.dwdp, cfg.parallel, cfg.engine
-    if d.enable_dense and cfg.role is Role.GENERATION:
-        refuse(
-            ("dwdp", "enableDense"),
-            True,
-            "dense DWDP is for context (prefill) servers; a generation server refuses it",
-        )
-
-    if d.expert_dwdp:
-        why = f"expert DWDP (enableExperts with dwdpSize {d.dwdp_size} > 1) needs"
-        if par.pipeline_parallel_size != 1:
-            refuse(
+    if not d.expert_dwdp:
+        return []
+    why = f"expert DWDP (enableExperts with dwdpSize {d.dwdp_size} > 1) needs"
+    out = []
+    if par.pipeline_parallel_size != 1:
+        out.append(
+            Problem(
                 ("parallel", "pipelineParallelSize"),
                 par.pipeline_parallel_size,
                 f"{why} pipelineParallelSize 1",
             )
-        if par.context_parallel_size != 1:
-            refuse(
+        )
+    if par.context_parallel_size != 1:
+        out.append(
+            Problem(
                 ("parallel", "contextParallelSize"),
                 par.context_parallel_size,
                 f"{why} contextParallelSize 1",
             )
-        if par.tensor_parallel_size != 1 and not par.attention_dp:
-            refuse(
+        )
+    if par.tensor_parallel_size != 1 and not par.attention_dp:
+        out.append(
+            Problem(
                 ("parallel", "tensorParallelSize"),
                 par.tensor_parallel_size,
                 f"{why} tensorParallelSize 1 or attentionDP on",
             )
-        if eng.cuda_graphs:
-            refuse(("engine", "cudaGraphs"), True, f"{why} cudaGraphs off")
-        if eng.overlap_scheduler:
-            refuse(("engine", "overlapScheduler"), True, f"{why} overlapScheduler off")
+        )
+    if eng.cuda_graphs:
+        out.append(Problem(("engine", "cudaGraphs"), True, f"{why} cudaGraphs off"))
+    if eng.overlap_scheduler:
+        out.append(Problem(("engine", "overlapScheduler"), True, f"{why} overlapScheduler off"))
+    return out
 
-    if d.enable_dense and dense_mode(cfg) is None:
-        if d.enable_experts:
-            why = (
-                "dense DWDP with enableExperts runs attached, which needs dwdpSize > 1, "
-                "tensorParallelSize 1 and overlapScheduler off"
-            )
-            if d.dwdp_size <= 1:
-                refuse(("dwdp", "dwdpSize"), d.dwdp_size, why)
-            if par.tensor_parallel_size != 1:
-                refuse(
+
+def _dense_mode_problems(cfg: LaunchConfig) -> list[Problem]:
+    """Dense DWDP that qualifies for neither mode: what the mode it asks for needs."""
+    d, par, eng = cfg.dwdp, cfg.parallel, cfg.engine
+    if not d.enable_dense or dense_mode(cfg) is not None:
+        return []
+    out = []
+    if d.enable_experts:
+        why = (
+            "dense DWDP with enableExperts runs attached, which needs dwdpSize > 1, "
+            "tensorParallelSize 1 and overlapScheduler off"
+        )
+        if d.dwdp_size <= 1:
+            out.append(Problem(("dwdp", "dwdpSize"), d.dwdp_size, why))
+        if par.tensor_parallel_size != 1:
+            out.append(
+                Problem(
                     ("parallel", "tensorParallelSize"),
                     par.tensor_parallel_size,
                     why + " (expert DWDP on an attention-DP instance is neither dense mode)",
                 )
-            if eng.overlap_scheduler:
-                refuse(("engine", "overlapScheduler"), True, why)
-        else:
-            why = (
-                "dense DWDP without enableExperts runs standalone, which needs attentionDP "
-                "on, tensorParallelSize > 1 and transport mpi"
             )
-            if not par.attention_dp:
-                refuse(("parallel", "attentionDP"), False, why)
-            if par.tensor_parallel_size <= 1:
-                refuse(("parallel", "tensorParallelSize"), par.tensor_parallel_size, why)
-            if cfg.transport is not Transport.MPI:
-                refuse(("transport",), cfg.transport.value, why)
+        if eng.overlap_scheduler:
+            out.append(Problem(("engine", "overlapScheduler"), True, why))
+        return out
+    why = (
+        "dense DWDP without enableExperts runs standalone, which needs attentionDP "
+        "on, tensorParallelSize > 1 and transport mpi"
+    )
+    if not par.attention_dp:
+        out.append(Problem(("parallel", "attentionDP"), False, why))
+    if par.tensor_parallel_size <= 1:
+        out.append(Problem(("parallel", "tensorParallelSize"), par.tensor_parallel_size, why))
+    if cfg.transport is not Transport.MPI:
+        out.append(Problem(("transport",), cfg.transport.value, why))
+    return out
 
-    if d.enable_dense:
-        eager = "dense DWDP is eager-only and refuses"
+
+def _dense_eager_problems(cfg: LaunchConfig, dense_roots: bool | None) -> list[Problem]:
+    """Dense DWDP is eager-only, and needs an architecture that declares dense roots."""
+    par, eng = cfg.parallel, cfg.engine
+    if not cfg.dwdp.enable_dense:
+        return []
+    eager = "dense DWDP is eager-only and refuses"
+    out = [
+        Problem(("engine", name), True, f"{eager} {name}")
         for name, on in (
             ("cudaGraphs", eng.cuda_graphs),
             ("torchCompile", eng.torch_compile),
             ("lora", eng.lora),
             ("speculativeDecoding", eng.speculative_decoding),
             ("sleepMode", eng.sleep_mode),
-        ):
-            if on:
-                refuse(("engine", name), True, f"{eager} {name}")
-        if par.pipeline_parallel_size != 1:
-            refuse(
-                ("parallel", "pipelineParallelSize"),
-                par.pipeline_parallel_size,
-                f"{eager} pipelineParallelSize > 1",
-            )
-        if par.context_parallel_size != 1:
-            refuse(
-                ("parallel", "contextParallelSize"),
-                par.context_parallel_size,
-                f"{eager} contextParallelSize > 1",
-            )
-        if dense_roots is False:
-            arch = cfg.model.architecture or "of this checkpoint"
-            refuse(
+        )
+        if on
+    ]
+    for name, size in (
+        ("pipelineParallelSize", par.pipeline_parallel_size),
+        ("contextParallelSize", par.context_parallel_size),
+    ):
+        if size != 1:
+            out.append(Problem(("parallel", name), size, f"{eager} {name} > 1"))
+    if dense_roots is False:
+        arch = cfg.model.architecture or "of this checkpoint"
+        out.append(
+            Problem(
                 ("dwdp", "enableDense"),
                 True,
                 f"the model architecture {arch} declares no dense roots, so dense DWDP "
                 "cannot shard it",
             )
-    return list(found.values())
+        )
+    return out
 
 
 def launch_problem(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> Problem | None:
@@ -339,18 +385,22 @@ def launch_warnings(cfg: LaunchConfig, role: Role | None = None) -> list[str]:
 
 
 def parse_role(text: str) -> Role:
-    """A role from text: context, generation, aggregated, or legacy ctx0/gen0, any case.
+    """A role from text: context, generation, aggregated, or legacy ``ctx<N>``/``gen<N>``
+    (``ctx0``, ``gen3``: any digits), in any letter case, surrounding blanks ignored.
 
     Raises ``ValueError`` naming the accepted spellings.
     """
     key = text.strip().lower()
-    if key in LEGACY_ROLES:
-        return LEGACY_ROLES[key]
+    legacy = _LEGACY_ROLE.fullmatch(key)
+    if legacy:
+        return LEGACY_ROLES[legacy.group(1)]
     try:
         return Role(key)
     except ValueError:
-        accepted = ", ".join([*(r.value for r in Role), *LEGACY_ROLES])
-        raise ValueError(f"unknown role {text!r}; accepted: {accepted}") from None
+        accepted = ", ".join([*(r.value for r in Role), *(f"{p}<N>" for p in LEGACY_ROLES)])
+        raise ValueError(
+            f"unknown role {text!r}; accepted: {accepted} (N: digits, as in ctx0), any case"
+        ) from None
 
 
 def resolve_role(

@@ -3,7 +3,8 @@
 A case is ``base`` with the case's ``patch`` applied as a JSON merge patch (RFC 7386: a
 null deletes the key), then ``nulls`` (dotted paths) set to an explicit null. Each case
 says whether the document is ``valid`` and, when it is not, the ``field`` (camelCase path)
-that every validator's message must name. Test modules load this file by path
+that every validator's message must name and, optionally, the ``message`` every validator's
+text must contain (the same words from each). Test modules load this file by path
 (pytest runs with ``--import-mode=importlib``, so ``tests`` is not a package).
 """
 
@@ -28,6 +29,7 @@ class Case:
     document: dict[str, Any]
     valid: bool
     field: str | None
+    message: str | None = None
 
     def field_named_in(self, text: str) -> bool:
         """True when ``text`` names this case's field: its full path, or its parent path
@@ -39,6 +41,14 @@ class Case:
         parent, _, leaf = self.field.rpartition(".")
         leaf = leaf.split("[", 1)[0]
         return (not parent or parent in text) and leaf in text
+
+    def verdict_in(self, text: str) -> bool:
+        """True when ``text`` (a validator's refusal) names the field and, if the case gives
+        one, carries its message."""
+        message_ok = self.message is None or " ".join(self.message.split()) in " ".join(
+            text.split()
+        )
+        return self.field_named_in(text) and message_ok
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -80,5 +90,8 @@ def load_cases(path: Path = CASES_FILE) -> list[Case]:
         field = row.get("field")
         if not valid and not field:
             raise ValueError(f"case {name!r}: an invalid case must name its field")
-        cases.append(Case(name, row.get("rule", ""), doc, valid, field))
+        message = row.get("message")
+        if valid and message:
+            raise ValueError(f"case {name!r}: a valid case has no refusal message")
+        cases.append(Case(name, row.get("rule", ""), doc, valid, field, message))
     return cases

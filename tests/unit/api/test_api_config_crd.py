@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
+
 from dwdp.api.config import DwdpConfig
 from dwdp.api.crd import crd_manifest, crd_yaml
 from dwdp.api.deployment import (
@@ -16,7 +18,6 @@ from dwdp.api.deployment import (
 )
 from dwdp.api.enums import CopyMode, GatherKernel
 from dwdp.api.errors import DwdpValidationError, Problem, problems_from_validation_error
-from pydantic import ValidationError
 
 
 def problems(data: dict) -> list[Problem]:
@@ -82,11 +83,9 @@ def test_parse_deployment_raises_with_all_problems() -> None:
 
 
 def test_context_geometry() -> None:
-    ctx = ContextSpec.model_validate(
-        {"ranksPerPod": 2, "dwdp": {"dwdpSize": 4}, "parallel": {"tensorParallelSize": 2,
-                                                                 "attentionDP": True}}
-    )
-    assert ctx.ranks_per_group == 8 and ctx.pods_per_group == 4
+    # One rank per instance (the only layout this worker runs): a group is dwdpSize ranks.
+    ctx = ContextSpec.model_validate({"ranksPerPod": 2, "dwdp": {"dwdpSize": 4}})
+    assert ctx.ranks_per_group == 4 and ctx.pods_per_group == 2
 
 
 def test_status_keeps_unknown_fields() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
+
 from dwdp.api.config import DwdpConfig
 from dwdp.api.deployment import launch_config_for, parse_deployment
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
@@ -19,7 +21,7 @@ from dwdp.api.launch import (
     resolve_role,
     validate_launch,
 )
-from pydantic import ValidationError
+from dwdp.api.support import NOT_SUPPORTED
 
 
 def launch(**fields) -> LaunchConfig:
@@ -68,12 +70,17 @@ def test_modes() -> None:
     assert dense_mode(neither) is None
     with pytest.raises(LaunchError) as info:
         validate_launch(neither)
+    # This worker has no attention-DP instance: the limit is named first, the reference
+    # rule is still listed.
     assert info.value.problem.where == "parallel.tensorParallelSize"
-    assert "neither dense mode" in str(info.value)
+    assert NOT_SUPPORTED in str(info.value)
+    wheres = {p.where: p.rule for p in launch_problems(neither)}
+    assert NOT_SUPPORTED in wheres["parallel.attentionDP"]
 
 
 def test_first_requirement_is_named() -> None:
-    # breaks: pipeline parallel (expert), cuda graphs (expert), torch.compile (dense)
+    # breaks: pipeline parallel (not run by this worker; the expert and dense rules name the
+    # same field later), cuda graphs (expert), torch.compile (dense)
     cfg = launch(
         dwdp={"dwdpSize": 4, "enableDense": True},
         parallel={"pipelineParallelSize": 2},
@@ -92,7 +99,8 @@ def test_first_requirement_is_named() -> None:
         validate_launch(cfg)
     text = str(info.value)
     assert text.startswith("launch refused: parallel.pipelineParallelSize:")
-    assert "(got 2)" in text and "pipelineParallelSize 1" in text
+    assert "(got 2)" in text
+    assert f"pipelineParallelSize > 1 (pipeline parallelism) {NOT_SUPPORTED}" in text
 
 
 @pytest.mark.parametrize(
@@ -114,12 +122,47 @@ def test_first_requirement_is_named() -> None:
     ],
 )
 def test_each_rule(fields, where) -> None:
-    problem = launch_problem(launch(**fields))
-    assert problem is not None and problem.where == where, problem
+    """Each reference rule still names its field (after this worker's limits, if any)."""
+    problems = launch_problems(launch(**fields))
+    assert where in [p.where for p in problems], problems
 
 
-def test_standalone_may_keep_the_overlap_scheduler() -> None:
-    validate_launch(launch(**STANDALONE, engine={"overlapScheduler": True}))
+def test_standalone_is_refused_by_the_limits_only() -> None:
+    """Standalone dense DWDP is a valid reference launch (it may keep the overlap
+    scheduler) that this worker does not run: every problem is one of its limits."""
+    problems = launch_problems(launch(**STANDALONE, engine={"overlapScheduler": True}))
+    assert [p.where for p in problems] == [
+        "parallel.tensorParallelSize",
+        "parallel.attentionDP",
+        "dwdp.enableDense",
+    ]
+    assert all(NOT_SUPPORTED in p.rule for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"parallel": {"tensorParallelSize": 2}}, "parallel.tensorParallelSize"),
+        ({"parallel": {"pipelineParallelSize": 2}}, "parallel.pipelineParallelSize"),
+        ({"parallel": {"contextParallelSize": 3}}, "parallel.contextParallelSize"),
+        ({"parallel": {"attentionDP": True}}, "parallel.attentionDP"),
+        ({"dwdp": {"enableExperts": False, "enableDense": True}}, "dwdp.enableDense"),
+        ({"handleType": "shm", "dwdp": {"dwdpSize": 2, "copyMode": "gather"}}, "dwdp.copyMode"),
+    ],
+)
+def test_worker_limits_refuse_the_launch_first(fields, where) -> None:
+    """What ``dwdp worker``/``dwdp launch`` check before the model loads."""
+    with pytest.raises(LaunchError) as info:
+        validate_launch(launch(role="context", **fields))
+    assert info.value.problem.where == where
+    assert NOT_SUPPORTED in str(info.value)
+
+
+def test_launch_may_use_mpi() -> None:
+    """A launch config may name the MPI transport (a rank started under mpirun); only a
+    DwdpDeployment, whose pods start ranks with ``dwdp launch``, refuses it."""
+    validate_launch(launch(transport="mpi", dwdp={"dwdpSize": 4}))
+    validate_launch(launch(handleType="shm", dwdp={"dwdpSize": 4, "copyMode": "batched"}))
 
 
 def test_generation_refuses_dense_first() -> None:
@@ -148,6 +191,10 @@ def test_dense_roots_checked_on_the_host_only() -> None:
         ("ctx0", Role.CONTEXT),
         ("CTX0", Role.CONTEXT),
         ("Gen0", Role.GENERATION),
+        ("ctx1", Role.CONTEXT),
+        ("CTX12", Role.CONTEXT),
+        ("gen3", Role.GENERATION),
+        (" Gen07 ", Role.GENERATION),
         ("generation", Role.GENERATION),
         (" aggregated ", Role.AGGREGATED),
     ],
@@ -156,15 +203,17 @@ def test_parse_role(text, role) -> None:
     assert parse_role(text) is role
 
 
-def test_parse_role_unknown_names_the_accepted() -> None:
-    with pytest.raises(ValueError, match="ctx0"):
-        parse_role("prefill")
+@pytest.mark.parametrize("text", ["prefill", "ctx", "gen", "ctx-1", "ctx 1", "gen1a", "context0"])
+def test_parse_role_unknown_names_the_accepted(text) -> None:
+    with pytest.raises(ValueError, match=r"ctx<N>, gen<N> \(N: digits, as in ctx0\)"):
+        parse_role(text)
 
 
 def test_resolve_role_prefers_the_launch() -> None:
     assert resolve_role(Role.CONTEXT, {"DWDP_ROLE": "gen0"}) is Role.CONTEXT
     assert resolve_role("gen0", {}) is Role.GENERATION
     assert resolve_role(None, {"DWDP_ROLE": "CTX0"}) is Role.CONTEXT
+    assert resolve_role(None, {"DWDP_ROLE": "gen3"}) is Role.GENERATION
     assert resolve_role(None, {"DWDP_ROLE": " "}) is None
     assert resolve_role(None, {}) is None
 
@@ -190,7 +239,7 @@ def test_launch_config_rendered_from_a_deployment() -> None:
                 "gracefulShutdownTimeoutSeconds": 45,
                 "server": {"port": 9000},
                 "context": {"dwdp": {"dwdpSize": 4, "enableDense": True}, "maxNumTokens": 4096},
-                "generation": {"replicas": 1, "parallel": {"tensorParallelSize": 2}},
+                "generation": {"replicas": 1, "maxBatchSize": 16},
             },
         }
     )
@@ -201,7 +250,7 @@ def test_launch_config_rendered_from_a_deployment() -> None:
     validate_launch(ctx)
     gen = launch_config_for(dep.spec, Role.GENERATION)
     assert gen.role is Role.GENERATION and gen.dwdp == DwdpConfig()
-    assert gen.parallel.tensor_parallel_size == 2
+    assert gen.max_batch_size == 16 and gen.parallel.instance_size == 1
     validate_launch(gen)
     # The rendered launch round-trips through its YAML view (the worker's config file).
     again = LaunchConfig.model_validate(ctx.to_yaml_dict())

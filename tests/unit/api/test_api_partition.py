@@ -17,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dwdp.api.config import DwdpConfig
 from dwdp.api.partition import (
     ExpertPartition,
@@ -25,8 +28,6 @@ from dwdp.api.partition import (
     classify_partition,
     expert_partition,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 MAX_EXPERTS, MAX_RANKS = 256, 16
 CODE = {

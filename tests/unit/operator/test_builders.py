@@ -271,23 +271,22 @@ def test_config_map_holds_the_launch_config_the_worker_reads() -> None:
 
 
 def test_generation_shape_and_pod() -> None:
-    spec = parse_deployment(
-        doc(generation={"replicas": 1, "ranksPerPod": 1, "parallel": {"tensorParallelSize": 2}})
-    ).spec
+    # A generation server is one rank (the worker runs no tensor parallelism).
+    spec = parse_deployment(doc(generation={"replicas": 2, "ranksPerPod": 1})).spec
     shapes = builders.role_shapes(spec)
-    assert shapes[Role.GENERATION] == builders.RoleShape(Role.GENERATION, 1, 1, 2)
-    assert shapes[Role.GENERATION].pods_per_group == 2
+    assert shapes[Role.GENERATION] == builders.RoleShape(Role.GENERATION, 2, 1, 1)
+    assert shapes[Role.GENERATION].pods_per_group == 1
     assert shapes[Role.CONTEXT].pods_per_group == 2
     pod = builders.worker_pod(
-        spec, OWNER, role=Role.GENERATION, group_index=0, incarnation=0, pod_index=1, revision="g"
+        spec, OWNER, role=Role.GENERATION, group_index=1, incarnation=0, pod_index=0, revision="g"
     )
-    assert pod["metadata"]["name"] == "demo-gen0-i0-p1"
+    assert pod["metadata"]["name"] == "demo-gen1-i0-p0"
     assert pod["spec"]["subdomain"] == "demo-generation"
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["DWDP_ROLE"] == "generation"
     assert env["DWDP_CONFIG"] == "/etc/dwdp/generation.yaml"
-    assert env["DWDP_RANK"] == "1"
-    assert env["DWDP_WORLD_SIZE"] == "2"
+    assert env["DWDP_RANK"] == "0"
+    assert env["DWDP_WORLD_SIZE"] == "1"
 
 
 @pytest.mark.parametrize(
