@@ -429,7 +429,9 @@ class ContextSpec(_ServingSection):
             handle_type=self.handle_type,
             dwdp=self.dwdp,
         )
-        view = SectionView(self.parallel, self.transport, self.dwdp, self.handle_type)
+        view = SectionView(
+            self.parallel, self.transport, self.engine, self.dwdp, self.handle_type
+        )
         problems = first_per_field(
             [*worker_limit_problems(view, Scope.CONTEXT), *launch_problems(probe)]
         )
@@ -486,7 +488,7 @@ class GenerationSpec(_ServingSection):
         """The settings this worker does not run, then the pod shape; paths relative to
         generation."""
         problems = worker_limit_problems(
-            SectionView(self.parallel, self.transport), Scope.GENERATION
+            SectionView(self.parallel, self.transport, self.engine), Scope.GENERATION
         )
         world = self.parallel.instance_size
         if world % self.ranks_per_pod:

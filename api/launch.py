@@ -85,7 +85,11 @@ class ParallelConfig(ApiModel):
 
 
 class EngineSwitches(ApiModel):
-    """The engine features the launch rules talk about; all off by default."""
+    """Engine features, all off by default. This worker runs none of them: each one set
+    true is refused before any pod starts, as not supported by this worker."""
+
+    # The refusals live in dwdp.api.support; the DWDP rules of DESIGN.md 3.2 that name these
+    # switches stay after them, for when the features are built.
 
     cuda_graphs: Bool = Field(default=False, description="Capture CUDA graphs of the forward pass.")
     torch_compile: Bool = Field(default=False, description="Compile the model with torch.compile.")
@@ -208,7 +212,7 @@ def launch_problems(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> li
         dense_roots: whether the model's architecture declares dense roots; None (not
             known yet, as when the operator builds the launch) skips that rule.
     """
-    view = SectionView(cfg.parallel, cfg.transport, cfg.dwdp, cfg.handle_type)
+    view = SectionView(cfg.parallel, cfg.transport, cfg.engine, cfg.dwdp, cfg.handle_type)
     return first_per_field(
         [
             *_role_problems(cfg),

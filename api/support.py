@@ -3,11 +3,14 @@
 DESIGN.md 3.2 gives the reference's launch rules; this worker runs a subset of them. It has
 no tensor-, pipeline- or context-parallel engine and no attention data parallelism (every
 rank serves one whole model), runs dense DWDP attached to expert DWDP only, has no gather
-kernel on the cpu backend, and its pods start their ranks with ``dwdp launch``, never under
-an MPI launcher. Each such limit here is one field, one Python test and one CEL condition
-sharing one message that says "not supported by this worker", so the pydantic models
-(``dwdp validate``, the operator's webhook) and the CRD refuse the same specs with the same
-words before any pod starts, and no spec they accept meets a refusal of the worker at startup.
+kernel on the cpu backend, its pods start their ranks with ``dwdp launch``, never under
+an MPI launcher, and its engine runs the plain eager forward pass of the base checkpoint
+(none of the engine switches: CUDA graphs, torch.compile, the overlap scheduler, LoRA,
+speculative decoding, sleep mode). Each such limit here is one field, one Python test and
+one CEL condition sharing one message that says "not supported by this worker", so the
+pydantic models (``dwdp validate``, the operator's webhook) and the CRD refuse the same specs
+with the same words before any pod starts, and no spec they accept meets a refusal of the
+worker at startup or a setting the worker silently ignores.
 
 Where a limit applies (:class:`Scope`): a launch config, the context section or the
 generation section of a DwdpDeployment. Paths are relative to that object
@@ -27,7 +30,7 @@ from dwdp.api.errors import Problem
 
 if TYPE_CHECKING:
     from dwdp.api.config import DwdpConfig
-    from dwdp.api.launch import ParallelConfig
+    from dwdp.api.launch import EngineSwitches, ParallelConfig
 
 __all__ = [
     "NOT_SUPPORTED",
@@ -63,6 +66,7 @@ class SectionView:
 
     parallel: ParallelConfig
     transport: Transport
+    engine: EngineSwitches
     dwdp: DwdpConfig | None = None
     handle_type: HandleType | None = None
 
@@ -122,6 +126,24 @@ def _mpi_with_dwdp(view: SectionView) -> str | None:
 _EVERYWHERE = frozenset(Scope)
 _WITH_DWDP = frozenset({Scope.LAUNCH, Scope.CONTEXT})
 _ONE_MODEL = "each rank serves one whole model"
+
+
+def _engine_switch(
+    name: str, feature: str, remedy: str, on: Callable[[EngineSwitches], bool]
+) -> WorkerLimit:
+    """The limit of one engine switch (``engine.<name>``): refused when it is on, in every
+    scope, since this worker's engine reads none of them."""
+    return WorkerLimit(
+        ("engine", name),
+        f"{name} ({feature})",
+        f"{remedy}; set it to false",
+        f"!self.engine.{name}",
+        lambda v: True if on(v.engine) else None,
+        _EVERYWHERE,
+    )
+
+
+_EAGER = "this worker's engine runs the model's plain eager forward pass"
 
 WORKER_LIMITS: tuple[WorkerLimit, ...] = (
     WorkerLimit(
@@ -185,6 +207,33 @@ WORKER_LIMITS: tuple[WorkerLimit, ...] = (
         "|| self.dwdp.enableDense)",
         _mpi_with_dwdp,
         frozenset({Scope.CONTEXT}),
+    ),
+    _engine_switch(
+        "cudaGraphs", "CUDA graph capture of the forward pass", _EAGER, lambda e: e.cuda_graphs
+    ),
+    _engine_switch(
+        "torchCompile", "torch.compile of the model", _EAGER, lambda e: e.torch_compile
+    ),
+    _engine_switch(
+        "overlapScheduler",
+        "scheduling step n+1 while step n runs",
+        "this worker's engine schedules each step after the previous one",
+        lambda e: e.overlap_scheduler,
+    ),
+    _engine_switch(
+        "lora", "LoRA adapters", "this worker serves the base checkpoint only", lambda e: e.lora
+    ),
+    _engine_switch(
+        "speculativeDecoding",
+        "draft tokens",
+        "this worker's engine decodes without drafts",
+        lambda e: e.speculative_decoding,
+    ),
+    _engine_switch(
+        "sleepMode",
+        "releasing GPU memory while idle",
+        "this worker keeps its weights and KV cache resident",
+        lambda e: e.sleep_mode,
     ),
 )
 """Every limit, in the order their problems are reported."""

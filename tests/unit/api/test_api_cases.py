@@ -106,6 +106,25 @@ def test_crd_schema_and_cel_offline(case, apiserver) -> None:
         assert case.verdict_in(text), f"{case.name}: {case.field} or message not in: {text}"
 
 
+@pytest.mark.parametrize(
+    ("name", "reference"),
+    [
+        ("expert-cuda-graphs", "expert DWDP (enableExperts with dwdp.dwdpSize > 1) needs "
+         "engine.cudaGraphs off"),
+        ("attached-dense-overlap", "attached dense DWDP (enableDense with enableExperts) needs "
+         "engine.overlapScheduler off"),
+        ("dense-lora", "dense DWDP is eager-only and refuses engine.lora"),
+        ("dense-sleep", "dense DWDP is eager-only and refuses engine.sleepMode"),
+    ],
+)
+def test_reference_engine_rules_stay_after_the_limits(name, reference, apiserver) -> None:
+    """An engine switch is refused as not supported by this worker, and the DESIGN.md 3.2
+    rule that names it for DWDP is still in the CRD (for when the feature is built)."""
+    (case,) = [c for c in CASES if c.name == name]
+    text = "\n".join(apiserver.errors(case.document))
+    assert case.message in text and reference in text, text
+
+
 # Runs ``dwdp.cli:main`` (what the ``dwdp`` console script calls) once per case in a forked
 # child of one warm interpreter: every case gets its own process and exit status without
 # paying the interpreter start and model build 100 times over. The console script itself

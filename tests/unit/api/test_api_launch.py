@@ -79,8 +79,8 @@ def test_modes() -> None:
 
 
 def test_first_requirement_is_named() -> None:
-    # breaks: pipeline parallel (not run by this worker; the expert and dense rules name the
-    # same field later), cuda graphs (expert), torch.compile (dense)
+    # breaks: pipeline parallel, cuda graphs and torch.compile, each not run by this worker
+    # (the expert and dense rules that name the same fields come later and are not listed)
     cfg = launch(
         dwdp={"dwdpSize": 4, "enableDense": True},
         parallel={"pipelineParallelSize": 2},
@@ -92,6 +92,7 @@ def test_first_requirement_is_named() -> None:
         "engine.cudaGraphs",
         "engine.torchCompile",
     ]
+    assert all(NOT_SUPPORTED in p.rule for p in problems), problems
     first = launch_problem(cfg)
     assert first == problems[0]
     assert launch_message(cfg) == str(first) and launch_message(launch()) is None
@@ -129,12 +130,14 @@ def test_each_rule(fields, where) -> None:
 
 def test_standalone_is_refused_by_the_limits_only() -> None:
     """Standalone dense DWDP is a valid reference launch (it may keep the overlap
-    scheduler) that this worker does not run: every problem is one of its limits."""
+    scheduler) that this worker does not run: every problem is one of its limits (the
+    overlap scheduler is one of them too, since this worker's engine has none)."""
     problems = launch_problems(launch(**STANDALONE, engine={"overlapScheduler": True}))
     assert [p.where for p in problems] == [
         "parallel.tensorParallelSize",
         "parallel.attentionDP",
         "dwdp.enableDense",
+        "engine.overlapScheduler",
     ]
     assert all(NOT_SUPPORTED in p.rule for p in problems)
 
@@ -148,6 +151,17 @@ def test_standalone_is_refused_by_the_limits_only() -> None:
         ({"parallel": {"attentionDP": True}}, "parallel.attentionDP"),
         ({"dwdp": {"enableExperts": False, "enableDense": True}}, "dwdp.enableDense"),
         ({"handleType": "shm", "dwdp": {"dwdpSize": 2, "copyMode": "gather"}}, "dwdp.copyMode"),
+        *(
+            ({"engine": {switch: True}}, f"engine.{switch}")
+            for switch in (
+                "cudaGraphs",
+                "torchCompile",
+                "overlapScheduler",
+                "lora",
+                "speculativeDecoding",
+                "sleepMode",
+            )
+        ),
     ],
 )
 def test_worker_limits_refuse_the_launch_first(fields, where) -> None:
