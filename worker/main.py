@@ -201,9 +201,10 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = STAGE_CHECKPOINT
         plan = check_model(cfg)
         _torch_threads()
-        from dwdp.worker.attach import join_group, setup_dwdp
+        from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
         from dwdp.worker.engine.loader import load_checkpoint
+        from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
 

@@ -39,7 +39,7 @@ from dwdp.worker.setup.phases import (
     setup_stream,
 )
 from dwdp.worker.setup.vote import vote
-from dwdp.worker.transport.base import Transport
+from dwdp.worker.transport.base import GroupTransport
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def setup_dense(
     layers: Sequence[DenseLayerLike],
     *,
     backend: Backend,
-    transport: Transport,
+    transport: GroupTransport,
     enable_dense: bool,
     options: DenseSetupOptions | None = None,
     injector: FailureInjector | None = None,
@@ -120,7 +120,7 @@ def setup_dense(
     return dense
 
 
-def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: Transport,
+def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: GroupTransport,
                injector: FailureInjector, work: Any) -> None:
     """Run one phase's local work, then its collective; roll back and raise on a failure
     that any rank reported (see [Note: fail-together])."""
@@ -138,7 +138,7 @@ def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: Transport,
 
 
 def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: Backend,
-                transport: Transport, enable_dense: bool, options: DenseSetupOptions,
+                transport: GroupTransport, enable_dense: bool, options: DenseSetupOptions,
                 injector: FailureInjector) -> DenseDwdp | None:
     phase = DensePhase.P1
     error: str | None = None
@@ -254,7 +254,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def _p6_commit(dense: DenseDwdp, transport: Transport, injector: FailureInjector) -> None:
+def _p6_commit(dense: DenseDwdp, transport: GroupTransport, injector: FailureInjector) -> None:
     phase = DensePhase.P6
     error: str | None = None
     leaks = None
