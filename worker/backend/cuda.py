@@ -341,10 +341,6 @@ class CudaBackend(Backend):
         """Make this device's primary context current on the calling thread."""
         check(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
 
-    @property
-    def device_name(self) -> str:
-        return f"cuda:{self.device}"
-
     # -- memory --------------------------------------------------------------------------
     def allocate_store(self, nbytes: int, *, tag: str) -> CudaStore:
         self._bind()
@@ -599,11 +595,6 @@ class CudaBackend(Backend):
             raise BackendError(str(e)) from e
 
     # -- teardown ------------------------------------------------------------------------
-    def forget(self, plan: CopyPlan) -> None:
-        """Drop a plan's prepared state (its gather tables) after its last launch."""
-        for key in [k for k in self._prepared if k[0] == id(plan)]:
-            del self._prepared[key]
-
     def close(self) -> None:
         """Close every store, view and buffer of this backend, unload the kernels and
         release the primary context (teardown: after the device finished the copies)."""

@@ -17,8 +17,6 @@ from dwdp.worker.backend.base import BackendError, Buffer, CopyDescriptor, CopyP
 DEFAULT_SUB_SLICE_BYTES = 1 << 20
 """contention_opt's sub-slice: 1 MiB of one peer before the next peer's turn."""
 
-GIB = 1 << 30
-
 
 class SmReserveError(BackendError):
     """The SMs the gather holds (SM reserve) are not in ``[1, SMs - 1]``."""

@@ -29,6 +29,7 @@ from dwdp.worker.dense.layout import (
     DenseLayout,
     Segment,
     collect_dense_layout,
+    tensor_bytes,
     view_in,
 )
 from dwdp.worker.dense.repoint import count_leaks, current_tensor, watch_storages
@@ -249,14 +250,9 @@ def _p5_repoint(dense: DenseDwdp) -> None:
             now = current_tensor(ref)
             if now.untyped_storage().data_ptr() != slot_ptr.data_ptr():
                 raise SetupCheckError(f"{ref.name} does not point into its prefetch slot")
-            if not torch.equal(_bytes(now), _bytes(dense.originals.original(ref))):
+            if not torch.equal(tensor_bytes(now), tensor_bytes(dense.originals.original(ref))):
                 raise SetupCheckError(f"{ref.name} reads other bytes through its slot than the "
                                       "original held")
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
 def _p6_commit(dense: DenseDwdp, transport: GroupTransport, injector: FailureInjector) -> None:
