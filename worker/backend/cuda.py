@@ -119,7 +119,9 @@ class _RegionBuffer:
     """Shared part of stores and peer views: one VMM region and its tensor."""
 
     _region: cuda_vmm.Region | None
+    _tensor: torch.Tensor | None
     tag: str
+    nbytes: int
 
     @property
     def device_ptr(self) -> int:

@@ -236,8 +236,9 @@ def import_region(
         if handle_type is HandleType.POSIX_FD:
             os_handle: object = int(shareable)
         else:
-            os_handle = driver.CUmemFabricHandle()
-            os_handle.data = bytes(shareable)
+            fabric = driver.CUmemFabricHandle()
+            fabric.data = bytes(shareable)
+            os_handle = fabric
         region.handle = check(
             driver.cuMemImportFromShareableHandle(os_handle, HANDLE_TYPES[handle_type]),
             "cuMemImportFromShareableHandle",

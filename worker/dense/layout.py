@@ -375,7 +375,7 @@ def blob_checksum(blob: Blob) -> str:
     for entry in blob.entries:
         data = _source(entry).detach().cpu().numpy()
         h.update(entry.offset.to_bytes(8, "little"))
-        h.update(memoryview(data))
+        h.update(data.data)
     return h.hexdigest()
 
 

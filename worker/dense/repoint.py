@@ -21,7 +21,9 @@ def set_tensor(ref: TensorRef, tensor: torch.Tensor) -> None:
     """Make ``ref``'s module attribute ``tensor`` (in place for a parameter)."""
     module = ref.module
     if ref.kind == "parameter":
-        module._parameters[ref.attr].data = tensor
+        param = module._parameters[ref.attr]
+        assert param is not None, ref.name
+        param.data = tensor
     elif ref.kind == "buffer":
         module._buffers[ref.attr] = tensor
     else:

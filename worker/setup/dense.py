@@ -111,7 +111,7 @@ def setup_dense(
             return None
         _run_phase(DensePhase.P2, dense, transport, injector, lambda: _p2_allocate(dense))
         _run_phase(DensePhase.P3, dense, transport, injector,
-                   lambda: dense.build_plans(backend.map_peers(dense.store, transport)))
+                   lambda: _p3_map(dense, transport))
         _run_phase(DensePhase.P4, dense, transport, injector, lambda: _p4_gather_check(dense))
         _run_phase(DensePhase.P5, dense, transport, injector, lambda: _p5_repoint(dense))
         _p6_commit(dense, transport, injector)
@@ -212,6 +212,11 @@ def _p2_allocate(dense: DenseDwdp) -> None:
     assert dense.store is not None
     write_rows(dense.layout, dense.rows, dense.rank, dense.store.tensor())
     dense.backend.current_stream().synchronize()  # setup only: peers read it after the vote
+
+
+def _p3_map(dense: DenseDwdp, transport: GroupTransport) -> None:
+    assert dense.store is not None
+    dense.build_plans(dense.backend.map_peers(dense.store, transport))
 
 
 def _gather(dense: DenseDwdp, layer: int, segment: Segment, slot: int, stream: Stream) -> None:
