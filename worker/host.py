@@ -87,6 +87,7 @@ def check_copy_ops(settings: CopySettings, host: HostInfo, *, device: int) -> No
             "host's cuda-python does not provide; set copyMode: per_slice or upgrade CUDA"
         )
     import torch
+
     from dwdp.kernels.loader import KernelError, load_gather
 
     kernel = settings.gather_kernel or GatherKernel.REGISTER

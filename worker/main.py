@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.server.status import rank_identity
@@ -25,10 +25,11 @@ from dwdp.worker.settings import CopySettings
 from dwdp.worker.termination import write_termination_message
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from dwdp.api.launch import LaunchConfig
     from dwdp.api.partition import ExpertPartition
     from dwdp.worker.models.base import ArchitectureAdapter
-    from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,9 @@ def load_launch_config(path: str | None) -> LaunchConfig:
     Raises ``WorkerStartupError`` naming the file, or the first invalid field.
     """
     import yaml
-    from dwdp.api.launch import LaunchConfig
     from pydantic import ValidationError
+
+    from dwdp.api.launch import LaunchConfig
 
     path = path or os.environ.get(ENV_CONFIG)
     if not path:

@@ -5,6 +5,7 @@ SM-reserve errors."""
 from __future__ import annotations
 
 import pytest
+
 from dwdp.api.enums import GatherKernel
 
 torch = pytest.importorskip("torch")
@@ -65,7 +66,6 @@ def _reference(plan, slot_nbytes):
 def test_copy_mode_equals_reference(mode, kernel, contention):
     from dwdp.api.enums import CopyMode
     from dwdp.worker.backend.cuda import CudaBackend
-
     from dwdp.worker.settings import CopySettings
 
     backend = CudaBackend(

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from cuda.bindings import driver
+
 from dwdp.api.enums import CopyMode, GatherKernel, HandleType
 from dwdp.kernels.loader import GatherModule, KernelError, load_gather
 from dwdp.kernels.table import pack_table

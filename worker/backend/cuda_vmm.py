@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from cuda.bindings import driver
+
 from dwdp.api.enums import HandleType
 from dwdp.worker.backend.base import BackendError
 

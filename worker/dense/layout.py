@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from dwdp.worker.dense.architecture import DenseLayerLike
 from torch import nn
+
+from dwdp.worker.dense.architecture import DenseLayerLike
 
 DEFAULT_ALIGN = 64
 """Bytes: storages start and rows end on this boundary (any dtype view stays aligned; the

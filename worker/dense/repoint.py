@@ -13,8 +13,9 @@ import gc
 from dataclasses import dataclass, field
 
 import torch
-from dwdp.worker.dense.layout import TensorRef
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from dwdp.worker.dense.layout import TensorRef
 
 
 def set_tensor(ref: TensorRef, tensor: torch.Tensor) -> None:

@@ -21,7 +21,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
 import torch
+from torch import nn
+
 from dwdp.worker.backend.base import Backend, Stream
 from dwdp.worker.dense.architecture import DenseLayerLike
 from dwdp.worker.dense.layout import (
@@ -45,7 +48,6 @@ from dwdp.worker.setup.phases import (
 )
 from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
-from torch import nn
 
 log = logging.getLogger(__name__)
 

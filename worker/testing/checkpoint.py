@@ -147,8 +147,9 @@ def make_checkpoint(
     same names are overwritten). Returns the directory. Raises ``ValueError`` for bad arguments.
     """
     import torch
-    from dwdp.worker.testing.tokenizer import build_tokenizer
     from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from dwdp.worker.testing.tokenizer import build_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dwdp.worker.transport.base import (
     ENV_RENDEZVOUS,
     ENV_RENDEZVOUS_TIMEOUT_S,
+    GroupTransport,
     RendezvousConfig,
     RendezvousTimeout,
-    GroupTransport,
     TransportError,
 )
 
