@@ -2,9 +2,11 @@
 
 Startup order (DESIGN.md 5): read and validate the launch (role rules first, so a generation
 server refuses dense DWDP before anything loads) -> check the checkpoint's headers, its
-architecture adapter and the expert partition (one line naming the tensor or field) -> join the
-group (rendezvous) -> load the model -> DWDP setup (dense first, then experts; commit) -> start
-the engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
+architecture adapter and the expert partition (one line naming the tensor or field) -> with
+DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the copy operations)
+and the copy settings resolved once (``dwdp.worker.settings``) -> join the group
+(rendezvous) -> load the model -> DWDP setup (dense first, then experts; commit) -> start the
+engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
 termination message path and exits non-zero; the engine is stopped whatever happens.
 """
 
@@ -13,12 +15,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.server.status import rank_identity
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.termination import write_termination_message
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from dwdp.api.launch import LaunchConfig
+    from dwdp.api.partition import ExpertPartition
+    from dwdp.worker.models.base import ArchitectureAdapter
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +58,8 @@ STAGE_CONFIG = "config"
 """Reading the launch config and checking the launch rules."""
 STAGE_CHECKPOINT = "checkpoint"
 """Checking the checkpoint headers, the adapter and the expert partition."""
+STAGE_HOST = "host"
+"""The host gate: CUDA for the cuda backend, the handle type, the copy operations."""
 STAGE_RENDEZVOUS = "rendezvous"
 """Joining the group."""
 STAGE_LOAD = "load"
@@ -88,14 +101,15 @@ class WorkerOptions:
     termination_log: str | None = None
 
 
-def load_launch_config(path: str | None) -> Any:
+def load_launch_config(path: str | None) -> LaunchConfig:
     """Read the launch config YAML (``path`` or ``DWDP_CONFIG``) into a ``LaunchConfig``.
 
     Raises ``WorkerStartupError`` naming the file, or the first invalid field.
     """
     import yaml
-    from dwdp.api.launch import LaunchConfig
     from pydantic import ValidationError
+
+    from dwdp.api.launch import LaunchConfig
 
     path = path or os.environ.get(ENV_CONFIG)
     if not path:
@@ -114,7 +128,9 @@ def load_launch_config(path: str | None) -> Any:
         raise WorkerStartupError(f"launch config {path}: {where}: {first.get('msg')}") from exc
 
 
-def check_launch(cfg: Any, role_flag: str | None, environ: Any = None) -> Any:
+def check_launch(
+    cfg: LaunchConfig, role_flag: str | None, environ: Mapping[str, str] | None = None
+) -> LaunchConfig:
     """Resolve the role (flag, config, ``DWDP_ROLE``; legacy ctx0/gen0 in any case) and apply
     the launch rules that need no model. Returns the config with the role set.
 
@@ -139,13 +155,13 @@ def check_launch(cfg: Any, role_flag: str | None, environ: Any = None) -> Any:
 class ModelPlan:
     """What the checkpoint check learned before any weight is read."""
 
-    config: Any
-    adapter: Any
+    config: PretrainedConfig
+    adapter: ArchitectureAdapter
     num_experts: int
-    partition: Any
+    partition: ExpertPartition | None
 
 
-def check_model(cfg: Any) -> ModelPlan:
+def check_model(cfg: LaunchConfig) -> ModelPlan:
     """Check the checkpoint headers, the adapter (dense roots) and the expert partition.
 
     Raises ``CheckpointError`` (a tensor named), ``LaunchError`` (enable_dense on an
@@ -157,7 +173,8 @@ def check_model(cfg: Any) -> ModelPlan:
     from dwdp.worker.models.validate import expert_count, validate_checkpoint
 
     config = validate_checkpoint(cfg.model.path)
-    adapter = adapter_for(config)
+    adapter = adapter_for(config)  # the generic expert-only adapter without a match
+    assert adapter is not None
     validate_launch(cfg, dense_roots=adapter.has_dense_roots)
     num_experts = expert_count(config)
     partition = None
@@ -170,6 +187,29 @@ def check_model(cfg: Any) -> ModelPlan:
     return ModelPlan(config, adapter, num_experts, partition)
 
 
+def resolve_host_settings(
+    cfg: LaunchConfig, local_rank: int, stage: dict[str, str]
+) -> CopySettings:
+    """With DWDP: the host gate, then the copy settings resolved once from the config and
+    the host (``stage["now"]`` names the step for the termination message: ``host`` for
+    the gate, ``config`` for a setting the host cannot run). Without DWDP: the defaults.
+
+    Raises ``HostGateError`` or ``CopySettingsError``."""
+    from dwdp.worker.group import dwdp_active
+    from dwdp.worker.host import check_copy_ops, probe_host
+    from dwdp.worker.settings import resolve_copy_settings
+
+    if not dwdp_active(cfg):
+        return CopySettings()
+    stage["now"] = STAGE_HOST
+    host = probe_host(cfg, device=local_rank)
+    stage["now"] = STAGE_CONFIG
+    settings = resolve_copy_settings(cfg.dwdp, host)
+    stage["now"] = STAGE_HOST
+    check_copy_ops(settings, host, device=local_rank)
+    return settings
+
+
 def _torch_threads() -> None:
     value = os.environ.get(ENV_TORCH_THREADS)
     if value:
@@ -178,7 +218,7 @@ def _torch_threads() -> None:
         torch.set_num_threads(int(value))
 
 
-def _device_for(cfg: Any, local_rank: int) -> str:
+def _device_for(cfg: LaunchConfig, local_rank: int) -> str:
     """``cpu`` for the shm handle type (the cpu backend); otherwise the local rank's GPU
     when CUDA is available."""
     from dwdp.api.enums import HandleType
@@ -200,10 +240,12 @@ def run_worker(opts: WorkerOptions) -> int:
         port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
         stage["now"] = STAGE_CHECKPOINT
         plan = check_model(cfg)
+        settings = resolve_host_settings(cfg, local_rank, stage)
         _torch_threads()
-        from dwdp.worker.attach import join_group, setup_dwdp
+        from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
         from dwdp.worker.engine.loader import load_checkpoint
+        from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
 
@@ -216,7 +258,7 @@ def run_worker(opts: WorkerOptions) -> int:
         if device != "cpu":
             model.to(device)
         stage["now"] = STAGE_SETUP
-        dwdp = setup_dwdp(model, plan.adapter, cfg, group=group)
+        dwdp = setup_dwdp(model, plan.adapter, cfg, group=group, settings=settings)
         stage["now"] = STAGE_ENGINE
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}

@@ -34,7 +34,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys, torch
     from pathlib import Path
-    from dwdp.api.enums import CopyMode, HandleType
+    from dwdp.api.enums import CopyMode, GatherKernel, HandleType
     from dwdp.api.partition import expert_partition
     from dwdp.worker.engine.batching import BatchingEngine
     from dwdp.worker.engine.loader import load_checkpoint
@@ -63,6 +63,7 @@ CHILD = textwrap.dedent(
     from dwdp.worker.attach import attach
     from dwdp.worker.backend.cuda import CudaBackend
     from dwdp.worker.models import adapter_for
+    from dwdp.worker.settings import CopySettings
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
@@ -78,7 +79,10 @@ CHILD = textwrap.dedent(
             e = adapter.moe_layers(model)[0].num_experts
             att = attach(model, adapter, backend=backend, transport=transport,
                          partition=expert_partition(e, 4), enable_dense=True,
-                         num_slots=slots, copy_mode=CopyMode(mode), gather_kernel=kernel)
+                         num_slots=slots,
+                         settings=CopySettings(copy_mode=CopyMode(mode),
+                                               gather_kernel=GatherKernel(kernel) if kernel
+                                               else None))
             torch.save(run(model, tok), out / f"dwdp.{index}.{rank}.pt")
             status = att.status()
             status["gather_kernels"] = [str(m.gather.kernel) for m in (att.dense, att.experts)]
@@ -153,5 +157,7 @@ def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode, kernel):
         assert status["bytes_moved_remote"] > 0
         # both managers hold the kernel asked for (register: the backend's default)
         assert status["gather_kernels"] == [kernel or "register"] * 2
+        # the SMs that kernel holds (it copies this rank's own rows in every mode)
+        assert 1 <= status["sm_reserve"] < torch.cuda.get_device_properties(0).multi_processor_count
         digests.add(status["layout_digest"])
     assert len(digests) == 1

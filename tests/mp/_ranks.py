@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _toy import TOY_ARCH, build_toy, intact, snapshot
+
 from dwdp.api.partition import expert_partition
 from dwdp.worker.backend.cpu import CpuBackend, leftover_segments
 from dwdp.worker.dense.layout import Segment

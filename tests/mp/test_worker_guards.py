@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import RankProcesses, free_port  # noqa: E402
+
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
@@ -55,7 +56,8 @@ def _rank_main(rank: int, out: Path, group: str, port: int, ckpt: str) -> None:
     import os
 
     torch.set_num_threads(1)
-    from dwdp.worker.attach import WeightsShardedError, attach
+    from dwdp.worker.attach import attach
+    from dwdp.worker.attachment import WeightsShardedError
     from dwdp.worker.backend.cpu import CpuBackend
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import SetupError

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from dwdp.worker.dense.architecture import DenseLayerLike
 from torch import nn
+
+from dwdp.worker.dense.architecture import DenseLayerLike
 
 DEFAULT_ALIGN = 64
 """Bytes: storages start and rows end on this boundary (any dtype view stays aligned; the
@@ -375,7 +376,7 @@ def blob_checksum(blob: Blob) -> str:
     for entry in blob.entries:
         data = _source(entry).detach().cpu().numpy()
         h.update(entry.offset.to_bytes(8, "little"))
-        h.update(memoryview(data))
+        h.update(data.data)
     return h.hexdigest()
 
 

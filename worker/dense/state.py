@@ -17,19 +17,21 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from dwdp.api.enums import CopyMode
-from dwdp.worker.backend.base import Backend, Buffer, CopyPlan, PeerView, Store, Stream
+from dwdp.worker.backend.base import (
+    Backend,
+    Buffer,
+    CopyPlan,
+    GatherHandle,
+    PeerView,
+    Store,
+    Stream,
+)
 from dwdp.worker.dense.layout import DenseLayout, Segment
 from dwdp.worker.dense.repoint import LeakReport, Originals
 from dwdp.worker.dense.rows import RowStoreLayout, blob_plan
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.status import ResidentBytes
-
-
-def _segment(segment: object) -> Segment:
-    """Our :class:`Segment` from it or from any enum with the same values (the schedule's)."""
-    return Segment(getattr(segment, "value", segment))
 
 
 class DenseState(enum.StrEnum):
@@ -59,13 +61,14 @@ class DenseDwdp:
     """
 
     def __init__(self, *, backend: Backend, layout: DenseLayout, rows: RowStoreLayout,
-                 rank: int, rings: SlotRings, copy_mode: CopyMode, gather: Any = None) -> None:
+                 rank: int, rings: SlotRings, settings: CopySettings,
+                 gather: GatherHandle | None = None) -> None:
         self.backend = backend
         self.layout = layout
         self.rows = rows
         self.rank = rank
         self.rings = rings
-        self.copy_mode = copy_mode
+        self.settings = settings
         self.gather = gather
         """The gather kernel resolved once for this manager, passed to every launch."""
         self.state = DenseState.SETTING_UP
@@ -109,18 +112,18 @@ class DenseDwdp:
 
     def plan(self, layer: int, segment: Segment, slot: int) -> CopyPlan:
         """The copy plan that gathers blob ``segment`` of MoE layer ``layer`` (0-based MoE
-        order: pass ``layers=range(num_layers)`` to the dense slot schedule) into ``slot``.
-        ``segment`` may be any enum whose value is ``"attention"`` or ``"moe_dense"``."""
-        return self.plans[(layer, _segment(segment), slot)]
+        order: pass ``layers=range(num_layers)`` to the dense slot schedule) into ``slot``."""
+        return self.plans[(layer, segment, slot)]
 
     def slot_buffers(self, segment: Segment) -> tuple[Buffer, ...]:
-        return self.slots[_segment(segment)]
+        return self.slots[segment]
 
     def launch(self, layer: int, segment: Segment, slot: int, stream: Stream) -> None:
         """Enqueue the copies of (layer, segment) into ``slot`` on ``stream``."""
         if self.state not in (DenseState.SETTING_UP, DenseState.COMMITTED):
             raise RuntimeError(f"dense DWDP is {self.state}: nothing to launch")
-        self.backend.launch_copies(self.plan(layer, segment, slot), stream, mode=self.copy_mode,
+        self.backend.launch_copies(self.plan(layer, segment, slot), stream,
+                                   mode=self.settings.copy_mode,
                                    gather=self.gather)
 
     def status(self) -> ResidentBytes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -141,11 +141,11 @@ class ArchitectureAdapter:
     # -- structure ---------------------------------------------------------------------------
     def decoder_layers(self, model: nn.Module) -> Sequence[nn.Module]:
         """The decoder layers in execution order (``model.model.layers``)."""
-        return list(model.get_decoder().layers)
+        return list(_decoder(model).layers)
 
     def layers_prefix(self, model: nn.Module) -> str:
         """The qualified name of the decoder layer list (``"model.layers"``)."""
-        layers = model.get_decoder().layers
+        layers = _decoder(model).layers
         for name, module in model.named_modules():
             if module is layers:
                 return name
@@ -211,7 +211,9 @@ class ArchitectureAdapter:
             for base in self._renamed(head):
                 if last == "gate_up_proj":
                     half = rows // 2
-                    form = {f"{base}.{e}.{s}": (half, cols) for e in range(num) for s in (gate, up)}
+                    form: dict[str, tuple[int, ...]] = {
+                        f"{base}.{e}.{s}": (half, cols) for e in range(num) for s in (gate, up)
+                    }
                 else:
                     form = {f"{base}.{e}.{down}": (rows, cols) for e in range(num)}
                 alternatives.append(form)
@@ -246,3 +248,9 @@ def iter_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                     continue
                 seen.add(id(tensor))
                 yield (f"{prefix}.{attr}" if prefix else attr), tensor
+
+
+def _decoder(model: nn.Module) -> Any:
+    """``model.get_decoder()``: the decoder stack of a transformers causal LM (torch's
+    ``nn.Module`` typing does not know the method)."""
+    return cast(Any, model).get_decoder()

@@ -1,7 +1,7 @@
 """What the server reads about this rank's DWDP state (``/ready``, ``/dwdp/status``, metrics).
 
 The server depends on the ``DwdpStatusSource`` protocol only; the attachment of DWDP to the
-model (``dwdp.worker.attach``) implements it, and ``NoDwdp`` stands for a rank without DWDP.
+model (``dwdp.worker.attachment``) implements it, and ``NoDwdp`` stands for a rank without DWDP.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class DwdpStatusSource(Protocol):
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``phase``, ``rank``, ``dwdp_size``, ``layout_digest``,
         ``partition`` (every rank's expert range), ``bytes_stored``, ``bytes_moved``,
-        ``bytes_freed``, ``leaks``, ``slots`` and ``slot_waits`` (bytes as integers)."""
+        ``bytes_freed``, ``leaks``, ``slots``, ``slot_waits`` and ``sm_reserve`` (the SMs
+        the gather kernel holds) (bytes as integers)."""
 
 
 class NoDwdp:
@@ -91,4 +92,5 @@ class NoDwdp:
             "leaks": 0,
             "slots": {},
             "slot_waits": 0,
+            "sm_reserve": 0,
         }

@@ -19,18 +19,26 @@ DWDP off sends only its flag), so they all raise there instead of blocking.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from dwdp.api.enums import CopyMode, GatherKernel
-from dwdp.worker.backend.base import Backend
+from torch import nn
+
+from dwdp.worker.backend.base import Backend, Stream
 from dwdp.worker.dense.architecture import DenseLayerLike
-from dwdp.worker.dense.layout import DEFAULT_ALIGN, DenseLayout, collect_dense_layout, view_in
+from dwdp.worker.dense.layout import (
+    DEFAULT_ALIGN,
+    DenseLayout,
+    Segment,
+    collect_dense_layout,
+    tensor_bytes,
+    view_in,
+)
 from dwdp.worker.dense.repoint import count_leaks, current_tensor, watch_storages
 from dwdp.worker.dense.rows import row_store_layout, write_rows
 from dwdp.worker.dense.state import DenseDwdp, DenseState, SlotRings
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.phases import (
     DensePhase,
     FailureInjector,
@@ -39,8 +47,7 @@ from dwdp.worker.setup.phases import (
     setup_stream,
 )
 from dwdp.worker.setup.vote import vote
-from dwdp.worker.transport.base import Transport
-from torch import nn
+from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +64,11 @@ class MemoryFitError(RuntimeError):
 class DenseSetupOptions:
     """Knobs of dense setup. ``rings``: slots per segment; ``align``: bytes; ``dtype`` /
     ``device``: the final form every moved tensor must have (``None``: unchecked);
-    ``gather_kernel``: resolved once at P1 (``None``: the backend's default)."""
+    ``copy``: the effective copy settings (``dwdp.worker.settings``); the gather kernel is
+    resolved from them once at P1."""
 
     rings: SlotRings = field(default_factory=SlotRings)
-    copy_mode: CopyMode = CopyMode.PER_SLICE
-    gather_kernel: GatherKernel | str | None = None
+    copy: CopySettings = field(default_factory=CopySettings)
     align: int = DEFAULT_ALIGN
     dtype: torch.dtype | None = None
     device: torch.device | str | None = None
@@ -82,7 +89,7 @@ def setup_dense(
     layers: Sequence[DenseLayerLike],
     *,
     backend: Backend,
-    transport: Transport,
+    transport: GroupTransport,
     enable_dense: bool,
     options: DenseSetupOptions | None = None,
     injector: FailureInjector | None = None,
@@ -106,7 +113,7 @@ def setup_dense(
             return None
         _run_phase(DensePhase.P2, dense, transport, injector, lambda: _p2_allocate(dense))
         _run_phase(DensePhase.P3, dense, transport, injector,
-                   lambda: dense.build_plans(backend.map_peers(dense.store, transport)))
+                   lambda: _p3_map(dense, transport))
         _run_phase(DensePhase.P4, dense, transport, injector, lambda: _p4_gather_check(dense))
         _run_phase(DensePhase.P5, dense, transport, injector, lambda: _p5_repoint(dense))
         _p6_commit(dense, transport, injector)
@@ -120,8 +127,8 @@ def setup_dense(
     return dense
 
 
-def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: Transport,
-               injector: FailureInjector, work: Any) -> None:
+def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: GroupTransport,
+               injector: FailureInjector, work: Callable[[], object]) -> None:
     """Run one phase's local work, then its collective; roll back and raise on a failure
     that any rank reported (see [Note: fail-together])."""
     error: str | None = None
@@ -138,7 +145,7 @@ def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: Transport,
 
 
 def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: Backend,
-                transport: Transport, enable_dense: bool, options: DenseSetupOptions,
+                transport: GroupTransport, enable_dense: bool, options: DenseSetupOptions,
                 injector: FailureInjector) -> DenseDwdp | None:
     phase = DensePhase.P1
     error: str | None = None
@@ -157,9 +164,10 @@ def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: 
                 raise MemoryFitError(
                     f"the row store ({rows.nbytes} bytes) and the prefetch slots "
                     f"({need - rows.nbytes} bytes) need {need} bytes but {free} bytes are free")
-            gather = backend.resolve_gather(options.gather_kernel)
+            gather = backend.resolve_gather(options.copy.gather_kernel,
+                                            options.copy.gather_blocks)
             dense = DenseDwdp(backend=backend, layout=layout, rows=rows, rank=transport.rank,
-                              rings=options.rings, copy_mode=options.copy_mode, gather=gather)
+                              rings=options.rings, settings=options.copy, gather=gather)
             summary = LayoutSummary(True, layout.digest, tuple(layout.checksums.items()), need)
         injector.check(phase, transport.rank)
     except Exception as exc:
@@ -208,7 +216,12 @@ def _p2_allocate(dense: DenseDwdp) -> None:
     dense.backend.current_stream().synchronize()  # setup only: peers read it after the vote
 
 
-def _gather(dense: DenseDwdp, layer: int, segment: Any, slot: int, stream: Any) -> None:
+def _p3_map(dense: DenseDwdp, transport: GroupTransport) -> None:
+    assert dense.store is not None
+    dense.build_plans(dense.backend.map_peers(dense.store, transport))
+
+
+def _gather(dense: DenseDwdp, layer: int, segment: Segment, slot: int, stream: Stream) -> None:
     """One blob into its slot on setup's created stream (see [Note: setup stream] in
     ``phases``), then wait: the byte check reads the slot on the host."""
     dense.launch(layer, segment, slot, stream)
@@ -244,17 +257,12 @@ def _p5_repoint(dense: DenseDwdp) -> None:
             now = current_tensor(ref)
             if now.untyped_storage().data_ptr() != slot_ptr.data_ptr():
                 raise SetupCheckError(f"{ref.name} does not point into its prefetch slot")
-            if not torch.equal(_bytes(now), _bytes(dense.originals.original(ref))):
+            if not torch.equal(tensor_bytes(now), tensor_bytes(dense.originals.original(ref))):
                 raise SetupCheckError(f"{ref.name} reads other bytes through its slot than the "
                                       "original held")
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
-
-def _p6_commit(dense: DenseDwdp, transport: Transport, injector: FailureInjector) -> None:
+def _p6_commit(dense: DenseDwdp, transport: GroupTransport, injector: FailureInjector) -> None:
     phase = DensePhase.P6
     error: str | None = None
     leaks = None

@@ -10,9 +10,9 @@ from dwdp.worker.transport.base import (
     CollectiveMismatch,
     Exchange,
     GroupFailure,
+    GroupTransport,
     RendezvousConfig,
     RendezvousTimeout,
-    Transport,
     TransportError,
 )
 
@@ -20,8 +20,8 @@ __all__ = [
     "CollectiveMismatch",
     "Exchange",
     "GroupFailure",
+    "GroupTransport",
     "RendezvousConfig",
     "RendezvousTimeout",
-    "Transport",
     "TransportError",
 ]

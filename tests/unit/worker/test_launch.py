@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from dwdp.worker import main as worker_main
 from dwdp.worker.main import WorkerOptions, check_launch, load_launch_config, run_worker
 
@@ -136,7 +137,7 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path, checkpoint, monkeypatch):
     def no_group(cfg):
         raise AssertionError("the group was joined: the checkpoint check must fail first")
 
-    monkeypatch.setattr("dwdp.worker.attach.join_group", no_group)
+    monkeypatch.setattr("dwdp.worker.group.join_group", no_group)
     name = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
     cases = {
         "missing": (lambda t: t.pop(name), f"tensor {name} is missing"),
@@ -304,3 +305,40 @@ def test_launcher_stops_every_rank_on_sigterm(tmp_path, checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- the host gate, before the rendezvous -------------------------------------------------
+
+
+def test_cuda_backend_without_cuda_is_refused_before_the_rendezvous(tmp_path, checkpoint):
+    """A real ``dwdp worker`` with handleType posixFd (the cuda backend) on a host where
+    torch sees no CUDA device: refused by the host gate with the remedy in the termination
+    message, before it joins the group (the rendezvous address has no listener: rank 1 would
+    time out there and name the rendezvous) and before the model loads."""
+    config = _config(
+        tmp_path, model=str(checkpoint), handleType="posixFd", dwdp={"dwdpSize": 2}
+    )
+    term = tmp_path / "termination-log"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "DWDP_GROUP": "g",
+        "DWDP_INCARNATION": "1",
+        "DWDP_RANK": "1",
+        "DWDP_WORLD_SIZE": "2",
+        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
+        "DWDP_RENDEZVOUS_TIMEOUT_S": "30",
+    }
+    env.pop("DWDP_ROLE", None)
+    cmd = [sys.executable, "-m", "dwdp", "worker", "--config", str(config)]
+    proc = subprocess.run(
+        [*cmd, "--termination-log", str(term)], env=env, capture_output=True, timeout=300
+    )
+    assert proc.returncode == 1, proc.stderr.decode()[-2000:]
+    line = term.read_text()
+    assert line.startswith("host: HostGateError: handleType: posixFd runs the cuda backend")
+    assert "no CUDA device" in line and "handleType: shm" in line and line.count("\n") == 1
+    assert b"rendezvous" not in proc.stderr.lower()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from dwdp.worker.dense.architecture import DenseLayerSpec
 from dwdp.worker.dense.layout import LayoutError, Segment, collect_dense_layout, view_in
 from dwdp.worker.dense.rows import row_store_layout, write_rows
-from torch import nn
 
 
 class Attn(nn.Module):
