@@ -37,7 +37,7 @@ def tiny_config(
     Qwen3-MoE gets ``mlp_only_layers=[0]``; every Mixtral layer is MoE. Raises ``ValueError``
     for an unknown ``arch`` or fewer than 2 experts.
     """
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
     if num_experts < 2:
         raise ValueError(f"num_experts: {num_experts} < 2 (top-2 routing)")
@@ -57,6 +57,10 @@ def tiny_config(
         "pad_token_id": ids.get("pad"),
         "dtype": dtype,
     }
+    # head_dim is no declared field of every config class (Qwen3-MoE takes it as an extra
+    # attribute), so it travels in a plain dict
+    head_dim: dict[str, Any] = {"head_dim": 8}
+    config: PretrainedConfig
     if arch == "deepseek_v3":
         config = DeepseekV3Config(
             **common,
@@ -80,8 +84,8 @@ def tiny_config(
             **common,
             intermediate_size=2 * hidden_size,
             moe_intermediate_size=16,
+            **head_dim,
             num_experts=num_experts,
-            head_dim=8,
             mlp_only_layers=[0],
             decoder_sparse_step=1,
             norm_topk_prob=True,
@@ -90,8 +94,8 @@ def tiny_config(
         config = MixtralConfig(
             **common,
             intermediate_size=16,
+            **head_dim,
             num_local_experts=num_experts,
-            head_dim=8,
         )
     else:
         raise ValueError(f"arch: unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -142,8 +146,9 @@ def make_checkpoint(
     same names are overwritten). Returns the directory. Raises ``ValueError`` for bad arguments.
     """
     import torch
-    from dwdp.worker.testing.tokenizer import build_tokenizer
     from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from dwdp.worker.testing.tokenizer import build_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
