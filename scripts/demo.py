@@ -42,7 +42,8 @@ RELEASE = "dwdp"
 MODEL_DIR = "tiny-deepseek-v3"
 PROMPTS = ("The capital of France is", "Once upon a time", "DWDP shares the experts")
 CHAT = [{"role": "user", "content": "Say hello to the DWDP group."}]
-MAX_TOKENS = 8
+MAX_TOKENS = 16
+"""Enough for the longest answer of the demo model (it stops at its EOS token before)."""
 READY_TIMEOUT_S = 900.0
 
 
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             f"   {model_dir}: {cfg.get('num_hidden_layers')} layers, "
             f"{cfg.get('n_routed_experts')} routed experts + {cfg.get('n_shared_experts')} "
             f"shared, hidden {cfg.get('hidden_size')}; trained on {trained['examples']} "
-            f"sentences in {trained['seconds']} s (final loss {trained['final_loss']}), "
+            f"texts in {trained['seconds']} s (final loss {trained['final_loss']}), "
             f"ready in {time.monotonic() - t_model:.1f} s"
         )
         say(f"== 4/7 kubectl apply -f {EXAMPLE.relative_to(REPO)} (namespace {NAMESPACE})")
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"   {ep.group:14} {ep.address}:{ep.port} {path:22} {got!r} {mark} reference")
         rps, failed = throughput(ctx, count=args.requests)
         say(
-            f"   throughput: {args.requests} completions ({MAX_TOKENS} tokens each) over "
+            f"   throughput: {args.requests} completions (up to {MAX_TOKENS} tokens each) over "
             f"{len(ctx)} ranks: {rps:.2f} requests/s, {failed} failed"
         )
         say("== 7/7 summary")
