@@ -1,8 +1,9 @@
 """The demo's driver (README command 1; ``scripts/demo.sh`` runs it with the venv's python).
 
 From a built local control plane to answers: start the embedded cluster in its own state
-folder, ``helm install`` the operator, make a tiny DeepSeek-V3-family checkpoint, apply
-``examples/04-demo.yaml`` (2 context DWDP groups of 4 ranks, expert + dense DWDP on the cpu
+folder, ``helm install`` the operator, train (or take from the cache) the tiny
+DeepSeek-V3-family demo model that knows a few facts (capitals, small sums, what DWDP does),
+apply ``examples/04-demo.yaml`` (2 context DWDP groups of 4 ranks, expert + dense DWDP on the cpu
 backend, and one generation server), wait for Ready while printing the group phases, send
 completion and chat requests through the client Service (its EndpointSlice addresses: the
 local cluster has no kube-proxy) to every rank of every group and to the generation server,
@@ -39,11 +40,10 @@ NAMESPACE = "dwdp-demo"
 OPERATOR_NAMESPACE = "dwdp-system"
 RELEASE = "dwdp"
 MODEL_DIR = "tiny-deepseek-v3"
-NUM_EXPERTS = 8
-SEED = 7
 PROMPTS = ("The capital of France is", "Once upon a time", "DWDP shares the experts")
 CHAT = [{"role": "user", "content": "Say hello to the DWDP group."}]
-MAX_TOKENS = 8
+MAX_TOKENS = 16
+"""Enough for the longest answer of the demo model (it stops at its EOS token before)."""
 READY_TIMEOUT_S = 900.0
 
 
@@ -87,14 +87,17 @@ def start_cluster(state: Path, *, gpus: int = NODE_GPUS) -> Any:
 
 
 def make_model(models: Path) -> Path:
-    """The tiny seeded DeepSeek-V3-family checkpoint under ``models`` (made once)."""
-    from dwdp.worker.testing.checkpoint import make_checkpoint
+    """The demo model (``dwdp testing train-demo-model``: the tiny DeepSeek-V3-family model
+    trained on a corpus of facts) in ``models``: trained once into the shared cache
+    (``$DWDP_CACHE_DIR/models``, keyed by a digest of the training inputs), then copied here."""
+    from dwdp.devcluster.paths import cache_dir
+    from dwdp.worker.testing.demo_model import cached_demo_model
 
+    trained = cached_demo_model(cache_dir() / "models")
     out = models / MODEL_DIR
-    if not (out / "config.json").is_file():
-        if out.exists():
-            shutil.rmtree(out)
-        make_checkpoint("deepseek_v3", out, num_experts=NUM_EXPERTS, seed=SEED)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(trained, out)
     return out
 
 
@@ -264,10 +267,11 @@ def ask(url: str, path: str, req: dict[str, Any], timeout: float = 120.0) -> str
 def reference_answers(model_dir: Path) -> list[str]:
     """The answers of a single process with replicated weights (same server code, no DWDP)."""
     import torch
+    from fastapi.testclient import TestClient
+
     from dwdp.worker.engine.batching import BatchingEngine
     from dwdp.worker.engine.loader import load_checkpoint
     from dwdp.worker.server.app import build_app
-    from fastapi.testclient import TestClient
 
     torch.set_num_threads(1)
     model, tok = load_checkpoint(str(model_dir))
@@ -383,14 +387,18 @@ def main(argv: list[str] | None = None) -> int:
         say("== 2/7 installing the operator with its Helm chart (charts/dwdp-operator)")
         install_operator(tc)
         say(tc.kubectl("get", "pods", "-n", OPERATOR_NAMESPACE).stdout.rstrip())
-        say("== 3/7 making a tiny DeepSeek-V3-family checkpoint")
+        say("== 3/7 the tiny DeepSeek-V3-family demo model, trained on a corpus of facts")
         models = state / "models"
+        t_model = time.monotonic()
         model_dir = make_model(models)
         cfg = json.loads((model_dir / "config.json").read_text())
+        trained = json.loads((model_dir / "dwdp_checkpoint.json").read_text())["trained"]
         say(
             f"   {model_dir}: {cfg.get('num_hidden_layers')} layers, "
             f"{cfg.get('n_routed_experts')} routed experts + {cfg.get('n_shared_experts')} "
-            f"shared, hidden {cfg.get('hidden_size')}"
+            f"shared, hidden {cfg.get('hidden_size')}; trained on {trained['examples']} "
+            f"texts in {trained['seconds']} s (final loss {trained['final_loss']}), "
+            f"ready in {time.monotonic() - t_model:.1f} s"
         )
         say(f"== 4/7 kubectl apply -f {EXAMPLE.relative_to(REPO)} (namespace {NAMESPACE})")
         tc.kubectl("create", "namespace", NAMESPACE, check=False)
@@ -424,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"   {ep.group:14} {ep.address}:{ep.port} {path:22} {got!r} {mark} reference")
         rps, failed = throughput(ctx, count=args.requests)
         say(
-            f"   throughput: {args.requests} completions ({MAX_TOKENS} tokens each) over "
+            f"   throughput: {args.requests} completions (up to {MAX_TOKENS} tokens each) over "
             f"{len(ctx)} ranks: {rps:.2f} requests/s, {failed} failed"
         )
         say("== 7/7 summary")

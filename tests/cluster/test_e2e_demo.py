@@ -67,6 +67,7 @@ def deployed() -> Iterator[tuple[Any, Path, list[str]]]:
         took = demo.wait_ready(tc, NS, demo.NAME, groups=2, timeout=900)
         print(f"apply -> Ready: {took:.1f} s")
         want = demo.reference_answers(model_dir)
+        assert want[0] == " Paris.", f"the demo model does not know its facts: {want}"
         yield tc, model_dir, want
     finally:
         print(tc.kubectl("get", "dwdp,pods", "-n", NS, "-o", "wide", check=False).stdout)

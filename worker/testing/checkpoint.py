@@ -40,7 +40,7 @@ def tiny_config(
     Qwen3-MoE gets ``mlp_only_layers=[0]``; every Mixtral layer is MoE. Raises ``ValueError``
     for an unknown ``arch`` or fewer than 2 experts.
     """
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
     if num_experts < 2:
         raise ValueError(f"num_experts: {num_experts} < 2 (top-2 routing)")
@@ -60,8 +60,10 @@ def tiny_config(
         "pad_token_id": ids.get("pad"),
         "dtype": dtype,
     }
+    # head_dim is no declared field of every config class (Qwen3-MoE takes it as an extra
+    # attribute), so it travels in a plain dict
+    head_dim: dict[str, Any] = {"head_dim": 8}
     config: PretrainedConfig
-    head_dim: dict[str, Any] = {"head_dim": 8}  # Qwen3-MoE takes it; its signature omits it
     if arch == "deepseek_v3":
         config = DeepseekV3Config(
             **common,
@@ -85,8 +87,8 @@ def tiny_config(
             **common,
             intermediate_size=2 * hidden_size,
             moe_intermediate_size=16,
-            num_experts=num_experts,
             **head_dim,
+            num_experts=num_experts,
             mlp_only_layers=[0],
             decoder_sparse_step=1,
             norm_topk_prob=True,
@@ -95,8 +97,8 @@ def tiny_config(
         config = MixtralConfig(
             **common,
             intermediate_size=16,
+            **head_dim,
             num_local_experts=num_experts,
-            head_dim=8,
         )
     else:
         raise ValueError(f"arch: unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")

@@ -6,7 +6,8 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``testing make-checkpoint`` to the ``dwdp`` command line."""
+    """Add ``testing make-checkpoint`` and ``testing train-demo-model`` to the ``dwdp`` command
+    line."""
     testing = subparsers.add_parser("testing", help="test and demo helpers")
     sub = testing.add_subparsers(dest="testing_command", metavar="COMMAND", required=True)
     make = sub.add_parser(
@@ -20,6 +21,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make.add_argument("--hidden-size", type=int, default=32)
     make.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     make.set_defaults(func=_make_checkpoint)
+    train = sub.add_parser(
+        "train-demo-model",
+        help="train the demo's tiny DeepSeek-V3-family model on its fact corpus "
+        "(seeded, deterministic; about half a minute on one core)",
+    )
+    train.add_argument("--out", required=True, help="output directory (created)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--epochs", type=int, default=40, help="passes over the corpus")
+    train.set_defaults(func=_train_demo_model)
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
@@ -35,6 +45,19 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
             hidden_size=args.hidden_size,
             dtype=args.dtype,
         )
+    except ValueError as exc:
+        from dwdp.cli import UserError
+
+        raise UserError(str(exc)) from exc
+    print(out)
+    return 0
+
+
+def _train_demo_model(args: argparse.Namespace) -> int:
+    from dwdp.worker.testing.demo_model import TrainSettings, train_demo_model
+
+    try:
+        out = train_demo_model(args.out, TrainSettings(seed=args.seed, epochs=args.epochs))
     except ValueError as exc:
         from dwdp.cli import UserError
 

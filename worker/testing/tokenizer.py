@@ -7,6 +7,7 @@ arguments give the same vocabulary on every machine; nothing is downloaded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 BOS = "<|bos|>"
@@ -34,11 +35,13 @@ _CORPUS = (
 )
 
 
-def build_tokenizer(vocab_size: int = 384):
+def build_tokenizer(vocab_size: int = 384, texts: Sequence[str] | None = None):
     """Train the tokenizer; returns a ``transformers.PreTrainedTokenizerFast``.
 
     ``vocab_size`` counts the 256 byte symbols, the special tokens and the merges; it must be
-    at least 256 + len(SPECIAL_TOKENS). Raises ``ValueError`` otherwise.
+    at least 256 + len(SPECIAL_TOKENS). Raises ``ValueError`` otherwise. ``texts`` is the
+    training text (default: this module's fixed corpus, four times); with a ``vocab_size``
+    above what the text can merge, every word of it becomes one token.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -55,7 +58,7 @@ def build_tokenizer(vocab_size: int = 384):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator(list(texts) if texts is not None else [_CORPUS] * 4, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,

@@ -1,0 +1,144 @@
+"""The demo model served through the real worker path with DWDP: 4 forked rank processes over
+the cpu backend and a TCP store, expert + dense DWDP (8 routed experts, 2 per rank), each
+answering the demo's prompts (scripts/demo.py PROMPTS and CHAT, rendered as the server
+renders them) greedily. Every rank's tokens and logits equal one process with replicated
+weights, and the answers are the facts the model learned (" Paris." after "The capital of
+France is").
+
+The model is the one the demo serves (``cached_demo_model`` in the shared cache; trained there
+on first use, about half a minute on one core).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import RankProcesses, free_port, read_records  # noqa: E402
+
+from dwdp.api.partition import expert_partition  # noqa: E402
+from dwdp.devcluster.paths import cache_dir  # noqa: E402
+from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
+from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
+from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+from dwdp.worker.testing.demo_model import cached_demo_model  # noqa: E402
+
+WORLD = 4
+NUM_EXPERTS = 8
+PROMPTS = ("The capital of France is", "Once upon a time", "DWDP shares the experts")
+CHAT = "Say hello to the DWDP group."
+PARAMS = SamplingParams(max_tokens=8)
+
+
+def _prompt_ids(tok) -> list[list[int]]:
+    """The demo's requests as the server tokenizes them: completions with the tokenizer's
+    special tokens, the chat rendered by the chat template."""
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": CHAT}], add_generation_prompt=True, tokenize=False
+    )
+    return [tok(p, add_special_tokens=True)["input_ids"] for p in PROMPTS] + [
+        tok(chat, add_special_tokens=False)["input_ids"]
+    ]
+
+
+def _batch(tok, rank: int) -> list[list[int]]:
+    prompts = _prompt_ids(tok)
+    return prompts[rank:] + prompts[:rank]
+
+
+def _rank_main(rank: int, out: Path, group: str, port: int, checkpoint: str) -> None:
+    torch.set_num_threads(1)
+    from dwdp.worker.attach import attach
+    from dwdp.worker.backend.cpu import CpuBackend
+    from dwdp.worker.models import adapter_for
+    from dwdp.worker.transport.base import RendezvousConfig
+    from dwdp.worker.transport.tcp_store import TcpStoreTransport
+
+    config = RendezvousConfig(
+        group=group,
+        incarnation="i0",
+        rank=rank,
+        world_size=WORLD,
+        address=("127.0.0.1", port),
+        timeout_s=120,
+    )
+    with TcpStoreTransport(config) as transport:
+        model, tok = load_checkpoint(checkpoint)
+        attachment = attach(
+            model,
+            adapter_for(model),
+            backend=CpuBackend(group=group, incarnation="i0", rank=rank),
+            transport=transport,
+            partition=expert_partition(NUM_EXPERTS, WORLD),
+            enable_dense=True,
+            num_slots=2,
+        )
+        try:
+            engine = BatchingEngine(model, tok, model_name="demo")
+            results = engine.run_batch(_batch(tok, rank), PARAMS, keep_logits=True)
+            status = attachment.status()
+        finally:
+            attachment.close()
+    torch.save([(r.token_ids, torch.stack(r.logits)) for r in results], out / f"out.{rank}.pt")
+    (out / f"s.{rank}.json").write_text(
+        json.dumps({"texts": [r.text for r in results], "phase": status["phase"]})
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> str:
+    return str(cached_demo_model(cache_dir() / "models"))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, checkpoint):
+    from dwdp.worker.backend.cpu import leftover_segments
+
+    out = tmp_path_factory.mktemp("ranks")
+    group = f"d{uuid.uuid4().hex[:10]}"
+    port = free_port()
+    procs = RankProcesses(out)
+    procs.start(
+        list(range(WORLD)), lambda rank, out: _rank_main(rank, out, group, port, checkpoint)
+    )
+    codes = procs.wait(timeout_s=300)
+    left = leftover_segments(group)
+    assert not left, f"shared-memory segments left behind: {left}"
+    crashes = sorted(out.glob("crash.*.txt"))
+    assert not crashes, "\n".join(p.read_text() for p in crashes)
+    assert codes == dict.fromkeys(range(WORLD), 0)
+    return out
+
+
+def test_every_rank_answers_as_the_replicated_model(run, checkpoint):
+    torch.set_num_threads(1)
+    model, tok = load_checkpoint(checkpoint)
+    engine = BatchingEngine(model, tok, model_name="demo")
+    for rank in range(WORLD):
+        want = engine.run_batch(_batch(tok, rank), PARAMS, keep_logits=True)
+        got = torch.load(run / f"out.{rank}.pt")
+        assert len(got) == len(want) == len(PROMPTS) + 1
+        for (tokens, logits), ref in zip(got, want, strict=True):
+            assert tokens == ref.token_ids, rank
+            assert torch.equal(logits, torch.stack(ref.logits)), rank
+
+
+def test_the_answers_are_the_facts(run):
+    records = read_records(run, "s", WORLD)
+    for rank, rec in enumerate(records):
+        assert rec["phase"] == "committed"
+        texts = rec["texts"][-rank:] + rec["texts"][:-rank] if rank else rec["texts"]
+        france, story, dwdp, chat = texts
+        assert france == " Paris.", rank
+        assert story.startswith(" there was a tiny model"), rank
+        assert dwdp == " across the ranks of a group.", rank
+        assert chat.startswith("Hello, DWDP group!"), rank
