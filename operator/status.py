@@ -16,7 +16,7 @@ from typing import Any
 from dwdp.api.deployment import DeploymentPhase
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
-from dwdp.operator.observe import RENDEZVOUS_PHASES, ObservedPod, RankReport
+from dwdp.operator.observe import ObservedPod, RankReport
 
 __all__ = [
     "GroupView",
@@ -108,8 +108,8 @@ def evaluate_group(
     (pods that were not asked are absent). Order of the rules: a failed pod or rank wins
     (Failed), then missing pods (Pending), unscheduled pods (Scheduling), unstarted pods
     (Pending), an open gate on every pod (Serving, committed), every rank committed in
-    agreement (Serving, committed: the gate opens now), any rank past the rendezvous
-    (SettingUp), else Rendezvous.
+    agreement (Serving, committed: the gate opens now), any rank that answered (a worker
+    answers only after its setup; SettingUp), else Rendezvous.
     """
     view = dict(name=name, index=index, incarnation=incarnation, revision=revision)
     all_reports = [r for p in pods for r in reports.get(p.name, ())]
@@ -150,7 +150,7 @@ def evaluate_group(
             layout_digest=answered[0].layout_digest,
             committed=True,
         )
-    if any(not (r.committed or r.phase in RENDEZVOUS_PHASES) for r in answered) or ready:
+    if any(not r.committed for r in answered) or ready:
         return GroupView(**base, phase=GroupPhase.SETTING_UP, ranks_ready=ready)
     return GroupView(**base, phase=GroupPhase.RENDEZVOUS, ranks_ready=ready)
 
