@@ -134,13 +134,13 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
 
     import kopf
+
+    from dwdp.cli import UserError
     from dwdp.operator import constants as c
     from dwdp.operator.handlers import OperatorConfig, build_registry, build_settings
     from dwdp.operator.kube import Kube
     from dwdp.operator.plan import PlanOptions
     from dwdp.operator.reconcile import Reconcilers
-
-    from dwdp.cli import UserError
 
     try:
         command = (

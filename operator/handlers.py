@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+
 from dwdp.api.deployment import deployment_problems
 from dwdp.operator import constants as c
 from dwdp.operator.certs import CertFiles

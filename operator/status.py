@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dwdp.api.deployment import DeploymentPhase
+from dwdp.api.deployment import DeploymentPhase, FailureRecord, GroupStatus
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
 from dwdp.operator.observe import ObservedPod, RankReport
@@ -44,23 +44,26 @@ class GroupView:
     """Every rank committed with one revision and layout digest: the gate may be open."""
     failure: dict[str, Any] | None = None
 
+    def to_model(self, *, restarts: int = 0) -> GroupStatus:
+        """The ``status.groups[]`` entry."""
+        return GroupStatus(
+            name=self.name,
+            revision=self.revision,
+            incarnation=self.incarnation,
+            phase=self.phase.value,
+            ranks_ready=self.ranks_ready,
+            ranks_total=self.ranks_total,
+            layout_digest=self.layout_digest,
+            leaks=0,
+            restarts=restarts,
+            last_failure=(
+                FailureRecord.model_validate(self.failure) if self.failure is not None else None
+            ),
+        )
+
     def to_status(self, *, restarts: int = 0) -> dict[str, Any]:
-        """The ``status.groups[]`` entry (camelCase)."""
-        out: dict[str, Any] = {
-            "name": self.name,
-            "revision": self.revision,
-            "incarnation": self.incarnation,
-            "phase": self.phase.value,
-            "ranksReady": self.ranks_ready,
-            "ranksTotal": self.ranks_total,
-            "leaks": 0,
-            "restarts": restarts,
-        }
-        if self.layout_digest is not None:
-            out["layoutDigest"] = self.layout_digest
-        if self.failure is not None:
-            out["lastFailure"] = self.failure
-        return out
+        """The ``status.groups[]`` entry as written (camelCase, unset fields left out)."""
+        return self.to_model(restarts=restarts).to_yaml_dict()
 
 
 def failure_record(pod: ObservedPod, reports: Sequence[RankReport | None]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from dwdp.devcluster.testing import TestCluster
 from dwdp.operator.testing.process import OperatorProcess
 
