@@ -10,6 +10,7 @@ builders never read the cluster and never look at the clock.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +129,7 @@ def _finish(obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
     return obj
 
 
-def applied_hash(obj: dict[str, Any]) -> str | None:
+def applied_hash(obj: Mapping[str, Any]) -> str | None:
     """The ``dwdp.io/applied-hash`` annotation of an object (None when absent)."""
     return ((obj.get("metadata") or {}).get("annotations") or {}).get(c.ANNOTATION_APPLIED_HASH)
 

@@ -18,7 +18,7 @@ ENV_WORKER_COMMAND = "DWDP_OPERATOR_WORKER_COMMAND"
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``operator`` to the ``dwdp`` parser."""
     p = subparsers.add_parser(
         "operator",
