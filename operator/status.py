@@ -61,10 +61,6 @@ class GroupView:
             ),
         )
 
-    def to_status(self, *, restarts: int = 0) -> dict[str, Any]:
-        """The ``status.groups[]`` entry as written (camelCase, unset fields left out)."""
-        return self.to_model(restarts=restarts).to_yaml_dict()
-
 
 def failure_record(pod: ObservedPod, reports: Sequence[RankReport | None]) -> dict[str, Any]:
     """The ``lastFailure`` of a group whose pod ``pod`` failed: the phase a rank reported

@@ -39,6 +39,7 @@ __all__ = [
     "GateChange",
     "GroupDecision",
     "GroupState",
+    "NO_ACTIONS",
     "PlanOptions",
     "RoleContext",
     "RoleDecision",

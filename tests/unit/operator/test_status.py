@@ -272,7 +272,7 @@ def test_failed_group_records_phase_and_message() -> None:
         "message": "demo-g0-i1-p1: P3: rank 3 failed",
         "reason": "PodFailed",
     }
-    assert view.to_status(restarts=2) == {
+    assert view.to_model(restarts=2).to_yaml_dict() == {  # as the status writes it
         "name": "demo-g0",
         "revision": "r1",
         "incarnation": 1,
