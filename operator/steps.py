@@ -33,13 +33,13 @@ from dwdp.operator.observe import ChildKey, Observed, ObservedPod
 from dwdp.operator.status import GroupView, evaluate_group
 
 __all__ = [
+    "NO_ACTIONS",
     "Actions",
     "Delete",
     "Event",
     "GateChange",
     "GroupDecision",
     "GroupState",
-    "NO_ACTIONS",
     "PlanOptions",
     "RoleContext",
     "RoleDecision",
