@@ -40,7 +40,9 @@ from dwdp.api.contract import DENSE_SETUP_PHASES, EXPERT_SETUP_PHASES, Env, Stag
 
 COMMIT = EXPERT_SETUP_PHASES[-1]
 """The final vote (the worker's expert ``commit`` phase)."""
-STEPS: tuple[str, ...] = (Stage.RENDEZVOUS, Stage.LOAD, *DENSE_SETUP_PHASES, COMMIT, Stage.SERVE)
+SETUP_STEPS: tuple[str, ...] = (Stage.LOAD, *DENSE_SETUP_PHASES)
+"""The steps between the rendezvous and the commit (model load, dense setup phases)."""
+STEPS: tuple[str, ...] = (Stage.RENDEZVOUS, *SETUP_STEPS, COMMIT, Stage.SERVE)
 """The steps a rank walks, in order; each is the word of its termination message."""
 TERMINATION_LOG = os.environ.get(Env.TERMINATION_LOG, "/dev/termination-log")
 
@@ -175,7 +177,7 @@ class Rank:
         except (OSError, TimeoutError) as exc:
             raise Fail(Stage.RENDEZVOUS, str(exc)) from exc
         step = float(os.environ.get("RANKPROG_PHASE_S", "0.05"))
-        for phase in (Stage.LOAD, *DENSE_SETUP_PHASES):
+        for phase in SETUP_STEPS:
             self._enter(phase)
             time.sleep(step)
         if os.environ.get("RANKPROG_COMMIT", "1") == "0":

@@ -147,6 +147,7 @@ def _rankprog_words(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[se
     rank = rankprog.Rank(0)
     assert rank.status() is None  # no answer before the commit, as the worker
     rank.run()
+    assert rank.walked == list(rankprog.STEPS)
     status = {rank.status()["phase"]}
     termination: set[str] = set()
     for inc, step in enumerate(rank.walked, start=1):
