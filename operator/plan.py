@@ -176,7 +176,7 @@ def _invalid_plan(
     return Plan(status=status if changed else None, events=events)
 
 
-def _fabric_problem(spec: DwdpDeploymentSpec, shape: builders.RoleShape) -> str:
+def _fabric_problem(shape: builders.RoleShape) -> str:
     return (
         f"handleType fabric across {shape.pods_per_group} pods per group needs one NVIDIA "
         "ComputeDomain (resource.nvidia.com/v1beta1 computedomains) per group "
@@ -206,7 +206,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         and options.compute_domains
     )
     if fabric_pods and not observed.compute_domains:
-        problem = _fabric_problem(spec, context)
+        problem = _fabric_problem(context)
         return _invalid_plan(body, [problem], now, reason=Reason.COMPUTE_DOMAIN_UNAVAILABLE)
     roles: dict[Role, RoleDecision] = {}
     for role, shape in shapes.items():
