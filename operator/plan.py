@@ -210,8 +210,17 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         return _invalid_plan(body, [problem], now, reason=Reason.COMPUTE_DOMAIN_UNAVAILABLE)
     roles: dict[Role, RoleDecision] = {}
     for role, shape in shapes.items():
-        ctx = RoleContext(spec, owner, options, observed, now, role, shape, revisions[role],
-                          fabric_pods)
+        ctx = RoleContext(
+            spec=spec,
+            owner=owner,
+            options=options,
+            observed=observed,
+            now=now,
+            role=role,
+            shape=shape,
+            target=revisions[role],
+            fabric_pods=fabric_pods,
+        )
         roles[role] = decide_role(ctx, recorded_groups(owner.name, role, old_status))
     actions = sum((d.actions for d in roles.values()), NO_ACTIONS)
     orphans = tuple(  # roles the spec no longer runs (generation removed): drain every pod
@@ -272,8 +281,8 @@ def _children(
     keep |= {ChildKey("ConfigMap", naming.config_map(owner.name, r, rev)) for r, rev in in_use}
     keep |= actions.keep
     for p in observed.pods:  # an incarnation's PodGroup and ComputeDomain live as its pods do
-        name = naming.incarnation(naming.group_name(owner.name, p.role, p.group_index),
-                                  p.incarnation)
+        group = naming.group_name(owner.name, p.role, p.group_index)
+        name = naming.incarnation(group, p.incarnation)
         keep |= {ChildKey("PodGroup", name), ChildKey("ComputeDomain", name)}
     if observed.create_blocked:
         # A refused creation waits for its retry: keep the PodGroups and ComputeDomains it

@@ -752,9 +752,7 @@ def decide_role(ctx: RoleContext, records: Mapping[int, Mapping[str, Any]]) -> R
     indices = sorted(
         {p.group_index for p in ctx.observed.pods if p.role is ctx.role} | set(records)
     )
-    decisions = {
-        i: decide_group(ctx, group_state(ctx, i, records.get(i) or {})) for i in indices
-    }
+    decisions = {i: decide_group(ctx, group_state(ctx, i, records.get(i) or {})) for i in indices}
     stepped = sum((d.actions for d in decisions.values()), NO_ACTIONS)
     outdated = sum(1 for d in decisions.values() if d.slot is not None and not d.slot.new)
     drain_actions, after, drained_groups = rollout(ctx, decisions)
@@ -786,4 +784,3 @@ def _unschedulable_too_long(pod: ObservedPod, now: str, timeout_s: int) -> bool:
         return False
     since = groups.seconds_since(pod.created, now)
     return since is not None and since > timeout_s
-

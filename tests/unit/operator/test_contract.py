@@ -192,7 +192,10 @@ def test_worker_and_rank_program_speak_the_contract(
         assert rank_report_from_json({"phase": word}) is not None, word
     for word in worker_termination:
         phase, _ = classify_failure(
-            message=f"{word}: x", exit_code=1, terminated_reason=None, rank_phase=None,
+            message=f"{word}: x",
+            exit_code=1,
+            terminated_reason=None,
+            rank_phase=None,
             was_serving=False,
         )
         assert phase == word
@@ -201,4 +204,3 @@ def test_worker_and_rank_program_speak_the_contract(
 def test_operator_reads_no_word_outside_the_contract() -> None:
     for word in ("rendezvous", "P3", "init", "serving", "aborted", "error", "starting"):
         assert rank_report_from_json({"phase": word}) is None, word
-
