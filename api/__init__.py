@@ -11,6 +11,8 @@ Depends only on pydantic and PyYAML, so the operator, the worker and the CLI sha
   launch_config_for.
 - ``dwdp.api.crd``: the CRD generated from the models (``dwdp crd``).
 - ``dwdp.api.errors``: Problem (field path, value, rule) and DwdpValidationError.
+- ``dwdp.api.contract``: the rank contract (pod environment names, ``/dwdp/status`` phases,
+  termination-message words) the operator, the worker and the test rank program share.
 
 This package imports nothing at import time; import the module you need.
 """

@@ -10,10 +10,13 @@ builders never read the cluster and never look at the clock.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
+
+from dwdp.api.contract import Env
 from dwdp.api.deployment import API_VERSION, KIND, DwdpDeploymentSpec, launch_config_for
 from dwdp.api.enums import Role
 from dwdp.api.launch import validate_launch
@@ -126,7 +129,7 @@ def _finish(obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
     return obj
 
 
-def applied_hash(obj: dict[str, Any]) -> str | None:
+def applied_hash(obj: Mapping[str, Any]) -> str | None:
     """The ``dwdp.io/applied-hash`` annotation of an object (None when absent)."""
     return ((obj.get("metadata") or {}).get("annotations") or {}).get(c.ANNOTATION_APPLIED_HASH)
 
@@ -377,18 +380,18 @@ def worker_pod(
         port=spec.rendezvous.port,
     )
     env = [
-        {"name": c.ENV_GROUP, "value": group},
-        {"name": c.ENV_INCARNATION, "value": str(incarnation)},
-        {"name": c.ENV_RANK, "value": str(pod_index * shape.ranks_per_pod)},
-        {"name": c.ENV_WORLD_SIZE, "value": str(shape.world_size)},
-        {"name": c.ENV_LOCAL_WORLD_SIZE, "value": str(shape.ranks_per_pod)},
-        {"name": c.ENV_RENDEZVOUS, "value": rendezvous},
-        {"name": c.ENV_RENDEZVOUS_TIMEOUT_S, "value": str(spec.rendezvous.timeout_seconds)},
-        {"name": c.ENV_ROLE, "value": role.value},
-        {"name": c.ENV_REVISION, "value": revision},
-        {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_DIR}/{shape.config_key}"},
-        {"name": c.ENV_PORT, "value": str(spec.server.port)},
-        {"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": Env.GROUP.value, "value": group},
+        {"name": Env.INCARNATION.value, "value": str(incarnation)},
+        {"name": Env.RANK.value, "value": str(pod_index * shape.ranks_per_pod)},
+        {"name": Env.WORLD_SIZE.value, "value": str(shape.world_size)},
+        {"name": Env.LOCAL_WORLD_SIZE.value, "value": str(shape.ranks_per_pod)},
+        {"name": Env.RENDEZVOUS.value, "value": rendezvous},
+        {"name": Env.RENDEZVOUS_TIMEOUT_S.value, "value": str(spec.rendezvous.timeout_seconds)},
+        {"name": Env.ROLE.value, "value": role.value},
+        {"name": Env.REVISION.value, "value": revision},
+        {"name": Env.CONFIG.value, "value": f"{c.CONFIG_DIR}/{shape.config_key}"},
+        {"name": Env.PORT.value, "value": str(spec.server.port)},
+        {"name": Env.POD_IP.value, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         *t["env"],
     ]
     ports = [

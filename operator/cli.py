@@ -18,7 +18,7 @@ ENV_WORKER_COMMAND = "DWDP_OPERATOR_WORKER_COMMAND"
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``operator`` to the ``dwdp`` parser."""
     p = subparsers.add_parser(
         "operator",
@@ -134,13 +134,13 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
 
     import kopf
+
+    from dwdp.cli import UserError
     from dwdp.operator import constants as c
     from dwdp.operator.handlers import OperatorConfig, build_registry, build_settings
     from dwdp.operator.kube import Kube
     from dwdp.operator.plan import PlanOptions
     from dwdp.operator.reconcile import Reconcilers
-
-    from dwdp.cli import UserError
 
     try:
         command = (

@@ -1,5 +1,6 @@
 """Every name the operator writes into the cluster: label and annotation keys, condition
-types and reasons, event reasons, environment variable names, the field manager.
+types and reasons, event reasons, the field manager (the rank contract's environment
+names, status phases and termination words live in :mod:`dwdp.api.contract`).
 
 The invariant: no other module spells one of these strings; they import them from here, so
 a key is renamed in one place and tests compare against the same constant.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import enum
 
+from dwdp.api.contract import Env
 from dwdp.api.deployment import GROUP, PLURAL, VERSION
 from dwdp.api.deployment import GroupPhase as GroupPhase  # status.groups[].phase values
 
@@ -83,27 +85,8 @@ CONFIG_KEY_CONTEXT = "context.yaml"
 CONFIG_KEY_GENERATION = "generation.yaml"
 MODEL_VOLUME = "model"
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
-DEFAULT_WORKER_COMMAND = ("dwdp", "launch", "--host", "$(DWDP_POD_IP)")
+DEFAULT_WORKER_COMMAND = ("dwdp", "launch", "--host", f"$({Env.POD_IP.value})")
 """Container command of a worker pod (``dwdp launch`` binds the pod's own address)."""
-
-# ----------------------------------------------------------------------------- environment
-ENV_GROUP = "DWDP_GROUP"
-ENV_INCARNATION = "DWDP_INCARNATION"
-ENV_RANK = "DWDP_RANK"
-"""Rank of the pod's first local rank (pod index x ranks per pod)."""
-ENV_WORLD_SIZE = "DWDP_WORLD_SIZE"
-ENV_LOCAL_WORLD_SIZE = "DWDP_LOCAL_WORLD_SIZE"
-"""Ranks in this pod (``dwdp launch`` starts one process per local rank)."""
-ENV_RENDEZVOUS = "DWDP_RENDEZVOUS"
-"""``host:port`` of the store on the group's pod 0 (headless DNS name)."""
-ENV_RENDEZVOUS_TIMEOUT_S = "DWDP_RENDEZVOUS_TIMEOUT_S"
-ENV_ROLE = "DWDP_ROLE"
-ENV_REVISION = "DWDP_REVISION"
-ENV_CONFIG = "DWDP_CONFIG"
-ENV_POD_IP = "DWDP_POD_IP"
-"""The pod's address (downward API ``status.podIP``); the servers bind it."""
-ENV_PORT = "DWDP_PORT"
-"""HTTP port of local rank 0; local rank k serves DWDP_PORT + k."""
 
 # ----------------------------------------------------------------------------- conditions
 COND_READY = "Ready"

@@ -26,7 +26,10 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dwdp.api.contract import SERVING_WORDS, SETUP_WORDS, Stage
+
 __all__ = [
+    "EXIT_WORD",
     "FailureClass",
     "GroupSlot",
     "RolloutStep",
@@ -38,10 +41,9 @@ __all__ = [
     "seconds_since",
 ]
 
-SETUP_PHASES = frozenset({"P0", "P1", "P2", "P3", "P4", "P5", "commit", "setup"})
-"""Phases a rank reports while setting up DWDP (a failure there is a SetupFailed)."""
-SERVING_PHASES = frozenset({"committed", "serve", "serving"})
-"""Phases after the commit (a failure there is a Crash)."""
+
+EXIT_WORD = "exit"
+"""``lastFailure.phase`` of a failure no rank named (the operator's word, not a rank's)."""
 
 
 class FailureClass:
@@ -50,12 +52,12 @@ class FailureClass:
     SETUP_FAILED = "SetupFailed"
     RENDEZVOUS_FAILED = "RendezvousFailed"
     CONFIG_ERROR = "ConfigError"
+    HOST_REFUSED = "HostRefused"
     CRASH = "Crash"
     OOM_KILLED = "OOMKilled"
     EXITED = "Exited"
     POD_MISSING = "PodMissing"
     UNSCHEDULABLE = "Unschedulable"
-    STUCK_TERMINATING = "StuckTerminating"
 
 
 def parse_time(text: str | None) -> dt.datetime | None:
@@ -97,23 +99,25 @@ def classify_failure(
     The phase is the one the rank named in its termination message (``"P3: ..."``), else
     the phase a rank reported as failed, else ``serve`` when the group was serving, else
     ``exit``. The reason: OOMKilled from the kubelet; a named setup phase gives
-    SetupFailed (rendezvous: RendezvousFailed, config: ConfigError); a serving group that
+    SetupFailed (rendezvous: RendezvousFailed, config: ConfigError, host: HostRefused); a serving group that
     lost a rank, or a rank killed by a signal (exit code above 128), is a Crash; else Exited.
     """
     head = None
     if message and ":" in message:
         first = message.split(":", 1)[0].strip()
         head = first if first and " " not in first and len(first) <= 32 else None
-    phase = head or rank_phase or ("serve" if was_serving else "exit")
+    phase = head or rank_phase or (Stage.SERVE.value if was_serving else EXIT_WORD)
     if terminated_reason == "OOMKilled":
         return phase, FailureClass.OOM_KILLED
-    if phase == "rendezvous":
+    if phase == Stage.RENDEZVOUS:
         return phase, FailureClass.RENDEZVOUS_FAILED
-    if phase == "config":
+    if phase == Stage.CONFIG:
         return phase, FailureClass.CONFIG_ERROR
-    if phase in SETUP_PHASES:
+    if phase == Stage.HOST:
+        return phase, FailureClass.HOST_REFUSED
+    if phase in SETUP_WORDS:
         return phase, FailureClass.SETUP_FAILED
-    if phase in SERVING_PHASES or was_serving or (exit_code is not None and exit_code > 128):
+    if phase in SERVING_WORDS or was_serving or (exit_code is not None and exit_code > 128):
         return phase, FailureClass.CRASH
     return phase, FailureClass.EXITED
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+
 from dwdp.api.deployment import deployment_problems
 from dwdp.operator import constants as c
 from dwdp.operator.certs import CertFiles
@@ -97,11 +98,15 @@ def build_registry(reconcilers: Reconcilers, config: OperatorConfig) -> kopf.Ope
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> Any:
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
     @kopf.on.event(c.API_GROUP, c.API_VERSION, c.RESOURCE_PLURAL, registry=registry)
-    async def deployment_event(event: dict, namespace: str, name: str, meta: Any, **_: Any) -> None:
+    async def deployment_event(
+        *, event: kopf.RawEvent, namespace: str | None, name: str, meta: kopf.Meta, **_: Any
+    ) -> None:
+        if namespace is None:  # DwdpDeployments are namespaced: never the case
+            return
         key = (namespace, name)
         if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
             reconcilers.stop(key)
@@ -115,7 +120,9 @@ def build_registry(reconcilers: Reconcilers, config: OperatorConfig) -> kopf.Ope
         labels={c.LABEL_DEPLOYMENT: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY},
         registry=registry,
     )
-    async def pod_event(namespace: str, labels: Any, **_: Any) -> None:
+    async def pod_event(*, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+        if namespace is None:  # pods are namespaced: never the case
+            return
         reconcilers.wake((namespace, labels[c.LABEL_DEPLOYMENT]), start=False)
 
     @kopf.on.cleanup(registry=registry)
@@ -145,7 +152,7 @@ def build_registry(reconcilers: Reconcilers, config: OperatorConfig) -> kopf.Ope
             side_effects=False,
             registry=registry,
         )
-        def validate(body: Any, **_: Any) -> None:
+        def validate(*, body: kopf.Body, **_: Any) -> None:
             problems = deployment_problems({k: v for k, v in dict(body).items() if k != "status"})
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems)[:4000], code=422)

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dwdp.api.contract import COMMITTED_PHASES, StatusPhase
 from dwdp.api.enums import Role
 from dwdp.operator import constants as c
 from dwdp.operator.builders import applied_hash
@@ -25,13 +26,7 @@ __all__ = [
     "rank_report_from_json",
 ]
 
-COMMITTED_PHASES = frozenset({"committed", "disabled", "serving"})
-"""Rank phases (``/dwdp/status``) that count as committed (``disabled``: a rank without
-DWDP commits trivially)."""
-RENDEZVOUS_PHASES = frozenset({"rendezvous", "starting", "init"})
-"""Rank phases that mean the ranks are still meeting."""
-FAILED_PHASES = frozenset({"failed", "aborted", "error"})
-"""Rank phases that mean the rank's setup failed."""
+_STATUS_WORDS = frozenset(p.value for p in StatusPhase)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +34,7 @@ class RankReport:
     """One rank's answer to ``GET /dwdp/status`` (the fields the operator reads)."""
 
     rank: int | None
-    phase: str
+    phase: StatusPhase
     revision: str | None = None
     incarnation: int | None = None
     layout_digest: str | None = None
@@ -51,20 +46,22 @@ class RankReport:
 
     @property
     def failed(self) -> bool:
-        """The rank reports a failed setup."""
-        return self.phase in FAILED_PHASES
+        """The rank reports it failed (its engine died after the commit)."""
+        return self.phase == StatusPhase.FAILED
 
 
 def rank_report_from_json(data: Any) -> RankReport | None:
-    """Read a ``/dwdp/status`` body; None when it is not a mapping with a string phase."""
-    if not isinstance(data, Mapping) or not isinstance(data.get("phase"), str):
+    """Read a ``/dwdp/status`` body; None when it is not a mapping whose ``phase`` is one
+    of the contract's :class:`~dwdp.api.contract.StatusPhase` words (an answer the operator
+    cannot read counts as not reported yet)."""
+    if not isinstance(data, Mapping) or data.get("phase") not in _STATUS_WORDS:
         return None
     inc = data.get("incarnation")
     rank = data.get("rank")
     digest = data.get("layout_digest", data.get("layoutDigest"))
     return RankReport(
         rank=rank if isinstance(rank, int) else None,
-        phase=data["phase"],
+        phase=StatusPhase(data["phase"]),
         revision=data.get("revision") if isinstance(data.get("revision"), str) else None,
         incarnation=int(inc) if isinstance(inc, int | str) and str(inc).isdigit() else None,
         layout_digest=digest if isinstance(digest, str) else None,

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Iterable
 
 import aiohttp
+
 from dwdp.operator.observe import ObservedPod, RankReport, rank_report_from_json
 
 __all__ = ["PROBE_TIMEOUT_S", "probe_ranks", "to_probe"]

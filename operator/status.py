@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dwdp.api.deployment import DeploymentPhase
+from dwdp.api.deployment import DeploymentPhase, FailureRecord, GroupStatus
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
-from dwdp.operator.observe import RENDEZVOUS_PHASES, ObservedPod, RankReport
+from dwdp.operator.observe import ObservedPod, RankReport
 
 __all__ = [
     "GroupView",
@@ -44,29 +44,28 @@ class GroupView:
     """Every rank committed with one revision and layout digest: the gate may be open."""
     failure: dict[str, Any] | None = None
 
-    def to_status(self, *, restarts: int = 0) -> dict[str, Any]:
-        """The ``status.groups[]`` entry (camelCase)."""
-        out: dict[str, Any] = {
-            "name": self.name,
-            "revision": self.revision,
-            "incarnation": self.incarnation,
-            "phase": self.phase.value,
-            "ranksReady": self.ranks_ready,
-            "ranksTotal": self.ranks_total,
-            "leaks": 0,
-            "restarts": restarts,
-        }
-        if self.layout_digest is not None:
-            out["layoutDigest"] = self.layout_digest
-        if self.failure is not None:
-            out["lastFailure"] = self.failure
-        return out
+    def to_model(self, *, restarts: int = 0) -> GroupStatus:
+        """The ``status.groups[]`` entry."""
+        return GroupStatus(
+            name=self.name,
+            revision=self.revision,
+            incarnation=self.incarnation,
+            phase=self.phase.value,
+            ranks_ready=self.ranks_ready,
+            ranks_total=self.ranks_total,
+            layout_digest=self.layout_digest,
+            leaks=0,
+            restarts=restarts,
+            last_failure=(
+                FailureRecord.model_validate(self.failure) if self.failure is not None else None
+            ),
+        )
 
 
 def failure_record(pod: ObservedPod, reports: Sequence[RankReport | None]) -> dict[str, Any]:
     """The ``lastFailure`` of a group whose pod ``pod`` failed: the phase a rank reported
     last (else ``exit``) and the termination message (else the exit code)."""
-    phase = next((r.phase for r in reports if r is not None and r.failed), None)
+    phase: str | None = next((r.phase for r in reports if r is not None and r.failed), None)
     message = pod.termination_message or (
         f"pod {pod.name} exited with code {pod.exit_code}"
         if pod.exit_code is not None
@@ -108,56 +107,64 @@ def evaluate_group(
     (pods that were not asked are absent). Order of the rules: a failed pod or rank wins
     (Failed), then missing pods (Pending), unscheduled pods (Scheduling), unstarted pods
     (Pending), an open gate on every pod (Serving, committed), every rank committed in
-    agreement (Serving, committed: the gate opens now), any rank past the rendezvous
-    (SettingUp), else Rendezvous.
+    agreement (Serving, committed: the gate opens now), any rank that answered (a worker
+    answers only after its setup; SettingUp), else Rendezvous.
     """
-    view = dict(name=name, index=index, incarnation=incarnation, revision=revision)
+
+    def verdict(
+        phase: GroupPhase,
+        ready: int = 0,
+        *,
+        digest: str | None = None,
+        failure: dict[str, Any] | None = None,
+    ) -> GroupView:
+        committed = phase is GroupPhase.SERVING
+        return GroupView(
+            name=name,
+            index=index,
+            incarnation=incarnation,
+            revision=revision,
+            phase=phase,
+            ranks_ready=ready,
+            ranks_total=ranks_expected,
+            layout_digest=digest,
+            committed=committed,
+            failure=failure,
+        )
+
     all_reports = [r for p in pods for r in reports.get(p.name, ())]
     for pod in pods:
         pod_reports = reports.get(pod.name, ())
         if pod.failed or any(r is not None and r.failed for r in pod_reports):
-            return GroupView(
-                **view,
-                phase=GroupPhase.FAILED,
-                ranks_ready=0,
-                ranks_total=ranks_expected,
-                failure=failure_record(pod, pod_reports),
-            )
-    base = dict(view, ranks_total=ranks_expected)
+            return verdict(GroupPhase.FAILED, failure=failure_record(pod, pod_reports))
     if len(pods) < pods_expected:
-        return GroupView(**base, phase=GroupPhase.PENDING, ranks_ready=0)
+        return verdict(GroupPhase.PENDING)
     if not all(p.scheduled for p in pods):
-        return GroupView(**base, phase=GroupPhase.SCHEDULING, ranks_ready=0)
+        return verdict(GroupPhase.SCHEDULING)
     if not all(p.started and p.phase == "Running" for p in pods):
-        return GroupView(**base, phase=GroupPhase.PENDING, ranks_ready=0)
+        return verdict(GroupPhase.PENDING)
     if all(p.gate for p in pods):
         digests = {r.layout_digest for r in all_reports if r is not None}
         digest = digests.pop() if len(digests) == 1 else previous_digest
-        return GroupView(
-            **base,
-            phase=GroupPhase.SERVING,
-            ranks_ready=ranks_expected,
-            layout_digest=digest,
-            committed=True,
-        )
+        return verdict(GroupPhase.SERVING, ranks_expected, digest=digest)
     answered = [r for r in all_reports if r is not None]
     ready = sum(1 for r in answered if r.committed)
     if len(answered) == ranks_expected and _agree(answered, revision, incarnation):
-        return GroupView(
-            **base,
-            phase=GroupPhase.SERVING,
-            ranks_ready=ranks_expected,
-            layout_digest=answered[0].layout_digest,
-            committed=True,
-        )
-    if any(not (r.committed or r.phase in RENDEZVOUS_PHASES) for r in answered) or ready:
-        return GroupView(**base, phase=GroupPhase.SETTING_UP, ranks_ready=ready)
-    return GroupView(**base, phase=GroupPhase.RENDEZVOUS, ranks_ready=ready)
+        return verdict(GroupPhase.SERVING, ranks_expected, digest=answered[0].layout_digest)
+    if any(not r.committed for r in answered) or ready:
+        return verdict(GroupPhase.SETTING_UP, ready)
+    return verdict(GroupPhase.RENDEZVOUS, ready)
 
 
-def _cond(kind: str, ok: bool, reason: Reason, message: str, generation: int | None) -> dict:
-    out = {"type": kind, "status": "True" if ok else "False", "reason": reason.value}
-    out["message"] = message
+def _cond(
+    kind: str, ok: bool, reason: Reason, message: str, generation: int | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "reason": reason.value,
+        "message": message,
+    }
     if generation is not None:
         out["observedGeneration"] = generation
     return out
@@ -223,8 +230,8 @@ def carry_transition_times(
     before = {cond.get("type"): cond for cond in old or ()}
     out = []
     for cond in new:
-        prev = before.get(cond["type"])
-        same = prev is not None and prev.get("status") == cond["status"]
+        prev = before.get(cond["type"]) or {}
+        same = prev.get("status") == cond["status"]
         stamp = prev.get("lastTransitionTime") if same and prev.get("lastTransitionTime") else now
         out.append({**cond, "lastTransitionTime": stamp})
     return out

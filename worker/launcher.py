@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dwdp.api.contract import Env
 from dwdp.worker.main import ENV_CONFIG, ENV_LOCAL_RANK, ENV_LOCAL_WORLD_SIZE
 from dwdp.worker.termination import ENV_TERMINATION_LOG, write_termination_message
 
 log = logging.getLogger(__name__)
 
-ENV_RANK = "DWDP_RANK"
+ENV_RANK = Env.RANK.value
 DEFAULT_STOP_GRACE_S = 30.0
 POLL_S = 0.1
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dwdp.api.contract import Env, Stage
 from dwdp.worker.server.status import rank_identity
 from dwdp.worker.settings import CopySettings
 from dwdp.worker.termination import write_termination_message
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENV_CONFIG = "DWDP_CONFIG"
-ENV_LOCAL_RANK = "DWDP_LOCAL_RANK"
-ENV_LOCAL_WORLD_SIZE = "DWDP_LOCAL_WORLD_SIZE"
+ENV_CONFIG = Env.CONFIG.value
+ENV_LOCAL_RANK = Env.LOCAL_RANK.value
+ENV_LOCAL_WORLD_SIZE = Env.LOCAL_WORLD_SIZE.value
 ENV_TORCH_THREADS = "DWDP_TORCH_THREADS"
 """Optional: intra-op threads of this rank's torch (CPU runs with several ranks per host)."""
 
@@ -54,21 +55,21 @@ def warn_once(message: str) -> bool:
     return True
 
 
-STAGE_CONFIG = "config"
+STAGE_CONFIG = Stage.CONFIG.value
 """Reading the launch config and checking the launch rules."""
-STAGE_CHECKPOINT = "checkpoint"
+STAGE_CHECKPOINT = Stage.CHECKPOINT.value
 """Checking the checkpoint headers, the adapter and the expert partition."""
-STAGE_HOST = "host"
+STAGE_HOST = Stage.HOST.value
 """The host gate: CUDA for the cuda backend, the handle type, the copy operations."""
-STAGE_RENDEZVOUS = "rendezvous"
+STAGE_RENDEZVOUS = Stage.RENDEZVOUS.value
 """Joining the group."""
-STAGE_LOAD = "load"
+STAGE_LOAD = Stage.LOAD.value
 """Loading the model."""
-STAGE_SETUP = "setup"
+STAGE_SETUP = Stage.SETUP.value
 """DWDP setup; a ``SetupError`` names its phase (P1-P6, handshake, allocate, map, commit)."""
-STAGE_ENGINE = "engine"
+STAGE_ENGINE = Stage.ENGINE.value
 """The engine (a forward raised after the commit)."""
-STAGE_SERVE = "serve"
+STAGE_SERVE = Stage.SERVE.value
 """The HTTP server."""
 
 

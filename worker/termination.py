@@ -11,10 +11,12 @@ import logging
 import os
 from pathlib import Path
 
+from dwdp.api.contract import Env
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/dev/termination-log"
-ENV_TERMINATION_LOG = "DWDP_TERMINATION_LOG"
+ENV_TERMINATION_LOG = Env.TERMINATION_LOG.value
 MAX_CHARS = 4000
 """Kubernetes keeps at most 4096 bytes of a termination message."""
 

@@ -3,19 +3,23 @@
 Run as the container command of a worker pod (``python -m dwdp.operator.testing.rankprog``).
 It reads the rendezvous environment (DESIGN.md 4), runs ``DWDP_LOCAL_WORLD_SIZE`` ranks as
 threads, meets the group's other ranks at a tiny TCP store that rank 0 hosts on
-``DWDP_RENDEZVOUS`` (keys namespaced by group and incarnation), walks the setup phases
-P0..P5, meets again to commit, and serves on ``DWDP_POD_IP``, port ``DWDP_PORT + k``:
-``/health``, ``/ready`` (200 only after the commit) and ``/dwdp/status`` (``phase``,
-``rank``, ``group``, ``incarnation``, ``revision``, ``layout_digest``).
+``DWDP_RENDEZVOUS`` (keys namespaced by group and incarnation), walks the real worker's
+steps (``load``, the dense setup phases ``P1``..``P6``), meets again to ``commit``, and
+serves on ``DWDP_POD_IP``, port ``DWDP_PORT + k``: ``/health``, ``/ready`` (200 only after
+the commit) and ``/dwdp/status`` (``phase``, ``rank``, ``group``, ``incarnation``,
+``revision``, ``layout_digest``). It speaks only the words of the rank contract
+(:mod:`dwdp.api.contract`): like the worker, it answers ``/dwdp/status`` only once committed
+(503 before), and its termination messages start with the worker's stage and phase words.
 
 Controls (environment, e.g. from the DwdpDeployment's ``spec.env``):
-- ``RANKPROG_FAIL_PHASE``: a phase (``rendezvous``, ``P0``..``P5``, ``commit``, ``serve``)
-  at which a rank fails: it writes ``"<phase>: ..."`` to the termination message path and
-  the process exits 1 (every local rank with it: fail-together within the pod).
+- ``RANKPROG_FAIL_PHASE``: a step of :data:`STEPS` (``rendezvous``, ``load``, ``P1``..``P6``,
+  ``commit``, ``serve``) at which a rank fails: it writes ``"<step>: ..."`` to the
+  termination message path and the process exits 1 (every local rank with it:
+  fail-together within the pod); ``serve`` fails right after the commit.
 - ``RANKPROG_FAIL_RANK``: the global rank that fails (default: every rank).
 - ``RANKPROG_FAIL_INCARNATION``: fail only in this incarnation (default: every one).
 - ``RANKPROG_FAIL_GROUP``: fail only in this group (``DWDP_GROUP``; default: every one).
-- ``RANKPROG_COMMIT=0``: never commit (stay in P5).
+- ``RANKPROG_COMMIT=0``: never commit (stay in P6).
 - ``RANKPROG_PHASE_S``: seconds spent in each setup phase (default 0.05).
 """
 
@@ -32,8 +36,15 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-PHASES = ("P0", "P1", "P2", "P3", "P4", "P5")
-TERMINATION_LOG = os.environ.get("DWDP_TERMINATION_LOG", "/dev/termination-log")
+from dwdp.api.contract import DENSE_SETUP_PHASES, EXPERT_SETUP_PHASES, Env, Stage, StatusPhase
+
+COMMIT = EXPERT_SETUP_PHASES[-1]
+"""The final vote (the worker's expert ``commit`` phase)."""
+SETUP_STEPS: tuple[str, ...] = (Stage.LOAD, *DENSE_SETUP_PHASES)
+"""The steps between the rendezvous and the commit (model load, dense setup phases)."""
+STEPS: tuple[str, ...] = (Stage.RENDEZVOUS, *SETUP_STEPS, COMMIT, Stage.SERVE)
+"""The steps a rank walks, in order; each is the word of its termination message."""
+TERMINATION_LOG = os.environ.get(Env.TERMINATION_LOG, "/dev/termination-log")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -42,7 +53,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 class Fail(Exception):
-    """A rank was told to fail (or could not go on) at ``phase``."""
+    """A rank was told to fail (or could not go on) at step ``phase``."""
 
     def __init__(self, phase: str, message: str) -> None:
         super().__init__(f"{phase}: {message}")
@@ -103,20 +114,28 @@ class Rank:
 
     def __init__(self, local_rank: int) -> None:
         self.local_rank = local_rank
-        self.first = _env_int("DWDP_RANK", 0)
+        self.first = _env_int(Env.RANK, 0)
         self.rank = self.first + local_rank
-        self.world = _env_int("DWDP_WORLD_SIZE", 1)
-        self.group = os.environ.get("DWDP_GROUP", "group")
-        self.incarnation = _env_int("DWDP_INCARNATION", 0)
-        self.revision = os.environ.get("DWDP_REVISION", "")
-        self.phase = "init"
+        self.world = _env_int(Env.WORLD_SIZE, 1)
+        self.group = os.environ.get(Env.GROUP, "group")
+        self.incarnation = _env_int(Env.INCARNATION, 0)
+        self.revision = os.environ.get(Env.REVISION, "")
+        self.step: str = Stage.CONFIG
+        """The step the rank is in (the word of its termination message)."""
+        self.walked: list[str] = []
+        """Every step entered, in order."""
+        self.phase: StatusPhase | None = None
+        """The ``/dwdp/status`` phase; None before the commit (no answer yet)."""
         self.digest: str | None = None
         self.lock = threading.Lock()
 
-    def status(self) -> dict:
+    def status(self) -> dict | None:
+        """The ``/dwdp/status`` body, None before the commit."""
         with self.lock:
+            if self.phase is None:
+                return None
             return {
-                "phase": self.phase,
+                "phase": self.phase.value,
                 "rank": self.rank,
                 "dwdp_size": self.world,
                 "group": self.group,
@@ -128,7 +147,8 @@ class Rank:
 
     def _enter(self, phase: str) -> None:
         with self.lock:
-            self.phase = phase
+            self.step = phase
+            self.walked.append(phase)
         told = os.environ.get("RANKPROG_FAIL_PHASE")
         who = os.environ.get("RANKPROG_FAIL_RANK")
         inc = os.environ.get("RANKPROG_FAIL_INCARNATION")
@@ -148,31 +168,31 @@ class Rank:
 
     def run(self) -> None:
         """Rendezvous, setup phases, commit; raises Fail."""
-        address = os.environ.get("DWDP_RENDEZVOUS", "127.0.0.1:29500")
-        timeout = float(os.environ.get("DWDP_RENDEZVOUS_TIMEOUT_S", "60"))
+        address = os.environ.get(Env.RENDEZVOUS, "127.0.0.1:29500")
+        timeout = float(os.environ.get(Env.RENDEZVOUS_TIMEOUT_S, "60"))
         ns = f"dwdp/{self.group}/{self.incarnation}"
-        self._enter("rendezvous")
+        self._enter(Stage.RENDEZVOUS)
         try:
             barrier(address, f"{ns}/join", self.rank, self.world, timeout)
         except (OSError, TimeoutError) as exc:
-            raise Fail("rendezvous", str(exc)) from exc
+            raise Fail(Stage.RENDEZVOUS, str(exc)) from exc
         step = float(os.environ.get("RANKPROG_PHASE_S", "0.05"))
-        for phase in PHASES:
+        for phase in SETUP_STEPS:
             self._enter(phase)
             time.sleep(step)
         if os.environ.get("RANKPROG_COMMIT", "1") == "0":
             while True:
                 time.sleep(3600)
-        self._enter("commit")
+        self._enter(COMMIT)
         try:
             barrier(address, f"{ns}/commit", self.rank, self.world, timeout)
         except (OSError, TimeoutError) as exc:
-            raise Fail("commit", str(exc)) from exc
+            raise Fail(COMMIT, str(exc)) from exc
         text = f"{self.group}/{self.incarnation}/{self.world}/{self.revision}"
         with self.lock:
             self.digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-            self.phase = "committed"
-        self._enter("committed")  # a rank told to fail at "committed" dies while serving
+            self.phase = StatusPhase.COMMITTED
+        self._enter(Stage.SERVE)  # a rank told to fail at "serve" dies while serving
 
 
 def _handler(rank: Rank) -> type[BaseHTTPRequestHandler]:
@@ -192,10 +212,17 @@ def _handler(rank: Rank) -> type[BaseHTTPRequestHandler]:
             if self.path == "/health":
                 self._send(200, {"status": "ok"})
             elif self.path == "/ready":
-                committed = rank.status()["phase"] == "committed"
-                self._send(200 if committed else 503, {"status": rank.status()["phase"]})
+                status = rank.status()
+                if status is None:
+                    self._send(503, {"status": rank.step})
+                else:
+                    self._send(200, {"status": "ready"})
             elif self.path == "/dwdp/status":
-                self._send(200, rank.status())
+                status = rank.status()
+                if status is None:  # the worker does not answer before its commit
+                    self._send(503, {"error": f"not committed ({rank.step})"})
+                else:
+                    self._send(200, status)
             else:
                 self._send(404, {"error": "not found"})
 
@@ -215,23 +242,24 @@ def _die(line: str) -> None:
 def main() -> int:
     """Run the pod's ranks until SIGTERM (exit 0) or a failure (exit 1)."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    config = os.environ.get("DWDP_CONFIG")
+    config = os.environ.get(Env.CONFIG)
     if config:
         try:
             from pathlib import Path
 
             import yaml
+
             from dwdp.api.launch import LaunchConfig
 
             LaunchConfig.model_validate(yaml.safe_load(Path(config).read_text()))
         except Exception as exc:
-            _die(f"config: cannot read the launch config {config}: {exc}")
-    host = os.environ.get("DWDP_POD_IP") or "127.0.0.1"
-    port = _env_int("DWDP_PORT", 8000)
-    local = _env_int("DWDP_LOCAL_WORLD_SIZE", 1)
+            _die(f"{Stage.CONFIG}: cannot read the launch config {config}: {exc}")
+    host = os.environ.get(Env.POD_IP) or "127.0.0.1"
+    port = _env_int(Env.PORT, 8000)
+    local = _env_int(Env.LOCAL_WORLD_SIZE, 1)
     ranks = [Rank(k) for k in range(local)]
     if ranks[0].rank == 0:
-        rdv_port = int(os.environ.get("DWDP_RENDEZVOUS", ":29500").rpartition(":")[2])
+        rdv_port = int(os.environ.get(Env.RENDEZVOUS, ":29500").rpartition(":")[2])
         store = _Store((host, rdv_port))
         threading.Thread(target=store.serve_forever, daemon=True).start()
     for r in ranks:
@@ -245,7 +273,7 @@ def main() -> int:
         except Fail as exc:
             _die(str(exc))
         except Exception as exc:
-            _die(f"{r.phase}: {type(exc).__name__}: {exc}")
+            _die(f"{r.step}: {type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in ranks]
     for t in threads:

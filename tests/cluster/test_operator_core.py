@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from dwdp.devcluster.testing import TestCluster
 from dwdp.operator.testing.cluster import running_operator
 from dwdp.operator.testing.process import OperatorProcess

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from dwdp.devcluster.testing import TestCluster
 from dwdp.operator.testing.cluster import deployment, gated, pods, running_operator, status
 from dwdp.operator.testing.process import OperatorProcess

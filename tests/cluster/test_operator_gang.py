@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from dwdp.devcluster.testing import TestCluster
+from dwdp.operator.testing.cluster import install_crd
 from dwdp.operator.testing.process import OperatorProcess
 
 
@@ -66,6 +68,7 @@ def test_gang_podgroup_and_compute_domain_per_incarnation(
     ComputeDomains on) makes one PodGroup and one ComputeDomain per incarnation, with the
     right fields and owner references, and the pods reference both."""
     ns, name = namespace, "fabric"
+    install_crd(cluster)  # this module may run first in a session: nothing installed it yet
     cluster.kubectl("apply", "-f", "-", input=json.dumps(COMPUTE_DOMAIN_CRD))
     cluster.kubectl(
         "wait",

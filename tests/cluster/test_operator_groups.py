@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from dwdp.devcluster.testing import TestCluster
 from dwdp.operator.testing.cluster import deployment, gated, pods, running_operator, status
 from dwdp.operator.testing.process import OperatorProcess

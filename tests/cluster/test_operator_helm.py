@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import yaml
+
 from dwdp.devcluster.testing import TestCluster
 from dwdp.operator.testing.process import RANKPROG_COMMAND
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
+
 from dwdp.devcluster import build, paths, pki
 
 #: Feature gates for every component: the Workload/PodGroup API and gang scheduling.

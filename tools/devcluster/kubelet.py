@@ -522,7 +522,7 @@ class PodWorker(threading.Thread):
     def _keyed_files(
         self, kind: str, src: dict, optional_default: bool = False
     ) -> dict[str, tuple[bytes, int | None]]:
-        name = src.get("name") or src.get("secretName")
+        name = str(src.get("name") or src.get("secretName"))
         data = self._fetch(kind, name, bool(src.get("optional", optional_default)))
         if data is None:
             return {}
@@ -615,7 +615,7 @@ class PodWorker(threading.Thread):
     def _write_files(target: Path, files: dict[str, tuple[bytes, int | None]], vol: dict) -> None:
         """Write a volume's files atomically (a new ``..data`` folder swapped in, as the
         kubelet does), so a bind mount of ``target`` sees updates."""
-        body = next(
+        body: dict[str, Any] = next(
             (vol[k] for k in ("configMap", "secret", "downwardAPI", "projected") if k in vol), {}
         )
         default_mode = body.get("defaultMode", 0o644)
@@ -1298,6 +1298,8 @@ class Kubelet:
         self.all_pods: dict[str, dict] = {}  # uid -> pod (every node), for hosts files
         self.lock = threading.RLock()
         self.ips: dict[str, str] = {}
+        self._transition: dict[str, str] = {}
+        self._last_ready: str | None = None
         self.next_ip = 0
         self.gpu_owner: dict[int, str] = {}
         self.gpus = args.gpus
@@ -1471,8 +1473,8 @@ class Kubelet:
 
     def register(self) -> None:
         """Create the Node (if missing) and post a Ready status."""
-        self._transition: dict[str, str] = {}
-        self._last_ready: str | None = None
+        self._transition = {}
+        self._last_ready = None
         node = {
             "apiVersion": "v1",
             "kind": "Node",

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
 from dwdp.devcluster import build, tools
 from dwdp.devcluster.cluster import Cluster
 

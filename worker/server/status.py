@@ -10,14 +10,16 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-PHASE_DISABLED = "disabled"
-PHASE_COMMITTED = "committed"
-PHASE_FAILED = "failed"
+from dwdp.api.contract import Env, StatusPhase
+
+PHASE_DISABLED = StatusPhase.DISABLED.value
+PHASE_COMMITTED = StatusPhase.COMMITTED.value
+PHASE_FAILED = StatusPhase.FAILED.value
 """The engine died after the commit (a forward raised); the rank is about to exit."""
 
-ENV_GROUP = "DWDP_GROUP"
-ENV_INCARNATION = "DWDP_INCARNATION"
-ENV_REVISION = "DWDP_REVISION"
+ENV_GROUP = Env.GROUP.value
+ENV_INCARNATION = Env.INCARNATION.value
+ENV_REVISION = Env.REVISION.value
 
 
 def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

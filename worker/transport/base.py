@@ -21,15 +21,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from dwdp.api.contract import Env
+
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 1800.0
 """Seconds a rank waits for its peers at the rendezvous and at each collective."""
 
-ENV_GROUP = "DWDP_GROUP"
-ENV_INCARNATION = "DWDP_INCARNATION"
-ENV_RANK = "DWDP_RANK"
-ENV_WORLD_SIZE = "DWDP_WORLD_SIZE"
-ENV_RENDEZVOUS = "DWDP_RENDEZVOUS"
-ENV_RENDEZVOUS_TIMEOUT_S = "DWDP_RENDEZVOUS_TIMEOUT_S"
+ENV_GROUP = Env.GROUP.value
+ENV_INCARNATION = Env.INCARNATION.value
+ENV_RANK = Env.RANK.value
+ENV_WORLD_SIZE = Env.WORLD_SIZE.value
+ENV_RENDEZVOUS = Env.RENDEZVOUS.value
+ENV_RENDEZVOUS_TIMEOUT_S = Env.RENDEZVOUS_TIMEOUT_S.value
 
 
 class TransportError(RuntimeError):

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import yaml
+
 from dwdp.api.deployment import parse_deployment
 from dwdp.api.enums import Role
 from dwdp.operator import builders, naming

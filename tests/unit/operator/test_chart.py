@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from dwdp.api.crd import crd_manifest
 
 CHART = Path(__file__).resolve().parents[3] / "charts" / "dwdp-operator"

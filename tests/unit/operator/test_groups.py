@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+
 from dwdp.operator.groups import (
     GroupSlot,
     RolloutStep,
@@ -30,7 +31,14 @@ def test_backoff_doubles_up_to_the_maximum(restarts: int, expected: int) -> None
         (dict(message="commit: timed out", exit_code=1), ("commit", "SetupFailed")),
         (dict(message="rendezvous: no store", exit_code=1), ("rendezvous", "RendezvousFailed")),
         (dict(message="config: bad yaml", exit_code=1), ("config", "ConfigError")),
-        (dict(message="committed: rank died", exit_code=1), ("committed", "Crash")),
+        (
+            dict(message="host: HostGateError: FABRIC handles need IMEX", exit_code=1),
+            ("host", "HostRefused"),
+        ),
+        (dict(message="serve: rank died", exit_code=1), ("serve", "Crash")),
+        (dict(message="engine: forward raised", exit_code=1), ("engine", "Crash")),
+        (dict(message="P6: leak", exit_code=1), ("P6", "SetupFailed")),
+        (dict(message="map: no peer", exit_code=1), ("map", "SetupFailed")),
         (dict(message=None, exit_code=137), ("exit", "Crash")),
         (dict(message=None, exit_code=137, was_serving=True), ("serve", "Crash")),
         (dict(message=None, exit_code=1), ("exit", "Exited")),

@@ -6,9 +6,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from dwdp.operator import constants as c
 from dwdp.operator.constants import Reason
-from dwdp.operator.observe import Observed, RankReport
+from dwdp.operator.observe import Observed, rank_report_from_json
 from dwdp.operator.plan import Delete, GateChange, PlanOptions, plan
 
 OPTIONS = PlanOptions(compute_domains=False)  # fabric is nominal on CPU test clusters
@@ -31,12 +32,12 @@ def body(replicas: int = 2, **spec_patch) -> dict:
 
 class Sim:
     """Applies plans to dicts: pods start Running (scheduled, addressed), ranks answer
-    as ``ranks`` says, deletes remove at once."""
+    ``/dwdp/status`` with ``rank_phase`` (None: no answer yet), deletes remove at once."""
 
     def __init__(self, body: dict) -> None:
         self.body = body
         self.objects: dict[tuple[str, str], dict] = {}
-        self.rank_phase = "committed"
+        self.rank_phase: str | None = "committed"
         self.next_ip = 1
 
     def observed(self) -> Observed:
@@ -53,12 +54,14 @@ class Sim:
                 )
             )
             ranks[p["metadata"]["name"]] = tuple(
-                RankReport(
-                    first + k,
-                    self.rank_phase,
-                    labels[c.LABEL_REVISION],
-                    int(labels[c.LABEL_INCARNATION]),
-                    "digest",
+                rank_report_from_json(
+                    {
+                        "phase": self.rank_phase,
+                        "rank": first + k,
+                        "revision": labels[c.LABEL_REVISION],
+                        "incarnation": int(labels[c.LABEL_INCARNATION]),
+                        "layout_digest": "digest",
+                    }
                 )
                 for k in range(len(p["spec"]["containers"][0]["ports"]) - (first == 0))
             )
@@ -126,11 +129,11 @@ def test_first_plan_creates_every_child_of_two_groups() -> None:
 
 def test_commit_opens_the_gates_then_the_slices_then_rest() -> None:
     sim = Sim(body())
-    sim.rank_phase = "P2"
+    sim.rank_phase = None  # setting up: a worker answers only once committed
     sim.step("T0")
     p = sim.step("T1")
     assert p.gates == () and p.create_pods == ()
-    assert [g["phase"] for g in p.status["groups"]] == ["SettingUp", "SettingUp"]
+    assert [g["phase"] for g in p.status["groups"]] == ["Rendezvous", "Rendezvous"]
     sim.rank_phase = "committed"
     p = sim.step("T2")
     assert sorted(p.gates, key=lambda g: g.pod) == [

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from dwdp.api.enums import Role
 from dwdp.operator import constants as c
 from dwdp.operator.observe import ObservedPod, RankReport
@@ -21,6 +22,7 @@ from dwdp.operator.probe import probe_ranks, to_probe
 
 def test_webhook_certificates_chain_and_names(tmp_path: Path) -> None:
     from cryptography import x509
+
     from dwdp.operator.certs import make_webhook_certs
 
     files = make_webhook_certs(tmp_path, ["127.0.0.1", "dwdp-operator.dwdp.svc"])
@@ -37,6 +39,7 @@ def test_webhook_certificates_chain_and_names(tmp_path: Path) -> None:
 
 def test_kopf_settings() -> None:
     import kopf
+
     from dwdp.operator.handlers import OperatorConfig, build_settings
 
     settings = kopf.OperatorSettings()
