@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. From nothing on a fresh machine: installs the system packages
 # the tests need (MPI), makes the virtual environment .venv with every Python package,
-# builds the local control plane, checks lint, and runs every test but the `gpu` ones.
+# builds the local control plane, checks lint and types, and runs every test but the `gpu` ones.
 # Extra arguments go to pytest (e.g. scripts/test.sh -m unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,9 +37,11 @@ if dwdp dev --help >/dev/null 2>&1; then
   dwdp dev build --tools
 fi
 
-# 4. Lint.
+# 4. Lint and types.
 log "ruff check"
 ruff check .
+log "mypy (the package dwdp under src/; configuration in pyproject.toml)"
+mypy
 
 # 5. Tests: everything but gpu.
 log "pytest -m 'not gpu'"
