@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from dwdp.api.enums import CopyMode
 from dwdp.kernels.loader import GatherConfig, GatherModule, compile_cubin, device_arch
 from dwdp.kernels.table import GatherEntry, pack_table
@@ -175,6 +176,7 @@ def main() -> None:
     block_counts = [int(x) for x in args.blocks.split(",")]
 
     from cuda.bindings import driver
+
     from dwdp.worker.backend.cuda import CudaBackend
 
     backend = CudaBackend(device=0)

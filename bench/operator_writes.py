@@ -45,12 +45,13 @@ def kubectl(env: dict, *args: str, input: str | None = None) -> str:
 def start_operator(namespace: str, kubeconfig: str):
     """Run the operator in a thread; return (kube, stop)."""
     import kopf
+    from kubernetes.config import kube_config
+
     from dwdp.operator.handlers import OperatorConfig, build_registry, build_settings
     from dwdp.operator.kube import Kube
     from dwdp.operator.plan import PlanOptions
     from dwdp.operator.reconcile import Reconcilers
     from dwdp.operator.testing.process import RANKPROG_COMMAND
-    from kubernetes.config import kube_config
 
     os.environ["KUBECONFIG"] = kubeconfig
     kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig  # read at import; kopf's login uses it

@@ -99,8 +99,9 @@ def classify_failure(
     The phase is the one the rank named in its termination message (``"P3: ..."``), else
     the phase a rank reported as failed, else ``serve`` when the group was serving, else
     ``exit``. The reason: OOMKilled from the kubelet; a named setup phase gives
-    SetupFailed (rendezvous: RendezvousFailed, config: ConfigError, host: HostRefused); a serving group that
-    lost a rank, or a rank killed by a signal (exit code above 128), is a Crash; else Exited.
+    SetupFailed (rendezvous: RendezvousFailed, config: ConfigError, host: HostRefused); a
+    serving group that lost a rank, or a rank killed by a signal (exit code above 128), is a
+    Crash; else Exited.
     """
     head = None
     if message and ":" in message:

@@ -40,7 +40,7 @@ def tiny_config(
     Qwen3-MoE gets ``mlp_only_layers=[0]``; every Mixtral layer is MoE. Raises ``ValueError``
     for an unknown ``arch`` or fewer than 2 experts.
     """
-    from transformers import DeepseekV3Config, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
     if num_experts < 2:
         raise ValueError(f"num_experts: {num_experts} < 2 (top-2 routing)")
