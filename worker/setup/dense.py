@@ -24,10 +24,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+
 from dwdp.api.enums import CopyMode, GatherKernel
-from dwdp.worker.backend.base import Backend
+from dwdp.worker.backend.base import Backend, Store
 from dwdp.worker.dense.architecture import DenseLayerLike
-from dwdp.worker.dense.layout import DEFAULT_ALIGN, DenseLayout, collect_dense_layout, view_in
+from dwdp.worker.dense.layout import (
+    DEFAULT_ALIGN,
+    DENSE_MIN_BYTES,
+    DenseLayout,
+    collect_dense_layout,
+    view_in,
+)
 from dwdp.worker.dense.repoint import count_leaks, current_tensor, watch_storages
 from dwdp.worker.dense.rows import row_store_layout, write_rows
 from dwdp.worker.dense.state import DenseDwdp, DenseState, SlotRings
@@ -40,7 +48,6 @@ from dwdp.worker.setup.phases import (
 )
 from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import Transport
-from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,9 @@ class MemoryFitError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class DenseSetupOptions:
-    """Knobs of dense setup. ``rings``: slots per segment; ``align``: bytes; ``dtype`` /
+    """Knobs of dense setup. ``rings``: slots per segment; ``align``: bytes; ``min_bytes``:
+    storages under this many bytes stay replicated (the seed's 1 MiB; tests of the protocol
+    on toy models pass 0); ``dtype`` /
     ``device``: the final form every moved tensor must have (``None``: unchecked);
     ``gather_kernel``: resolved once at P1 (``None``: the backend's default)."""
 
@@ -63,6 +72,7 @@ class DenseSetupOptions:
     copy_mode: CopyMode = CopyMode.PER_SLICE
     gather_kernel: GatherKernel | str | None = None
     align: int = DEFAULT_ALIGN
+    min_bytes: int = DENSE_MIN_BYTES
     dtype: torch.dtype | None = None
     device: torch.device | str | None = None
 
@@ -106,7 +116,7 @@ def setup_dense(
             return None
         _run_phase(DensePhase.P2, dense, transport, injector, lambda: _p2_allocate(dense))
         _run_phase(DensePhase.P3, dense, transport, injector,
-                   lambda: dense.build_plans(backend.map_peers(dense.store, transport)))
+                   lambda: dense.build_plans(backend.map_peers(_store(dense), transport)))
         _run_phase(DensePhase.P4, dense, transport, injector, lambda: _p4_gather_check(dense))
         _run_phase(DensePhase.P5, dense, transport, injector, lambda: _p5_repoint(dense))
         _p6_commit(dense, transport, injector)
@@ -118,6 +128,12 @@ def setup_dense(
              "leaks=%d", rank, n, dense.layout.digest, dense.layout.sharded_bytes,
              dense.rows.nbytes, dense.leaks.count)
     return dense
+
+
+def _store(dense: DenseDwdp) -> Store:
+    if dense.store is None:
+        raise RuntimeError("dense DWDP: the row store was not allocated (P2)")
+    return dense.store
 
 
 def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: Transport,
@@ -148,7 +164,7 @@ def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: 
         if enable_dense:
             layout = collect_dense_layout(model, layers, world_size=transport.world_size,
                                           align=options.align, device=options.device,
-                                          dtype=options.dtype)
+                                          dtype=options.dtype, min_bytes=options.min_bytes)
             rows = row_store_layout(layout)
             need = rows.nbytes + sum(rows.slot_bytes[s] * options.rings.count(s)
                                      for s in rows.slot_bytes)
