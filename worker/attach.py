@@ -37,7 +37,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dwdp.worker.server.status import PHASE_COMMITTED, NoDwdp
@@ -83,8 +84,9 @@ def join_group(cfg: Any, environ: Mapping[str, str] | None = None) -> Any:
             f"{rendezvous.world_size}: the group's rank count must equal dwdpSize"
         )
     if cfg.transport == TransportKind.MPI:
-        from dwdp.worker.transport.mpi import MpiTransport
         from mpi4py import MPI
+
+        from dwdp.worker.transport.mpi import MpiTransport
 
         world = MPI.COMM_WORLD
         if world.Get_size() != rendezvous.world_size or world.Get_rank() != rendezvous.rank:
@@ -152,6 +154,9 @@ def setup_dwdp(model: Any, adapter: Any, cfg: Any, *, group: Any) -> Any:
             "shm) runs per_slice or batched"
         )
     partition = d.partition(_num_experts(model, adapter)) if d.expert_dwdp else None
+    from dwdp.worker.models.validate import read_headers
+
+    headers = read_headers(Path(cfg.model.path))
     return attach(
         model,
         adapter,
@@ -162,6 +167,7 @@ def setup_dwdp(model: Any, adapter: Any, cfg: Any, *, group: Any) -> Any:
         num_slots=d.num_prefetch_slots,
         copy_mode=copy_mode,
         gather_kernel=d.gather_kernel,
+        checkpoint_dtypes={name: dtype for name, (_shape, dtype) in headers.items()},
     )
 
 
@@ -178,6 +184,16 @@ class _Counters:
     bytes_moved: int = 0
     bytes_moved_remote: int = 0
     copies: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _SetupFacts:
+    """What setup found beside the stores: MoE layers kept whole (reason -> count), the
+    repeated MoE orders, and the scalar exchange's report (as ``/dwdp/status`` shows them)."""
+
+    unmanaged: dict[str, int] = field(default_factory=dict)
+    repeated: tuple[int, ...] = ()
+    scalars: dict[str, object] = field(default_factory=dict)
 
 
 class DwdpAttachment:
@@ -202,6 +218,7 @@ class DwdpAttachment:
         counters: _Counters,
         expert_freed: int,
         expert_leaks: int,
+        facts: _SetupFacts | None = None,
     ) -> None:
         self.model = model
         self.layers = layers
@@ -215,8 +232,11 @@ class DwdpAttachment:
         self.counters = counters
         self.expert_freed = expert_freed
         self.expert_leaks = expert_leaks
+        self.facts = facts or _SetupFacts()
         self.phase = PHASE_COMMITTED
         self._handles: list[Any] = []
+        self._guards: list[Any] = []
+        """The reload guards: they outlive ``close()`` (the weights stay sharded)."""
         self._in_forward = False
 
     # -- DwdpStatusSource ----------------------------------------------------------------
@@ -267,6 +287,9 @@ class DwdpAttachment:
             "slot_waits": self.slot_waits,
             "copies": self.counters.copies,
             "resident": resident,
+            "unmanaged_moe_layers": dict(self.facts.unmanaged),
+            "repeated_moe_layers": list(self.facts.repeated),
+            "scalars": dict(self.facts.scalars),
         }
 
     @property
@@ -324,7 +347,8 @@ class DwdpAttachment:
                 self._register(m.experts.register_forward_hook(_call1(expert_s.finish, o)))
 
     def install_guards(self) -> None:
-        """Refuse ``load_state_dict`` on the model and every module DWDP manages."""
+        """Refuse ``load_state_dict`` on the model and every module DWDP manages, for good:
+        ``close()`` leaves these guards in place (the original weights are gone)."""
 
         def refuse(module: Any, *_args: Any, **_kwargs: Any) -> None:
             raise WeightsShardedError(self._refusal())
@@ -334,11 +358,16 @@ class DwdpAttachment:
             for mod in m.decoder_layer.modules():
                 modules[id(mod)] = mod
         for mod in modules.values():
-            self._register(mod.register_load_state_dict_pre_hook(refuse))
+            self._guards.append(mod.register_load_state_dict_pre_hook(refuse))
         self.model._dwdp_sharded = True
 
     def _refusal(self) -> str:
         kind = "dense and expert" if self.dense is not None else "expert"
+        if self.phase != PHASE_COMMITTED:
+            return (
+                f"{kind} DWDP sharded this model's weights and was torn down: reloading them "
+                "is refused (load the checkpoint again into a new model)"
+            )
         return (
             f"{kind} DWDP has sharded this model's weights: reloading them is refused "
             "(restart the worker with the new checkpoint"
@@ -364,7 +393,7 @@ class DwdpAttachment:
         """
         import torch
 
-        if self.dense is not None:
+        if self.dense is not None or self.phase != PHASE_COMMITTED:
             raise WeightsShardedError(self._refusal().replace("reloading", "updating"))
         params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         expert_names = {
@@ -425,7 +454,8 @@ class DwdpAttachment:
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the hooks and release every DWDP resource; safe to call twice."""
+        """Remove the hooks and release every DWDP resource; safe to call twice. The reload
+        guards stay: the model's weights are still sharded (see [Note: weight guards])."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -463,6 +493,7 @@ def attach(
     num_slots: int = 2,
     copy_mode: Any = None,
     gather_kernel: Any = None,
+    checkpoint_dtypes: Mapping[str, str] | None = None,
 ) -> DwdpAttachment:
     """Set DWDP up on ``model`` over ``transport`` (a collective: every rank calls it with
     the same arguments) and attach the schedules; returns the committed attachment.
@@ -470,20 +501,28 @@ def attach(
     ``partition``: the expert partition (``None``: no expert DWDP; dense DWDP alone is the
     standalone mode this worker does not run); ``gather_kernel``: the ``GatherKernel``
     each manager (dense, expert) resolves once and passes to every copy launch (``None``:
-    the backend's default). Raises ``SetupError`` on every rank alike,
+    the backend's default); ``checkpoint_dtypes``: tensor name -> checkpoint dtype name, for
+    the scalar exchange's one-ULP rule (``None``: unknown, every scalar bitwise). MoE layers
+    DWDP cannot manage keep their full expert table (``expert.managed``); the adapter's
+    repeated layers keep their slot across repeats. Raises ``SetupError`` on every rank alike,
     ``UnsupportedArchitectureError`` when ``enable_dense`` and the architecture declares no
     dense roots, ``DwdpConfigError`` for a model without MoE layers.
     """
     from dwdp.api.enums import CopyMode
+    from dwdp.worker.expert.managed import log_unmanaged, select_layers
     from dwdp.worker.models import require_adapter
     from dwdp.worker.schedule.dense import DenseSlotSchedule
     from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
+    from dwdp.worker.setup.scalars import exchange_scalars
 
     require_adapter(model, dense=enable_dense)
     # Dense tensors are checked for their device and contiguity, not for one dtype: the
     # DeepSeek-V3 router keeps float32 weights in a bfloat16 model.
     copy_mode = copy_mode or CopyMode.PER_SLICE
-    layers = adapter.moe_layers(model)
+    selection = select_layers(
+        model, adapter, partition.num_experts if partition is not None else None
+    )
+    layers = list(selection.managed)
     if not layers:
         raise DwdpConfigError(
             "dwdp: the model has no fused-experts MoE layer; DWDP has nothing to distribute"
@@ -493,6 +532,8 @@ def attach(
             "dwdp.enableExperts: this worker runs dense DWDP attached to expert DWDP only"
         )
     counters = _Counters()
+    log_unmanaged(selection.unmanaged, transport.rank)
+    scalars = exchange_scalars(layers, transport, checkpoint_dtypes or {})
 
     dense, experts, freed, leaks = _setup_and_repoint(
         model,
@@ -523,6 +564,7 @@ def attach(
         moe_layers=orders,
         num_slots=num_slots,
         launch=expert_launch,
+        repeated_layers=selection.repeated,
     )
     dense_schedule = None
     if dense is not None:
@@ -567,6 +609,11 @@ def attach(
         counters=counters,
         expert_freed=freed,
         expert_leaks=leaks.count,
+        facts=_SetupFacts(
+            unmanaged=selection.unmanaged_counts(),
+            repeated=tuple(sorted(selection.repeated)),
+            scalars=scalars.as_dict(),
+        ),
     )
     attachment.install_hooks()
     attachment.install_guards()
@@ -597,6 +644,7 @@ def _setup_and_repoint(
     """Dense setup, expert setup, the expert gather check and the repoint (see ``attach``).
     Returns ``(dense, experts, expert bytes freed, leak report)``."""
     import torch
+
     from dwdp.worker.dense.repoint import count_leaks, watch_storages
     from dwdp.worker.expert.layout import ExpertLayerWeights
     from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
