@@ -94,8 +94,9 @@ def load_launch_config(path: str | None) -> Any:
     Raises ``WorkerStartupError`` naming the file, or the first invalid field.
     """
     import yaml
-    from dwdp.api.launch import LaunchConfig
     from pydantic import ValidationError
+
+    from dwdp.api.launch import LaunchConfig
 
     path = path or os.environ.get(ENV_CONFIG)
     if not path:
@@ -153,11 +154,11 @@ def check_model(cfg: Any) -> ModelPlan:
     split), each one line.
     """
     from dwdp.api.launch import validate_launch
-    from dwdp.worker.models import adapter_for
+    from dwdp.worker.models import require_adapter
     from dwdp.worker.models.validate import expert_count, validate_checkpoint
 
     config = validate_checkpoint(cfg.model.path)
-    adapter = adapter_for(config)
+    adapter = require_adapter(config, dense=False)  # dense roots: validate_launch below
     validate_launch(cfg, dense_roots=adapter.has_dense_roots)
     num_experts = expert_count(config)
     partition = None
@@ -202,9 +203,10 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = STAGE_CHECKPOINT
         plan = check_model(cfg)
         _torch_threads()
-        from dwdp.worker.attach import join_group, setup_dwdp
+        from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
         from dwdp.worker.engine.loader import load_checkpoint
+        from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
 

@@ -55,7 +55,8 @@ def _rank_main(rank: int, out: Path, group: str, port: int, ckpt: str) -> None:
     import os
 
     torch.set_num_threads(1)
-    from dwdp.worker.attach import WeightsShardedError, attach
+    from dwdp.worker.attach import attach
+    from dwdp.worker.attachment import WeightsShardedError
     from dwdp.worker.backend.cpu import CpuBackend
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import SetupError

@@ -21,7 +21,7 @@ ordered before its first gather by an event.
 
 The group transport is duck-typed: ``rank``, ``world_size`` and either
 ``allgather_object(obj) -> list`` or ``allgather(obj, label=...) -> list`` (one entry per
-rank, in rank order; ``dwdp.worker.transport.Transport`` has the latter).
+rank, in rank order; ``dwdp.worker.transport.GroupTransport`` has the latter).
 """
 
 from __future__ import annotations

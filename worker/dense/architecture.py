@@ -16,11 +16,16 @@ class DenseLayerLike(Protocol):
     """What the collector needs of one MoE decoder layer (``MoeLayer`` of the model
     adapters satisfies it; :class:`DenseLayerSpec` is the plain form)."""
 
-    prefix: str
-    decoder_layer: Any
-    attention_roots: tuple[str, ...]
-    moe_dense_roots: tuple[str, ...]
-    never_move: Collection[str]
+    @property
+    def prefix(self) -> str: ...
+    @property
+    def decoder_layer(self) -> Any: ...
+    @property
+    def attention_roots(self) -> tuple[str, ...]: ...
+    @property
+    def moe_dense_roots(self) -> tuple[str, ...]: ...
+    @property
+    def never_move(self) -> Collection[str]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,11 +27,6 @@ from dwdp.worker.dense.rows import RowStoreLayout, blob_plan
 from dwdp.worker.setup.status import ResidentBytes
 
 
-def _segment(segment: object) -> Segment:
-    """Our :class:`Segment` from it or from any enum with the same values (the schedule's)."""
-    return Segment(getattr(segment, "value", segment))
-
-
 class DenseState(enum.StrEnum):
     SETTING_UP = "setting_up"
     COMMITTED = "committed"
@@ -109,12 +104,11 @@ class DenseDwdp:
 
     def plan(self, layer: int, segment: Segment, slot: int) -> CopyPlan:
         """The copy plan that gathers blob ``segment`` of MoE layer ``layer`` (0-based MoE
-        order: pass ``layers=range(num_layers)`` to the dense slot schedule) into ``slot``.
-        ``segment`` may be any enum whose value is ``"attention"`` or ``"moe_dense"``."""
-        return self.plans[(layer, _segment(segment), slot)]
+        order: pass ``layers=range(num_layers)`` to the dense slot schedule) into ``slot``."""
+        return self.plans[(layer, segment, slot)]
 
     def slot_buffers(self, segment: Segment) -> tuple[Buffer, ...]:
-        return self.slots[_segment(segment)]
+        return self.slots[segment]
 
     def launch(self, layer: int, segment: Segment, slot: int, stream: Stream) -> None:
         """Enqueue the copies of (layer, segment) into ``slot`` on ``stream``."""

@@ -8,17 +8,16 @@ callback, never stores or copy plans. Invariant: every dependency is an event on
 stream; between setup and teardown no schedule blocks the host.
 """
 
-from dwdp.worker.schedule.dense import DensePhase, DenseSlotSchedule, Segment, WindowState
+from dwdp.worker.schedule.dense import DensePassPhase, DenseSlotSchedule, WindowState
 from dwdp.worker.schedule.errors import ScheduleStateError
 from dwdp.worker.schedule.expert import ExpertPrefetchSchedule, PassPhase, SlotState
 
 __all__ = [
-    "DensePhase",
+    "DensePassPhase",
     "DenseSlotSchedule",
     "ExpertPrefetchSchedule",
     "PassPhase",
     "ScheduleStateError",
-    "Segment",
     "SlotState",
     "WindowState",
 ]

@@ -43,29 +43,19 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from dwdp.worker.backend.base import Backend, Event, Stream
+from dwdp.worker.dense.layout import Segment
 from dwdp.worker.schedule.errors import ScheduleStateError
 from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
 
 __all__ = [
     "DenseLaunch",
-    "DensePhase",
+    "DensePassPhase",
     "DenseScheduleStats",
     "DenseSlotSchedule",
-    "Segment",
     "WindowState",
 ]
 
 _log = logging.getLogger(__name__)
-
-
-class Segment(enum.Enum):
-    """The dense blob of a MoE decoder layer, each with its own slot ring."""
-
-    ATTENTION = "attention"
-    """Blob A(l): the attention weights; read between H1 and H2."""
-    MOE_DENSE = "moe_dense"
-    """Blob D(l): router, shared expert, latent projections and norms; read between H1
-    and H3."""
 
 
 DenseLaunch = Callable[[int, Segment, int, Stream], None]
@@ -87,7 +77,7 @@ class WindowState(enum.Enum):
     (MoE-dense)."""
 
 
-class DensePhase(enum.Enum):
+class DensePassPhase(enum.Enum):
     """Where the current forward is, as the dense slot schedule sees it."""
 
     IDLE = "idle"
@@ -226,7 +216,7 @@ class DenseSlotSchedule:
         self._barrier_event: Event = backend.new_event()
         """Recorded on the compute stream when a forward is recovered; the copy stream waits
         on it (write-after-read for the read windows the abandoned forward left open)."""
-        self._phase = DensePhase.IDLE
+        self._phase = DensePassPhase.IDLE
         self._pass_base = 0
         """Sequence position of the current pass's first layer."""
         self._next_enter = 0
@@ -255,7 +245,7 @@ class DenseSlotSchedule:
         return self._segments
 
     @property
-    def phase(self) -> DensePhase:
+    def phase(self) -> DensePassPhase:
         """Where the current forward is."""
         return self._phase
 
@@ -301,10 +291,10 @@ class DenseSlotSchedule:
         sequence does not expect restarts it there (see [Note: abort]). Raises ``KeyError``
         for an unmanaged layer."""
         index = self._index_of(layer)
-        if self._phase in (DensePhase.IDLE, DensePhase.ABORTED):
+        if self._phase in (DensePassPhase.IDLE, DensePassPhase.ABORTED):
             self._enter_forward()  # a forward that skipped H0
         p = self._next_enter
-        in_order = self._phase in (DensePhase.PRIMED, DensePhase.BETWEEN)
+        in_order = self._phase in (DensePassPhase.PRIMED, DensePassPhase.BETWEEN)
         if not in_order or self._layer_at(p) != layer:
             p = self._restart(index, f"H1 of layer {layer} in phase {self._phase.value}")
         slots = self._slots_at(p)
@@ -317,28 +307,28 @@ class DenseSlotSchedule:
             slot.open()
         self._current = p
         self._next_enter = p + 1
-        self._phase = DensePhase.IN_ATTENTION
+        self._phase = DensePassPhase.IN_ATTENTION
 
     def h2_after_attention(self, layer: int) -> None:
         """H2, after the attention call: close the attention read window (its close event
         is recorded on the compute stream) and enqueue the next layers whose slots are
         free. Raises ``ScheduleStateError`` unless ``layer`` passed H1 and not H2."""
-        p = self._expect_current(layer, DensePhase.IN_ATTENTION, "h2_after_attention")
+        p = self._expect_current(layer, DensePassPhase.IN_ATTENTION, "h2_after_attention")
         if Segment.ATTENTION in self._segments:
             self._close(self._slot_at(p, Segment.ATTENTION))
-        self._phase = DensePhase.IN_MOE
+        self._phase = DensePassPhase.IN_MOE
         self._fill()
 
     def h3_after_moe(self, layer: int) -> None:
         """H3, after the MoE block: close the MoE-dense read window and enqueue the next
         layers whose slots are free (attached, after the last layer: the next pass's first
         layers). Raises ``ScheduleStateError`` unless ``layer`` passed H2 and not H3."""
-        p = self._expect_current(layer, DensePhase.IN_MOE, "h3_after_moe")
+        p = self._expect_current(layer, DensePassPhase.IN_MOE, "h3_after_moe")
         if Segment.MOE_DENSE in self._segments:
             self._close(self._slot_at(p, Segment.MOE_DENSE))
         self._current = None
         last = p % len(self._layers) == len(self._layers) - 1
-        self._phase = DensePhase.IDLE if last else DensePhase.BETWEEN
+        self._phase = DensePassPhase.IDLE if last else DensePassPhase.BETWEEN
         self._fill()
 
     def abort(self) -> None:
@@ -347,21 +337,21 @@ class DenseSlotSchedule:
         entry notices an unfinished forward anyway. Idempotent."""
         if self._expert is not None:
             self._expert.abort()
-        if self._phase is not DensePhase.IDLE:
-            self._phase = DensePhase.ABORTED
+        if self._phase is not DensePassPhase.IDLE:
+            self._phase = DensePassPhase.ABORTED
 
     # -- transitions ------------------------------------------------------------------
     def _enter_forward(self) -> None:
-        if self._phase is DensePhase.PRIMED:
+        if self._phase is DensePassPhase.PRIMED:
             return
-        if self._phase is not DensePhase.IDLE:
+        if self._phase is not DensePassPhase.IDLE:
             self._aborts += 1
             self._recover()
         self._pass_base = self._next_enter
         self._fill()
         if self._expert is not None:
             self._expert.start_forward()
-        self._phase = DensePhase.PRIMED  # only once primed: a failed launch is retried
+        self._phase = DensePassPhase.PRIMED  # only once primed: a failed launch is retried
 
     def _recover(self) -> None:
         """Barrier and discard after an abandoned forward; the sequence restarts at the
@@ -371,7 +361,7 @@ class DenseSlotSchedule:
         base = max(self._next_issue, self._next_enter)
         self._next_enter = self._next_issue = -(-base // n) * n
         self._current = None
-        self._phase = DensePhase.IDLE
+        self._phase = DensePassPhase.IDLE
 
     def _restart(self, index: int, why: str) -> int:
         """Restart the sequence at layer index ``index``; returns its new position."""
@@ -444,7 +434,7 @@ class DenseSlotSchedule:
         self._backend.current_stream().wait_event(slot.fill_event)
 
     # -- helpers ----------------------------------------------------------------------
-    def _expect_current(self, layer: int, phase: DensePhase, hook: str) -> int:
+    def _expect_current(self, layer: int, phase: DensePassPhase, hook: str) -> int:
         p = self._current
         if self._phase is not phase or p is None or self._layer_at(p) != layer:
             at = "none" if p is None else f"layer {self._layer_at(p)}"

@@ -1,7 +1,7 @@
 """What the server reads about this rank's DWDP state (``/ready``, ``/dwdp/status``, metrics).
 
 The server depends on the ``DwdpStatusSource`` protocol only; the attachment of DWDP to the
-model (``dwdp.worker.attach``) implements it, and ``NoDwdp`` stands for a rank without DWDP.
+model (``dwdp.worker.attachment``) implements it, and ``NoDwdp`` stands for a rank without DWDP.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from dwdp.worker.setup.phases import (
     setup_stream,
 )
 from dwdp.worker.setup.vote import vote
-from dwdp.worker.transport.base import Transport
+from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def setup_dense(
     layers: Sequence[DenseLayerLike],
     *,
     backend: Backend,
-    transport: Transport,
+    transport: GroupTransport,
     enable_dense: bool,
     options: DenseSetupOptions | None = None,
     injector: FailureInjector | None = None,
@@ -136,7 +136,7 @@ def _store(dense: DenseDwdp) -> Store:
     return dense.store
 
 
-def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: Transport,
+def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: GroupTransport,
                injector: FailureInjector, work: Any) -> None:
     """Run one phase's local work, then its collective; roll back and raise on a failure
     that any rank reported (see [Note: fail-together])."""
@@ -154,7 +154,7 @@ def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: Transport,
 
 
 def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: Backend,
-                transport: Transport, enable_dense: bool, options: DenseSetupOptions,
+                transport: GroupTransport, enable_dense: bool, options: DenseSetupOptions,
                 injector: FailureInjector) -> DenseDwdp | None:
     phase = DensePhase.P1
     error: str | None = None
@@ -270,7 +270,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def _p6_commit(dense: DenseDwdp, transport: Transport, injector: FailureInjector) -> None:
+def _p6_commit(dense: DenseDwdp, transport: GroupTransport, injector: FailureInjector) -> None:
     phase = DensePhase.P6
     error: str | None = None
     leaks = None

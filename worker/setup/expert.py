@@ -36,7 +36,7 @@ from dwdp.worker.expert.layout import (
 from dwdp.worker.setup.phases import ExpertPhase, FailureInjector, SetupError, describe
 from dwdp.worker.setup.status import ResidentBytes
 from dwdp.worker.setup.vote import vote
-from dwdp.worker.transport.base import Transport
+from dwdp.worker.transport.base import GroupTransport
 
 __all__ = ["ExpertDwdp", "ExpertLayerWeights", "PrefetchRingMemoryError", "setup_experts"]
 
@@ -146,7 +146,7 @@ def setup_experts(
     *,
     partition: object,
     backend: Backend,
-    transport: Transport,
+    transport: GroupTransport,
     num_slots: int = 2,
     copy_mode: CopyMode = CopyMode.PER_SLICE,
     gather_kernel: GatherKernel | str | None = None,
@@ -182,7 +182,7 @@ def setup_experts(
     return experts
 
 
-def _handshake(layers: Sequence[ExpertLayerWeights], partition: object, transport: Transport,
+def _handshake(layers: Sequence[ExpertLayerWeights], partition: object, transport: GroupTransport,
                injector: FailureInjector) -> ExpertStoreLayout:
     phase = ExpertPhase.HANDSHAKE
     rank = transport.rank
@@ -234,7 +234,7 @@ def _handshake_disagreements(payloads: Sequence[Handshake]) -> dict[int, str]:
     return {}
 
 
-def _step(phase: ExpertPhase, experts: ExpertDwdp, transport: Transport,
+def _step(phase: ExpertPhase, experts: ExpertDwdp, transport: GroupTransport,
           injector: FailureInjector, work: object) -> None:
     error: str | None = None
     try:
@@ -271,7 +271,7 @@ def _allocate(experts: ExpertDwdp, layers: Sequence[ExpertLayerWeights],
                           for i in range(experts.num_slots))
 
 
-def _map(experts: ExpertDwdp, transport: Transport) -> None:
+def _map(experts: ExpertDwdp, transport: GroupTransport) -> None:
     assert experts.store is not None
     experts.peers = experts.backend.map_peers(experts.store, transport)
     for layer in range(len(experts.layout.chunks)):

@@ -29,7 +29,7 @@ import torch
 from dwdp.worker.models.base import EXPERT_PARAMS, MoeLayer
 from dwdp.worker.setup.phases import SetupError
 from dwdp.worker.setup.vote import vote
-from dwdp.worker.transport.base import Transport
+from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def disagreement(mine: LayerScalar, ref: LayerScalar | None) -> str | None:
 
 
 def exchange_scalars(
-    layers: Sequence[MoeLayer], transport: Transport, checkpoint_dtypes: Mapping[str, str]
+    layers: Sequence[MoeLayer], transport: GroupTransport, checkpoint_dtypes: Mapping[str, str]
 ) -> ScalarReport:
     """Run the scalar exchange (a collective: every rank calls it before any DWDP
     allocation) and install rank 0's value where the one-ULP allowance applied.

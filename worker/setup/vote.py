@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dwdp.worker.transport.base import Exchange, Transport
+from dwdp.worker.transport.base import Exchange, GroupTransport
 
 
-def vote(transport: Transport, label: str, error: str | None, payload: Any = None) -> Exchange:
+def vote(transport: GroupTransport, label: str, error: str | None, payload: Any = None) -> Exchange:
     """Send this rank's ``error`` (``None``: success) and ``payload``; return every rank's.
 
     Every rank gets the same :class:`Exchange`, so a verdict computed from it is the same

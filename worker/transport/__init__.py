@@ -12,7 +12,7 @@ from dwdp.worker.transport.base import (
     GroupFailure,
     RendezvousConfig,
     RendezvousTimeout,
-    Transport,
+    GroupTransport,
     TransportError,
 )
 
@@ -22,6 +22,6 @@ __all__ = [
     "GroupFailure",
     "RendezvousConfig",
     "RendezvousTimeout",
-    "Transport",
+    "GroupTransport",
     "TransportError",
 ]

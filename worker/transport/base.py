@@ -1,7 +1,7 @@
 """The group transport interface: allgather with a status in every exchange.
 
 A transport connects the ``world_size`` ranks of one DWDP group incarnation. Its one
-primitive is an allgather of bytes; on top of it, :meth:`Transport.exchange` sends every
+primitive is an allgather of bytes; on top of it, :meth:`GroupTransport.exchange` sends every
 rank's payload *and* its status (``None`` or an error message) together, so a failing rank
 still takes part in the collective and its error reaches every rank there (DESIGN.md 5.2,
 fail-together). Every exchange also carries a label and a sequence number; ranks that
@@ -181,7 +181,7 @@ class _Envelope:
     payload: Any
 
 
-class Transport(ABC):
+class GroupTransport(ABC):
     """The collectives of one DWDP group incarnation, with a status in every exchange.
 
     Subclasses implement :meth:`_allgather_bytes`; everything else is shared. Every rank

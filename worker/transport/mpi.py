@@ -20,7 +20,7 @@ from dwdp.worker.transport.base import (
     DEFAULT_RENDEZVOUS_TIMEOUT_S,
     ENV_RENDEZVOUS_TIMEOUT_S,
     RendezvousTimeout,
-    Transport,
+    GroupTransport,
     TransportError,
 )
 
@@ -31,7 +31,7 @@ _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.02
 
 
-class MpiTransport(Transport):
+class MpiTransport(GroupTransport):
     """A group transport over an mpi4py communicator that holds exactly the group's ranks.
 
     ``comm`` is owned by the transport (freed on :meth:`close`). ``timeout_s`` bounds each

@@ -27,7 +27,7 @@ from dwdp.worker.transport.base import (
     ENV_RENDEZVOUS_TIMEOUT_S,
     RendezvousConfig,
     RendezvousTimeout,
-    Transport,
+    GroupTransport,
     TransportError,
 )
 
@@ -75,7 +75,7 @@ def check_rendezvous_hosts(host: str, host_ids: Sequence[str]) -> None:
         )
 
 
-class TcpStoreTransport(Transport):
+class TcpStoreTransport(GroupTransport):
     """A group transport over a TCP store that rank 0 hosts.
 
     ``host_id`` identifies this rank's machine for the loopback check (default: the host

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from dwdp.worker import main as worker_main
 from dwdp.worker.main import WorkerOptions, check_launch, load_launch_config, run_worker
 
@@ -136,7 +137,7 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path, checkpoint, monkeypatch):
     def no_group(cfg):
         raise AssertionError("the group was joined: the checkpoint check must fail first")
 
-    monkeypatch.setattr("dwdp.worker.attach.join_group", no_group)
+    monkeypatch.setattr("dwdp.worker.group.join_group", no_group)
     name = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
     cases = {
         "missing": (lambda t: t.pop(name), f"tensor {name} is missing"),

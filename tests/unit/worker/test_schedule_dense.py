@@ -17,12 +17,12 @@ import pytest
 from dwdp.api.enums import CopyMode
 from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan, Stream
 from dwdp.worker.backend.fake import FakeBackend, HazardKind, HbReport
+from dwdp.worker.dense.layout import Segment
 from dwdp.worker.schedule import (
-    DensePhase,
+    DensePassPhase,
     DenseSlotSchedule,
     ExpertPrefetchSchedule,
     ScheduleStateError,
-    Segment,
 )
 
 ROW = 16
@@ -320,7 +320,7 @@ def test_steady_state_is_race_free_and_primed(n: int, mode: str, segments: str) 
     for k in range(3):
         before = r.dense.stats.layer_copies
         assert r.forward(start=k == 1)
-        assert r.dense.phase is DensePhase.IDLE
+        assert r.dense.phase is DensePassPhase.IDLE
         r.assert_primed()
         assert r.dense.stats.layer_copies - before == (n if k else n + len(r.dense.pending()))
     stats = r.dense.stats

@@ -10,7 +10,7 @@ from dwdp.worker.transport.base import (
     CollectiveMismatch,
     GroupFailure,
     RendezvousConfig,
-    Transport,
+    GroupTransport,
     parse_address,
 )
 from dwdp.worker.transport.tcp_store import LoopbackAcrossHosts, check_rendezvous_hosts, is_loopback
@@ -33,10 +33,10 @@ class ThreadGroup:
         self.board: dict[int, dict[int, bytes]] = {}
         self.lock = threading.Lock()
 
-    def transport(self, rank: int) -> Transport:
+    def transport(self, rank: int) -> GroupTransport:
         group = self
 
-        class _T(Transport):
+        class _T(GroupTransport):
             def _allgather_bytes(self, data: bytes, *, seq: int, label: str) -> list[bytes]:
                 with group.lock:
                     group.board.setdefault(seq, {})[self.rank] = data
@@ -104,7 +104,7 @@ def test_loopback_is_refused_only_across_hosts():
 
 
 def test_every_rank_sees_every_error_in_one_exchange():
-    def body(t: Transport):
+    def body(t: GroupTransport):
         ex = t.exchange({"r": t.rank}, label="x", error="boom" if t.rank == 1 else None)
         return ex
 
