@@ -173,6 +173,7 @@ def _grow_layer_2(model) -> None:
         table = getattr(experts, name).data
         setattr(experts, name, torch.nn.Parameter(torch.cat([table, table[:1]]),
                                                   requires_grad=False))
+    experts.num_experts += 1  # the grouped GEMM's expert count follows the tables
 
 
 def _draft_layer_2(model) -> None:
@@ -208,7 +209,7 @@ class _Lines(logging.Handler):
 
 
 def _refused(call) -> bool:
-    from dwdp.worker.attach import WeightsShardedError
+    from dwdp.worker.attachment import WeightsShardedError
 
     try:
         call()
