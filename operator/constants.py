@@ -134,23 +134,16 @@ class Reason(enum.StrEnum):
     GROUP_FAILED = "GroupFailed"
     HEALTHY = "Healthy"
     INVALID_SPEC = "InvalidSpec"
-    VALID_SPEC = "ValidSpec"
     # Events only
     CREATED_GROUP = "CreatedGroup"
     DELETED_GROUP = "DeletedGroup"
-    GROUP_COMMITTED = "GroupCommitted"
     GATE_OPENED = "GateOpened"
     GATE_CLOSED = "GateClosed"
-    APPLIED = "Applied"
     APPLY_FAILED = "ApplyFailed"
-    GROUP_RESTARTING = "GroupRestarting"
     RESTARTED_GROUP = "RestartedGroup"
-    RESTART_LIMIT = "RestartLimitReached"
     DRAINING_GROUP = "DrainingGroup"
-    ROLLING_OUT = "RollingOut"
     FORCE_DELETED = "ForceDeleted"
     FAILED_CREATE = "FailedCreate"
-    CREATED = "Created"
     COMPUTE_DOMAIN_UNAVAILABLE = "ComputeDomainUnavailable"
 
 

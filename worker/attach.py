@@ -19,7 +19,6 @@ from pathlib import Path
 
 from torch import nn
 
-from dwdp.api.enums import CopyMode, GatherKernel
 from dwdp.api.launch import LaunchConfig
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.attachment import CopyCounters, DwdpAttachment, SetupFacts
@@ -31,6 +30,7 @@ from dwdp.worker.models.base import ArchitectureAdapter, MoeLayer
 from dwdp.worker.schedule.dense import DenseSlotSchedule
 from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
 from dwdp.worker.server.status import DwdpStatusSource, NoDwdp
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.expert import ExpertDwdp
 from dwdp.worker.transport.base import GroupTransport
 
@@ -43,13 +43,15 @@ def setup_dwdp(
     cfg: LaunchConfig,
     *,
     group: GroupTransport | None,
+    settings: CopySettings,
 ) -> DwdpStatusSource:
     """Set DWDP up on ``model`` as the launch asks; returns the status source the server
     reads (``DwdpAttachment``, or ``NoDwdp`` when DWDP is off).
 
     Raises ``DwdpConfigError`` (a setting this worker cannot run), ``SetupError`` (on every
     rank alike), ``UnsupportedArchitectureError``. ``group``: ``join_group``'s transport
-    (``None`` exactly when DWDP is off).
+    (``None`` exactly when DWDP is off); ``settings``: the effective copy settings
+    (``dwdp.worker.settings.resolve_copy_settings``), for the backend and both managers.
     """
     if not dwdp_active(cfg) or group is None:
         return NoDwdp()
@@ -62,13 +64,7 @@ def setup_dwdp(
             "(enableExperts true, dwdpSize > 1); standalone dense DWDP needs a "
             "tensor-parallel engine"
         )
-    backend = make_backend(cfg, group)
-    copy_mode = CopyMode(d.copy_mode) if d.copy_mode is not None else CopyMode.PER_SLICE
-    if backend.name == "cpu" and copy_mode == CopyMode.GATHER:
-        raise DwdpConfigError(
-            "dwdp.copyMode: gather needs a CUDA gather kernel; the cpu backend (handleType "
-            "shm) runs per_slice or batched"
-        )
+    backend = make_backend(cfg, group, settings)
     partition = d.partition(_num_experts(model, adapter)) if d.expert_dwdp else None
     from dwdp.worker.models.validate import read_headers
 
@@ -81,8 +77,7 @@ def setup_dwdp(
         partition=partition,
         enable_dense=d.enable_dense,
         num_slots=d.num_prefetch_slots,
-        copy_mode=copy_mode,
-        gather_kernel=d.gather_kernel,
+        settings=settings,
         checkpoint_dtypes={name: dtype for name, (_shape, dtype) in headers.items()},
     )
 
@@ -101,22 +96,22 @@ def attach(
     partition: ExpertPartition | None,
     enable_dense: bool,
     num_slots: int = 2,
-    copy_mode: CopyMode | None = None,
-    gather_kernel: GatherKernel | None = None,
+    settings: CopySettings | None = None,
     checkpoint_dtypes: Mapping[str, str] | None = None,
 ) -> DwdpAttachment:
     """Set DWDP up on ``model`` over ``transport`` (a collective: every rank calls it with
     the same arguments) and attach the schedules; returns the committed attachment.
 
     ``partition``: the expert partition (``None``: no expert DWDP; dense DWDP alone is the
-    standalone mode this worker does not run); ``gather_kernel``: the ``GatherKernel``
-    each manager (dense, expert) resolves once and passes to every copy launch (``None``:
-    the backend's default); ``checkpoint_dtypes``: tensor name -> checkpoint dtype name, for
-    the scalar exchange's one-ULP rule (``None``: unknown, every scalar bitwise). MoE layers
-    DWDP cannot manage keep their full expert table (``dwdp.worker.expert.managed``); the
-    adapter's repeated layers keep their slot across repeats. Raises ``SetupError`` on every
-    rank alike, ``UnsupportedArchitectureError`` when ``enable_dense`` and the architecture
-    declares no dense roots, ``DwdpConfigError`` for a model without MoE layers.
+    standalone mode this worker does not run); ``settings``: the effective copy settings
+    (``None``: the defaults, per_slice); each manager (dense, expert) resolves its gather
+    kernel from them once and passes it to every copy launch; ``checkpoint_dtypes``: tensor
+    name -> checkpoint dtype name, for the scalar exchange's one-ULP rule (``None``: unknown,
+    every scalar bitwise). MoE layers DWDP cannot manage keep their full expert table
+    (``dwdp.worker.expert.managed``); the adapter's repeated layers keep their slot across
+    repeats. Raises ``SetupError`` on every rank alike, ``UnsupportedArchitectureError`` when
+    ``enable_dense`` and the architecture declares no dense roots, ``DwdpConfigError`` for a
+    model without MoE layers.
     """
     from dwdp.worker.expert.managed import log_unmanaged, select_layers
     from dwdp.worker.models import require_adapter
@@ -126,7 +121,6 @@ def attach(
     require_adapter(model, dense=enable_dense)
     # Dense tensors are checked for their device and contiguity, not for one dtype: the
     # DeepSeek-V3 router keeps float32 weights in a bfloat16 model.
-    copy_mode = copy_mode or CopyMode.PER_SLICE
     selection = select_layers(
         model, adapter, partition.num_experts if partition is not None else None
     )
@@ -149,8 +143,7 @@ def attach(
         partition=partition,
         enable_dense=enable_dense,
         num_slots=num_slots,
-        copy_mode=copy_mode,
-        gather_kernel=gather_kernel,
+        settings=settings if settings is not None else CopySettings(),
     )
     counters = CopyCounters()
     expert_schedule, dense_schedule = _schedules(

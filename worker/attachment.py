@@ -166,11 +166,20 @@ class DwdpAttachment:
             "slots": slots,
             "slot_waits": self.slot_waits,
             "copies": self.counters.copies,
+            "copy_mode": self.experts.settings.copy_mode.value,
+            "sm_reserve": self.sm_reserve,
             "resident": resident,
             "unmanaged_moe_layers": dict(self.facts.unmanaged),
             "repeated_moe_layers": list(self.facts.repeated),
             "scalars": dict(self.facts.scalars),
         }
+
+    @property
+    def sm_reserve(self) -> int:
+        """SMs the managers' gather kernels hold while they run (the larger of the dense
+        and the expert one; 0 on a backend without a gather kernel)."""
+        gathers = [m.gather for m in (self.dense, self.experts) if m is not None]
+        return max((g.sm_reserve for g in gathers if g is not None), default=0)
 
     @property
     def slot_waits(self) -> int:

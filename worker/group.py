@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from dwdp.api.launch import LaunchConfig
 from dwdp.worker.backend.base import Backend
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.transport.base import GroupTransport
 
 ENV_GROUP = "DWDP_GROUP"
@@ -66,11 +67,15 @@ def join_group(
 
 
 def make_backend(
-    cfg: LaunchConfig, transport: GroupTransport, environ: Mapping[str, str] | None = None
+    cfg: LaunchConfig,
+    transport: GroupTransport,
+    settings: CopySettings,
+    environ: Mapping[str, str] | None = None,
 ) -> Backend:
     """The device backend for ``cfg.handle_type``: ``shm`` -> the cpu backend (store files
-    named after ``DWDP_GROUP``/``DWDP_INCARNATION``), ``posixFd``/``fabric`` -> cuda."""
-    from dwdp.api.enums import GatherKernel, HandleType
+    named after ``DWDP_GROUP``/``DWDP_INCARNATION``), ``posixFd``/``fabric`` -> cuda (with
+    the effective copy ``settings``)."""
+    from dwdp.api.enums import HandleType
 
     env = os.environ if environ is None else environ
     if cfg.handle_type == HandleType.SHM:
@@ -86,6 +91,5 @@ def make_backend(
     return CudaBackend(
         device=int(env.get("DWDP_LOCAL_RANK", "0")),
         handle_type=cfg.handle_type,
-        contention_opt=cfg.dwdp.contention_opt,
-        gather_kernel=cfg.dwdp.gather_kernel or GatherKernel.REGISTER,
+        settings=settings,
     )

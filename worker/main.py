@@ -2,9 +2,11 @@
 
 Startup order (DESIGN.md 5): read and validate the launch (role rules first, so a generation
 server refuses dense DWDP before anything loads) -> check the checkpoint's headers, its
-architecture adapter and the expert partition (one line naming the tensor or field) -> join the
-group (rendezvous) -> load the model -> DWDP setup (dense first, then experts; commit) -> start
-the engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
+architecture adapter and the expert partition (one line naming the tensor or field) -> with
+DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the copy operations)
+and the copy settings resolved once (``dwdp.worker.settings``) -> join the group
+(rendezvous) -> load the model -> DWDP setup (dense first, then experts; commit) -> start the
+engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
 termination message path and exits non-zero; the engine is stopped whatever happens.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dwdp.worker.server.status import rank_identity
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.termination import write_termination_message
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ STAGE_CONFIG = "config"
 """Reading the launch config and checking the launch rules."""
 STAGE_CHECKPOINT = "checkpoint"
 """Checking the checkpoint headers, the adapter and the expert partition."""
+STAGE_HOST = "host"
+"""The host gate: CUDA for the cuda backend, the handle type, the copy operations."""
 STAGE_RENDEZVOUS = "rendezvous"
 """Joining the group."""
 STAGE_LOAD = "load"
@@ -171,6 +176,27 @@ def check_model(cfg: Any) -> ModelPlan:
     return ModelPlan(config, adapter, num_experts, partition)
 
 
+def resolve_host_settings(cfg: Any, local_rank: int, stage: dict[str, str]) -> CopySettings:
+    """With DWDP: the host gate, then the copy settings resolved once from the config and
+    the host (``stage["now"]`` names the step for the termination message: ``host`` for
+    the gate, ``config`` for a setting the host cannot run). Without DWDP: the defaults.
+
+    Raises ``HostGateError`` or ``CopySettingsError``."""
+    from dwdp.worker.group import dwdp_active
+    from dwdp.worker.host import check_copy_ops, probe_host
+    from dwdp.worker.settings import resolve_copy_settings
+
+    if not dwdp_active(cfg):
+        return CopySettings()
+    stage["now"] = STAGE_HOST
+    host = probe_host(cfg, device=local_rank)
+    stage["now"] = STAGE_CONFIG
+    settings = resolve_copy_settings(cfg.dwdp, host)
+    stage["now"] = STAGE_HOST
+    check_copy_ops(settings, host, device=local_rank)
+    return settings
+
+
 def _torch_threads() -> None:
     value = os.environ.get(ENV_TORCH_THREADS)
     if value:
@@ -202,6 +228,7 @@ def run_worker(opts: WorkerOptions) -> int:
         port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
         stage["now"] = STAGE_CHECKPOINT
         plan = check_model(cfg)
+        settings = resolve_host_settings(cfg, local_rank, stage)
         _torch_threads()
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
@@ -219,7 +246,7 @@ def run_worker(opts: WorkerOptions) -> int:
         if device != "cpu":
             model.to(device)
         stage["now"] = STAGE_SETUP
-        dwdp = setup_dwdp(model, plan.adapter, cfg, group=group)
+        dwdp = setup_dwdp(model, plan.adapter, cfg, group=group, settings=settings)
         stage["now"] = STAGE_ENGINE
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}

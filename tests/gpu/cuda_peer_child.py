@@ -57,7 +57,7 @@ def pattern(rank: int) -> torch.Tensor:
 
 def main() -> None:
     rank, world, port, scenario = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    from dwdp.api.enums import CopyMode
+    from dwdp.api.enums import CopyMode, GatherKernel
     from dwdp.worker.backend import cuda_vmm
     from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan
     from dwdp.worker.backend.cuda import CudaBackend, live_handles
@@ -125,7 +125,7 @@ def main() -> None:
         ("gather", "tma"),
     ]:
         slot.tensor().fill_(0xA5)
-        g = backend.resolve_gather(kernel, 16) if kernel else None
+        g = backend.resolve_gather(GatherKernel(kernel), 16) if kernel else None
         backend.launch_copies(plan, stream, mode=CopyMode(mode), gather=g)
         stream.synchronize()
         ok = all(torch.equal(slot.tensor()[o : o + n], want) for o, n, want in ref)

@@ -5,6 +5,7 @@ SM-reserve errors."""
 from __future__ import annotations
 
 import pytest
+from dwdp.api.enums import GatherKernel
 
 torch = pytest.importorskip("torch")
 
@@ -65,10 +66,16 @@ def test_copy_mode_equals_reference(mode, kernel, contention):
     from dwdp.api.enums import CopyMode
     from dwdp.worker.backend.cuda import CudaBackend
 
-    backend = CudaBackend(device=0, contention_opt=contention, sub_slice_bytes=256 << 10)
+    from dwdp.worker.settings import CopySettings
+
+    backend = CudaBackend(
+        device=0,
+        settings=CopySettings(copy_mode=CopyMode(mode), contention_opt=contention),
+        sub_slice_bytes=256 << 10,
+    )
     try:
         plans, slots, _ = _layer_plans(backend)
-        gather = backend.resolve_gather(kernel, 24) if kernel else None
+        gather = backend.resolve_gather(GatherKernel(kernel), 24) if kernel else None
         stream = backend.new_stream("expert-copy")
         for plan in plans:
             backend.launch_copies(plan, stream, mode=CopyMode(mode), gather=gather)
@@ -130,8 +137,8 @@ def test_no_host_sync_in_multilayer_loop(backend):
     copy = backend.new_stream("expert-copy")
     compute = backend.current_stream()
     modes = [
-        (CopyMode.GATHER, backend.resolve_gather("register", 16)),
-        (CopyMode.GATHER, backend.resolve_gather("tma", 16)),
+        (CopyMode.GATHER, backend.resolve_gather(GatherKernel.REGISTER, 16)),
+        (CopyMode.GATHER, backend.resolve_gather(GatherKernel.TMA, 16)),
         (CopyMode.BATCHED, None),
         (CopyMode.PER_SLICE, None),
     ]
@@ -168,7 +175,7 @@ def test_lazy_prepare_does_not_sync(backend):
     from dwdp.api.enums import CopyMode
 
     plans, slots, _ = _layer_plans(backend, n_layers=1)
-    g = backend.resolve_gather("register", 8)
+    g = backend.resolve_gather(GatherKernel.REGISTER, 8)
     copy = backend.new_stream("expert-copy")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -183,31 +190,19 @@ def test_lazy_prepare_does_not_sync(backend):
 def test_gather_resolved_once_and_reserve_checked(backend):
     from dwdp.worker.backend.cuda_plan import SmReserveError
 
-    a = backend.resolve_gather("tma", 16)
-    b = backend.resolve_gather("tma", 32)
-    assert a.module is b.module and a.sm_reserve == 16 and b.sm_reserve == 32
+    a = backend.resolve_gather(GatherKernel.TMA, 16)
+    b = backend.resolve_gather(GatherKernel.TMA, 32)
+    per_sm = a.module.max_blocks_per_sm()
+    assert a.module is b.module and (a.blocks, b.blocks) == (16, 32)
+    # the reserve: the SMs the resident blocks hold at the kernel's occupancy
+    assert (a.sm_reserve, b.sm_reserve) == (-(-16 // per_sm), -(-32 // per_sm))
+    reg = backend.resolve_gather(GatherKernel.REGISTER, 1)
     with pytest.raises(SmReserveError, match="leaves no SM"):
-        backend.resolve_gather("register", backend.sm_count)
-    with pytest.raises(SmReserveError):
-        backend.resolve_gather("register", 0)
-
-
-def test_ring_fit_error_before_any_allocation(backend):
-    from dwdp.worker.backend.cuda import live_handles
-    from dwdp.worker.backend.cuda_plan import RingDoesNotFitError
-
-    free = backend.free_bytes()
-    assert free > 1 << 30
-    handles, allocated = live_handles(), torch.cuda.memory_allocated()
-    needed = free + (8 << 30)
-    with pytest.raises(RingDoesNotFitError) as info:
-        backend.check_fits(
-            needed, what="the expert prefetch ring", settings={"num_prefetch_slots": 3}
+        backend.resolve_gather(
+            GatherKernel.REGISTER, backend.sm_count * reg.module.max_blocks_per_sm()
         )
-    msg = str(info.value)
-    assert str(needed) in msg and "num_prefetch_slots (now 3)" in msg and "free" in msg
-    assert live_handles() == handles and torch.cuda.memory_allocated() == allocated
-    backend.check_fits(1 << 20, what="ring", settings={})
+    with pytest.raises(SmReserveError):
+        backend.resolve_gather(GatherKernel.REGISTER, 0)
 
 
 def test_host_check_posix_fd():

@@ -37,6 +37,7 @@ CHILD = textwrap.dedent(
     from dwdp.worker.engine.loader import load_checkpoint
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import ENV_FAIL_AT, SetupError
+    from dwdp.worker.settings import CopySettings
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
@@ -64,7 +65,8 @@ CHILD = textwrap.dedent(
             try:
                 att = attach(model, adapter, backend=backend, transport=transport,
                              partition=expert_partition(e, 4), enable_dense=True,
-                             num_slots=2, copy_mode=CopyMode.BATCHED)
+                             num_slots=2,
+                             settings=CopySettings(copy_mode=CopyMode.BATCHED))
             except SetupError as exc:
                 rec.update(raised=True, phase=str(exc.phase), failed=list(exc.failed_ranks),
                            restored=exc.restored, error=str(exc)[:400])

@@ -34,7 +34,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys, torch
     from pathlib import Path
-    from dwdp.api.enums import CopyMode, HandleType
+    from dwdp.api.enums import CopyMode, GatherKernel, HandleType
     from dwdp.api.partition import expert_partition
     from dwdp.worker.engine.batching import BatchingEngine
     from dwdp.worker.engine.loader import load_checkpoint
@@ -63,6 +63,7 @@ CHILD = textwrap.dedent(
     from dwdp.worker.attach import attach
     from dwdp.worker.backend.cuda import CudaBackend
     from dwdp.worker.models import adapter_for
+    from dwdp.worker.settings import CopySettings
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
@@ -78,7 +79,10 @@ CHILD = textwrap.dedent(
             e = adapter.moe_layers(model)[0].num_experts
             att = attach(model, adapter, backend=backend, transport=transport,
                          partition=expert_partition(e, 4), enable_dense=True,
-                         num_slots=slots, copy_mode=CopyMode(mode), gather_kernel=kernel)
+                         num_slots=slots,
+                         settings=CopySettings(copy_mode=CopyMode(mode),
+                                               gather_kernel=GatherKernel(kernel) if kernel
+                                               else None))
             torch.save(run(model, tok), out / f"dwdp.{index}.{rank}.pt")
             status = att.status()
             status["gather_kernels"] = [str(m.gather.kernel) for m in (att.dense, att.experts)]

@@ -17,12 +17,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
-from dwdp.api.enums import CopyMode, HandleType
+from dwdp.api.enums import CopyMode, GatherKernel, HandleType
 
 if TYPE_CHECKING:  # the interface itself needs no torch
     import torch
+    from dwdp.worker.transport.base import GroupTransport
 
 
 class BackendError(RuntimeError):
@@ -118,6 +119,16 @@ class Event(ABC):
         """Block the host until the captured work is done (setup and teardown only)."""
 
 
+class GatherHandle(Protocol):
+    """A gather kernel resolved once for one manager (``Backend.resolve_gather``)."""
+
+    @property
+    def sm_reserve(self) -> int:
+        """SMs the gather holds while it runs (its resident blocks over the blocks one SM
+        can hold)."""
+        ...
+
+
 class Backend(ABC):
     """A device backend: stores, peer views, streams, events and copies of one rank."""
 
@@ -135,7 +146,7 @@ class Backend(ABC):
         """Allocate private device memory (prefetch slots). Raises ``BackendError``."""
 
     @abstractmethod
-    def map_peers(self, store: Store, transport: Any) -> list[PeerView | None]:
+    def map_peers(self, store: Store, transport: GroupTransport) -> list[PeerView | None]:
         """Exchange store handles over the group ``transport`` (a collective: every rank
         calls it) and map every peer's store read-only. Returns one entry per rank; the
         entry of this rank is ``None``. Raises ``BackendError``; views mapped before a
@@ -153,21 +164,34 @@ class Backend(ABC):
     def new_event(self) -> Event:
         """A new, never-recorded event (``query()`` is True)."""
 
-    def resolve_gather(self, kernel: Any = None, sm_reserve: int | None = None) -> Any:
-        """Resolve the gather kernel once per manager (DESIGN.md 5.5); the result is passed
-        to every ``launch_copies`` of that manager as ``gather``. Backends without a gather
-        kernel return ``None``."""
+    def resolve_gather(
+        self, kernel: GatherKernel | None = None, blocks: int | None = None
+    ) -> GatherHandle | None:
+        """Resolve the gather kernel once per manager (DESIGN.md 5.5) from the copy
+        settings (``kernel``: ``None`` for the default variant; ``blocks``: resident blocks
+        of its grid); the result is passed to every ``launch_copies`` of that manager as
+        ``gather``. Backends without a gather kernel return ``None``."""
         return None
 
     def prepare(  # noqa: B027 - optional hook
-        self, plan: CopyPlan, *, mode: CopyMode, stream: Stream, gather: Any = None
+        self,
+        plan: CopyPlan,
+        *,
+        mode: CopyMode,
+        stream: Stream,
+        gather: GatherHandle | None = None,
     ) -> None:
         """Set up per-plan device state (e.g. the gather kernel's descriptor table) at
         setup time (P3), so that ``launch_copies`` does no allocation while serving."""
 
     @abstractmethod
     def launch_copies(
-        self, plan: CopyPlan, stream: Stream, *, mode: CopyMode, gather: Any = None
+        self,
+        plan: CopyPlan,
+        stream: Stream,
+        *,
+        mode: CopyMode,
+        gather: GatherHandle | None = None,
     ) -> None:
         """Enqueue every copy of ``plan`` on ``stream`` in ``mode``; returns without
         waiting. ``gather`` is the value of ``resolve_gather`` for ``mode`` gather. Raises

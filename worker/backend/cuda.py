@@ -44,6 +44,7 @@ from dwdp.worker.backend.base import (
     Buffer,
     CopyPlan,
     Event,
+    GatherHandle,
     PeerView,
     Store,
     Stream,
@@ -51,13 +52,14 @@ from dwdp.worker.backend.base import (
 from dwdp.worker.backend.cuda_plan import (
     DEFAULT_SUB_SLICE_BYTES,
     FabricNotPermittedError,
-    check_fits,
+    SmReserveError,
     check_sm_reserve,
     fabric_refused_message,
     gather_entries,
     interleave_peers,
 )
 from dwdp.worker.backend.cuda_vmm import LEDGER, CudaCallError, check, live_handles
+from dwdp.worker.settings import CopySettings
 
 __all__ = [
     "CudaBackend",
@@ -70,11 +72,6 @@ __all__ = [
     "host_check",
     "live_handles",
 ]
-
-DEFAULT_SM_RESERVE = 32
-"""Resident gather blocks when the manager names none (see bench/results for the SMs
-each variant needs)."""
-
 
 class _DeviceArray:
     """A device byte range as ``__cuda_array_interface__`` (v3), for ``torch.as_tensor``."""
@@ -217,7 +214,9 @@ def _torch_event(event: Event) -> torch.cuda.Event:
 
 @dataclass(frozen=True, slots=True)
 class GatherLaunch:
-    """A resolved gather: the loaded kernel variant and its resident blocks (SM reserve).
+    """A resolved gather: the loaded kernel variant, its resident blocks (the persistent
+    grid) and the SM reserve they make: ``ceil(blocks / blocks_per_sm)``, the SMs the gather
+    holds while it runs (``blocks_per_sm``: the kernel's occupancy on this device).
 
     A manager gets one from ``CudaBackend.resolve_gather`` once and passes it to every
     ``launch_copies``.
@@ -226,11 +225,7 @@ class GatherLaunch:
     kernel: GatherKernel
     module: GatherModule
     blocks: int
-
-    @property
-    def sm_reserve(self) -> int:
-        """SMs the gather holds while it runs (one resident block per SM)."""
-        return self.blocks
+    sm_reserve: int
 
 
 class _Table:
@@ -293,9 +288,10 @@ def _ptr_of(buffer: Buffer) -> int:
 class CudaBackend(Backend):
     """The CUDA backend of one rank on CUDA device ``device``.
 
-    ``handle_type``: how stores are shared (``posixFd`` or ``fabric``);
-    ``gather_kernel`` / ``sm_reserve``: the default gather (``resolve_gather``);
-    ``contention_opt``: batched copies interleave peers in ``sub_slice_bytes`` pieces;
+    ``handle_type``: how stores are shared (``posixFd`` or ``fabric``); ``settings``: the
+    effective copy settings (``dwdp.worker.settings``): the default gather kernel and its
+    resident blocks (``resolve_gather``), and ``contention_opt`` (batched copies interleave
+    peers in ``sub_slice_bytes`` pieces);
     ``exchange_timeout_s``: how long ``map_peers`` waits for a peer's fd (seconds).
     Raises ``BackendError`` when CUDA is unavailable.
     """
@@ -307,9 +303,7 @@ class CudaBackend(Backend):
         *,
         device: int | None = None,
         handle_type: HandleType = HandleType.POSIX_FD,
-        gather_kernel: GatherKernel | str = GatherKernel.REGISTER,
-        sm_reserve: int = DEFAULT_SM_RESERVE,
-        contention_opt: bool = False,
+        settings: CopySettings | None = None,
         sub_slice_bytes: int = DEFAULT_SUB_SLICE_BYTES,
         exchange_timeout_s: float = 120.0,
     ) -> None:
@@ -321,7 +315,8 @@ class CudaBackend(Backend):
             )
         self.device = torch.cuda.current_device() if device is None else device
         self.handle_type = HandleType(handle_type)
-        self.contention_opt = contention_opt
+        self.settings = settings if settings is not None else CopySettings()
+        self.contention_opt = self.settings.contention_opt
         self.sub_slice_bytes = sub_slice_bytes
         self.exchange_timeout_s = exchange_timeout_s
         torch.cuda.init()
@@ -338,7 +333,6 @@ class CudaBackend(Backend):
         self._prepared: dict[tuple, _Prepared] = {}
         self._buffers: list[Buffer] = []
         self._closed = False
-        self._default_gather_args = (GatherKernel(gather_kernel), sm_reserve)
         self._default_gather: GatherLaunch | None = None
         self._memcpy_attr = self._batch_attributes()
 
@@ -346,10 +340,6 @@ class CudaBackend(Backend):
     def _bind(self) -> None:
         """Make this device's primary context current on the calling thread."""
         check(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-
-    @property
-    def device_name(self) -> str:
-        return f"cuda:{self.device}"
 
     # -- memory --------------------------------------------------------------------------
     def allocate_store(self, nbytes: int, *, tag: str) -> CudaStore:
@@ -379,12 +369,6 @@ class CudaBackend(Backend):
         self._bind()
         free, _total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
         return int(free)
-
-    def check_fits(self, needed: int, *, what: str, settings: dict[str, object]) -> None:
-        """Raise ``RingDoesNotFitError`` (before any allocation) if ``needed`` bytes exceed
-        ``free_bytes()``; ``settings`` maps each setting that reduces the need to its value,
-        e.g. ``{"num_prefetch_slots": 3}``."""
-        check_fits(needed, self.free_bytes(), what=what, device=self.device_name, settings=settings)
 
     def granularity(self) -> int:
         """The recommended VMM granularity in bytes (stores are multiples of it)."""
@@ -477,16 +461,16 @@ class CudaBackend(Backend):
 
     # -- gather kernels ------------------------------------------------------------------
     def resolve_gather(
-        self, kernel: GatherKernel | str | None = None, sm_reserve: int | None = None
+        self, kernel: GatherKernel | None = None, blocks: int | None = None
     ) -> GatherLaunch:
-        """Load (once per backend and variant) the ``kernel`` gather and check the SM
-        reserve: ``sm_reserve`` resident blocks, at least 1 and below the device's SM
-        count. Defaults: the backend's. Raises ``SmReserveError`` or ``BackendError``
-        (e.g. tma below sm_90, an NVRTC failure)."""
-        kernel = GatherKernel(kernel or self._default_gather_args[0])
-        blocks = check_sm_reserve(
-            self._default_gather_args[1] if sm_reserve is None else int(sm_reserve), self.sm_count
-        )
+        """Load (once per backend and variant) the ``kernel`` gather with a grid of
+        ``blocks`` resident blocks and check the SM reserve they make (at least 1 SM and
+        below the device's SM count). Defaults: the settings' kernel (else register) and
+        blocks. Raises ``SmReserveError`` or ``BackendError`` (e.g. an NVRTC failure)."""
+        kernel = kernel or self.settings.gather_kernel or GatherKernel.REGISTER
+        blocks = self.settings.gather_blocks if blocks is None else blocks
+        if blocks < 1:
+            raise SmReserveError(f"gather grid of {blocks} blocks: at least 1 block is needed")
         self._bind()
         if kernel.value not in self._modules:
             try:
@@ -497,7 +481,8 @@ class CudaBackend(Backend):
         per_sm = module.max_blocks_per_sm()
         if per_sm < 1:
             raise BackendError(f"gather kernel {kernel.value} cannot be resident on an SM")
-        return GatherLaunch(kernel, module, blocks)
+        reserve = check_sm_reserve(-(-blocks // per_sm), self.sm_count)
+        return GatherLaunch(kernel, module, blocks, reserve)
 
     def _default(self) -> GatherLaunch:
         if self._default_gather is None:
@@ -520,12 +505,12 @@ class CudaBackend(Backend):
         *,
         mode: CopyMode,
         stream: Stream,
-        gather: GatherLaunch | None = None,
+        gather: GatherHandle | None = None,
     ) -> None:
         """Build a plan's per-launch state once (setup, P3): gather tables uploaded on
         ``stream`` (asynchronously), CUdeviceptr lists. ``launch_copies`` calls it on a
         plan's first launch if setup did not."""
-        self._prepare(plan, CopyMode(mode), _as_cuda(stream), gather)
+        self._prepare(plan, mode, _as_cuda(stream), _as_gather(gather))
 
     def _prepare(
         self, plan: CopyPlan, mode: CopyMode, stream: CudaStream, gather: GatherLaunch | None
@@ -574,16 +559,15 @@ class CudaBackend(Backend):
         stream: Stream,
         *,
         mode: CopyMode,
-        gather: GatherLaunch | None = None,
+        gather: GatherHandle | None = None,
     ) -> None:
         """Enqueue ``plan`` on ``stream`` in ``mode`` without waiting.
 
         ``gather``: the manager's resolved kernel (``resolve_gather``), used for the whole
         plan in ``gather`` mode and for ``plan.local`` in the other modes; the backend's
         default when None. Raises ``BackendError`` (a refused launch or copy)."""
-        mode = CopyMode(mode)
         cs = _as_cuda(stream)
-        prep, local_gather = self._prepare(plan, mode, cs, gather)
+        prep, local_gather = self._prepare(plan, mode, cs, _as_gather(gather))
         self._bind()
         try:
             if mode is CopyMode.GATHER:
@@ -611,11 +595,6 @@ class CudaBackend(Backend):
             raise BackendError(str(e)) from e
 
     # -- teardown ------------------------------------------------------------------------
-    def forget(self, plan: CopyPlan) -> None:
-        """Drop a plan's prepared state (its gather tables) after its last launch."""
-        for key in [k for k in self._prepared if k[0] == id(plan)]:
-            del self._prepared[key]
-
     def close(self) -> None:
         """Close every store, view and buffer of this backend, unload the kernels and
         release the primary context (teardown: after the device finished the copies)."""
@@ -649,6 +628,12 @@ def _allgather(transport: Any, obj: object, *, label: str) -> list:
     if hasattr(transport, "allgather_object"):
         return list(transport.allgather_object(obj))
     return list(transport.allgather(obj, label=label))
+
+
+def _as_gather(gather: GatherHandle | None) -> GatherLaunch | None:
+    if gather is not None and not isinstance(gather, GatherLaunch):
+        raise BackendError(f"not a cuda gather (resolve_gather): {gather!r}")
+    return gather
 
 
 def _as_cuda(stream: Stream) -> CudaStream:

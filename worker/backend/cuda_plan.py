@@ -1,4 +1,4 @@
-"""Pure helpers of the CUDA backend: plan transforms, gather tables, fit and reserve checks.
+"""Pure helpers of the CUDA backend: plan transforms, gather tables, the SM reserve check.
 
 Nothing here touches a device, so every rule is unit-tested on a CPU-only machine
 (tests/unit/worker/test_cuda_plan.py). The CUDA backend (``cuda.py``) calls these with
@@ -7,7 +7,7 @@ real device pointers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dwdp.api.enums import HandleType
@@ -17,23 +17,9 @@ from dwdp.worker.backend.base import BackendError, Buffer, CopyDescriptor, CopyP
 DEFAULT_SUB_SLICE_BYTES = 1 << 20
 """contention_opt's sub-slice: 1 MiB of one peer before the next peer's turn."""
 
-GIB = 1 << 30
-
-
-class RingDoesNotFitError(BackendError):
-    """A prefetch ring (or store) needs more device memory than is free.
-
-    Raised by the fit check before any allocation; ``needed`` and ``free`` in bytes.
-    """
-
-    def __init__(self, message: str, *, needed: int, free: int) -> None:
-        super().__init__(message)
-        self.needed = needed
-        self.free = free
-
 
 class SmReserveError(BackendError):
-    """The gather's resident block count (SM reserve) is not in ``[1, SMs - 1]``."""
+    """The SMs the gather holds (SM reserve) are not in ``[1, SMs - 1]``."""
 
 
 class FabricNotPermittedError(BackendError):
@@ -125,44 +111,17 @@ def gather_entries(
     return GatherTableSpec(entries, 0)
 
 
-def check_sm_reserve(blocks: int, sm_count: int) -> int:
-    """``blocks`` if it is a valid SM reserve on a device of ``sm_count`` SMs: at least 1
+def check_sm_reserve(sms: int, sm_count: int) -> int:
+    """``sms`` if it is a valid SM reserve on a device of ``sm_count`` SMs: at least 1
     and leaving at least one SM to the model (DESIGN.md 5.5). Raises ``SmReserveError``."""
-    if blocks < 1:
-        raise SmReserveError(f"gather SM reserve {blocks} must be at least 1 block")
-    if blocks >= sm_count:
+    if sms < 1:
+        raise SmReserveError(f"gather SM reserve {sms} must be at least 1 SM")
+    if sms >= sm_count:
         raise SmReserveError(
-            f"gather SM reserve of {blocks} resident blocks leaves no SM for the model "
+            f"gather SM reserve of {sms} SMs leaves no SM for the model "
             f"(the device has {sm_count}); use at most {sm_count - 1}"
         )
-    return blocks
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
-
-
-def ring_fit_error(
-    *, what: str, needed: int, free: int, device: str, settings: Mapping[str, object]
-) -> RingDoesNotFitError:
-    """The named error for ``what`` needing ``needed`` bytes with ``free`` free: it names
-    both numbers and each setting that reduces the need, with its current value."""
-    knobs = ", ".join(f"{k} (now {v})" for k, v in settings.items()) or "none given"
-    return RingDoesNotFitError(
-        f"{what} does not fit on {device}: needs {needed} bytes ({_gib(needed)}), "
-        f"{free} bytes ({_gib(free)}) free. Settings that reduce it: {knobs}; or free device "
-        f"memory (a smaller KV-cache fraction, fewer processes on this GPU).",
-        needed=needed,
-        free=free,
-    )
-
-
-def check_fits(
-    needed: int, free: int, *, what: str, device: str, settings: Mapping[str, object]
-) -> None:
-    """Raise ``ring_fit_error(...)`` when ``needed > free`` (bytes)."""
-    if needed > free:
-        raise ring_fit_error(what=what, needed=needed, free=free, device=device, settings=settings)
+    return sms
 
 
 def fabric_refused_message(device: int, detail: str) -> str:

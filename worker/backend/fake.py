@@ -312,6 +312,8 @@ class FakeBackend(Backend):
         self, resource: Hashable, content: Hashable, stream: Stream, *, label: str = ""
     ) -> None:
         """Record a copy that writes ``content`` into ``resource`` on ``stream``."""
+        if not isinstance(stream, FakeStream):
+            raise BackendError("record_copy: not a stream of the fake")
         self.trace.append(CopyOp(stream, resource, content, label or f"copy into {resource!s}"))
 
     def read(
@@ -325,6 +327,8 @@ class FakeBackend(Backend):
         """Record a read of ``resource`` on ``stream`` (default: the compute stream) that
         expects ``expect``; a ``CopyPlan`` stands for what it writes into ``resource``."""
         s = stream or self.compute
+        if not isinstance(s, FakeStream):
+            raise BackendError("read: not a stream of the fake")
         content = content_of(expect, resource) if isinstance(expect, CopyPlan) else expect
         self.trace.append(ReadOp(s, resource, content, label or f"read of {resource!s}"))
 
@@ -473,12 +477,11 @@ def check_happens_before(trace: Sequence[TraceOp]) -> HbReport:
         return _Stamp(stream.sid, vc[stream.sid], dict(vc), index, label)
 
     for i, op in enumerate(trace):
-        kind = type(op)
-        if kind is RecordOp:
+        if isinstance(op, RecordOp):
             events[op.event.eid] = dict(clock_of(op.stream))
-        elif kind is WaitOp:
+        elif isinstance(op, WaitOp):
             _merge(clock_of(op.stream), events.get(op.event.eid, {}))
-        elif kind is HostSyncOp:
+        elif isinstance(op, HostSyncOp):
             syncs += 1
             if op.event is not None:
                 _merge(host, events.get(op.event.eid, {}))
@@ -488,9 +491,9 @@ def check_happens_before(trace: Sequence[TraceOp]) -> HbReport:
                 hazards.append(
                     Hazard(HazardKind.HOST_SYNC, i, f"{op.label} between setup and teardown")
                 )
-        elif kind is ServingOp:
+        elif isinstance(op, ServingOp):
             serving = op.active
-        elif kind is CopyOp:
+        elif isinstance(op, CopyOp):
             copies += 1
             w = tick(op.stream, i, op.label)
             h = slots.setdefault(op.resource, _SlotHistory())
@@ -514,7 +517,7 @@ def check_happens_before(trace: Sequence[TraceOp]) -> HbReport:
                         )
                     )
             h.last_copy, h.content, h.reads = w, op.content, []
-        elif kind is ReadOp:
+        elif isinstance(op, ReadOp):
             reads += 1
             r = tick(op.stream, i, op.label)
             h = slots.setdefault(op.resource, _SlotHistory())

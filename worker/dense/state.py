@@ -17,13 +17,19 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from dwdp.api.enums import CopyMode
-from dwdp.worker.backend.base import Backend, Buffer, CopyPlan, PeerView, Store, Stream
+from dwdp.worker.backend.base import (
+    Backend,
+    Buffer,
+    CopyPlan,
+    GatherHandle,
+    PeerView,
+    Store,
+    Stream,
+)
 from dwdp.worker.dense.layout import DenseLayout, Segment
 from dwdp.worker.dense.repoint import LeakReport, Originals
 from dwdp.worker.dense.rows import RowStoreLayout, blob_plan
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.status import ResidentBytes
 
 
@@ -54,13 +60,14 @@ class DenseDwdp:
     """
 
     def __init__(self, *, backend: Backend, layout: DenseLayout, rows: RowStoreLayout,
-                 rank: int, rings: SlotRings, copy_mode: CopyMode, gather: Any = None) -> None:
+                 rank: int, rings: SlotRings, settings: CopySettings,
+                 gather: GatherHandle | None = None) -> None:
         self.backend = backend
         self.layout = layout
         self.rows = rows
         self.rank = rank
         self.rings = rings
-        self.copy_mode = copy_mode
+        self.settings = settings
         self.gather = gather
         """The gather kernel resolved once for this manager, passed to every launch."""
         self.state = DenseState.SETTING_UP
@@ -114,7 +121,8 @@ class DenseDwdp:
         """Enqueue the copies of (layer, segment) into ``slot`` on ``stream``."""
         if self.state not in (DenseState.SETTING_UP, DenseState.COMMITTED):
             raise RuntimeError(f"dense DWDP is {self.state}: nothing to launch")
-        self.backend.launch_copies(self.plan(layer, segment, slot), stream, mode=self.copy_mode,
+        self.backend.launch_copies(self.plan(layer, segment, slot), stream,
+                                   mode=self.settings.copy_mode,
                                    gather=self.gather)
 
     def status(self) -> ResidentBytes:

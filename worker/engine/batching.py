@@ -15,7 +15,6 @@ shares the same lock with the serving thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -473,13 +472,3 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
             continue
         ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
     return ids
-
-
-@contextlib.contextmanager
-def running(engine: BatchingEngine):
-    """Run ``engine`` for the ``with`` body and always stop it afterwards."""
-    engine.start()
-    try:
-        yield engine
-    finally:
-        engine.stop()

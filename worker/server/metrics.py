@@ -46,6 +46,7 @@ class _ScrapeCollector:
             ("bytes_stored", "Bytes of this rank's DWDP stores."),
             ("bytes_freed", "Replicated weight bytes DWDP returned."),
             ("leaks", "Originals still referenced after commit."),
+            ("sm_reserve", "SMs the gather kernel holds while it runs."),
         ):
             yield GaugeMetricFamily(f"dwdp_{name}", doc, value=status.get(name, 0))
         committed = GaugeMetricFamily("dwdp_committed", "1 once DWDP setup committed.")

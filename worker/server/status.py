@@ -65,7 +65,8 @@ class DwdpStatusSource(Protocol):
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``phase``, ``rank``, ``dwdp_size``, ``layout_digest``,
         ``partition`` (every rank's expert range), ``bytes_stored``, ``bytes_moved``,
-        ``bytes_freed``, ``leaks``, ``slots`` and ``slot_waits`` (bytes as integers)."""
+        ``bytes_freed``, ``leaks``, ``slots``, ``slot_waits`` and ``sm_reserve`` (the SMs
+        the gather kernel holds) (bytes as integers)."""
 
 
 class NoDwdp:
@@ -91,4 +92,5 @@ class NoDwdp:
             "leaks": 0,
             "slots": {},
             "slot_waits": 0,
+            "sm_reserve": 0,
         }

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from dwdp.api.enums import CopyMode, GatherKernel
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.backend.base import Backend
 from dwdp.worker.dense.repoint import LeakReport
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.expert.layout import ExpertLayerWeights
 from dwdp.worker.models.base import MoeLayer
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
 from dwdp.worker.setup.expert import ExpertDwdp, setup_experts
 from dwdp.worker.setup.expert_repoint import check_expert_gather, repoint_experts
@@ -48,8 +48,7 @@ def setup_attached(
     partition: ExpertPartition,
     enable_dense: bool,
     num_slots: int,
-    copy_mode: CopyMode,
-    gather_kernel: GatherKernel | None = None,
+    settings: CopySettings,
 ) -> AttachedSetup:
     """Dense setup, expert setup, the expert gather check and the repoint (module
     docstring). Raises ``SetupError`` on every rank alike."""
@@ -62,9 +61,7 @@ def setup_attached(
             backend=backend,
             transport=transport,
             enable_dense=True,
-            options=DenseSetupOptions(
-                copy_mode=copy_mode, device=device, gather_kernel=gather_kernel
-            ),
+            options=DenseSetupOptions(copy=settings, device=device),
         )
     experts = _setup_experts(
         layers,
@@ -72,8 +69,7 @@ def setup_attached(
         transport=transport,
         partition=partition,
         num_slots=num_slots,
-        copy_mode=copy_mode,
-        gather_kernel=gather_kernel,
+        settings=settings,
         dense=dense,
     )
     check_expert_gather(experts, layers, transport, dense=dense)
@@ -88,8 +84,7 @@ def _setup_experts(
     transport: GroupTransport,
     partition: ExpertPartition,
     num_slots: int,
-    copy_mode: CopyMode,
-    gather_kernel: GatherKernel | None,
+    settings: CopySettings,
     dense: DenseDwdp | None,
 ) -> ExpertDwdp:
     """This rank's range of every MoE layer's tables into its store (expert setup)."""
@@ -108,8 +103,7 @@ def _setup_experts(
             backend=backend,
             transport=transport,
             num_slots=num_slots,
-            copy_mode=copy_mode,
-            gather_kernel=gather_kernel,
+            settings=settings,
         )
     except SetupError as exc:
         if dense is None:

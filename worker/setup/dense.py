@@ -19,26 +19,27 @@ DWDP off sends only its flag), so they all raise there instead of blocking.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
-from dwdp.api.enums import CopyMode, GatherKernel
-from dwdp.worker.backend.base import Backend, Store
+from dwdp.worker.backend.base import Backend, Store, Stream
 from dwdp.worker.dense.architecture import DenseLayerLike
 from dwdp.worker.dense.layout import (
     DEFAULT_ALIGN,
     DENSE_MIN_BYTES,
     DenseLayout,
+    Segment,
     collect_dense_layout,
+    tensor_bytes,
     view_in,
 )
 from dwdp.worker.dense.repoint import count_leaks, current_tensor, watch_storages
 from dwdp.worker.dense.rows import row_store_layout, write_rows
 from dwdp.worker.dense.state import DenseDwdp, DenseState, SlotRings
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.phases import (
     DensePhase,
     FailureInjector,
@@ -66,11 +67,11 @@ class DenseSetupOptions:
     storages under this many bytes stay replicated (the seed's 1 MiB; tests of the protocol
     on toy models pass 0); ``dtype`` /
     ``device``: the final form every moved tensor must have (``None``: unchecked);
-    ``gather_kernel``: resolved once at P1 (``None``: the backend's default)."""
+    ``copy``: the effective copy settings (``dwdp.worker.settings``); the gather kernel is
+    resolved from them once at P1."""
 
     rings: SlotRings = field(default_factory=SlotRings)
-    copy_mode: CopyMode = CopyMode.PER_SLICE
-    gather_kernel: GatherKernel | str | None = None
+    copy: CopySettings = field(default_factory=CopySettings)
     align: int = DEFAULT_ALIGN
     min_bytes: int = DENSE_MIN_BYTES
     dtype: torch.dtype | None = None
@@ -137,7 +138,7 @@ def _store(dense: DenseDwdp) -> Store:
 
 
 def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: GroupTransport,
-               injector: FailureInjector, work: Any) -> None:
+               injector: FailureInjector, work: Callable[[], object]) -> None:
     """Run one phase's local work, then its collective; roll back and raise on a failure
     that any rank reported (see [Note: fail-together])."""
     error: str | None = None
@@ -173,9 +174,10 @@ def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: 
                 raise MemoryFitError(
                     f"the row store ({rows.nbytes} bytes) and the prefetch slots "
                     f"({need - rows.nbytes} bytes) need {need} bytes but {free} bytes are free")
-            gather = backend.resolve_gather(options.gather_kernel)
+            gather = backend.resolve_gather(options.copy.gather_kernel,
+                                            options.copy.gather_blocks)
             dense = DenseDwdp(backend=backend, layout=layout, rows=rows, rank=transport.rank,
-                              rings=options.rings, copy_mode=options.copy_mode, gather=gather)
+                              rings=options.rings, settings=options.copy, gather=gather)
             summary = LayoutSummary(True, layout.digest, tuple(layout.checksums.items()), need)
         injector.check(phase, transport.rank)
     except Exception as exc:
@@ -224,7 +226,7 @@ def _p2_allocate(dense: DenseDwdp) -> None:
     dense.backend.current_stream().synchronize()  # setup only: peers read it after the vote
 
 
-def _gather(dense: DenseDwdp, layer: int, segment: Any, slot: int, stream: Any) -> None:
+def _gather(dense: DenseDwdp, layer: int, segment: Segment, slot: int, stream: Stream) -> None:
     """One blob into its slot on setup's created stream (see [Note: setup stream] in
     ``phases``), then wait: the byte check reads the slot on the host."""
     dense.launch(layer, segment, slot, stream)
@@ -260,14 +262,9 @@ def _p5_repoint(dense: DenseDwdp) -> None:
             now = current_tensor(ref)
             if now.untyped_storage().data_ptr() != slot_ptr.data_ptr():
                 raise SetupCheckError(f"{ref.name} does not point into its prefetch slot")
-            if not torch.equal(_bytes(now), _bytes(dense.originals.original(ref))):
+            if not torch.equal(tensor_bytes(now), tensor_bytes(dense.originals.original(ref))):
                 raise SetupCheckError(f"{ref.name} reads other bytes through its slot than the "
                                       "original held")
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
 def _p6_commit(dense: DenseDwdp, transport: GroupTransport, injector: FailureInjector) -> None:

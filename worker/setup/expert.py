@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
 import torch
-from dwdp.api.enums import CopyMode, GatherKernel
-from dwdp.worker.backend.base import Backend, Buffer, CopyPlan, PeerView, Store, Stream
+from dwdp.api.partition import ExpertPartition
+from dwdp.worker.backend.base import (
+    Backend,
+    Buffer,
+    CopyPlan,
+    GatherHandle,
+    PeerView,
+    Store,
+    Stream,
+)
 from dwdp.worker.expert.layout import (
     ChunkSpec,
     ExpertLayerWeights,
@@ -33,6 +39,7 @@ from dwdp.worker.expert.layout import (
     expert_plan,
     expert_store_layout,
 )
+from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.phases import ExpertPhase, FailureInjector, SetupError, describe
 from dwdp.worker.setup.status import ResidentBytes
 from dwdp.worker.setup.vote import vote
@@ -72,12 +79,13 @@ class ExpertDwdp:
     """
 
     def __init__(self, *, backend: Backend, layout: ExpertStoreLayout, rank: int,
-                 num_slots: int, copy_mode: CopyMode, gather: Any = None) -> None:
+                 num_slots: int, settings: CopySettings,
+                 gather: GatherHandle | None = None) -> None:
         self.backend = backend
         self.layout = layout
         self.rank = rank
         self.num_slots = num_slots
-        self.copy_mode = copy_mode
+        self.settings = settings
         self.gather = gather
         """The gather kernel resolved once for this manager (``backend.resolve_gather``),
         passed to every ``launch_copies``; set at the allocate step."""
@@ -96,7 +104,7 @@ class ExpertDwdp:
 
     def launch(self, layer: int, slot: int, stream: Stream) -> None:
         """Enqueue layer ``layer``'s expert copies into ``slot`` on ``stream``."""
-        self.backend.launch_copies(self.plan(layer, slot), stream, mode=self.copy_mode,
+        self.backend.launch_copies(self.plan(layer, slot), stream, mode=self.settings.copy_mode,
                                    gather=self.gather)
 
     def slot_views(self, slot: int, layer: int = 0) -> dict[str, torch.Tensor]:
@@ -144,31 +152,32 @@ class ExpertDwdp:
 def setup_experts(
     layers: Sequence[ExpertLayerWeights],
     *,
-    partition: object,
+    partition: ExpertPartition,
     backend: Backend,
     transport: GroupTransport,
     num_slots: int = 2,
-    copy_mode: CopyMode = CopyMode.PER_SLICE,
-    gather_kernel: GatherKernel | str | None = None,
+    settings: CopySettings | None = None,
     injector: FailureInjector | None = None,
 ) -> ExpertDwdp:
     """Set expert DWDP up on this rank; a collective over ``transport``.
 
     ``layers``: the MoE layers in order, each with this rank's range of every expert
     tensor; ``partition``: the ``ExpertPartition`` of ``dwdp.api.partition`` (``ranges``,
-    one ``[start, end)`` per rank); ``gather_kernel``: resolved once, at the allocate step
-    (``None``: the backend's default). Returns the committed :class:`ExpertDwdp`; raises
+    one ``[start, end)`` per rank); ``settings``: the effective copy settings
+    (``dwdp.worker.settings``; ``None``: the defaults), the gather resolved from them once,
+    at the allocate step. Returns the committed :class:`ExpertDwdp`; raises
     :class:`SetupError` on every rank alike.
     """
     injector = injector if injector is not None else FailureInjector.from_env()
+    copy = settings if settings is not None else CopySettings()
     rank = transport.rank
     experts: ExpertDwdp | None = None
     try:
         layout = _handshake(layers, partition, transport, injector)
         experts = ExpertDwdp(backend=backend, layout=layout, rank=rank, num_slots=num_slots,
-                             copy_mode=copy_mode)
+                             settings=copy)
         _step(ExpertPhase.ALLOCATE, experts, transport, injector,
-              lambda: _allocate(experts, layers, gather_kernel))
+              lambda: _allocate(experts, layers))
         _step(ExpertPhase.MAP, experts, transport, injector, lambda: _map(experts, transport))
         _step(ExpertPhase.COMMIT, experts, transport, injector, lambda: None)
     except BaseException:
@@ -182,14 +191,15 @@ def setup_experts(
     return experts
 
 
-def _handshake(layers: Sequence[ExpertLayerWeights], partition: object, transport: GroupTransport,
+def _handshake(layers: Sequence[ExpertLayerWeights], partition: ExpertPartition,
+               transport: GroupTransport,
                injector: FailureInjector) -> ExpertStoreLayout:
     phase = ExpertPhase.HANDSHAKE
     rank = transport.rank
     error: str | None = None
     mine: Handshake | None = None
     try:
-        table = tuple(tuple(r) for r in partition.ranges)  # type: ignore[attr-defined]
+        table = tuple((start, end) for start, end in partition.ranges)
         if len(table) != transport.world_size:
             raise ValueError(f"the partition has {len(table)} ranges for "
                              f"{transport.world_size} ranks")
@@ -235,10 +245,10 @@ def _handshake_disagreements(payloads: Sequence[Handshake]) -> dict[int, str]:
 
 
 def _step(phase: ExpertPhase, experts: ExpertDwdp, transport: GroupTransport,
-          injector: FailureInjector, work: object) -> None:
+          injector: FailureInjector, work: Callable[[], object]) -> None:
     error: str | None = None
     try:
-        work()  # type: ignore[operator]
+        work()
         injector.check(phase, transport.rank)
     except Exception as exc:
         error = describe(exc)
@@ -248,10 +258,10 @@ def _step(phase: ExpertPhase, experts: ExpertDwdp, transport: GroupTransport,
         raise SetupError(phase, phase.what, verdict.errors, restored=True)
 
 
-def _allocate(experts: ExpertDwdp, layers: Sequence[ExpertLayerWeights],
-              gather_kernel: GatherKernel | str | None) -> None:
+def _allocate(experts: ExpertDwdp, layers: Sequence[ExpertLayerWeights]) -> None:
     layout, rank, backend = experts.layout, experts.rank, experts.backend
-    experts.gather = backend.resolve_gather(gather_kernel)
+    experts.gather = backend.resolve_gather(experts.settings.gather_kernel,
+                                            experts.settings.gather_blocks)
     need = layout.store_bytes[rank] + experts.num_slots * layout.slot_bytes
     free = backend.free_bytes()
     if need > free:

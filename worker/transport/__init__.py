@@ -20,8 +20,8 @@ __all__ = [
     "CollectiveMismatch",
     "Exchange",
     "GroupFailure",
+    "GroupTransport",
     "RendezvousConfig",
     "RendezvousTimeout",
-    "GroupTransport",
     "TransportError",
 ]

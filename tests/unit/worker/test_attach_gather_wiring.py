@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dwdp.api.enums import CopyMode, GatherKernel  # noqa: E402
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.backend.cpu import CpuBackend, leftover_segments  # noqa: E402
+from dwdp.worker.settings import CopySettings  # noqa: E402
 from dwdp.worker.testing.checkpoint import fill_seeded, tiny_config  # noqa: E402
 from test_transport import run_threads  # noqa: E402
 
@@ -34,7 +35,7 @@ class RecordingBackend(CpuBackend):
         self.resolved: list[tuple[object, object]] = []
         self.launches: list[tuple[object, object]] = []
 
-    def resolve_gather(self, kernel=None, sm_reserve=None):
+    def resolve_gather(self, kernel=None, blocks=None):
         token = object()
         self.resolved.append((kernel, token))
         return token
@@ -74,8 +75,7 @@ def test_attach_resolves_the_gather_once_per_manager_and_sets_up_on_created_stre
             partition=expert_partition(NUM_EXPERTS, 2),
             enable_dense=True,
             num_slots=2,
-            copy_mode=CopyMode.PER_SLICE,
-            gather_kernel=GatherKernel.TMA,
+            settings=CopySettings(copy_mode=CopyMode.PER_SLICE, gather_kernel=GatherKernel.TMA),
         )
         setup_launches = list(backend.launches)
         with torch.no_grad():

@@ -1,14 +1,12 @@
 """Pure rules of the CUDA backend (no GPU): contention_opt interleaving, gather entries,
-SM reserve, ring-fit and FABRIC messages."""
+SM reserve and FABRIC messages."""
 
 from __future__ import annotations
 
 import pytest
 from dwdp.worker.backend.base import BackendError, Buffer, CopyDescriptor, CopyPlan
 from dwdp.worker.backend.cuda_plan import (
-    RingDoesNotFitError,
     SmReserveError,
-    check_fits,
     check_sm_reserve,
     fabric_refused_message,
     gather_entries,
@@ -124,23 +122,6 @@ def test_sm_reserve_must_leave_an_sm():
         check_sm_reserve(132, 132)
     with pytest.raises(SmReserveError, match="at least 1"):
         check_sm_reserve(0, 132)
-
-
-def test_ring_fit_error_names_bytes_and_settings():
-    check_fits(10, 10, what="ring", device="cuda:0", settings={})
-    with pytest.raises(RingDoesNotFitError) as info:
-        check_fits(
-            3 << 30,
-            1 << 30,
-            what="the expert prefetch ring",
-            device="cuda:0",
-            settings={"num_prefetch_slots": 3, "dwdp_size": 4},
-        )
-    msg = str(info.value)
-    assert str(3 << 30) in msg and str(1 << 30) in msg
-    assert "num_prefetch_slots (now 3)" in msg and "dwdp_size (now 4)" in msg
-    assert info.value.needed == 3 << 30 and info.value.free == 1 << 30
-    assert isinstance(info.value, BackendError)
 
 
 def test_fabric_message_names_setting_and_remedy():

@@ -305,3 +305,40 @@ def test_launcher_stops_every_rank_on_sigterm(tmp_path, checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- the host gate, before the rendezvous -------------------------------------------------
+
+
+def test_cuda_backend_without_cuda_is_refused_before_the_rendezvous(tmp_path, checkpoint):
+    """A real ``dwdp worker`` with handleType posixFd (the cuda backend) on a host where
+    torch sees no CUDA device: refused by the host gate with the remedy in the termination
+    message, before it joins the group (the rendezvous address has no listener: rank 1 would
+    time out there and name the rendezvous) and before the model loads."""
+    config = _config(
+        tmp_path, model=str(checkpoint), handleType="posixFd", dwdp={"dwdpSize": 2}
+    )
+    term = tmp_path / "termination-log"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "DWDP_GROUP": "g",
+        "DWDP_INCARNATION": "1",
+        "DWDP_RANK": "1",
+        "DWDP_WORLD_SIZE": "2",
+        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
+        "DWDP_RENDEZVOUS_TIMEOUT_S": "30",
+    }
+    env.pop("DWDP_ROLE", None)
+    cmd = [sys.executable, "-m", "dwdp", "worker", "--config", str(config)]
+    proc = subprocess.run(
+        [*cmd, "--termination-log", str(term)], env=env, capture_output=True, timeout=300
+    )
+    assert proc.returncode == 1, proc.stderr.decode()[-2000:]
+    line = term.read_text()
+    assert line.startswith("host: HostGateError: handleType: posixFd runs the cuda backend")
+    assert "no CUDA device" in line and "handleType: shm" in line and line.count("\n") == 1
+    assert b"rendezvous" not in proc.stderr.lower()

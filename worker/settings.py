@@ -1,0 +1,98 @@
+"""The effective copy settings of one rank, resolved once from the DWDP config and the host.
+
+:func:`resolve_copy_settings` is the only place that turns ``dwdp.copyMode``,
+``dwdp.contentionOpt`` and ``dwdp.gatherKernel`` into what runs; the one frozen
+:class:`CopySettings` it returns goes down to the backend and to both managers (dense and
+expert), and nothing on the way defaults, coerces or re-checks them again:
+
+- copy mode: ``copyMode`` when set; unset with ``contentionOpt`` true means ``batched`` (one
+  batched, peer-interleaved copy per layer, as the seed runs it); unset otherwise
+  ``per_slice``;
+- gather kernel (``copyMode: gather`` only): ``gatherKernel`` or ``register``; ``tma`` on a
+  device below SM90 runs the ``register`` kernel, with one WARNING;
+- the gather's persistent grid in resident blocks (``gather_blocks``); the SM reserve it
+  makes (the SMs those blocks hold) follows from the loaded kernel's occupancy
+  (``GatherLaunch.sm_reserve``) and is reported in ``/dwdp/status``.
+
+A setting the host cannot run (``gather`` on the cpu backend) raises
+:class:`CopySettingsError` naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from dwdp.api.config import DwdpConfig
+from dwdp.api.enums import CopyMode, GatherKernel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GATHER_BLOCKS = 32
+"""Resident blocks of the gather's persistent grid (see bench/results for the bandwidth each
+variant reaches by block count)."""
+
+TMA_MIN_CAPABILITY = (9, 0)
+"""The ``tma`` gather needs Hopper bulk copies: compute capability 9.0 or above."""
+
+
+class CopySettingsError(ValueError):
+    """A copy setting the host cannot run; the message names the field and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostInfo:
+    """What the copy settings depend on: the backend (``"cpu"`` or ``"cuda"``) and, for
+    cuda, the device's compute capability ``(major, minor)`` and SM count."""
+
+    backend: str
+    capability: tuple[int, int] | None = None
+    sm_count: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CopySettings:
+    """The effective copy settings (module docstring). ``gather_kernel`` is ``None`` unless
+    ``copy_mode`` is gather; ``gather_blocks``: resident blocks of the gather's grid."""
+
+    copy_mode: CopyMode = CopyMode.PER_SLICE
+    gather_kernel: GatherKernel | None = None
+    contention_opt: bool = False
+    gather_blocks: int = DEFAULT_GATHER_BLOCKS
+    notes: tuple[str, ...] = ()
+    """The WARNING lines the resolution logged (a fallback), for the log and the tests."""
+
+
+def resolve_copy_settings(dwdp: DwdpConfig, host: HostInfo) -> CopySettings:
+    """The effective copy settings of ``dwdp`` on ``host`` (module docstring); logs each
+    fallback once as a WARNING. Raises :class:`CopySettingsError`."""
+    mode = dwdp.copy_mode
+    if mode is None:
+        mode = CopyMode.BATCHED if dwdp.contention_opt else CopyMode.PER_SLICE
+    if mode is not CopyMode.GATHER:
+        return CopySettings(copy_mode=mode, contention_opt=dwdp.contention_opt)
+    if host.backend != "cuda":
+        raise CopySettingsError(
+            "dwdp.copyMode: gather needs a CUDA gather kernel; the cpu backend (handleType "
+            "shm) runs per_slice or batched"
+        )
+    kernel = dwdp.gather_kernel or GatherKernel.REGISTER
+    notes: tuple[str, ...] = ()
+    if (
+        kernel is GatherKernel.TMA
+        and host.capability is not None
+        and host.capability < TMA_MIN_CAPABILITY
+    ):
+        major, minor = host.capability
+        note = (
+            f"dwdp.gatherKernel: tma needs SM90 or newer; this device is sm_{major}{minor}, "
+            "so the register gather kernel runs instead"
+        )
+        log.warning("%s", note)
+        kernel, notes = GatherKernel.REGISTER, (note,)
+    return CopySettings(
+        copy_mode=mode,
+        gather_kernel=kernel,
+        contention_opt=dwdp.contention_opt,
+        notes=notes,
+    )
