@@ -222,6 +222,7 @@ def _setup_rank(rank: int, out: Path, group: str, port: int, ckpts: dict) -> Non
     torch.set_num_threads(1)
     from dwdp.api.launch import LaunchConfig
     from dwdp.worker.attach import setup_dwdp
+    from dwdp.worker.main import resolve_host_settings
     from dwdp.worker.models import adapter_for
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
@@ -238,7 +239,9 @@ def _setup_rank(rank: int, out: Path, group: str, port: int, ckpts: dict) -> Non
         model, tok = load_checkpoint(ckpts[ck], dtype=cfg.model.dtype)
         if change is not None:
             change(model)
-        return model, tok, setup_dwdp(model, adapter_for(model), cfg, group=transport)
+        settings = resolve_host_settings(cfg, rank, {"now": "setup"})  # as run_worker
+        return model, tok, setup_dwdp(model, adapter_for(model), cfg, group=transport,
+                                      settings=settings)
 
     with TcpStoreTransport(config) as transport:
         # 1. rank 1's scalar one bfloat16 ULP off, cast from float32: rank 0's value installed
