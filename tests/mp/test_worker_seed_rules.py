@@ -25,9 +25,8 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import RankProcesses, free_port  # noqa: E402
+from conftest import free_port, run_group  # noqa: E402
 
-from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
 from dwdp.worker.dense.layout import DENSE_MIN_BYTES  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
@@ -133,12 +132,8 @@ def refusals(tmp_path_factory, ckpts):
             path.write_text(json.dumps(_launch(ckpts[ck], dtype=dtype)))
             configs.append(path)
         port, group = free_port(), f"r{uuid.uuid4().hex[:10]}"
-        procs = RankProcesses(out)
-        procs.start(list(range(WORLD)), lambda rank, out, n=name, c=configs, p=port, g=group:
-                    _worker_rank(rank, out, g, n, c, p))
-        assert procs.wait(timeout_s=300) == dict.fromkeys(range(WORLD), 0)
-        crashes = sorted(out.glob("crash.*.txt"))
-        assert not crashes, "\n".join(p.read_text() for p in crashes)
+        run_group(out, group, WORLD, lambda rank, out, n=name, c=configs, p=port, g=group:
+                  _worker_rank(rank, out, g, n, c, p), timeout_s=300)
         found[name] = [
             (int((out / f"{name}.code.{r}").read_text()), (out / f"{name}.term.{r}").read_text())
             for r in range(WORLD)
@@ -296,13 +291,7 @@ def rules(tmp_path_factory, ckpts):
     out = tmp_path_factory.mktemp("ranks")
     group = f"s{uuid.uuid4().hex[:10]}"
     port = free_port()
-    procs = RankProcesses(out)
-    procs.start(list(range(WORLD)), lambda rank, out: _setup_rank(rank, out, group, port, ckpts))
-    codes = procs.wait(timeout_s=600)
-    crashes = sorted(out.glob("crash.*.txt"))
-    assert not crashes, "\n".join(p.read_text() for p in crashes)
-    assert codes == dict.fromkeys(range(WORLD), 0)
-    assert not leftover_segments(group)
+    run_group(out, group, WORLD, lambda rank, out: _setup_rank(rank, out, group, port, ckpts))
     return [json.loads((out / f"rules.{r}.json").read_text()) for r in range(WORLD)]
 
 
