@@ -66,9 +66,6 @@ def setup_dwdp(
         )
     backend = make_backend(cfg, group, settings)
     partition = d.partition(_num_experts(model, adapter)) if d.expert_dwdp else None
-    from dwdp.worker.models.validate import read_headers
-
-    headers = read_headers(Path(cfg.model.path))
     return attach(
         model,
         adapter,
@@ -78,8 +75,19 @@ def setup_dwdp(
         enable_dense=d.enable_dense,
         num_slots=d.num_prefetch_slots,
         settings=settings,
-        checkpoint_dtypes={name: dtype for name, (_shape, dtype) in headers.items()},
+        checkpoint_dtypes=checkpoint_dtypes(Path(cfg.model.path)),
     )
+
+
+def checkpoint_dtypes(path: Path) -> dict[str, str]:
+    """Tensor name -> dtype name (``float32``) of the checkpoint directory ``path``, from its
+    safetensors headers (no weight is read); empty for a model that did not come from a
+    checkpoint directory (the scalar exchange then compares every scalar bitwise)."""
+    from dwdp.worker.models.validate import read_headers
+
+    if not path.is_dir():
+        return {}
+    return {name: dtype for name, (_shape, dtype) in read_headers(path).items()}
 
 
 def _num_experts(model: nn.Module, adapter: ArchitectureAdapter) -> int:
