@@ -48,11 +48,14 @@ def probe_host(cfg: LaunchConfig, *, device: int) -> HostInfo:
         )
     from dwdp.worker.backend.base import BackendError
     from dwdp.worker.backend.cuda import host_check
+    from dwdp.worker.backend.cuda_plan import FabricNotPermittedError
 
     try:
         facts = host_check(cfg.handle_type, device=device)
-    except BackendError as exc:  # FabricNotPermittedError names the ComputeDomain remedy
+    except FabricNotPermittedError as exc:  # its message names the ComputeDomain remedy
         raise HostGateError(str(exc)) from exc
+    except BackendError as exc:
+        raise HostGateError(f"{exc}; {_remedy(cfg.handle_type)}") from exc
     log.info("host check passed: %s", facts)
     major, minor = torch.cuda.get_device_capability(device)
     return HostInfo(
@@ -60,6 +63,15 @@ def probe_host(cfg: LaunchConfig, *, device: int) -> HostInfo:
         capability=(major, minor),
         sm_count=torch.cuda.get_device_properties(device).multi_processor_count,
     )
+
+
+def _remedy(handle_type: HandleType) -> str:
+    if handle_type == HandleType.FABRIC:
+        return (
+            "FABRIC handles need a multi-node NVLink system and an IMEX channel: run the pods "
+            "in a ComputeDomain, or set handleType: posixFd when every rank is on one host"
+        )
+    return "posixFd needs CUDA VMM with POSIX fd handles (a recent NVIDIA driver)"
 
 
 def check_copy_ops(settings: CopySettings, host: HostInfo, *, device: int) -> None:
@@ -75,6 +87,7 @@ def check_copy_ops(settings: CopySettings, host: HostInfo, *, device: int) -> No
             "host's cuda-python does not provide; set copyMode: per_slice or upgrade CUDA"
         )
     import torch
+
     from dwdp.kernels.loader import KernelError, load_gather
 
     kernel = settings.gather_kernel or GatherKernel.REGISTER

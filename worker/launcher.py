@@ -104,7 +104,7 @@ def run_launcher(opts: LaunchOptions) -> int:
     grace = _stop_grace(opts, config)
     workdir = Path(tempfile.mkdtemp(prefix="dwdp-launch-"))
     children: list[tuple[int, subprocess.Popen, Path]] = []
-    stopping = {"signal": None}
+    stopping: dict[str, int | None] = {"signal": None}
 
     def on_signal(signum: int, _frame: object) -> None:
         stopping["signal"] = signum

@@ -15,13 +15,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.server.status import rank_identity
 from dwdp.worker.settings import CopySettings
 from dwdp.worker.termination import write_termination_message
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from dwdp.api.launch import LaunchConfig
+    from dwdp.api.partition import ExpertPartition
+    from dwdp.worker.models.base import ArchitectureAdapter
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +101,7 @@ class WorkerOptions:
     termination_log: str | None = None
 
 
-def load_launch_config(path: str | None) -> Any:
+def load_launch_config(path: str | None) -> LaunchConfig:
     """Read the launch config YAML (``path`` or ``DWDP_CONFIG``) into a ``LaunchConfig``.
 
     Raises ``WorkerStartupError`` naming the file, or the first invalid field.
@@ -120,7 +128,9 @@ def load_launch_config(path: str | None) -> Any:
         raise WorkerStartupError(f"launch config {path}: {where}: {first.get('msg')}") from exc
 
 
-def check_launch(cfg: Any, role_flag: str | None, environ: Any = None) -> Any:
+def check_launch(
+    cfg: LaunchConfig, role_flag: str | None, environ: Mapping[str, str] | None = None
+) -> LaunchConfig:
     """Resolve the role (flag, config, ``DWDP_ROLE``; legacy ctx0/gen0 in any case) and apply
     the launch rules that need no model. Returns the config with the role set.
 
@@ -145,13 +155,13 @@ def check_launch(cfg: Any, role_flag: str | None, environ: Any = None) -> Any:
 class ModelPlan:
     """What the checkpoint check learned before any weight is read."""
 
-    config: Any
-    adapter: Any
+    config: PretrainedConfig
+    adapter: ArchitectureAdapter
     num_experts: int
-    partition: Any
+    partition: ExpertPartition | None
 
 
-def check_model(cfg: Any) -> ModelPlan:
+def check_model(cfg: LaunchConfig) -> ModelPlan:
     """Check the checkpoint headers, the adapter (dense roots) and the expert partition.
 
     Raises ``CheckpointError`` (a tensor named), ``LaunchError`` (enable_dense on an
@@ -159,11 +169,12 @@ def check_model(cfg: Any) -> ModelPlan:
     split), each one line.
     """
     from dwdp.api.launch import validate_launch
-    from dwdp.worker.models import require_adapter
+    from dwdp.worker.models import adapter_for
     from dwdp.worker.models.validate import expert_count, validate_checkpoint
 
     config = validate_checkpoint(cfg.model.path)
-    adapter = require_adapter(config, dense=False)  # dense roots: validate_launch below
+    adapter = adapter_for(config)  # the generic expert-only adapter without a match
+    assert adapter is not None
     validate_launch(cfg, dense_roots=adapter.has_dense_roots)
     num_experts = expert_count(config)
     partition = None
@@ -176,7 +187,9 @@ def check_model(cfg: Any) -> ModelPlan:
     return ModelPlan(config, adapter, num_experts, partition)
 
 
-def resolve_host_settings(cfg: Any, local_rank: int, stage: dict[str, str]) -> CopySettings:
+def resolve_host_settings(
+    cfg: LaunchConfig, local_rank: int, stage: dict[str, str]
+) -> CopySettings:
     """With DWDP: the host gate, then the copy settings resolved once from the config and
     the host (``stage["now"]`` names the step for the termination message: ``host`` for
     the gate, ``config`` for a setting the host cannot run). Without DWDP: the defaults.
@@ -205,7 +218,7 @@ def _torch_threads() -> None:
         torch.set_num_threads(int(value))
 
 
-def _device_for(cfg: Any, local_rank: int) -> str:
+def _device_for(cfg: LaunchConfig, local_rank: int) -> str:
     """``cpu`` for the shm handle type (the cpu backend); otherwise the local rank's GPU
     when CUDA is available."""
     from dwdp.api.enums import HandleType

@@ -5,6 +5,7 @@ SM-reserve errors."""
 from __future__ import annotations
 
 import pytest
+
 from dwdp.api.enums import GatherKernel
 
 torch = pytest.importorskip("torch")
@@ -65,7 +66,6 @@ def _reference(plan, slot_nbytes):
 def test_copy_mode_equals_reference(mode, kernel, contention):
     from dwdp.api.enums import CopyMode
     from dwdp.worker.backend.cuda import CudaBackend
-
     from dwdp.worker.settings import CopySettings
 
     backend = CudaBackend(
@@ -245,3 +245,29 @@ def test_batched_refuses_legacy_stream_by_name(backend):
     plans, _, _ = _layer_plans(backend, n_layers=1)
     with pytest.raises(BackendError, match="legacy NULL stream"):
         backend.launch_copies(plans[0], backend.current_stream(), mode=CopyMode.BATCHED)
+
+
+def test_host_gate_passes_and_resolves_the_kernel_on_this_gpu():
+    """The host gate of ``dwdp worker`` on a real GPU: posixFd passes ``host_check``, the
+    settings resolve tma on SM90+ (register below, with the warning), and the resolved
+    gather kernel loads."""
+    from dwdp.api.launch import LaunchConfig
+    from dwdp.worker.host import check_copy_ops, probe_host
+    from dwdp.worker.settings import resolve_copy_settings
+
+    cfg = LaunchConfig.model_validate(
+        {
+            "model": {"path": "/unused"},
+            "handleType": "posixFd",
+            "dwdp": {"dwdpSize": 2, "copyMode": "gather", "gatherKernel": "tma"},
+        }
+    )
+    host = probe_host(cfg, device=0)
+    props = torch.cuda.get_device_properties(0)
+    assert host.backend == "cuda" and host.sm_count == props.multi_processor_count
+    assert host.capability == (props.major, props.minor)
+    settings = resolve_copy_settings(cfg.dwdp, host)
+    sm90 = (props.major, props.minor) >= (9, 0)
+    assert settings.gather_kernel is (GatherKernel.TMA if sm90 else GatherKernel.REGISTER)
+    assert bool(settings.notes) is not sm90
+    check_copy_ops(settings, host, device=0)

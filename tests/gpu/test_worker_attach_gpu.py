@@ -157,5 +157,7 @@ def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode, kernel):
         assert status["bytes_moved_remote"] > 0
         # both managers hold the kernel asked for (register: the backend's default)
         assert status["gather_kernels"] == [kernel or "register"] * 2
+        # the SMs that kernel holds (it copies this rank's own rows in every mode)
+        assert 1 <= status["sm_reserve"] < torch.cuda.get_device_properties(0).multi_processor_count
         digests.add(status["layout_digest"])
     assert len(digests) == 1

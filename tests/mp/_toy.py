@@ -9,8 +9,9 @@ Every attention module also holds one ``inv_freq`` buffer object shared by all l
 from __future__ import annotations
 
 import torch
-from dwdp.worker.dense.architecture import DenseArchitecture
 from torch import nn
+
+from dwdp.worker.dense.architecture import DenseArchitecture
 
 HIDDEN, EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 32, 16, 8, 2
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _ranks import FAIL_RANK, SCENARIOS, run_scenario
 from conftest import RankProcesses, free_port, read_records
+
 from dwdp.worker.backend.cpu import leftover_segments
 from dwdp.worker.transport.base import RendezvousConfig
 from dwdp.worker.transport.tcp_store import TcpStoreTransport

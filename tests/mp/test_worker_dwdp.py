@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import RankProcesses, free_port, read_records  # noqa: E402
+
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402

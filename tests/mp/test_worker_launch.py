@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import free_port  # noqa: E402
+
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402

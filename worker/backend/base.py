@@ -23,6 +23,7 @@ from dwdp.api.enums import CopyMode, GatherKernel, HandleType
 
 if TYPE_CHECKING:  # the interface itself needs no torch
     import torch
+
     from dwdp.worker.transport.base import GroupTransport
 
 

@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 import torch
+
 from dwdp.api.enums import CopyMode, HandleType
 from dwdp.worker.backend.base import (
     Backend,

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from cuda.bindings import driver
+
 from dwdp.api.enums import CopyMode, GatherKernel, HandleType
 from dwdp.kernels.loader import GatherModule, KernelError, load_gather
 from dwdp.kernels.table import pack_table
@@ -119,7 +120,9 @@ class _RegionBuffer:
     """Shared part of stores and peer views: one VMM region and its tensor."""
 
     _region: cuda_vmm.Region | None
+    _tensor: torch.Tensor | None
     tag: str
+    nbytes: int
 
     @property
     def device_ptr(self) -> int:

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from cuda.bindings import driver
+
 from dwdp.api.enums import HandleType
 from dwdp.worker.backend.base import BackendError
 
@@ -236,8 +237,9 @@ def import_region(
         if handle_type is HandleType.POSIX_FD:
             os_handle: object = int(shareable)
         else:
-            os_handle = driver.CUmemFabricHandle()
-            os_handle.data = bytes(shareable)
+            fabric = driver.CUmemFabricHandle()
+            fabric.data = bytes(shareable)
+            os_handle = fabric
         region.handle = check(
             driver.cuMemImportFromShareableHandle(os_handle, HANDLE_TYPES[handle_type]),
             "cuMemImportFromShareableHandle",

@@ -388,9 +388,9 @@ def blob_checksum(blob: Blob) -> str:
     that holds the same weights."""
     h = hashlib.blake2b(digest_size=16)
     for entry in blob.entries:
-        data = _source(entry).detach().cpu().numpy().tobytes()
+        data = _source(entry).detach().cpu().numpy()
         h.update(entry.offset.to_bytes(8, "little"))
-        h.update(data)
+        h.update(data.data)
     return h.hexdigest()
 
 

@@ -13,15 +13,18 @@ import gc
 from dataclasses import dataclass, field
 
 import torch
-from dwdp.worker.dense.layout import TensorRef
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from dwdp.worker.dense.layout import TensorRef
 
 
 def set_tensor(ref: TensorRef, tensor: torch.Tensor) -> None:
     """Make ``ref``'s module attribute ``tensor`` (in place for a parameter)."""
     module = ref.module
     if ref.kind == "parameter":
-        module._parameters[ref.attr].data = tensor
+        param = module._parameters[ref.attr]
+        assert param is not None, ref.name
+        param.data = tensor
     elif ref.kind == "buffer":
         module._buffers[ref.attr] = tensor
     else:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from dwdp.worker.backend.base import Buffer, CopyDescriptor, CopyPlan, PeerView
 from dwdp.worker.dense.layout import Blob, DenseLayout, Segment
 

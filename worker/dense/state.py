@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 from dwdp.worker.backend.base import (
     Backend,
     Buffer,

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +67,7 @@ class _Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    emit: Callable[[RequestOutput], None] | None = None
+    emit: Callable[[RequestOutput | BaseException], None] | None = None
     keep_logits: bool = False
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -105,7 +105,9 @@ class BatchingEngine:
         self.config = config or EngineConfig()
         text_config = model.config.get_text_config()
         self.max_model_len = int(
-            self.config.max_model_len or getattr(text_config, "max_position_embeddings", 2048)
+            self.config.max_model_len
+            or getattr(text_config, "max_position_embeddings", None)
+            or 2048
         )
         self.eos_token_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
@@ -199,7 +201,7 @@ class BatchingEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Queue the request and stream its updates (see ``EngineClient.generate``)."""
         self.validate(prompt_token_ids, params)
         await self.check_health()

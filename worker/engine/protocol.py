@@ -7,7 +7,7 @@ the real engine can change without touching a router.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -107,7 +107,7 @@ class EngineClient(Protocol):
 
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's updates; the last one has ``finished``. Raises
         ``RequestError`` (bad request) or ``EngineError`` (cannot serve). Closing the
         iterator early aborts the request."""

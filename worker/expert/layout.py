@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from dwdp.worker.backend.base import Buffer, CopyDescriptor, CopyPlan, PeerView
 
 ALIGN = 64

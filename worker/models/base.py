@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -237,10 +237,11 @@ class ArchitectureAdapter:
             num, rows, cols = shape
             gate, up, down = self.checkpoint_expert_suffixes
             for base in self._renamed(head):
-                form: dict[str, tuple[int, ...]]
                 if last == "gate_up_proj":
                     half = rows // 2
-                    form = {f"{base}.{e}.{s}": (half, cols) for e in range(num) for s in (gate, up)}
+                    form: dict[str, tuple[int, ...]] = {
+                        f"{base}.{e}.{s}": (half, cols) for e in range(num) for s in (gate, up)
+                    }
                 else:
                     form = {f"{base}.{e}.{down}": (rows, cols) for e in range(num)}
                 alternatives.append(form)
@@ -265,12 +266,6 @@ class ArchitectureAdapter:
         }
 
 
-def _decoder(model: nn.Module) -> Any:
-    """The decoder of a Hugging Face causal LM (``get_decoder()``: ``model.model``)."""
-    get_decoder: Any = model.get_decoder
-    return get_decoder()
-
-
 def iter_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of ``model`` by qualified name (shared tensors once)."""
     seen: set[int] = set()
@@ -281,3 +276,9 @@ def iter_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                     continue
                 seen.add(id(tensor))
                 yield (f"{prefix}.{attr}" if prefix else attr), tensor
+
+
+def _decoder(model: nn.Module) -> Any:
+    """``model.get_decoder()``: the decoder stack of a transformers causal LM (torch's
+    ``nn.Module`` typing does not know the method)."""
+    return cast(Any, model).get_decoder()

@@ -11,6 +11,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from dwdp.worker.engine.protocol import EngineClient
 from dwdp.worker.server.metrics import ServerMetrics
 from dwdp.worker.server.protocol import (
@@ -28,11 +34,6 @@ from dwdp.worker.server.status import (
     engine_failure,
     with_identity,
 )
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 

@@ -8,20 +8,22 @@ bookkeeping twice.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from dwdp.worker.server.status import DwdpStatusSource
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _ScrapeCollector:
-    def __init__(self, engine: Any, dwdp: Any) -> None:
+    def __init__(self, engine: object, dwdp: DwdpStatusSource) -> None:
         self.engine = engine
         self.dwdp = dwdp
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
             for name, doc, value in (
@@ -57,7 +59,9 @@ class _ScrapeCollector:
 class ServerMetrics:
     """The metrics of one app; ``registry`` is what ``/metrics`` renders."""
 
-    def __init__(self, engine: Any, dwdp: Any) -> None:
+    def __init__(self, engine: object, dwdp: DwdpStatusSource) -> None:
+        """``engine``: read for its ``stats`` (token and forward counters) when it has
+        them; ``dwdp``: the DWDP status source."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "dwdp_requests",

@@ -90,8 +90,8 @@ def serve(
         server.run()
     finally:
         stop_engine()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if not server.started:
         raise RuntimeError(f"the HTTP server could not start on {host}:{port}")
 

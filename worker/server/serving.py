@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from dwdp.worker.engine.protocol import (
@@ -182,7 +182,7 @@ class OpenAIServing:
     # -- plumbing ----------------------------------------------------------------------------
     async def _start(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, endpoint: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's stream with latency and TTFT observed; engine errors mapped."""
         start = time.perf_counter()
         first = True
@@ -200,7 +200,7 @@ class OpenAIServing:
 
     @staticmethod
     async def _collect(
-        stream: AsyncIterator[RequestOutput],
+        stream: AsyncGenerator[RequestOutput, None],
     ) -> tuple[str, list[int], str | None, RequestOutput | None]:
         text, tokens, reason, last = [], [], None, None
         async for out in stream:
@@ -210,7 +210,7 @@ class OpenAIServing:
         return "".join(text), tokens, reason, last
 
     async def _sse(
-        self, request_id: str, stream: AsyncIterator[RequestOutput], *, chat: bool
+        self, request_id: str, stream: AsyncGenerator[RequestOutput, None], *, chat: bool
     ) -> AsyncIterator[str]:
         """The SSE lines of a streaming request. The engine's first update is awaited before
         the first line, so a refusal is still a plain HTTP error (400/503), not a 200 stream."""
@@ -221,7 +221,7 @@ class OpenAIServing:
         self,
         request_id: str,
         first: RequestOutput,
-        stream: AsyncIterator[RequestOutput],
+        stream: AsyncGenerator[RequestOutput, None],
         *,
         chat: bool,
     ) -> AsyncIterator[str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dwdp.worker.backend.base import Backend, Store, Stream
+from dwdp.worker.backend.base import Backend, Stream
 from dwdp.worker.dense.architecture import DenseLayerLike
 from dwdp.worker.dense.layout import (
     DEFAULT_ALIGN,
@@ -117,7 +117,7 @@ def setup_dense(
             return None
         _run_phase(DensePhase.P2, dense, transport, injector, lambda: _p2_allocate(dense))
         _run_phase(DensePhase.P3, dense, transport, injector,
-                   lambda: dense.build_plans(backend.map_peers(_store(dense), transport)))
+                   lambda: _p3_map(dense, transport))
         _run_phase(DensePhase.P4, dense, transport, injector, lambda: _p4_gather_check(dense))
         _run_phase(DensePhase.P5, dense, transport, injector, lambda: _p5_repoint(dense))
         _p6_commit(dense, transport, injector)
@@ -129,12 +129,6 @@ def setup_dense(
              "leaks=%d", rank, n, dense.layout.digest, dense.layout.sharded_bytes,
              dense.rows.nbytes, dense.leaks.count)
     return dense
-
-
-def _store(dense: DenseDwdp) -> Store:
-    if dense.store is None:
-        raise RuntimeError("dense DWDP: the row store was not allocated (P2)")
-    return dense.store
 
 
 def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: GroupTransport,
@@ -224,6 +218,11 @@ def _p2_allocate(dense: DenseDwdp) -> None:
     assert dense.store is not None
     write_rows(dense.layout, dense.rows, dense.rank, dense.store.tensor())
     dense.backend.current_stream().synchronize()  # setup only: peers read it after the vote
+
+
+def _p3_map(dense: DenseDwdp, transport: GroupTransport) -> None:
+    assert dense.store is not None
+    dense.build_plans(dense.backend.map_peers(dense.store, transport))
 
 
 def _gather(dense: DenseDwdp, layer: int, segment: Segment, slot: int, stream: Stream) -> None:

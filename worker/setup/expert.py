@@ -20,7 +20,9 @@ import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
 import torch
+
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.backend.base import (
     Backend,

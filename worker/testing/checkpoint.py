@@ -14,7 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ARCHS: tuple[str, ...] = ("deepseek_v3", "qwen3_moe", "mixtral")
 """Architectures the maker builds (short names, ``--arch``)."""
@@ -29,7 +32,7 @@ def tiny_config(
     hidden_size: int = 32,
     dtype: str = "float32",
     special_ids: dict[str, int] | None = None,
-) -> Any:
+) -> PretrainedConfig:
     """A tiny ``transformers`` config of ``arch``: ``num_layers`` decoder layers of width
     ``hidden_size``, ``num_experts`` routed experts (top-2) of width 16 in every MoE layer.
 
@@ -57,6 +60,8 @@ def tiny_config(
         "pad_token_id": ids.get("pad"),
         "dtype": dtype,
     }
+    config: PretrainedConfig
+    head_dim: dict[str, Any] = {"head_dim": 8}  # Qwen3-MoE takes it; its signature omits it
     if arch == "deepseek_v3":
         config = DeepseekV3Config(
             **common,
@@ -81,7 +86,7 @@ def tiny_config(
             intermediate_size=2 * hidden_size,
             moe_intermediate_size=16,
             num_experts=num_experts,
-            head_dim=8,
+            **head_dim,
             mlp_only_layers=[0],
             decoder_sparse_step=1,
             norm_topk_prob=True,
@@ -142,8 +147,9 @@ def make_checkpoint(
     same names are overwritten). Returns the directory. Raises ``ValueError`` for bad arguments.
     """
     import torch
-    from dwdp.worker.testing.tokenizer import build_tokenizer
     from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from dwdp.worker.testing.tokenizer import build_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

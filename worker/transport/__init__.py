@@ -10,9 +10,9 @@ from dwdp.worker.transport.base import (
     CollectiveMismatch,
     Exchange,
     GroupFailure,
+    GroupTransport,
     RendezvousConfig,
     RendezvousTimeout,
-    GroupTransport,
     TransportError,
 )
 

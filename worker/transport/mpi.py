@@ -19,8 +19,8 @@ from typing import Any
 from dwdp.worker.transport.base import (
     DEFAULT_RENDEZVOUS_TIMEOUT_S,
     ENV_RENDEZVOUS_TIMEOUT_S,
-    RendezvousTimeout,
     GroupTransport,
+    RendezvousTimeout,
     TransportError,
 )
 

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dwdp.worker.transport.base import (
     ENV_RENDEZVOUS,
     ENV_RENDEZVOUS_TIMEOUT_S,
+    GroupTransport,
     RendezvousConfig,
     RendezvousTimeout,
-    GroupTransport,
     TransportError,
 )
 
@@ -55,7 +55,7 @@ def is_loopback(host: str) -> bool:
     except OSError:
         return False
     addresses = {info[4][0] for info in infos}
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+    return bool(addresses) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback
                                    for a in addresses)
 
 
@@ -116,8 +116,9 @@ class TcpStoreTransport(GroupTransport):
                 self._listener.detach()
                 self._listener = None
         except Exception as exc:
-            if getattr(self, "_listener", None) is not None:
-                self._listener.close()
+            listener = getattr(self, "_listener", None)
+            if listener is not None:
+                listener.close()
                 self._listener = None
             if config.rank == 0:
                 raise TransportError(
@@ -154,7 +155,8 @@ class TcpStoreTransport(GroupTransport):
     def _allgather_on_store(self, data: bytes, *, seq: int, label: str) -> list[bytes]:
         store = self._store
         abort_key = f"{self.config.namespace}/abort"
-        store.set(self._key(seq, self.rank), data)
+        # torch's stub types the value as str; the store takes bytes (a library stub gap)
+        store.set(self._key(seq, self.rank), data)  # type: ignore[arg-type]
         keys = {r: self._key(seq, r) for r in range(self.world_size)}
         pending = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + self.timeout_s
@@ -197,7 +199,8 @@ class TcpStoreTransport(GroupTransport):
         ns = self.config.namespace
         try:
             if self.rank != 0:
-                self._store.set(f"{ns}/left/{self.rank}", b"1")
+                # torch's stub types the value as str; the store takes bytes (stub gap)
+                self._store.set(f"{ns}/left/{self.rank}", b"1")  # type: ignore[arg-type]
             else:
                 keys = [f"{ns}/left/{r}" for r in range(1, self.world_size)]
                 if self._aborted_at is not None:  # wait only for the ranks that are present
@@ -212,8 +215,9 @@ class TcpStoreTransport(GroupTransport):
             pass
         finally:
             del self._store
-            if getattr(self, "_listener", None) is not None:
-                self._listener.close()
+            listener = getattr(self, "_listener", None)
+            if listener is not None:
+                listener.close()
                 self._listener = None
 
 

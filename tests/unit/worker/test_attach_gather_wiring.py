@@ -16,12 +16,13 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from test_transport import run_threads  # noqa: E402
+
 from dwdp.api.enums import CopyMode, GatherKernel  # noqa: E402
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.backend.cpu import CpuBackend, leftover_segments  # noqa: E402
 from dwdp.worker.settings import CopySettings  # noqa: E402
 from dwdp.worker.testing.checkpoint import fill_seeded, tiny_config  # noqa: E402
-from test_transport import run_threads  # noqa: E402
 
 NUM_EXPERTS = 4
 

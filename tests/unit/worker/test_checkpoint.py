@@ -11,6 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from dwdp.cli import main as dwdp_main  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.models.validate import (  # noqa: E402
     CheckpointError,
@@ -19,9 +22,6 @@ from dwdp.worker.models.validate import (  # noqa: E402
 )
 from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
 from dwdp.worker.testing.tokenizer import build_tokenizer  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from dwdp.cli import main as dwdp_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")

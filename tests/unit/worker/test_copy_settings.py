@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from test_transport import run_threads  # noqa: E402
+
 from dwdp.api.config import DwdpConfig  # noqa: E402
 from dwdp.api.enums import CopyMode, GatherKernel  # noqa: E402
 from dwdp.api.launch import LaunchConfig  # noqa: E402
@@ -31,7 +33,6 @@ from dwdp.worker.settings import (  # noqa: E402
     resolve_copy_settings,
 )
 from dwdp.worker.testing.checkpoint import fill_seeded, tiny_config  # noqa: E402
-from test_transport import run_threads  # noqa: E402
 
 NUM_EXPERTS = 4
 CPU = HostInfo(backend="cpu")
@@ -140,10 +141,11 @@ def test_contention_opt_runs_batched_copies_through_setup_dwdp(monkeypatch):
 def test_leaked_original_is_counted_in_status_and_metrics():
     """An original expert table still referenced after the commit is a leak: counted on
     the rank that holds it, in ``status()`` and in the ``dwdp_leaks`` metric."""
+    from prometheus_client import generate_latest
+
     from dwdp.worker.attach import attach
     from dwdp.worker.models import adapter_for
     from dwdp.worker.server.metrics import ServerMetrics
-    from prometheus_client import generate_latest
 
     name = f"u{uuid.uuid4().hex[:8]}"
     torch.set_num_threads(1)

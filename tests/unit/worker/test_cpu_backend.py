@@ -12,10 +12,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from test_transport import run_threads
+
 from dwdp.api.enums import CopyMode, HandleType
 from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan
 from dwdp.worker.backend.cpu import CpuBackend, leftover_segments
-from test_transport import run_threads
 
 
 @pytest.fixture

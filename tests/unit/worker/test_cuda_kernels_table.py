@@ -4,6 +4,7 @@ kernel configs and the cubin cache key."""
 from __future__ import annotations
 
 import pytest
+
 from dwdp.kernels.loader import (
     GatherConfig,
     KernelError,

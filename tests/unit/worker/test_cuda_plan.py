@@ -4,6 +4,7 @@ SM reserve and FABRIC messages."""
 from __future__ import annotations
 
 import pytest
+
 from dwdp.worker.backend.base import BackendError, Buffer, CopyDescriptor, CopyPlan
 from dwdp.worker.backend.cuda_plan import (
     SmReserveError,

@@ -14,6 +14,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
+
 from dwdp.api.enums import CopyMode
 from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan, Stream
 from dwdp.worker.backend.fake import FakeBackend, HazardKind, HbReport

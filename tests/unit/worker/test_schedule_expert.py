@@ -13,6 +13,7 @@ import random
 from collections.abc import Iterable, Sequence
 
 import pytest
+
 from dwdp.api.enums import CopyMode
 from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan, Stream
 from dwdp.worker.backend.fake import FakeBackend, HazardKind, HbReport

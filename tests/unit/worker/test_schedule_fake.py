@@ -4,6 +4,7 @@ correct trace and each hazard kind is reported on a trace that breaks it."""
 from __future__ import annotations
 
 import pytest
+
 from dwdp.api.enums import CopyMode
 from dwdp.worker.backend.base import Backend, BackendError, CopyDescriptor, CopyPlan
 from dwdp.worker.backend.fake import (

@@ -5,6 +5,7 @@ starts with the phase the operator classifies the failure by."""
 from __future__ import annotations
 
 import pytest
+
 from dwdp.worker.launcher import launcher_line
 from dwdp.worker.main import STAGE_RENDEZVOUS, STAGE_SETUP, phased
 from dwdp.worker.server.status import NoDwdp, engine_failure, rank_identity, with_identity
@@ -33,8 +34,9 @@ def test_status_carries_the_identity_and_failed_when_the_engine_died() -> None:
 
 
 def test_app_status_route_reports_identity() -> None:
-    from dwdp.worker.server.app import build_app
     from fastapi.testclient import TestClient
+
+    from dwdp.worker.server.app import build_app
 
     class Engine:
         _dead = None

@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from dwdp.worker.transport.base import (
     DEFAULT_RENDEZVOUS_TIMEOUT_S,
     CollectiveMismatch,
     GroupFailure,
-    RendezvousConfig,
     GroupTransport,
+    RendezvousConfig,
     parse_address,
 )
 from dwdp.worker.transport.tcp_store import LoopbackAcrossHosts, check_rendezvous_hosts, is_loopback
