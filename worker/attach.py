@@ -14,12 +14,14 @@ module tensors, so the schedules' layer ids are MoE orders, not decoder-layer in
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 
 from torch import nn
 
 from dwdp.api.launch import LaunchConfig
 from dwdp.api.partition import ExpertPartition
-from dwdp.worker.attachment import CopyCounters, DwdpAttachment
+from dwdp.worker.attachment import CopyCounters, DwdpAttachment, SetupFacts
 from dwdp.worker.backend.base import Backend, CopyPlan, Stream
 from dwdp.worker.dense.layout import Segment
 from dwdp.worker.dense.state import DenseDwdp
@@ -73,7 +75,19 @@ def setup_dwdp(
         enable_dense=d.enable_dense,
         num_slots=d.num_prefetch_slots,
         settings=settings,
+        checkpoint_dtypes=checkpoint_dtypes(Path(cfg.model.path)),
     )
+
+
+def checkpoint_dtypes(path: Path) -> dict[str, str]:
+    """Tensor name -> dtype name (``float32``) of the checkpoint directory ``path``, from its
+    safetensors headers (no weight is read); empty for a model that did not come from a
+    checkpoint directory (the scalar exchange then compares every scalar bitwise)."""
+    from dwdp.worker.models.validate import read_headers
+
+    if not path.is_dir():
+        return {}
+    return {name: dtype for name, (_shape, dtype) in read_headers(path).items()}
 
 
 def _num_experts(model: nn.Module, adapter: ArchitectureAdapter) -> int:
@@ -91,6 +105,7 @@ def attach(
     enable_dense: bool,
     num_slots: int = 2,
     settings: CopySettings | None = None,
+    checkpoint_dtypes: Mapping[str, str] | None = None,
 ) -> DwdpAttachment:
     """Set DWDP up on ``model`` over ``transport`` (a collective: every rank calls it with
     the same arguments) and attach the schedules; returns the committed attachment.
@@ -98,17 +113,26 @@ def attach(
     ``partition``: the expert partition (``None``: no expert DWDP; dense DWDP alone is the
     standalone mode this worker does not run); ``settings``: the effective copy settings
     (``None``: the defaults, per_slice); each manager (dense, expert) resolves its gather
-    kernel from them once and passes it to every copy launch. Raises ``SetupError`` on
-    every rank alike, ``UnsupportedArchitectureError`` when ``enable_dense`` and the
-    architecture declares no dense roots, ``DwdpConfigError`` for a model without MoE layers.
+    kernel from them once and passes it to every copy launch; ``checkpoint_dtypes``: tensor
+    name -> checkpoint dtype name, for the scalar exchange's one-ULP rule (``None``: unknown,
+    every scalar bitwise). MoE layers DWDP cannot manage keep their full expert table
+    (``dwdp.worker.expert.managed``); the adapter's repeated layers keep their slot across
+    repeats. Raises ``SetupError`` on every rank alike, ``UnsupportedArchitectureError`` when
+    ``enable_dense`` and the architecture declares no dense roots, ``DwdpConfigError`` for a
+    model without MoE layers.
     """
+    from dwdp.worker.expert.managed import log_unmanaged, select_layers
     from dwdp.worker.models import require_adapter
     from dwdp.worker.setup.attached import setup_attached
+    from dwdp.worker.setup.scalars import exchange_scalars
 
     require_adapter(model, dense=enable_dense)
     # Dense tensors are checked for their device and contiguity, not for one dtype: the
     # DeepSeek-V3 router keeps float32 weights in a bfloat16 model.
-    layers = adapter.moe_layers(model)
+    selection = select_layers(
+        model, adapter, partition.num_experts if partition is not None else None
+    )
+    layers = list(selection.managed)
     if not layers:
         raise DwdpConfigError(
             "dwdp: the model has no fused-experts MoE layer; DWDP has nothing to distribute"
@@ -117,6 +141,8 @@ def attach(
         raise DwdpConfigError(
             "dwdp.enableExperts: this worker runs dense DWDP attached to expert DWDP only"
         )
+    log_unmanaged(selection.unmanaged, transport.rank)
+    scalars = exchange_scalars(layers, transport, checkpoint_dtypes or {})
     state = setup_attached(
         model,
         layers,
@@ -129,7 +155,7 @@ def attach(
     )
     counters = CopyCounters()
     expert_schedule, dense_schedule = _schedules(
-        backend, layers, state.experts, state.dense, counters, num_slots
+        backend, layers, state.experts, state.dense, counters, num_slots, selection.repeated
     )
     attachment = DwdpAttachment(
         model=model,
@@ -144,6 +170,11 @@ def attach(
         counters=counters,
         expert_freed=state.expert_freed,
         expert_leaks=state.expert_leaks.count,
+        facts=SetupFacts(
+            unmanaged=selection.unmanaged_counts(),
+            repeated=tuple(sorted(selection.repeated)),
+            scalars=scalars.as_dict(),
+        ),
     )
     attachment.install_hooks()
     attachment.install_guards()
@@ -172,9 +203,10 @@ def _schedules(
     dense: DenseDwdp | None,
     counters: CopyCounters,
     num_slots: int,
+    repeated: frozenset[int] = frozenset(),
 ) -> tuple[ExpertPrefetchSchedule, DenseSlotSchedule | None]:
     """Both schedules on one copy stream, each launch counted; attached dense starts the
-    expert prefetch at H0."""
+    expert prefetch at H0. ``repeated``: MoE orders that keep their slot across repeats."""
     copy_stream = backend.new_stream("dwdp-copy")
     orders = [m.moe_index for m in layers]
 
@@ -188,6 +220,7 @@ def _schedules(
         moe_layers=orders,
         num_slots=num_slots,
         launch=expert_launch,
+        repeated_layers=repeated,
     )
     if dense is None:
         return expert_schedule, None

@@ -23,13 +23,15 @@ on any module DWDP manages raises ``WeightsShardedError``. With dense DWDP every
 refused (the replicated originals are gone). With expert DWDP alone, ``update_weights``
 writes this rank's range of an expert table into its store (every rank calls it with the same
 tensors) or copies a replicated tensor in place, then calls ``invalidate_prefetch`` so that no
-stale copy in a slot is read.
+stale copy in a slot is read. The guards outlive ``close()``: the model's weights stay sharded
+(its module tensors pointed into slots that are gone), so a reload or an update after the
+teardown is refused as well.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dwdp.api.partition import ExpertPartition
@@ -63,6 +65,17 @@ class CopyCounters:
     copies: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class SetupFacts:
+    """What setup found beside the stores, as ``/dwdp/status`` reports it: ``unmanaged``,
+    MoE layers kept whole by reason (``dwdp.worker.expert.managed``); ``repeated``, the MoE
+    orders declared repeated; ``scalars``, the scalar exchange's report."""
+
+    unmanaged: dict[str, int] = field(default_factory=dict)
+    repeated: tuple[int, ...] = ()
+    scalars: dict[str, object] = field(default_factory=dict)
+
+
 class DwdpAttachment:
     """DWDP state, schedules and hooks of one rank's model (a ``DwdpStatusSource``).
 
@@ -86,6 +99,7 @@ class DwdpAttachment:
         counters: CopyCounters,
         expert_freed: int,
         expert_leaks: int,
+        facts: SetupFacts | None = None,
     ) -> None:
         self.model = model
         self.layers = layers
@@ -99,8 +113,11 @@ class DwdpAttachment:
         self.counters = counters
         self.expert_freed = expert_freed
         self.expert_leaks = expert_leaks
+        self.facts = facts or SetupFacts()
         self.phase = PHASE_COMMITTED
         self._handles: list[RemovableHandle] = []
+        self._guards: list[RemovableHandle] = []
+        """The reload guards: kept after ``close()`` (see [Note: weight guards])."""
         self._in_forward = False
 
     # -- DwdpStatusSource ----------------------------------------------------------------
@@ -152,6 +169,9 @@ class DwdpAttachment:
             "copy_mode": self.experts.settings.copy_mode.value,
             "sm_reserve": self.sm_reserve,
             "resident": resident,
+            "unmanaged_moe_layers": dict(self.facts.unmanaged),
+            "repeated_moe_layers": list(self.facts.repeated),
+            "scalars": dict(self.facts.scalars),
         }
 
     @property
@@ -213,7 +233,8 @@ class DwdpAttachment:
             self._register(m.experts.register_forward_hook(_call1(expert_s.finish, o)))
 
     def install_guards(self) -> None:
-        """Refuse ``load_state_dict`` on the model and every module DWDP manages."""
+        """Refuse ``load_state_dict`` on the model and every module DWDP manages, for good:
+        ``close()`` leaves these guards in place."""
 
         def refuse(module: nn.Module, *_args: object, **_kwargs: object) -> None:
             raise WeightsShardedError(self._refusal())
@@ -223,11 +244,16 @@ class DwdpAttachment:
             for mod in m.decoder_layer.modules():
                 modules[id(mod)] = mod
         for mod in modules.values():
-            self._register(mod.register_load_state_dict_pre_hook(refuse))
+            self._guards.append(mod.register_load_state_dict_pre_hook(refuse))
         self.model._dwdp_sharded = True  # type: ignore[assignment]
 
     def _refusal(self) -> str:
         kind = "dense and expert" if self.dense is not None else "expert"
+        if self.phase != PHASE_COMMITTED:
+            return (
+                f"{kind} DWDP sharded this model's weights and was torn down: reloading them "
+                "is refused (load the checkpoint again into a new model)"
+            )
         return (
             f"{kind} DWDP has sharded this model's weights: reloading them is refused "
             "(restart the worker with the new checkpoint"
@@ -252,7 +278,7 @@ class DwdpAttachment:
         """
         import torch
 
-        if self.dense is not None:
+        if self.dense is not None or self.phase != PHASE_COMMITTED:
             raise WeightsShardedError(self._refusal().replace("reloading", "updating"))
         params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         expert_names = {
@@ -314,7 +340,8 @@ class DwdpAttachment:
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the hooks and release every DWDP resource; safe to call twice."""
+        """Remove the hooks and release every DWDP resource; safe to call twice. The reload
+        guards stay: the model's weights are still sharded (see [Note: weight guards])."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -234,6 +234,7 @@ def _device_for(cfg: LaunchConfig, local_rank: int) -> str:
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
+    group: Any = None
     stage = {"now": STAGE_CONFIG}
     try:
         cfg = check_launch(load_launch_config(opts.config), opts.role)
@@ -319,3 +320,8 @@ def run_worker(opts: WorkerOptions) -> int:
     finally:
         if stop_engine is not None:
             stop_engine()
+        if group is not None:
+            # after a failure too: rank 0 hosts the rendezvous store, and the other ranks
+            # still read the collective that failed (they must see its SetupError, not a
+            # lost store); closing twice is safe
+            group.close()

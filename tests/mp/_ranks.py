@@ -27,7 +27,7 @@ from _toy import TOY_ARCH, build_toy, intact, snapshot
 from dwdp.api.partition import expert_partition
 from dwdp.worker.backend.cpu import CpuBackend, leftover_segments
 from dwdp.worker.dense.layout import Segment
-from dwdp.worker.setup.dense import setup_dense
+from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
 from dwdp.worker.setup.expert import ExpertLayerWeights, setup_experts
 from dwdp.worker.setup.phases import FailureInjector, SetupError, parse_fail_at
 
@@ -100,6 +100,7 @@ def run_dense(scenario: str, transport, backend, rank: int) -> dict:
         dense = setup_dense(
             model, TOY_ARCH.moe_layers(model), backend=backend, transport=transport,
             enable_dense=not (scenario == "enable-dense-mismatch" and rank == 1),
+            options=DenseSetupOptions(min_bytes=0),  # the toy's storages are all under 1 MiB
             injector=FailureInjector(parse_fail_at(fail)))
     except SetupError as exc:
         record.update(ok=False, phase=exc.phase, failed=list(exc.failed_ranks),

@@ -88,6 +88,19 @@ class RankProcesses:
         return alive
 
 
+def run_group(out: Path, group: str, world: int, target: Callable[[int, Path], None], *,
+              timeout_s: float = 600) -> None:
+    """Fork ``target(rank, out)`` for every rank of one group and wait: every rank must
+    exit 0 without a crash file, and no store segment of ``group`` may be left."""
+    procs = RankProcesses(out)
+    procs.start(list(range(world)), target)
+    codes = procs.wait(timeout_s=timeout_s)
+    crashes = sorted(out.glob("crash.*.txt"))
+    assert not crashes, "\n".join(p.read_text() for p in crashes)
+    assert codes == dict.fromkeys(range(world), 0)
+    assert not leftover_segments(group)
+
+
 @pytest.fixture
 def group() -> Iterator[str]:
     """A DWDP group name unique to the test; no store file of it may survive the test."""

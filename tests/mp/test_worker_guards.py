@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import RankProcesses, free_port  # noqa: E402
+from conftest import free_port, run_group  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
@@ -173,18 +173,10 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, ckpt):
-    from dwdp.worker.backend.cpu import leftover_segments
-
     out = tmp_path_factory.mktemp("ranks")
     group = f"g{uuid.uuid4().hex[:10]}"
     port = free_port()
-    procs = RankProcesses(out)
-    procs.start(list(range(WORLD)), lambda rank, out: _rank_main(rank, out, group, port, ckpt))
-    codes = procs.wait(timeout_s=600)
-    crashes = sorted(out.glob("crash.*.txt"))
-    assert not crashes, "\n".join(p.read_text() for p in crashes)
-    assert codes == dict.fromkeys(range(WORLD), 0)
-    assert not leftover_segments(group)
+    run_group(out, group, WORLD, lambda rank, out: _rank_main(rank, out, group, port, ckpt))
     return out, [json.loads((out / f"guards.{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -9,6 +9,8 @@ at an ``align``-byte boundary, and is cut into ``world_size`` rows of ``row_byte
 Rules (seed 000, "how dense DWDP works"):
 - a storage that any tensor outside its own blob also uses (another layer, the other blob,
   the rest of the model) stays replicated: only storages owned by one blob move;
+- a storage under :data:`DENSE_MIN_BYTES` (1 MiB) stays replicated: a norm or a small
+  router is not worth a copy per forward;
 - never-move names (scratch, routing bias) and the routed experts stay;
 - a tensor that is not in its final form (meta, non-contiguous, on another device, or in
   another dtype than the model runs in) is refused with :class:`LayoutError`: setup runs
@@ -36,6 +38,11 @@ from dwdp.worker.dense.architecture import DenseLayerLike
 DEFAULT_ALIGN = 64
 """Bytes: storages start and rows end on this boundary (any dtype view stays aligned; the
 gather kernels' 16-byte vector loads stay aligned)."""
+
+
+DENSE_MIN_BYTES = 1 << 20
+"""Bytes: a storage smaller than this stays replicated (seed 000: "storages under 1 MiB stay
+replicated"); the one threshold setup uses."""
 
 
 class LayoutError(ValueError):
@@ -273,11 +280,13 @@ def collect_dense_layout(
     align: int = DEFAULT_ALIGN,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    min_bytes: int = DENSE_MIN_BYTES,
 ) -> DenseLayout:
     """Collect blobs A(l) and D(l) of ``layers`` (the model's MoE decoder layers in order).
 
     ``world_size`` is N, the rows per blob; ``align`` the byte alignment of storages and
-    rows; ``device`` and ``dtype`` the final device and floating dtype every moved tensor
+    rows; ``min_bytes``: storages smaller than this stay replicated (0: every storage a blob
+    owns moves); ``device`` and ``dtype`` the final device and floating dtype every moved tensor
     must have (``None``: not checked). Raises :class:`LayoutError` for a tensor that is not
     in its final form, and ``ValueError`` for N < 1 or an alignment that is not a power of 2.
     The layout keeps uint8 views of the original storages until :meth:`drop_sources`.
@@ -325,6 +334,11 @@ def collect_dense_layout(
                     replicated.append(Replicated(
                         c.ref.name, c.tensor.untyped_storage().nbytes(),
                         f"its storage is shared with {', '.join(others)}"))
+                    continue
+                if c.tensor.untyped_storage().nbytes() < min_bytes:
+                    replicated.append(Replicated(
+                        c.ref.name, c.tensor.untyped_storage().nbytes(),
+                        f"its storage is under {min_bytes} bytes"))
                     continue
                 _check_final_form(c, device, dtype)
                 groups.setdefault(key, []).append(c)

@@ -183,6 +183,32 @@ class ArchitectureAdapter:
             )
         return out
 
+    def unfused_moe_layers(self, model: nn.Module) -> list[tuple[int, str]]:
+        """``(decoder layer index, prefix)`` of every decoder layer whose MoE block has an
+        ``experts`` module that is not the fused ``[E, ...]`` tables (``gate_up_proj``,
+        ``down_proj``), e.g. a list of per-expert MLPs: DWDP cannot manage it and it keeps
+        its full expert table (DESIGN.md 5.3)."""
+        prefix = self.layers_prefix(model)
+        out = []
+        for index, layer in enumerate(self.decoder_layers(model)):
+            block = getattr(layer, self.moe_block_attr, None)
+            if getattr(block, "experts", None) is not None and not self.is_moe_layer(layer):
+                out.append((index, f"{prefix}.{index}"))
+        return out
+
+    def repeated_layers(self, model: nn.Module) -> frozenset[int]:
+        """Decoder-layer indices of the MoE layers that run several times in a row within a
+        forward (a draft layer reused for every draft step): each keeps its expert prefetch
+        slot across its repeats instead of gathering its experts again (DESIGN.md 5.3).
+
+        The declaration: the model config's ``dwdp_repeated_layers`` (a list of decoder
+        layer indices, in ``config.json``), or an adapter subclass overriding this method.
+        Default: none.
+        """
+        config = getattr(model, "config", None)
+        declared = getattr(config, "dwdp_repeated_layers", None) or ()
+        return frozenset(int(i) for i in declared)
+
     def _dense_roots_of(self, layer: nn.Module) -> tuple[str, ...]:
         roots = []
         for root in self.moe_dense_roots:
@@ -203,7 +229,9 @@ class ArchitectureAdapter:
     ) -> list[dict[str, tuple[int, ...]]]:
         """The on-disk forms a model tensor may take: a list of alternatives, each mapping
         checkpoint tensor names to their expected shapes. The fused form comes first."""
-        alternatives = [{n: shape} for n in self._renamed(name)]
+        alternatives: list[dict[str, tuple[int, ...]]] = [
+            {n: shape} for n in self._renamed(name)
+        ]
         head, _, last = name.rpartition(".")
         if last in EXPERT_PARAMS and head.endswith(".experts") and len(shape) == 3:
             num, rows, cols = shape

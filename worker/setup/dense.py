@@ -29,6 +29,7 @@ from dwdp.worker.backend.base import Backend, Stream
 from dwdp.worker.dense.architecture import DenseLayerLike
 from dwdp.worker.dense.layout import (
     DEFAULT_ALIGN,
+    DENSE_MIN_BYTES,
     DenseLayout,
     Segment,
     collect_dense_layout,
@@ -62,7 +63,9 @@ class MemoryFitError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class DenseSetupOptions:
-    """Knobs of dense setup. ``rings``: slots per segment; ``align``: bytes; ``dtype`` /
+    """Knobs of dense setup. ``rings``: slots per segment; ``align``: bytes; ``min_bytes``:
+    storages under this many bytes stay replicated (the seed's 1 MiB; tests of the protocol
+    on toy models pass 0); ``dtype`` /
     ``device``: the final form every moved tensor must have (``None``: unchecked);
     ``copy``: the effective copy settings (``dwdp.worker.settings``); the gather kernel is
     resolved from them once at P1."""
@@ -70,6 +73,7 @@ class DenseSetupOptions:
     rings: SlotRings = field(default_factory=SlotRings)
     copy: CopySettings = field(default_factory=CopySettings)
     align: int = DEFAULT_ALIGN
+    min_bytes: int = DENSE_MIN_BYTES
     dtype: torch.dtype | None = None
     device: torch.device | str | None = None
 
@@ -155,7 +159,7 @@ def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: 
         if enable_dense:
             layout = collect_dense_layout(model, layers, world_size=transport.world_size,
                                           align=options.align, device=options.device,
-                                          dtype=options.dtype)
+                                          dtype=options.dtype, min_bytes=options.min_bytes)
             rows = row_store_layout(layout)
             need = rows.nbytes + sum(rows.slot_bytes[s] * options.rings.count(s)
                                      for s in rows.slot_bytes)

@@ -59,7 +59,7 @@ def names(layout, segment=Segment.ATTENTION, layer=0) -> set[str]:
 
 def test_what_moves_and_what_stays():
     model = Model()
-    layout = collect_dense_layout(model, specs(model), world_size=4)
+    layout = collect_dense_layout(model, specs(model), world_size=4, min_bytes=0)
     moved = names(layout)
     assert {
         "layers.0.self_attn.qkv",
@@ -78,7 +78,7 @@ def test_what_moves_and_what_stays():
 
 def test_views_and_aliases_share_one_storage_entry():
     model = Model()
-    layout = collect_dense_layout(model, specs(model), world_size=3)
+    layout = collect_dense_layout(model, specs(model), world_size=3, min_bytes=0)
     blob = layout.blobs[0]
     by_name = {t.name: e for e in blob.entries for t in e.tensors}
     assert by_name["layers.0.self_attn.qkv"] is by_name["layers.0.self_attn.q_view"]
@@ -93,7 +93,7 @@ def test_views_and_aliases_share_one_storage_entry():
 def test_rows_cover_the_blob_with_padding_only_at_the_end():
     model = Model()
     n = 4
-    layout = collect_dense_layout(model, specs(model), world_size=n)
+    layout = collect_dense_layout(model, specs(model), world_size=n, min_bytes=0)
     rows = row_store_layout(layout)
     stores = [torch.full((rows.nbytes,), 0xAA, dtype=torch.uint8) for _ in range(n)]
     for rank in range(n):
@@ -111,21 +111,21 @@ def test_rows_cover_the_blob_with_padding_only_at_the_end():
 
 def test_digest_is_stable_and_names_the_structure():
     a, b = Model(), Model()
-    da = collect_dense_layout(a, specs(a), world_size=4).digest
-    assert da == collect_dense_layout(b, specs(b), world_size=4).digest
-    assert da != collect_dense_layout(b, specs(b), world_size=2).digest
+    da = collect_dense_layout(a, specs(a), world_size=4, min_bytes=0).digest
+    assert da == collect_dense_layout(b, specs(b), world_size=4, min_bytes=0).digest
+    assert da != collect_dense_layout(b, specs(b), world_size=2, min_bytes=0).digest
     c = Model()
     c.layers[1].self_attn.o = nn.Linear(8, 9, bias=False)
     c.layers[1].self_attn.o_alias = c.layers[1].self_attn.o.weight
-    assert da != collect_dense_layout(c, specs(c), world_size=4).digest
+    assert da != collect_dense_layout(c, specs(c), world_size=4, min_bytes=0).digest
 
 
 def test_checksums_follow_the_weights():
     a, b = Model(), Model()
-    la = collect_dense_layout(a, specs(a), world_size=4)
+    la = collect_dense_layout(a, specs(a), world_size=4, min_bytes=0)
     with torch.no_grad():
         b.layers[1].self_attn.qkv[3, 3] += 1
-    lb = collect_dense_layout(b, specs(b), world_size=4)
+    lb = collect_dense_layout(b, specs(b), world_size=4, min_bytes=0)
     assert la.digest == lb.digest
     differ = [k for k, v in la.checksums.items() if lb.checksums[k] != v]
     assert differ == ["layers.1/attention"]
@@ -155,23 +155,43 @@ def test_tensors_not_in_final_form_are_refused(mutation, message):
     model = Model()
     mutation(model)
     with pytest.raises(LayoutError, match=message):
-        collect_dense_layout(model, specs(model), world_size=4)
+        collect_dense_layout(model, specs(model), world_size=4, min_bytes=0)
 
 
 def test_a_tensor_that_needs_a_dtype_cast_is_refused():
     model = Model()
     model.layers[0].self_attn.scale_copy = torch.randn(3, dtype=torch.float64)
     with pytest.raises(LayoutError, match="cast it before"):
-        collect_dense_layout(model, specs(model), world_size=4, dtype=torch.float32)
+        collect_dense_layout(model, specs(model), world_size=4, min_bytes=0, dtype=torch.float32)
     model.layers[0].self_attn.scale_copy = torch.randn(3)
-    collect_dense_layout(model, specs(model), world_size=4, dtype=torch.float32)
+    collect_dense_layout(model, specs(model), world_size=4, min_bytes=0, dtype=torch.float32)
 
 
 def test_drop_sources_forgets_the_originals():
     model = Model()
-    layout = collect_dense_layout(model, specs(model), world_size=2)
+    layout = collect_dense_layout(model, specs(model), world_size=2, min_bytes=0)
     assert layout.sources()
     layout.drop_sources()
     assert layout.sources() == []
     with pytest.raises(LayoutError, match="dropped"):
         layout.blobs[0].read_into(0, 8, torch.empty(8, dtype=torch.uint8))
+
+
+def test_storages_under_one_mib_stay_replicated():
+    """Seed 000: dense DWDP moves only storages of at least 1 MiB; smaller ones stay
+    replicated with the reason named. The default is the threshold setup uses."""
+    from dwdp.worker.dense.layout import DENSE_MIN_BYTES
+    from dwdp.worker.setup.dense import DenseSetupOptions
+
+    assert DENSE_MIN_BYTES == 1 << 20 == DenseSetupOptions().min_bytes
+    model = Model()
+    big = model.layers[0].self_attn
+    big.qkv = nn.Parameter(torch.randn(DENSE_MIN_BYTES // 4 // 8, 8))  # exactly 1 MiB
+    big.o = nn.Linear(8, DENSE_MIN_BYTES // 4 // 8 - 1, bias=False)  # 32 bytes under
+    big.o_alias = big.o.weight
+    layout = collect_dense_layout(model, specs(model), world_size=2)
+    assert names(layout) == {"layers.0.self_attn.qkv"}
+    small = {r.name: r.reason for r in layout.replicated}
+    assert "layers.0.self_attn.o.weight" in small
+    assert small["layers.0.self_attn.o.weight"] == f"its storage is under {DENSE_MIN_BYTES} bytes"
+    assert names(layout, layer=1) == set()
