@@ -20,10 +20,13 @@ import enum
 __all__ = [
     "COMMITTED_PHASES",
     "DENSE_SETUP_PHASES",
+    "ENV_DENSE_MIN_BYTES",
+    "ENV_TORCH_THREADS",
     "EXPERT_SETUP_PHASES",
     "SERVING_WORDS",
     "SETUP_WORDS",
     "TERMINATION_WORDS",
+    "USER_ENV",
     "Env",
     "Stage",
     "StatusPhase",
@@ -62,6 +65,16 @@ class Env(enum.StrEnum):
     """HTTP port of local rank 0; local rank k serves ``DWDP_PORT + k``."""
     TERMINATION_LOG = "DWDP_TERMINATION_LOG"
     """Where to write the termination message (default ``/dev/termination-log``)."""
+
+
+ENV_DENSE_MIN_BYTES = "DWDP_DENSE_MIN_BYTES"
+"""Worker setting: dense storages below this many bytes stay replicated (default 1 MiB, the
+reference's fixed threshold; lower it only for tiny test checkpoints)."""
+ENV_TORCH_THREADS = "DWDP_TORCH_THREADS"
+"""Worker setting: intra-op threads of each rank's torch (several CPU ranks per host)."""
+USER_ENV: tuple[str, ...] = (ENV_DENSE_MIN_BYTES, ENV_TORCH_THREADS)
+"""``DWDP_`` variables that are worker settings, not rank contract: a DwdpDeployment's
+``spec.env`` may set these; every other ``DWDP_`` name is reserved for the operator."""
 
 
 class StatusPhase(enum.StrEnum):

@@ -22,6 +22,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from dwdp.api.base import ApiModel, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
+from dwdp.api.contract import USER_ENV
 from dwdp.api.enums import HandleType, Role, Transport
 from dwdp.api.errors import (
     DwdpValidationError,
@@ -244,6 +245,13 @@ class Toleration(ApiModel):
         return self
 
 
+_RESERVED_ENV = (
+    "names starting with DWDP_ are reserved: the operator sets them (a user may set "
+    + ", ".join(USER_ENV)
+    + ")"
+)
+
+
 class EnvVar(ApiModel):
     """An environment variable of every worker container (a literal value)."""
 
@@ -251,8 +259,9 @@ class EnvVar(ApiModel):
         json_schema_extra=cel_rules(
             [
                 cel_rule(
-                    "!self.name.startsWith('DWDP_')",
-                    "names starting with DWDP_ are reserved: the operator sets them",
+                    "!self.name.startsWith('DWDP_') || self.name in "
+                    + "[" + ", ".join(f"'{n}'" for n in USER_ENV) + "]",
+                    _RESERVED_ENV,
                     field_path=".name",
                 )
             ]
@@ -264,16 +273,8 @@ class EnvVar(ApiModel):
 
     @model_validator(mode="after")
     def _check(self) -> EnvVar:
-        if self.name.startswith("DWDP_"):
-            raise RuleViolations(
-                [
-                    Problem(
-                        ("name",),
-                        self.name,
-                        "names starting with DWDP_ are reserved: the operator sets them",
-                    )
-                ]
-            )
+        if self.name.startswith("DWDP_") and self.name not in USER_ENV:
+            raise RuleViolations([Problem(("name",), self.name, _RESERVED_ENV)])
         return self
 
 

@@ -23,7 +23,7 @@ from dwdp.api.launch import LaunchConfig
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.attachment import CopyCounters, DwdpAttachment, SetupFacts
 from dwdp.worker.backend.base import Backend, CopyPlan, Stream
-from dwdp.worker.dense.layout import Segment
+from dwdp.worker.dense.layout import DENSE_MIN_BYTES, Segment
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.group import DwdpConfigError, dwdp_active, make_backend
 from dwdp.worker.models.base import ArchitectureAdapter, MoeLayer
@@ -44,6 +44,7 @@ def setup_dwdp(
     *,
     group: GroupTransport | None,
     settings: CopySettings,
+    dense_min_bytes: int = DENSE_MIN_BYTES,
 ) -> DwdpStatusSource:
     """Set DWDP up on ``model`` as the launch asks; returns the status source the server
     reads (``DwdpAttachment``, or ``NoDwdp`` when DWDP is off).
@@ -51,7 +52,9 @@ def setup_dwdp(
     Raises ``DwdpConfigError`` (a setting this worker cannot run), ``SetupError`` (on every
     rank alike), ``UnsupportedArchitectureError``. ``group``: ``join_group``'s transport
     (``None`` exactly when DWDP is off); ``settings``: the effective copy settings
-    (``dwdp.worker.settings.resolve_copy_settings``), for the backend and both managers.
+    (``dwdp.worker.settings.resolve_copy_settings``), for the backend and both managers;
+    ``dense_min_bytes``: dense storages below it stay replicated
+    (``dwdp.worker.settings.resolve_dense_min_bytes``).
     """
     if not dwdp_active(cfg) or group is None:
         return NoDwdp()
@@ -76,6 +79,7 @@ def setup_dwdp(
         num_slots=d.num_prefetch_slots,
         settings=settings,
         checkpoint_dtypes=checkpoint_dtypes(Path(cfg.model.path)),
+        dense_min_bytes=dense_min_bytes,
     )
 
 
@@ -106,6 +110,7 @@ def attach(
     num_slots: int = 2,
     settings: CopySettings | None = None,
     checkpoint_dtypes: Mapping[str, str] | None = None,
+    dense_min_bytes: int = DENSE_MIN_BYTES,
 ) -> DwdpAttachment:
     """Set DWDP up on ``model`` over ``transport`` (a collective: every rank calls it with
     the same arguments) and attach the schedules; returns the committed attachment.
@@ -115,7 +120,8 @@ def attach(
     (``None``: the defaults, per_slice); each manager (dense, expert) resolves its gather
     kernel from them once and passes it to every copy launch; ``checkpoint_dtypes``: tensor
     name -> checkpoint dtype name, for the scalar exchange's one-ULP rule (``None``: unknown,
-    every scalar bitwise). MoE layers DWDP cannot manage keep their full expert table
+    every scalar bitwise); ``dense_min_bytes``: dense storages below it stay replicated
+    (default 1 MiB, the reference's). MoE layers DWDP cannot manage keep their full expert table
     (``dwdp.worker.expert.managed``); the adapter's repeated layers keep their slot across
     repeats. Raises ``SetupError`` on every rank alike, ``UnsupportedArchitectureError`` when
     ``enable_dense`` and the architecture declares no dense roots, ``DwdpConfigError`` for a
@@ -152,6 +158,7 @@ def attach(
         enable_dense=enable_dense,
         num_slots=num_slots,
         settings=settings if settings is not None else CopySettings(),
+        dense_min_bytes=dense_min_bytes,
     )
     counters = CopyCounters()
     expert_schedule, dense_schedule = _schedules(

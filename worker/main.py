@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dwdp.api.contract import Env, Stage
+from dwdp.api.contract import ENV_TORCH_THREADS, Env, Stage
 from dwdp.worker.server.status import rank_identity
-from dwdp.worker.settings import CopySettings
+from dwdp.worker.settings import CopySettings, resolve_dense_min_bytes
 from dwdp.worker.termination import write_termination_message
 
 if TYPE_CHECKING:
@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 ENV_CONFIG = Env.CONFIG.value
 ENV_LOCAL_RANK = Env.LOCAL_RANK.value
 ENV_LOCAL_WORLD_SIZE = Env.LOCAL_WORLD_SIZE.value
-ENV_TORCH_THREADS = "DWDP_TORCH_THREADS"
-"""Optional: intra-op threads of this rank's torch (CPU runs with several ranks per host)."""
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -243,6 +241,8 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = STAGE_CHECKPOINT
         plan = check_model(cfg)
         settings = resolve_host_settings(cfg, local_rank, stage)
+        stage["now"] = STAGE_CONFIG
+        dense_min_bytes = resolve_dense_min_bytes(os.environ)
         _torch_threads()
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
@@ -260,7 +260,14 @@ def run_worker(opts: WorkerOptions) -> int:
         if device != "cpu":
             model.to(device)
         stage["now"] = STAGE_SETUP
-        dwdp = setup_dwdp(model, plan.adapter, cfg, group=group, settings=settings)
+        dwdp = setup_dwdp(
+            model,
+            plan.adapter,
+            cfg,
+            group=group,
+            settings=settings,
+            dense_min_bytes=dense_min_bytes,
+        )
         stage["now"] = STAGE_ENGINE
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}

@@ -21,9 +21,11 @@ A setting the host cannot run (``gather`` on the cpu backend) raises
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dwdp.api.config import DwdpConfig
+from dwdp.api.contract import ENV_DENSE_MIN_BYTES
 from dwdp.api.enums import CopyMode, GatherKernel
 
 log = logging.getLogger(__name__)
@@ -96,3 +98,21 @@ def resolve_copy_settings(dwdp: DwdpConfig, host: HostInfo) -> CopySettings:
         contention_opt=dwdp.contention_opt,
         notes=notes,
     )
+
+
+def resolve_dense_min_bytes(environ: Mapping[str, str]) -> int:
+    """Dense storages below this many bytes stay replicated (DWDP_DENSE_MIN_BYTES, a
+    non-negative integer; default ``DENSE_MIN_BYTES`` = 1 MiB). Raises
+    :class:`CopySettingsError` naming the variable and its value."""
+    from dwdp.worker.dense.layout import DENSE_MIN_BYTES
+
+    text = environ.get(ENV_DENSE_MIN_BYTES, "").strip()
+    if not text:
+        return DENSE_MIN_BYTES
+    if not text.isdigit():
+        raise CopySettingsError(
+            f"{ENV_DENSE_MIN_BYTES}: {text!r} is not a non-negative integer (bytes; unset "
+            f"for the default {DENSE_MIN_BYTES})"
+        )
+    return int(text)
+

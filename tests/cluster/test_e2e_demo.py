@@ -119,6 +119,9 @@ def test_every_group_and_the_generation_server_answer_like_the_reference(deploye
     assert st["phase"] == "committed"
     assert st["group"] == "demo-g1" and st["incarnation"] == 0
     assert st["revision"] == status["revision"]
+    # dense DWDP really sharded this tiny model's dense weights (the example lowers
+    # DWDP_DENSE_MIN_BYTES: every one of them is under the default 1 MiB)
+    assert st["resident"]["dense"]["sharded_bytes"] > 0, st["resident"]
     table = tc.kubectl("get", "dwdp", "-n", NS, "-o", "wide").stdout.splitlines()
     assert table[1].split()[:4] == ["demo", "2", "2", "Ready"]
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.backend.base import Backend
+from dwdp.worker.dense.layout import DENSE_MIN_BYTES
 from dwdp.worker.dense.repoint import LeakReport
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.expert.layout import ExpertLayerWeights
@@ -49,6 +50,7 @@ def setup_attached(
     enable_dense: bool,
     num_slots: int,
     settings: CopySettings,
+    dense_min_bytes: int = DENSE_MIN_BYTES,
 ) -> AttachedSetup:
     """Dense setup, expert setup, the expert gather check and the repoint (module
     docstring). Raises ``SetupError`` on every rank alike."""
@@ -61,7 +63,7 @@ def setup_attached(
             backend=backend,
             transport=transport,
             enable_dense=True,
-            options=DenseSetupOptions(copy=settings, device=device),
+            options=DenseSetupOptions(copy=settings, device=device, min_bytes=dense_min_bytes),
         )
     experts = _setup_experts(
         layers,

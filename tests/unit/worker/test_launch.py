@@ -342,3 +342,38 @@ def test_cuda_backend_without_cuda_is_refused_before_the_rendezvous(tmp_path, ch
     assert line.startswith("host: HostGateError: handleType: posixFd runs the cuda backend")
     assert "no CUDA device" in line and "handleType: shm" in line and line.count("\n") == 1
     assert b"rendezvous" not in proc.stderr.lower()
+
+
+def test_bad_dense_threshold_is_refused_before_the_rendezvous(tmp_path, checkpoint):
+    """``DWDP_DENSE_MIN_BYTES`` (a worker setting a DwdpDeployment may put in ``spec.env``)
+    that is not a byte count: a real ``dwdp worker`` refuses it as a config error naming the
+    variable and its value, before it joins the group (no listener at the rendezvous
+    address) and before the model loads."""
+    config = _config(
+        tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 2, "enableDense": True}
+    )
+    term = tmp_path / "termination-log"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "DWDP_DENSE_MIN_BYTES": "1MiB",
+        "DWDP_ROLE": "context",
+        "DWDP_GROUP": "g",
+        "DWDP_INCARNATION": "1",
+        "DWDP_RANK": "1",
+        "DWDP_WORLD_SIZE": "2",
+        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
+        "DWDP_RENDEZVOUS_TIMEOUT_S": "30",
+    }
+    cmd = [sys.executable, "-m", "dwdp", "worker", "--config", str(config)]
+    proc = subprocess.run(
+        [*cmd, "--termination-log", str(term)], env=env, capture_output=True, timeout=300
+    )
+    assert proc.returncode == 1, proc.stderr.decode()[-2000:]
+    line = term.read_text()
+    assert line.startswith("config: "), line
+    assert "DWDP_DENSE_MIN_BYTES: '1MiB' is not a non-negative integer" in line
+    assert line.count("\n") == 1
+    assert b"rendezvous" not in proc.stderr.lower()
