@@ -310,6 +310,33 @@ def test_launcher_stops_every_rank_on_sigterm(tmp_path, checkpoint):
 # -- the host gate, before the rendezvous -------------------------------------------------
 
 
+def _rank_one_of_two(
+    tmp_path: Path, config: Path, env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[bytes], str]:
+    """Run ``dwdp worker`` as rank 1 of a 2-rank group whose rendezvous address has no
+    listener (a rank that got that far would wait there and name the rendezvous), with
+    ``env`` on top of this process's; returns the process and its termination message."""
+    term = tmp_path / "termination-log"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    full = {
+        **{k: v for k, v in os.environ.items() if k != "DWDP_ROLE"},
+        "DWDP_GROUP": "g",
+        "DWDP_INCARNATION": "1",
+        "DWDP_RANK": "1",
+        "DWDP_WORLD_SIZE": "2",
+        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
+        "DWDP_RENDEZVOUS_TIMEOUT_S": "30",
+        **env,
+    }
+    cmd = [sys.executable, "-m", "dwdp", "worker", "--config", str(config)]
+    proc = subprocess.run(
+        [*cmd, "--termination-log", str(term)], env=full, capture_output=True, timeout=300
+    )
+    return proc, term.read_text() if term.exists() else ""
+
+
 def test_cuda_backend_without_cuda_is_refused_before_the_rendezvous(tmp_path, checkpoint):
     """A real ``dwdp worker`` with handleType posixFd (the cuda backend) on a host where
     torch sees no CUDA device: refused by the host gate with the remedy in the termination
@@ -318,27 +345,8 @@ def test_cuda_backend_without_cuda_is_refused_before_the_rendezvous(tmp_path, ch
     config = _config(
         tmp_path, model=str(checkpoint), handleType="posixFd", dwdp={"dwdpSize": 2}
     )
-    term = tmp_path / "termination-log"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "",
-        "DWDP_GROUP": "g",
-        "DWDP_INCARNATION": "1",
-        "DWDP_RANK": "1",
-        "DWDP_WORLD_SIZE": "2",
-        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
-        "DWDP_RENDEZVOUS_TIMEOUT_S": "30",
-    }
-    env.pop("DWDP_ROLE", None)
-    cmd = [sys.executable, "-m", "dwdp", "worker", "--config", str(config)]
-    proc = subprocess.run(
-        [*cmd, "--termination-log", str(term)], env=env, capture_output=True, timeout=300
-    )
+    proc, line = _rank_one_of_two(tmp_path, config, {"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 1, proc.stderr.decode()[-2000:]
-    line = term.read_text()
     assert line.startswith("host: HostGateError: handleType: posixFd runs the cuda backend")
     assert "no CUDA device" in line and "handleType: shm" in line and line.count("\n") == 1
     assert b"rendezvous" not in proc.stderr.lower()
@@ -352,27 +360,9 @@ def test_bad_dense_threshold_is_refused_before_the_rendezvous(tmp_path, checkpoi
     config = _config(
         tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 2, "enableDense": True}
     )
-    term = tmp_path / "termination-log"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "DWDP_DENSE_MIN_BYTES": "1MiB",
-        "DWDP_ROLE": "context",
-        "DWDP_GROUP": "g",
-        "DWDP_INCARNATION": "1",
-        "DWDP_RANK": "1",
-        "DWDP_WORLD_SIZE": "2",
-        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
-        "DWDP_RENDEZVOUS_TIMEOUT_S": "30",
-    }
-    cmd = [sys.executable, "-m", "dwdp", "worker", "--config", str(config)]
-    proc = subprocess.run(
-        [*cmd, "--termination-log", str(term)], env=env, capture_output=True, timeout=300
-    )
+    env = {"DWDP_DENSE_MIN_BYTES": "1MiB", "DWDP_ROLE": "context"}
+    proc, line = _rank_one_of_two(tmp_path, config, env)
     assert proc.returncode == 1, proc.stderr.decode()[-2000:]
-    line = term.read_text()
     assert line.startswith("config: "), line
     assert "DWDP_DENSE_MIN_BYTES: '1MiB' is not a non-negative integer" in line
     assert line.count("\n") == 1
