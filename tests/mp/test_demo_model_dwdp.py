@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import RankProcesses, free_port, read_records  # noqa: E402
+from conftest import free_port, read_records, run_group  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.devcluster.paths import cache_dir  # noqa: E402
@@ -101,21 +101,16 @@ def checkpoint() -> str:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, checkpoint):
-    from dwdp.worker.backend.cpu import leftover_segments
-
     out = tmp_path_factory.mktemp("ranks")
     group = f"d{uuid.uuid4().hex[:10]}"
     port = free_port()
-    procs = RankProcesses(out)
-    procs.start(
-        list(range(WORLD)), lambda rank, out: _rank_main(rank, out, group, port, checkpoint)
+    run_group(
+        out,
+        group,
+        WORLD,
+        lambda rank, out: _rank_main(rank, out, group, port, checkpoint),
+        timeout_s=300,
     )
-    codes = procs.wait(timeout_s=300)
-    left = leftover_segments(group)
-    assert not left, f"shared-memory segments left behind: {left}"
-    crashes = sorted(out.glob("crash.*.txt"))
-    assert not crashes, "\n".join(p.read_text() for p in crashes)
-    assert codes == dict.fromkeys(range(WORLD), 0)
     return out
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import RankProcesses, free_port, read_records  # noqa: E402
+from conftest import free_port, read_records, run_group  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
@@ -131,21 +131,12 @@ def references(checkpoints):
 def run(tmp_path_factory, checkpoints):
     import uuid
 
-    from dwdp.worker.backend.cpu import leftover_segments
-
     out = tmp_path_factory.mktemp("ranks")
     group = f"w{uuid.uuid4().hex[:10]}"
     port = free_port()
-    procs = RankProcesses(out)
-    procs.start(
-        list(range(WORLD)), lambda rank, out: _rank_main(rank, out, group, port, checkpoints)
+    run_group(
+        out, group, WORLD, lambda rank, out: _rank_main(rank, out, group, port, checkpoints)
     )
-    codes = procs.wait(timeout_s=600)
-    left = leftover_segments(group)
-    assert not left, f"shared-memory segments left behind: {left}"
-    crashes = sorted(out.glob("crash.*.txt"))
-    assert not crashes, "\n".join(p.read_text() for p in crashes)
-    assert codes == dict.fromkeys(range(WORLD), 0)
     return out
 
 
