@@ -102,7 +102,8 @@ class EngineSwitches(ApiModel):
 
 
 class KvCacheConfig(ApiModel):
-    """KV-cache sizing knobs."""
+    """KV-cache sizing knobs. Not read by this worker yet (its engine grows a KV cache per
+    batch); a worker started with values other than the defaults logs a warning."""
 
     free_memory_fraction: float = Field(
         default=0.9,
@@ -384,6 +385,12 @@ def launch_warnings(cfg: LaunchConfig, role: Role | None = None) -> list[str]:
         warnings.append(
             f"dense DWDP is meant for context (prefill) servers, but the role is {shown}; "
             f"set role: context (or {ROLE_ENV}=context)"
+        )
+    if cfg.kv_cache != KvCacheConfig():
+        warnings.append(
+            "kvCache is not read by this worker yet: its engine grows a KV cache per batch "
+            "(no pool sized from free memory), so freeMemoryFraction and maxTokens have no "
+            "effect"
         )
     return warnings
 

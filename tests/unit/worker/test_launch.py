@@ -102,6 +102,22 @@ def test_missing_context_role_warns_once(tmp_path, monkeypatch, caplog):
     assert not caplog.records
 
 
+def test_kv_cache_settings_the_engine_does_not_read_are_warned(tmp_path, monkeypatch, caplog):
+    """kvCache is accepted (the field reference documents it) but this worker's engine does
+    not read it yet: a worker started with non-default values says so once, not silently."""
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    monkeypatch.setattr(worker_main, "_warned", set())
+    plain = load_launch_config(str(_config(tmp_path)))
+    sized = load_launch_config(str(_config(tmp_path, kvCache={"freeMemoryFraction": 0.5})))
+    with caplog.at_level(logging.WARNING, logger="dwdp.worker.main"):
+        check_launch(plain, None)
+        assert not [r for r in caplog.records if "kvCache" in r.getMessage()]
+        check_launch(sized, None)
+        check_launch(sized, None)
+    warned = [r.getMessage() for r in caplog.records if "kvCache" in r.getMessage()]
+    assert len(warned) == 1 and "not read by this worker" in warned[0]
+
+
 def test_bad_launch_config_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {path: /x}\ndwdp: {numPrefetchSlots: 1}\n")
