@@ -20,9 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dwdp.api.contract import ENV_TORCH_THREADS, Env, Stage
+from dwdp.api.contract import Env, Stage
 from dwdp.worker.server.status import rank_identity
-from dwdp.worker.settings import CopySettings, resolve_dense_min_bytes
+from dwdp.worker.settings import (
+    CopySettings,
+    resolve_dense_min_bytes,
+    resolve_torch_threads,
+)
 from dwdp.worker.termination import write_termination_message
 
 if TYPE_CHECKING:
@@ -209,12 +213,11 @@ def resolve_host_settings(
     return settings
 
 
-def _torch_threads() -> None:
-    value = os.environ.get(ENV_TORCH_THREADS)
-    if value:
+def _torch_threads(threads: int | None) -> None:
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(int(value))
+        torch.set_num_threads(threads)
 
 
 def _device_for(cfg: LaunchConfig, local_rank: int) -> str:
@@ -243,7 +246,7 @@ def run_worker(opts: WorkerOptions) -> int:
         settings = resolve_host_settings(cfg, local_rank, stage)
         stage["now"] = STAGE_CONFIG
         dense_min_bytes = resolve_dense_min_bytes(os.environ)
-        _torch_threads()
+        _torch_threads(resolve_torch_threads(os.environ))
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
         from dwdp.worker.engine.loader import load_checkpoint

@@ -21,11 +21,12 @@ A setting the host cannot run (``gather`` on the cpu backend) raises
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dwdp.api.config import DwdpConfig
-from dwdp.api.contract import ENV_DENSE_MIN_BYTES
+from dwdp.api.contract import ENV_DENSE_MIN_BYTES, ENV_TORCH_THREADS
 from dwdp.api.enums import CopyMode, GatherKernel
 
 log = logging.getLogger(__name__)
@@ -100,19 +101,32 @@ def resolve_copy_settings(dwdp: DwdpConfig, host: HostInfo) -> CopySettings:
     )
 
 
-def resolve_dense_min_bytes(environ: Mapping[str, str]) -> int:
-    """Dense storages below this many bytes stay replicated (DWDP_DENSE_MIN_BYTES, a
-    non-negative integer; default ``DENSE_MIN_BYTES`` = 1 MiB). Raises
-    :class:`CopySettingsError` naming the variable and its value."""
-    from dwdp.worker.dense.layout import DENSE_MIN_BYTES
+class WorkerEnvError(ValueError):
+    """A worker setting from the environment (``api.contract.USER_ENV``) that is not what
+    its variable takes; the message names the variable and the value."""
 
-    text = environ.get(ENV_DENSE_MIN_BYTES, "").strip()
+
+def _env_int(environ: Mapping[str, str], name: str, *, minimum: int) -> int | None:
+    """The ASCII decimal integer >= ``minimum`` in ``environ[name]``; None when unset or
+    blank. Raises :class:`WorkerEnvError`."""
+    text = environ.get(name, "").strip()
     if not text:
-        return DENSE_MIN_BYTES
-    if not text.isdigit():
-        raise CopySettingsError(
-            f"{ENV_DENSE_MIN_BYTES}: {text!r} is not a non-negative integer (bytes; unset "
-            f"for the default {DENSE_MIN_BYTES})"
-        )
+        return None
+    if re.fullmatch(r"[0-9]+", text) is None or int(text) < minimum:
+        raise WorkerEnvError(f"{name}: {text!r} is not an integer >= {minimum}")
     return int(text)
 
+
+def resolve_dense_min_bytes(environ: Mapping[str, str]) -> int:
+    """Dense storages below this many bytes stay replicated (``DWDP_DENSE_MIN_BYTES``, bytes;
+    default ``DENSE_MIN_BYTES`` = 1 MiB, the reference's). Raises :class:`WorkerEnvError`."""
+    from dwdp.worker.dense.layout import DENSE_MIN_BYTES
+
+    value = _env_int(environ, ENV_DENSE_MIN_BYTES, minimum=0)
+    return DENSE_MIN_BYTES if value is None else value
+
+
+def resolve_torch_threads(environ: Mapping[str, str]) -> int | None:
+    """Intra-op threads of this rank's torch (``DWDP_TORCH_THREADS``, >= 1); None: torch's
+    default. Raises :class:`WorkerEnvError`."""
+    return _env_int(environ, ENV_TORCH_THREADS, minimum=1)

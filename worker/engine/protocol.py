@@ -24,12 +24,18 @@ class RequestError(ValueError):
     """A request the engine refuses (prompt too long, bad parameter); the server answers 400."""
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature under this decodes greedily (as vLLM does): dividing the logits by a
+smaller one overflows them to infinities, whose softmax is not a distribution."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    ``temperature`` 0 is greedy (argmax); otherwise tokens are drawn after temperature,
-    ``top_k`` (0: off) and ``top_p`` (1.0: off), from a generator seeded by ``seed`` when set.
+    ``temperature`` 0 (or any value under ``GREEDY_BELOW``) is greedy (argmax); otherwise
+    tokens are drawn after temperature, ``top_k`` (0: off) and ``top_p`` (1.0: off), from a
+    generator seeded by ``seed`` when set.
     A request stops at ``max_tokens`` new tokens, at the tokenizer's EOS token (unless
     ``ignore_eos``), at any of ``stop_token_ids``, or when its text contains one of ``stop``
     (the text is cut before it).
@@ -47,7 +53,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when the request decodes by argmax."""
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def check(self) -> None:
         """Raise ``RequestError`` naming the first out-of-range field."""

@@ -68,6 +68,18 @@ def test_prefill_logits_match_plain_forward(engine):
     torch.testing.assert_close(res.logits[0], plain, rtol=1e-5, atol=1e-5)
 
 
+def test_tiny_temperature_decodes_greedily(engine):
+    """A temperature too small to divide the logits by (they overflow to infinities and the
+    softmax is no distribution: the engine used to die on it, taking its rank down) decodes
+    greedily, as vLLM does below 1e-5; the engine keeps serving."""
+    prompt = _ids(engine, ["Hello world, the"])[0]
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    tiny = SamplingParams(max_tokens=5, ignore_eos=True, temperature=1e-300, seed=1)
+    assert engine.run_batch([prompt], tiny)[0].token_ids == (
+        engine.run_batch([prompt], greedy)[0].token_ids
+    )
+
+
 def test_sampling_seeded(engine):
     prompt = _ids(engine, ["Hello"])[0]
     sampled = SamplingParams(

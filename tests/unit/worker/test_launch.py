@@ -368,18 +368,27 @@ def test_cuda_backend_without_cuda_is_refused_before_the_rendezvous(tmp_path, ch
     assert b"rendezvous" not in proc.stderr.lower()
 
 
-def test_bad_dense_threshold_is_refused_before_the_rendezvous(tmp_path, checkpoint):
-    """``DWDP_DENSE_MIN_BYTES`` (a worker setting a DwdpDeployment may put in ``spec.env``)
-    that is not a byte count: a real ``dwdp worker`` refuses it as a config error naming the
-    variable and its value, before it joins the group (no listener at the rendezvous
-    address) and before the model loads."""
+@pytest.mark.parametrize(
+    ("name", "value", "rule"),
+    [
+        ("DWDP_DENSE_MIN_BYTES", "1MiB", ">= 0"),
+        ("DWDP_DENSE_MIN_BYTES", "\u00b2", ">= 0"),  # a digit to str.isdigit, not to int()
+        ("DWDP_TORCH_THREADS", "0", ">= 1"),
+    ],
+)
+def test_bad_worker_env_setting_is_refused_before_the_rendezvous(
+    tmp_path, checkpoint, name, value, rule
+):
+    """The worker settings a DwdpDeployment may put in ``spec.env`` (api.contract.USER_ENV)
+    with a value their variable does not take: a real ``dwdp worker`` refuses it as a config
+    error naming the variable and its value, before it joins the group (no listener at the
+    rendezvous address) and before the model loads."""
     config = _config(
         tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 2, "enableDense": True}
     )
-    env = {"DWDP_DENSE_MIN_BYTES": "1MiB", "DWDP_ROLE": "context"}
-    proc, line = _rank_one_of_two(tmp_path, config, env)
+    proc, line = _rank_one_of_two(tmp_path, config, {name: value, "DWDP_ROLE": "context"})
     assert proc.returncode == 1, proc.stderr.decode()[-2000:]
-    assert line.startswith("config: "), line
-    assert "DWDP_DENSE_MIN_BYTES: '1MiB' is not a non-negative integer" in line
+    assert line.startswith("config: WorkerEnvError: "), line
+    assert f"{name}: {value!r} is not an integer {rule}" in line
     assert line.count("\n") == 1
     assert b"rendezvous" not in proc.stderr.lower()
