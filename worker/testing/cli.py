@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "make-checkpoint", help="write a tiny seeded Hugging Face MoE checkpoint directory"
     )
     make.add_argument("--arch", required=True, choices=("deepseek_v3", "qwen3_moe", "mixtral"))
-    make.add_argument("--out", required=True, help="output directory (created)")
+    make.add_argument("--out", required=True, type=_out_dir, help="output directory (created)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--num-experts", type=int, default=6)
     make.add_argument("--num-layers", type=int, default=3)
@@ -26,10 +26,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train the demo's tiny DeepSeek-V3-family model on its fact corpus "
         "(seeded, deterministic; about half a minute on one core)",
     )
-    train.add_argument("--out", required=True, help="output directory (created)")
+    train.add_argument("--out", required=True, type=_out_dir, help="output directory (created)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--epochs", type=int, default=40, help="passes over the corpus")
     train.set_defaults(func=_train_demo_model)
+
+
+def _out_dir(text: str) -> str:
+    """``--out``: a directory path that is not empty and not an existing non-directory."""
+    from pathlib import Path
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (give the output directory)")
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return text
+
+
+def _os_error(out: str, exc: OSError) -> Exception:
+    from dwdp.cli import UserError
+
+    return UserError(f"--out {out}: {exc.strerror or exc}")
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
@@ -45,6 +62,8 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
             hidden_size=args.hidden_size,
             dtype=args.dtype,
         )
+    except OSError as exc:
+        raise _os_error(args.out, exc) from exc
     except ValueError as exc:
         from dwdp.cli import UserError
 
@@ -58,6 +77,8 @@ def _train_demo_model(args: argparse.Namespace) -> int:
 
     try:
         out = train_demo_model(args.out, TrainSettings(seed=args.seed, epochs=args.epochs))
+    except OSError as exc:
+        raise _os_error(args.out, exc) from exc
     except ValueError as exc:
         from dwdp.cli import UserError
 

@@ -171,3 +171,30 @@ def test_cli_refuses_zero_epochs(tmp_path, capsys):
         "dwdp testing: epochs: 0 must be at least 1"
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["train-demo-model", "make-checkpoint"])
+@pytest.mark.parametrize(
+    ("out", "says"),
+    [
+        ("", "argument --out: an empty path"),
+        ("{file}", "exists and is not a directory"),
+        ("{file}/sub", "Not a directory"),
+    ],
+)
+def test_cli_bad_out_is_one_line(tmp_path, capsys, command, out, says):
+    """A bad ``--out`` (empty, an existing file, a path under a file) ends in one error line
+    (after argparse's usage where argparse refuses it) and exit status 1 or argparse's 2,
+    never a traceback and never files in the current folder."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    args = ["testing", command, "--out", out.format(file=afile), "--epochs", "1"]
+    if command == "make-checkpoint":
+        args = ["testing", command, "--arch", "mixtral", "--out", out.format(file=afile)]
+    try:
+        code = dwdp_main(args)
+    except SystemExit as exc:  # argparse refuses the value itself
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code in (1, 2) and says in err.splitlines()[-1], err
+    assert "Traceback" not in err
