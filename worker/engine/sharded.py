@@ -25,7 +25,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dwdp.worker.expert.layout import LoadedExperts
 from dwdp.worker.models.base import ArchitectureAdapter
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dwdp.api.partition import ExpertPartition
+
+_T = TypeVar("_T")
 
 
 def load_sharded(
@@ -111,7 +113,7 @@ def _put(model: nn.Module, name: str, value: torch.Tensor, meta: torch.Tensor) -
         module._buffers[attr] = _mark_loaded(value)
 
 
-def _mark_loaded(tensor: torch.Tensor) -> torch.Tensor:
+def _mark_loaded(tensor: _T) -> _T:
     """transformers' ``_is_hf_initialized`` flag: its weight initializers leave the tensor
     alone."""
     setattr(tensor, "_is_hf_initialized", True)  # noqa: B010 - a flag torch does not declare
@@ -139,8 +141,7 @@ def _materialize_buffers(model: nn.Module, device: str) -> None:
 
 
 class _Reader:
-    """Reads model tensors (or rows of fused expert tables) from the checkpoint's files,
-    each file opened once."""
+    """Reads model tensors (or rows of fused expert tables) from the checkpoint's files."""
 
     def __init__(
         self,
@@ -156,7 +157,8 @@ class _Reader:
         self.where = where
         self.device = device
         self._stack = contextlib.ExitStack()
-        self._open: dict[Path, Any] = {}
+        self._file: Path | None = None
+        self._handle: Any = None
 
     def __enter__(self) -> _Reader:
         return self
@@ -165,12 +167,17 @@ class _Reader:
         self._stack.close()
 
     def _slice(self, key: str) -> Any:
+        """``get_slice(key)`` of the file that holds ``key``. One file is open at a time:
+        ``safe_open`` maps the file, and the pages read stay resident until it is closed, so
+        the file read before is closed first (tensors come in file order, mostly)."""
         from safetensors import safe_open
 
         file = self.where[key]
-        if file not in self._open:
-            self._open[file] = self._stack.enter_context(safe_open(str(file), framework="pt"))
-        return self._open[file].get_slice(key)
+        if self._file != file:
+            self._stack.close()
+            self._handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            self._file = file
+        return self._handle.get_slice(key)
 
     def read(self, name: str, meta: torch.Tensor, start: int, end: int | None) -> torch.Tensor:
         """Model tensor ``name`` (``meta`` gives its shape and dtype) on the device; for a
@@ -187,7 +194,10 @@ class _Reader:
             if len(form) == 1 and next(iter(form.values())) == shape:
                 key = next(iter(form))
                 piece = self._slice(key)
-                value = piece[start:stop] if (start, stop) != (0, shape[0]) else piece[:]
+                view = piece[start:stop] if (start, stop) != (0, shape[0]) else piece[:]
+                # a copy: safetensors' tensors are views of the file's mapping, which would
+                # keep every page read resident for as long as one of them lives
+                value = view.to(device=self.device, dtype=meta.dtype, copy=True)
             else:
                 value = self._per_expert(name, meta, form, start, stop)
         except CheckpointError:
@@ -197,7 +207,7 @@ class _Reader:
                 f"checkpoint {self.where.get(next(iter(form)), self.path)}: tensor "
                 f"{next(iter(form))}: reading failed ({exc})"
             ) from exc
-        return value.to(device=self.device, dtype=meta.dtype).contiguous()
+        return value.contiguous()
 
     def _per_expert(
         self, name: str, meta: torch.Tensor, form: dict[str, tuple[int, ...]], start: int,
