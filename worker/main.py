@@ -5,8 +5,9 @@ server refuses dense DWDP before anything loads) -> check the checkpoint's heade
 architecture adapter and the expert partition (one line naming the tensor or field) -> with
 DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the copy operations)
 and the copy settings resolved once (``dwdp.worker.settings``) -> join the group
-(rendezvous) -> load the model -> DWDP setup (dense first, then experts; commit) -> start the
-engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
+(rendezvous) -> load the model (with expert DWDP only what the rank keeps: ``load_model``)
+-> DWDP setup (dense first, then experts; commit) -> start the engine -> serve HTTP until a
+signal. A fatal error anywhere writes a one-line cause to the
 termination message path and exits non-zero; the engine is stopped whatever happens.
 """
 
