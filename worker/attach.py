@@ -25,6 +25,7 @@ from dwdp.worker.attachment import CopyCounters, DwdpAttachment, SetupFacts
 from dwdp.worker.backend.base import Backend, CopyPlan, Stream
 from dwdp.worker.dense.layout import DENSE_MIN_BYTES, Segment
 from dwdp.worker.dense.state import DenseDwdp
+from dwdp.worker.expert.layout import LoadedExperts
 from dwdp.worker.group import DwdpConfigError, dwdp_active, make_backend
 from dwdp.worker.models.base import ArchitectureAdapter, MoeLayer
 from dwdp.worker.schedule.dense import DenseSlotSchedule
@@ -45,6 +46,7 @@ def setup_dwdp(
     group: GroupTransport | None,
     settings: CopySettings,
     dense_min_bytes: int = DENSE_MIN_BYTES,
+    loaded: LoadedExperts | None = None,
 ) -> DwdpStatusSource:
     """Set DWDP up on ``model`` as the launch asks; returns the status source the server
     reads (``DwdpAttachment``, or ``NoDwdp`` when DWDP is off).
@@ -54,7 +56,8 @@ def setup_dwdp(
     (``None`` exactly when DWDP is off); ``settings``: the effective copy settings
     (``dwdp.worker.settings.resolve_copy_settings``), for the backend and both managers;
     ``dense_min_bytes``: dense storages below it stay replicated
-    (``dwdp.worker.settings.resolve_dense_min_bytes``).
+    (``dwdp.worker.settings.resolve_dense_min_bytes``); ``loaded``: the expert rows of a
+    sharded load (``dwdp.worker.engine.sharded``), ``None`` for a model loaded whole.
     """
     if not dwdp_active(cfg) or group is None:
         return NoDwdp()
@@ -80,6 +83,7 @@ def setup_dwdp(
         settings=settings,
         checkpoint_dtypes=checkpoint_dtypes(Path(cfg.model.path)),
         dense_min_bytes=dense_min_bytes,
+        loaded=loaded,
     )
 
 
@@ -111,6 +115,7 @@ def attach(
     settings: CopySettings | None = None,
     checkpoint_dtypes: Mapping[str, str] | None = None,
     dense_min_bytes: int = DENSE_MIN_BYTES,
+    loaded: LoadedExperts | None = None,
 ) -> DwdpAttachment:
     """Set DWDP up on ``model`` over ``transport`` (a collective: every rank calls it with
     the same arguments) and attach the schedules; returns the committed attachment.
@@ -121,7 +126,9 @@ def attach(
     kernel from them once and passes it to every copy launch; ``checkpoint_dtypes``: tensor
     name -> checkpoint dtype name, for the scalar exchange's one-ULP rule (``None``: unknown,
     every scalar bitwise); ``dense_min_bytes``: dense storages below it stay replicated
-    (default 1 MiB, the reference's). MoE layers DWDP cannot manage keep their full expert table
+    (default 1 MiB, the reference's); ``loaded``: the expert rows of a sharded load (the
+    managed layers' tables are meta until the repoint), ``None`` for a model loaded whole.
+    MoE layers DWDP cannot manage keep their full expert table
     (``dwdp.worker.expert.managed``); the adapter's repeated layers keep their slot across
     repeats. Raises ``SetupError`` on every rank alike, ``UnsupportedArchitectureError`` when
     ``enable_dense`` and the architecture declares no dense roots, ``DwdpConfigError`` for a
@@ -159,6 +166,7 @@ def attach(
         num_slots=num_slots,
         settings=settings if settings is not None else CopySettings(),
         dense_min_bytes=dense_min_bytes,
+        loaded=loaded,
     )
     counters = CopyCounters()
     expert_schedule, dense_schedule = _schedules(

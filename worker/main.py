@@ -5,8 +5,9 @@ server refuses dense DWDP before anything loads) -> check the checkpoint's heade
 architecture adapter and the expert partition (one line naming the tensor or field) -> with
 DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the copy operations)
 and the copy settings resolved once (``dwdp.worker.settings``) -> join the group
-(rendezvous) -> load the model -> DWDP setup (dense first, then experts; commit) -> start the
-engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
+(rendezvous) -> load the model (with expert DWDP only what the rank keeps: ``load_model``)
+-> DWDP setup (dense first, then experts; commit) -> start the engine -> serve HTTP until a
+signal. A fatal error anywhere writes a one-line cause to the
 termination message path and exits non-zero; the engine is stopped whatever happens.
 """
 
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 
     from dwdp.api.launch import LaunchConfig
     from dwdp.api.partition import ExpertPartition
+    from dwdp.worker.expert.layout import LoadedExperts
     from dwdp.worker.models.base import ArchitectureAdapter
+    from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +235,32 @@ def _device_for(cfg: LaunchConfig, local_rank: int) -> str:
     return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
 
 
+def load_model(
+    cfg: LaunchConfig, plan: ModelPlan, group: GroupTransport | None, device: str
+) -> tuple[Any, Any, LoadedExperts | None]:
+    """``(model, tokenizer, loaded)`` on ``device``. With expert DWDP (``plan.partition``
+    and a group) a sharded load: the model without the managed experts, and ``loaded`` the
+    rows of this rank's range (``dwdp.worker.engine.sharded``); otherwise the whole
+    checkpoint and ``None``. Raises ``CheckpointError`` naming the file and the tensor."""
+    if plan.partition is not None and group is not None:
+        from dwdp.worker.engine.sharded import load_sharded
+
+        return load_sharded(
+            cfg.model.path,
+            adapter=plan.adapter,
+            partition=plan.partition,
+            rank=group.rank,
+            dtype=cfg.model.dtype,
+            device=device,
+        )
+    from dwdp.worker.engine.loader import load_checkpoint
+
+    model, tokenizer = load_checkpoint(cfg.model.path, dtype=cfg.model.dtype)
+    if device != "cpu":
+        model.to(device)
+    return model, tokenizer, None
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
@@ -249,7 +278,6 @@ def run_worker(opts: WorkerOptions) -> int:
         _torch_threads(resolve_torch_threads(os.environ))
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
-        from dwdp.worker.engine.loader import load_checkpoint
         from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
@@ -257,11 +285,7 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = STAGE_RENDEZVOUS
         group = join_group(cfg)
         stage["now"] = STAGE_LOAD
-        dtype = cfg.model.dtype
-        model, tokenizer = load_checkpoint(cfg.model.path, dtype=dtype)
-        device = _device_for(cfg, local_rank)
-        if device != "cpu":
-            model.to(device)
+        model, tokenizer, loaded = load_model(cfg, plan, group, _device_for(cfg, local_rank))
         stage["now"] = STAGE_SETUP
         dwdp = setup_dwdp(
             model,
@@ -270,6 +294,7 @@ def run_worker(opts: WorkerOptions) -> int:
             group=group,
             settings=settings,
             dense_min_bytes=dense_min_bytes,
+            loaded=loaded,
         )
         stage["now"] = STAGE_ENGINE
         fatal: list[BaseException] = []

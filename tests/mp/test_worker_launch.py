@@ -133,7 +133,9 @@ def test_every_rank_committed_the_same_layout(pod):
     assert counts == [2, 2, 1, 1]
     stores = [s["resident"]["expert"]["store_bytes"] for s in statuses]
     assert stores[0] == stores[1] > stores[2] == stores[3]
-    assert all(s["leaks"] == 0 and s["bytes_freed"] > s["bytes_stored"] for s in statuses)
+    # each rank loaded only its expert rows (sharded loading): what the repoint freed is those
+    # rows, at most its store (the rows, 64-byte aligned), never a replicated expert table
+    assert all(s["leaks"] == 0 and 0 < s["bytes_freed"] <= s["bytes_stored"] for s in statuses)
 
 
 def test_every_rank_serves_the_replicated_greedy_tokens(pod):

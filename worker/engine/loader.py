@@ -3,7 +3,8 @@
 ``load_checkpoint`` validates the safetensors headers against the config first
 (``dwdp.worker.models.validate``), so a missing tensor or a tensor of the wrong shape or dtype
 fails with one line before any weight is read; then it loads through
-``AutoModelForCausalLM.from_pretrained`` and the tokenizer through ``AutoTokenizer``.
+``AutoModelForCausalLM.from_pretrained`` and the tokenizer through ``AutoTokenizer``. A DWDP
+rank loads through ``dwdp.worker.engine.sharded`` instead (only the experts it keeps).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def load_checkpoint(path: str | Path, *, dtype: str = "auto") -> tuple[Any, Any]
     (one line naming the tensor, field or file) for a checkpoint that cannot serve.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(path)
@@ -36,9 +37,16 @@ def load_checkpoint(path: str | Path, *, dtype: str = "auto") -> tuple[Any, Any]
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"checkpoint {path}: loading failed: {first}") from exc
     model.eval()
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The checkpoint's tokenizer (``AutoTokenizer``, local files only). Raises
+    ``CheckpointError`` naming the directory."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"checkpoint {path}: tokenizer: {first}") from exc
-    return model, tokenizer

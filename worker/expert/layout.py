@@ -35,6 +35,19 @@ class ExpertLayerWeights:
     tensors: Mapping[str, torch.Tensor]
 
 
+@dataclass(slots=True)
+class LoadedExperts:
+    """The expert rows a sharded load read for this rank (``dwdp.worker.engine.sharded``):
+    the rows ``[start, end)`` of every managed MoE layer's fused tables, ``tables[layer
+    prefix][name]`` of shape ``[end - start, *chunk_shape]`` (contiguous, final dtype and
+    device). The model's own tables of those layers stay on the meta device until the
+    repoint; the repoint empties ``tables`` so the rows die with the last reference."""
+
+    start: int
+    end: int
+    tables: dict[str, dict[str, torch.Tensor]]
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkSpec:
     """One expert tensor of one layer: name, one expert's shape and dtype, bytes."""

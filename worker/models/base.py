@@ -235,17 +235,24 @@ class ArchitectureAdapter:
         head, _, last = name.rpartition(".")
         if last in EXPERT_PARAMS and head.endswith(".experts") and len(shape) == 3:
             num, rows, cols = shape
-            gate, up, down = self.checkpoint_expert_suffixes
-            for base in self._renamed(head):
-                if last == "gate_up_proj":
-                    half = rows // 2
-                    form: dict[str, tuple[int, ...]] = {
-                        f"{base}.{e}.{s}": (half, cols) for e in range(num) for s in (gate, up)
-                    }
-                else:
-                    form = {f"{base}.{e}.{down}": (rows, cols) for e in range(num)}
-                alternatives.append(form)
+            part = (rows // 2, cols) if last == "gate_up_proj" else (rows, cols)
+            for alternative in range(len(self._renamed(head))):
+                alternatives.append({
+                    n: part
+                    for e in range(num)
+                    for n in self.expert_matrix_names(name, e)[alternative]
+                })
         return alternatives
+
+    def expert_matrix_names(self, name: str, expert: int) -> list[tuple[str, ...]]:
+        """The on-disk names of expert ``expert``'s matrices behind the fused table ``name``
+        (``...experts.gate_up_proj``: ``(gate, up)``, stacked along rows in that order;
+        ``...experts.down_proj``: ``(down,)``), one tuple per naming alternative, in the order
+        of :meth:`checkpoint_forms`' per-expert forms."""
+        head, _, last = name.rpartition(".")
+        gate, up, down = self.checkpoint_expert_suffixes
+        suffixes = (gate, up) if last == "gate_up_proj" else (down,)
+        return [tuple(f"{base}.{expert}.{s}" for s in suffixes) for base in self._renamed(head)]
 
     def _renamed(self, name: str) -> list[str]:
         names = [name]

@@ -36,31 +36,87 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def read_headers(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+INDEX_FILE = "model.safetensors.index.json"
+"""The index of a checkpoint sharded into several safetensors files (``weight_map``: tensor
+name -> file name)."""
+
+Headers = dict[str, tuple[tuple[int, ...], str]]
+"""Tensor name -> (shape, torch dtype name), from the safetensors headers."""
+
+
+def read_headers(path: Path) -> Headers:
     """Every tensor of the checkpoint's safetensors files: name -> (shape, torch dtype name).
 
-    Raises ``CheckpointError`` when there is no safetensors file or a file is unreadable.
+    Raises ``CheckpointError`` (one line naming the file and tensor) when there is no
+    safetensors file, a file is unreadable, a shard file the index names is missing, or a
+    file does not hold a tensor the index says it does.
     """
-    from safetensors import safe_open
+    return scan_checkpoint(path)[0]
 
-    files = sorted(path.glob("*.safetensors"))
+
+def read_index(path: Path) -> dict[str, str] | None:
+    """The index's ``weight_map`` (tensor name -> file name), ``None`` without an index.
+    Raises ``CheckpointError`` for an unreadable index."""
+    index = path / INDEX_FILE
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not a mapping")
+        return {str(k): str(v) for k, v in weight_map.items()}
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {index}: unreadable index ({exc})") from exc
+
+
+def scan_checkpoint(path: Path) -> tuple[Headers, dict[str, Path]]:
+    """The headers of every tensor and the file that holds it (tensor name -> file path).
+
+    With ``model.safetensors.index.json`` the files are the ones its ``weight_map`` names
+    (every one must exist and hold the tensors the index gives it); without, every
+    ``*.safetensors`` file of ``path``. Raises ``CheckpointError`` as :func:`read_headers`.
+    """
+    weight_map = read_index(path)
+    if weight_map is None:
+        files = sorted(path.glob("*.safetensors"))
+    else:
+        files = []
+        for name, file_name in weight_map.items():
+            file = path / file_name
+            if file not in files:
+                if not file.is_file():
+                    raise CheckpointError(
+                        f"checkpoint {path}: shard file {file_name} named by {INDEX_FILE} "
+                        f"(tensor {name}) is missing"
+                    )
+                files.append(file)
     if not files:
         raise CheckpointError(f"checkpoint {path}: no *.safetensors file")
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    headers: Headers = {}
+    where: dict[str, Path] = {}
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    piece = handle.get_slice(key)
-                    dtype = piece.get_dtype()
-                    out[key] = (tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(dtype, dtype))
-        except CheckpointError:
-            raise
-        except Exception as exc:
+        _read_file_headers(file, headers, where)
+    for name, file_name in (weight_map or {}).items():
+        if where.get(name) != path / file_name:
             raise CheckpointError(
-                f"checkpoint {file}: unreadable safetensors file ({exc})"
-            ) from exc
-    return out
+                f"checkpoint {path}: shard file {file_name} does not hold tensor {name} "
+                f"that {INDEX_FILE} names"
+            )
+    return headers, where
+
+
+def _read_file_headers(file: Path, headers: Headers, where: dict[str, Path]) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                piece = handle.get_slice(key)
+                dtype = piece.get_dtype()
+                headers[key] = (tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(dtype, dtype))
+                where[key] = file
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {file}: unreadable safetensors file ({exc})") from exc
 
 
 def load_config(path: str | Path) -> Any:
@@ -108,7 +164,7 @@ def validate_checkpoint(path: str | Path) -> Any:
     """
     path = Path(path)
     config = load_config(path)
-    headers = read_headers(path)
+    headers, where = scan_checkpoint(path)
     adapter = adapter_for(config)
     assert adapter is not None
     for name, (shape, dtype) in expected_tensors(config).items():
@@ -118,19 +174,27 @@ def validate_checkpoint(path: str | Path) -> Any:
             # Name the first missing tensor of the form the checkpoint started to use.
             best = max(forms, key=lambda f: sum(k in headers for k in f))
             missing = next(k for k in best if k not in headers)
-            raise CheckpointError(f"checkpoint {path}: tensor {missing} is missing")
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {missing} is missing (searched {_files_of(where)})"
+            )
         for key, want_shape in form.items():
             got_shape, got_dtype = headers[key]
+            file = where[key]
             if got_shape != want_shape:
                 raise CheckpointError(
-                    f"checkpoint {path}: tensor {key} has shape {list(got_shape)}, "
+                    f"checkpoint {file}: tensor {key} has shape {list(got_shape)}, "
                     f"expected {list(want_shape)}"
                 )
             if got_dtype != dtype:
                 raise CheckpointError(
-                    f"checkpoint {path}: tensor {key} has dtype {got_dtype}, expected {dtype}"
+                    f"checkpoint {file}: tensor {key} has dtype {got_dtype}, expected {dtype}"
                 )
     return config
+
+
+def _files_of(where: dict[str, Path]) -> str:
+    names = sorted({file.name for file in where.values()})
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def expert_count(config: Any) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from dwdp.api.partition import ExpertPartition
@@ -19,7 +20,7 @@ from dwdp.worker.backend.base import Backend
 from dwdp.worker.dense.layout import DENSE_MIN_BYTES
 from dwdp.worker.dense.repoint import LeakReport
 from dwdp.worker.dense.state import DenseDwdp
-from dwdp.worker.expert.layout import ExpertLayerWeights
+from dwdp.worker.expert.layout import ExpertLayerWeights, LoadedExperts
 from dwdp.worker.models.base import MoeLayer
 from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
@@ -51,10 +52,17 @@ def setup_attached(
     num_slots: int,
     settings: CopySettings,
     dense_min_bytes: int = DENSE_MIN_BYTES,
+    loaded: LoadedExperts | None = None,
 ) -> AttachedSetup:
     """Dense setup, expert setup, the expert gather check and the repoint (module
-    docstring). Raises ``SetupError`` on every rank alike."""
+    docstring). Raises ``SetupError`` on every rank alike.
+
+    ``loaded``: the expert rows a sharded load read (``dwdp.worker.engine.sharded``; the
+    layers' own tables are then meta tensors): expert setup writes the store from them
+    instead of slicing the full tables, and the gather check compares the rank's range."""
     device = layers[0].experts.gate_up_proj.device
+    if loaded is not None:
+        device = next(iter(loaded.tables[layers[0].prefix].values())).device
     dense = None
     if enable_dense:
         dense = setup_dense(
@@ -73,9 +81,10 @@ def setup_attached(
         num_slots=num_slots,
         settings=settings,
         dense=dense,
+        loaded=loaded,
     )
-    check_expert_gather(experts, layers, transport, dense=dense)
-    repointed = repoint_experts(experts, layers, rank=transport.rank)
+    check_expert_gather(experts, layers, transport, dense=dense, loaded=loaded)
+    repointed = repoint_experts(experts, layers, rank=transport.rank, loaded=loaded)
     return AttachedSetup(dense, experts, repointed.freed_bytes, repointed.leaks)
 
 
@@ -88,13 +97,15 @@ def _setup_experts(
     num_slots: int,
     settings: CopySettings,
     dense: DenseDwdp | None,
+    loaded: LoadedExperts | None,
 ) -> ExpertDwdp:
-    """This rank's range of every MoE layer's tables into its store (expert setup)."""
+    """This rank's range of every MoE layer's tables into its store (expert setup): the
+    loaded rows, or slices of the full tables."""
     start, end = partition.ranges[transport.rank]
     weights = [
         ExpertLayerWeights(
             name=m.prefix,
-            tensors={p: t.detach()[start:end].contiguous() for p, t in m.expert_tensors().items()},
+            tensors=_rows_of(m, start, end, loaded),
         )
         for m in layers
     ]
@@ -118,4 +129,17 @@ def _setup_experts(
         if dense is not None:
             dense.release()
         raise
+
+
+def _rows_of(
+    m: MoeLayer, start: int, end: int, loaded: LoadedExperts | None
+) -> dict[str, torch.Tensor]:
+    if loaded is None:
+        return {p: t.detach()[start:end].contiguous() for p, t in m.expert_tensors().items()}
+    if (loaded.start, loaded.end) != (start, end):
+        raise ValueError(
+            f"{m.prefix}: the loaded expert rows [{loaded.start}, {loaded.end}) are not this "
+            f"rank's range [{start}, {end})"
+        )
+    return dict(loaded.tables[m.prefix])
 

@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from dwdp.worker.dense.repoint import LeakReport, count_leaks, watch_storages
 from dwdp.worker.dense.state import DenseDwdp
+from dwdp.worker.expert.layout import LoadedExperts
 from dwdp.worker.models.base import EXPERT_PARAMS, MoeLayer
 from dwdp.worker.setup.expert import ExpertDwdp
 from dwdp.worker.setup.phases import SetupError, setup_stream
@@ -45,10 +47,13 @@ def check_expert_gather(
     transport: GroupTransport,
     *,
     dense: DenseDwdp | None,
+    loaded: LoadedExperts | None = None,
 ) -> None:
     """Gather every MoE layer into its home slot and compare it with the original tables; a
-    collective. On a failure anywhere every rank releases the experts (and the committed
-    dense state) and raises ``SetupError`` (``restored`` only without dense DWDP)."""
+    collective. With ``loaded`` (a sharded load) the originals are this rank's rows, compared
+    with the same rows of the slot (the ranks' ranges together cover every expert). On a
+    failure anywhere every rank releases the experts (and the committed dense state) and
+    raises ``SetupError`` (``restored`` only without dense DWDP)."""
     error = None
     try:
         stream = setup_stream(experts.backend, "expert-setup")  # [Note: setup stream]
@@ -57,7 +62,9 @@ def check_expert_gather(
             experts.launch(m.moe_index, slot, stream)
             stream.synchronize()  # setup only: the host compares the bytes below
             views = experts.slot_views(slot, m.moe_index)
-            for p, original in m.expert_tensors().items():
+            for p, original in _originals(m, loaded).items():
+                if loaded is not None:
+                    views[p] = views[p][loaded.start : loaded.end]
                 if not torch.equal(views[p], original.detach()):
                     raise RuntimeError(
                         f"{m.prefix} {p}: the gathered slot differs from the original"
@@ -74,12 +81,23 @@ def check_expert_gather(
         )
 
 
+def _originals(m: MoeLayer, loaded: LoadedExperts | None) -> dict[str, torch.Tensor]:
+    """The layer's original tables: the module's, or the rows a sharded load read."""
+    return m.expert_tensors() if loaded is None else dict(loaded.tables[m.prefix])
+
+
 def repoint_experts(
-    experts: ExpertDwdp, layers: Sequence[MoeLayer], *, rank: int
+    experts: ExpertDwdp,
+    layers: Sequence[MoeLayer],
+    *,
+    rank: int,
+    loaded: LoadedExperts | None = None,
 ) -> ExpertRepoint:
-    """Point every experts module's tables into their home slot and drop the originals;
-    returns the bytes freed and the leak report (one WARNING when any original is alive)."""
-    originals = {m.moe_index: m.expert_tensors() for m in layers}
+    """Point every experts module's tables into their home slot and drop the originals
+    (with ``loaded``: the loaded rows, which it empties; the module's meta tables are
+    replaced by parameters over the slot); returns the bytes freed and the leak report (one
+    WARNING when any original is alive)."""
+    originals = {m.moe_index: _originals(m, loaded) for m in layers}
     watched = watch_storages(
         [(f"{m.prefix}.experts.{p}", t) for m in layers for p, t in originals[m.moe_index].items()]
     )
@@ -87,8 +105,14 @@ def repoint_experts(
     for m in layers:
         views = experts.slot_views(m.moe_index % experts.num_slots, m.moe_index)
         for p in EXPERT_PARAMS:
-            getattr(m.experts, p).data = views[p]
+            table = getattr(m.experts, p)
+            if table.is_meta:  # a sharded load: nothing to keep, a new parameter
+                setattr(m.experts, p, nn.Parameter(views[p], requires_grad=table.requires_grad))
+            else:
+                table.data = views[p]
     originals.clear()
+    if loaded is not None:
+        loaded.tables.clear()
     leaks = count_leaks(watched)
     if leaks.count:
         log.warning(

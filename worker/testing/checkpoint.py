@@ -32,9 +32,11 @@ def tiny_config(
     hidden_size: int = 32,
     dtype: str = "float32",
     special_ids: dict[str, int] | None = None,
+    moe_width: int = 16,
 ) -> PretrainedConfig:
     """A tiny ``transformers`` config of ``arch``: ``num_layers`` decoder layers of width
-    ``hidden_size``, ``num_experts`` routed experts (top-2) of width 16 in every MoE layer.
+    ``hidden_size``, ``num_experts`` routed experts (top-2) of width ``moe_width`` in every MoE
+    layer.
 
     DeepSeek-V3 gets one first dense layer (``first_k_dense_replace=1``) and one shared expert;
     Qwen3-MoE gets ``mlp_only_layers=[0]``; every Mixtral layer is MoE. Raises ``ValueError``
@@ -68,7 +70,7 @@ def tiny_config(
         config = DeepseekV3Config(
             **common,
             intermediate_size=2 * hidden_size,
-            moe_intermediate_size=16,
+            moe_intermediate_size=moe_width,
             n_shared_experts=1,
             n_routed_experts=num_experts,
             n_group=1,
@@ -86,7 +88,7 @@ def tiny_config(
         config = Qwen3MoeConfig(
             **common,
             intermediate_size=2 * hidden_size,
-            moe_intermediate_size=16,
+            moe_intermediate_size=moe_width,
             **head_dim,
             num_experts=num_experts,
             mlp_only_layers=[0],
@@ -96,7 +98,7 @@ def tiny_config(
     elif arch == "mixtral":
         config = MixtralConfig(
             **common,
-            intermediate_size=16,
+            intermediate_size=moe_width,
             **head_dim,
             num_local_experts=num_experts,
         )
@@ -144,9 +146,15 @@ def make_checkpoint(
     num_layers: int = 3,
     hidden_size: int = 32,
     dtype: str = "float32",
+    moe_width: int = 16,
+    max_shard_size: str | None = None,
 ) -> Path:
     """Write a tiny seeded checkpoint of ``arch`` into ``out`` (created; existing files of the
     same names are overwritten). Returns the directory. Raises ``ValueError`` for bad arguments.
+
+    ``moe_width``: the routed experts' width; ``max_shard_size`` (``"50MB"``): split the
+    weights into several safetensors files with ``model.safetensors.index.json``
+    (``None``: ``save_pretrained``'s default).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -170,6 +178,7 @@ def make_checkpoint(
         hidden_size=hidden_size,
         dtype=dtype,
         special_ids=ids,
+        moe_width=moe_width,
     )
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
@@ -177,7 +186,10 @@ def make_checkpoint(
     model.generation_config = GenerationConfig(
         bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]
     )
-    model.save_pretrained(str(out))
+    if max_shard_size is None:
+        model.save_pretrained(str(out))
+    else:
+        model.save_pretrained(str(out), max_shard_size=max_shard_size)
     (out / "dwdp_checkpoint.json").write_text(
         json.dumps({"arch": arch, "seed": seed, "num_experts": num_experts}, indent=2) + "\n"
     )

@@ -165,6 +165,20 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path, checkpoint, monkeypatch):
         code, line = _run(tmp_path, _config(tmp_path, model=str(broken)))
         assert code == 1, case
         assert needle in line and line.count("\n") == 1, line
+    # an index that names a shard file that is not there
+    import json
+
+    from dwdp.worker.models.validate import INDEX_FILE, read_headers
+
+    indexed = tmp_path / "indexed"
+    shutil.copytree(checkpoint, indexed)
+    weight_map = dict.fromkeys(read_headers(indexed), "model.safetensors")
+    weight_map[name] = "model-00002-of-00002.safetensors"
+    (indexed / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    code, line = _run(tmp_path, _config(tmp_path, model=str(indexed)))
+    assert code == 1 and line.count("\n") == 1, line
+    assert f"shard file model-00002-of-00002.safetensors named by {INDEX_FILE} (tensor {name})" \
+        in line, line
     # a config the partition cannot split: 6 experts over 8 ranks
     code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 8}))
     assert code == 1 and "PartitionError" in line and line.count("\n") == 1, line
