@@ -49,7 +49,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--role",
         default=None,
-        help="context, generation or aggregated (legacy ctx0/gen0 accepted); "
+        help="context, generation or aggregated (legacy ctx<N>/gen<N> accepted); "
         "default: the config's role, else DWDP_ROLE",
     )
     parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address")

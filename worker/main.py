@@ -137,7 +137,7 @@ def load_launch_config(path: str | None) -> LaunchConfig:
 def check_launch(
     cfg: LaunchConfig, role_flag: str | None, environ: Mapping[str, str] | None = None
 ) -> LaunchConfig:
-    """Resolve the role (flag, config, ``DWDP_ROLE``; legacy ctx0/gen0 in any case) and apply
+    """Resolve the role (flag, config, ``DWDP_ROLE``; legacy ctx<N>/gen<N> in any case) and apply
     the launch rules that need no model. Returns the config with the role set.
 
     Raises ``WorkerStartupError`` (unknown role) or ``LaunchError`` (a broken rule; a
