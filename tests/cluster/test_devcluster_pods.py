@@ -197,9 +197,13 @@ def test_deployment_serves_on_both_pod_addresses(cluster: TestCluster, namespace
             for ep in s.get("endpoints") or []:
                 for addr in ep["addresses"]:
                     eps[addr] = bool(ep.get("conditions", {}).get("ready"))
-        return eps if len(eps) == 3 else None
+        # the EndpointSlice controller lists a pod before it copies its readiness: wait for
+        # the two serving pods to read ready (the unhealthy one never does)
+        return eps if len(eps) == 3 and all(eps.get(ip) for ip in ips) else None
 
-    eps = cluster.wait_for(slice_endpoints, timeout=30, message="3 endpoints in the slice")
+    eps = cluster.wait_for(
+        slice_endpoints, timeout=30, message="3 endpoints in the slice, the 2 serving ready"
+    )
     bad = cluster.get("pod", "web-unhealthy", namespace)
     assert {ip: eps[ip] for ip in ips} == {ip: True for ip in ips}
     assert eps[bad["status"]["podIP"]] is False
