@@ -34,13 +34,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dwdp.api.contract import StatusPhase
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.backend.base import Backend
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.models.base import MoeLayer
 from dwdp.worker.schedule.dense import DenseSlotSchedule
 from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
-from dwdp.worker.server.status import PHASE_COMMITTED
 from dwdp.worker.setup.expert import ExpertDwdp
 from dwdp.worker.transport.base import GroupTransport
 
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
-PHASE_RELEASED = "released"
 
 
 class WeightsShardedError(RuntimeError):
@@ -114,7 +113,7 @@ class DwdpAttachment:
         self.expert_freed = expert_freed
         self.expert_leaks = expert_leaks
         self.facts = facts or SetupFacts()
-        self.phase = PHASE_COMMITTED
+        self.phase = StatusPhase.COMMITTED
         self._handles: list[RemovableHandle] = []
         self._guards: list[RemovableHandle] = []
         """The reload guards: kept after ``close()`` (see [Note: weight guards])."""
@@ -124,21 +123,21 @@ class DwdpAttachment:
     @property
     def committed(self) -> bool:
         """True while the committed DWDP state serves."""
-        return self.phase == PHASE_COMMITTED
+        return self.phase == StatusPhase.COMMITTED
 
     def status(self) -> dict[str, Any]:
         """See ``DwdpStatusSource.status``; bytes are integers, per rank."""
         resident: dict[str, Any] = {}
         stored = slot_bytes = freed = 0
         leaks = self.expert_leaks
-        if self.dense is not None and self.phase == PHASE_COMMITTED:
+        if self.dense is not None and self.phase == StatusPhase.COMMITTED:
             r = self.dense.status()
             resident["dense"] = r.as_dict()
             stored += r.store_bytes
             slot_bytes += r.slot_bytes
             freed += r.sharded_bytes
             leaks += r.leaks
-        if self.phase == PHASE_COMMITTED:
+        if self.phase == StatusPhase.COMMITTED:
             r = self.experts.status()
             resident["expert"] = r.as_dict()
             stored += r.store_bytes
@@ -249,7 +248,7 @@ class DwdpAttachment:
 
     def _refusal(self) -> str:
         kind = "dense and expert" if self.dense is not None else "expert"
-        if self.phase != PHASE_COMMITTED:
+        if self.phase != StatusPhase.COMMITTED:
             return (
                 f"{kind} DWDP sharded this model's weights and was torn down: reloading them "
                 "is refused (load the checkpoint again into a new model)"
@@ -278,7 +277,7 @@ class DwdpAttachment:
         """
         import torch
 
-        if self.dense is not None or self.phase != PHASE_COMMITTED:
+        if self.dense is not None or self.phase != StatusPhase.COMMITTED:
             raise WeightsShardedError(self._refusal().replace("reloading", "updating"))
         params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         expert_names = {
@@ -345,9 +344,9 @@ class DwdpAttachment:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self.phase == PHASE_RELEASED:
+        if self.phase == StatusPhase.RELEASED:
             return
-        self.phase = PHASE_RELEASED
+        self.phase = StatusPhase.RELEASED
         self.experts.release()
         if self.dense is not None:
             self.dense.release()

@@ -10,13 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from dwdp.api.contract import Env
 from dwdp.api.launch import LaunchConfig
 from dwdp.worker.backend.base import Backend
 from dwdp.worker.settings import CopySettings
 from dwdp.worker.transport.base import GroupTransport
-
-ENV_GROUP = "DWDP_GROUP"
-ENV_INCARNATION = "DWDP_INCARNATION"
 
 
 class DwdpConfigError(ValueError):
@@ -82,14 +80,14 @@ def make_backend(
         from dwdp.worker.backend.cpu import CpuBackend
 
         return CpuBackend(
-            group=env.get(ENV_GROUP, "local"),
-            incarnation=env.get(ENV_INCARNATION, "0"),
+            group=env.get(Env.GROUP, "local"),
+            incarnation=env.get(Env.INCARNATION, "0"),
             rank=transport.rank,
         )
     from dwdp.worker.backend.cuda import CudaBackend
 
     return CudaBackend(
-        device=int(env.get("DWDP_LOCAL_RANK", "0")),
+        device=int(env.get(Env.LOCAL_RANK, "0")),
         handle_type=cfg.handle_type,
         settings=settings,
     )

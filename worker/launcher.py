@@ -27,12 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dwdp.api.contract import Env
-from dwdp.worker.main import ENV_CONFIG, ENV_LOCAL_RANK, ENV_LOCAL_WORLD_SIZE
-from dwdp.worker.termination import ENV_TERMINATION_LOG, write_termination_message
+from dwdp.worker.termination import write_termination_message
 
 log = logging.getLogger(__name__)
 
-ENV_RANK = Env.RANK.value
 DEFAULT_STOP_GRACE_S = 30.0
 POLL_S = 0.1
 
@@ -55,11 +53,11 @@ def child_env(
 ) -> dict[str, str]:
     """The environment of local rank ``local_rank`` (see the module docstring)."""
     env = dict(base)
-    env[ENV_RANK] = str(first_rank + local_rank)
-    env[ENV_LOCAL_RANK] = str(local_rank)
-    env[ENV_LOCAL_WORLD_SIZE] = str(nproc)
-    env[ENV_CONFIG] = config
-    env[ENV_TERMINATION_LOG] = term
+    env[Env.RANK] = str(first_rank + local_rank)
+    env[Env.LOCAL_RANK] = str(local_rank)
+    env[Env.LOCAL_WORLD_SIZE] = str(nproc)
+    env[Env.CONFIG] = config
+    env[Env.TERMINATION_LOG] = term
     return env
 
 
@@ -77,22 +75,22 @@ def _stop_grace(opts: LaunchOptions, config: str) -> float:
 
 def run_launcher(opts: LaunchOptions) -> int:
     """Start the local ranks, watch them, stop them together; returns the exit status."""
-    config = opts.config or os.environ.get(ENV_CONFIG)
+    config = opts.config or os.environ.get(Env.CONFIG)
     if not config:
         line = write_termination_message(
-            f"launcher: no launch config: pass --config FILE or set {ENV_CONFIG}",
+            f"launcher: no launch config: pass --config FILE or set {Env.CONFIG}",
             opts.termination_log,
         )
         log.error("%s", line)
         return 1
     config = str(Path(config).resolve())
     try:
-        nproc = opts.nproc or int(os.environ.get(ENV_LOCAL_WORLD_SIZE) or 1)
-        first_rank = int(os.environ.get(ENV_RANK) or 0)
+        nproc = opts.nproc or int(os.environ.get(Env.LOCAL_WORLD_SIZE) or 1)
+        first_rank = int(os.environ.get(Env.RANK) or 0)
     except ValueError as exc:
         line = (
-            f"launcher: {ENV_LOCAL_WORLD_SIZE} and {ENV_RANK} must be whole numbers "
-            f"(got {os.environ.get(ENV_LOCAL_WORLD_SIZE)!r}, {os.environ.get(ENV_RANK)!r}): {exc}"
+            f"launcher: {Env.LOCAL_WORLD_SIZE} and {Env.RANK} must be whole numbers "
+            f"(got {os.environ.get(Env.LOCAL_WORLD_SIZE)!r}, {os.environ.get(Env.RANK)!r}): {exc}"
         )
         write_termination_message(line, opts.termination_log)
         log.error("%s", line)

@@ -41,9 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENV_CONFIG = Env.CONFIG.value
-ENV_LOCAL_RANK = Env.LOCAL_RANK.value
-ENV_LOCAL_WORLD_SIZE = Env.LOCAL_WORLD_SIZE.value
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -60,22 +57,6 @@ def warn_once(message: str) -> bool:
     return True
 
 
-STAGE_CONFIG = Stage.CONFIG.value
-"""Reading the launch config and checking the launch rules."""
-STAGE_CHECKPOINT = Stage.CHECKPOINT.value
-"""Checking the checkpoint headers, the adapter and the expert partition."""
-STAGE_HOST = Stage.HOST.value
-"""The host gate: CUDA for the cuda backend, the handle type, the copy operations."""
-STAGE_RENDEZVOUS = Stage.RENDEZVOUS.value
-"""Joining the group."""
-STAGE_LOAD = Stage.LOAD.value
-"""Loading the model."""
-STAGE_SETUP = Stage.SETUP.value
-"""DWDP setup; a ``SetupError`` names its phase (P1-P6, handshake, allocate, map, commit)."""
-STAGE_ENGINE = Stage.ENGINE.value
-"""The engine (a forward raised after the commit)."""
-STAGE_SERVE = Stage.SERVE.value
-"""The HTTP server."""
 
 
 def phased(stage: str, exc: BaseException) -> str:
@@ -85,10 +66,10 @@ def phased(stage: str, exc: BaseException) -> str:
     from dwdp.worker.termination import one_line
 
     phase = getattr(exc, "phase", None)
-    if stage == STAGE_SETUP and isinstance(phase, str) and phase:
+    if stage == Stage.SETUP and isinstance(phase, str) and phase:
         stage = str(phase)
     elif type(exc).__name__ in ("RendezvousTimeout", "LoopbackAcrossHosts"):
-        stage = STAGE_RENDEZVOUS
+        stage = Stage.RENDEZVOUS
     return f"{stage}: {one_line(exc)}"
 
 
@@ -117,9 +98,9 @@ def load_launch_config(path: str | None) -> LaunchConfig:
 
     from dwdp.api.launch import LaunchConfig
 
-    path = path or os.environ.get(ENV_CONFIG)
+    path = path or os.environ.get(Env.CONFIG)
     if not path:
-        raise WorkerStartupError(f"no launch config: pass --config FILE or set {ENV_CONFIG}")
+        raise WorkerStartupError(f"no launch config: pass --config FILE or set {Env.CONFIG}")
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -207,11 +188,11 @@ def resolve_host_settings(
 
     if not dwdp_active(cfg):
         return CopySettings()
-    stage["now"] = STAGE_HOST
+    stage["now"] = Stage.HOST
     host = probe_host(cfg, device=local_rank)
-    stage["now"] = STAGE_CONFIG
+    stage["now"] = Stage.CONFIG
     settings = resolve_copy_settings(cfg.dwdp, host)
-    stage["now"] = STAGE_HOST
+    stage["now"] = Stage.HOST
     check_copy_ops(settings, host, device=local_rank)
     return settings
 
@@ -265,15 +246,15 @@ def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
     group: Any = None
-    stage = {"now": STAGE_CONFIG}
+    stage: dict[str, str] = {"now": Stage.CONFIG}
     try:
         cfg = check_launch(load_launch_config(opts.config), opts.role)
-        local_rank = int(os.environ.get(ENV_LOCAL_RANK, "0"))
+        local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
         port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
-        stage["now"] = STAGE_CHECKPOINT
+        stage["now"] = Stage.CHECKPOINT
         plan = check_model(cfg)
         settings = resolve_host_settings(cfg, local_rank, stage)
-        stage["now"] = STAGE_CONFIG
+        stage["now"] = Stage.CONFIG
         dense_min_bytes = resolve_dense_min_bytes(os.environ)
         _torch_threads(resolve_torch_threads(os.environ))
         from dwdp.worker.attach import setup_dwdp
@@ -282,11 +263,11 @@ def run_worker(opts: WorkerOptions) -> int:
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
 
-        stage["now"] = STAGE_RENDEZVOUS
+        stage["now"] = Stage.RENDEZVOUS
         group = join_group(cfg)
-        stage["now"] = STAGE_LOAD
+        stage["now"] = Stage.LOAD
         model, tokenizer, loaded = load_model(cfg, plan, group, _device_for(cfg, local_rank))
-        stage["now"] = STAGE_SETUP
+        stage["now"] = Stage.SETUP
         dwdp = setup_dwdp(
             model,
             plan.adapter,
@@ -296,13 +277,13 @@ def run_worker(opts: WorkerOptions) -> int:
             dense_min_bytes=dense_min_bytes,
             loaded=loaded,
         )
-        stage["now"] = STAGE_ENGINE
+        stage["now"] = Stage.ENGINE
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}
 
         def on_fatal(exc: BaseException) -> None:
             fatal.append(exc)
-            write_termination_message(phased(STAGE_ENGINE, exc), opts.termination_log)
+            write_termination_message(phased(Stage.ENGINE, exc), opts.termination_log)
             server = server_holder.get("server")
             if server is not None:
                 server.should_exit = True
@@ -325,7 +306,7 @@ def run_worker(opts: WorkerOptions) -> int:
             on_shutdown=engine.stop,
             identity=rank_identity(),
         )
-        stage["now"] = STAGE_SERVE
+        stage["now"] = Stage.SERVE
         log.info(
             "rank serving on %s:%d (role %s, %s)",
             opts.host,

@@ -16,14 +16,13 @@ from dwdp.api.contract import Env
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/dev/termination-log"
-ENV_TERMINATION_LOG = Env.TERMINATION_LOG.value
 MAX_CHARS = 4000
 """Kubernetes keeps at most 4096 bytes of a termination message."""
 
 
 def termination_path(flag: str | None = None) -> str:
     """The path to write: the flag, else ``DWDP_TERMINATION_LOG``, else the default."""
-    return flag or os.environ.get(ENV_TERMINATION_LOG) or DEFAULT_PATH
+    return flag or os.environ.get(Env.TERMINATION_LOG) or DEFAULT_PATH
 
 
 def one_line(exc: BaseException | str) -> str:

@@ -12,29 +12,20 @@ from typing import Any, Protocol, runtime_checkable
 
 from dwdp.api.contract import Env, StatusPhase
 
-PHASE_DISABLED = StatusPhase.DISABLED.value
-PHASE_COMMITTED = StatusPhase.COMMITTED.value
-PHASE_FAILED = StatusPhase.FAILED.value
-"""The engine died after the commit (a forward raised); the rank is about to exit."""
-
-ENV_GROUP = Env.GROUP.value
-ENV_INCARNATION = Env.INCARNATION.value
-ENV_REVISION = Env.REVISION.value
-
 
 def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``group``, ``incarnation`` (an integer when it is one, e.g. ``"3"`` or ``"i3"``) and
     ``revision`` of this rank, from the operator's environment (absent ones are left out)."""
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
-    if env.get(ENV_GROUP):
-        out["group"] = env[ENV_GROUP]
-    inc = env.get(ENV_INCARNATION)
+    if env.get(Env.GROUP):
+        out["group"] = env[Env.GROUP]
+    inc = env.get(Env.INCARNATION)
     if inc:
         digits = inc[1:] if inc[:1] in ("i", "I") else inc
         out["incarnation"] = int(digits) if digits.isdigit() else inc
-    if env.get(ENV_REVISION):
-        out["revision"] = env[ENV_REVISION]
+    if env.get(Env.REVISION):
+        out["revision"] = env[Env.REVISION]
     return out
 
 
@@ -51,7 +42,7 @@ def with_identity(
     engine died."""
     out = {**status, **(identity or {})}
     if failure is not None:
-        out["phase"] = PHASE_FAILED
+        out["phase"] = StatusPhase.FAILED
         out["error"] = failure
     return out
 
@@ -82,7 +73,7 @@ class NoDwdp:
     def status(self) -> dict[str, Any]:
         """Phase ``disabled`` with zero counters."""
         return {
-            "phase": PHASE_DISABLED,
+            "phase": StatusPhase.DISABLED,
             "reason": self.reason,
             "rank": 0,
             "dwdp_size": 1,

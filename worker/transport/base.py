@@ -26,12 +26,6 @@ from dwdp.api.contract import Env
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 1800.0
 """Seconds a rank waits for its peers at the rendezvous and at each collective."""
 
-ENV_GROUP = Env.GROUP.value
-ENV_INCARNATION = Env.INCARNATION.value
-ENV_RANK = Env.RANK.value
-ENV_WORLD_SIZE = Env.WORLD_SIZE.value
-ENV_RENDEZVOUS = Env.RENDEZVOUS.value
-ENV_RENDEZVOUS_TIMEOUT_S = Env.RENDEZVOUS_TIMEOUT_S.value
 
 
 class TransportError(RuntimeError):
@@ -112,11 +106,11 @@ class RendezvousConfig:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"{ENV_WORLD_SIZE} must be >= 1, got {self.world_size}")
+            raise ValueError(f"{Env.WORLD_SIZE} must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"{ENV_RANK}={self.rank} is outside [0, {self.world_size})")
+            raise ValueError(f"{Env.RANK}={self.rank} is outside [0, {self.world_size})")
         if self.timeout_s <= 0:
-            raise ValueError(f"{ENV_RENDEZVOUS_TIMEOUT_S} must be > 0 s, got {self.timeout_s}")
+            raise ValueError(f"{Env.RENDEZVOUS_TIMEOUT_S} must be > 0 s, got {self.timeout_s}")
         for name, value in (("group", self.group), ("incarnation", self.incarnation)):
             if not value or "/" in value:
                 raise ValueError(f"the {name} name {value!r} must be non-empty without '/'")
@@ -148,20 +142,20 @@ class RendezvousConfig:
                 raise ValueError(f"{name}={env.get(name)!r} is not an integer") from None
 
         address = None
-        if env.get(ENV_RENDEZVOUS):
-            address = parse_address(env[ENV_RENDEZVOUS])
-        timeout_text = env.get(ENV_RENDEZVOUS_TIMEOUT_S) or str(DEFAULT_RENDEZVOUS_TIMEOUT_S)
+        if env.get(Env.RENDEZVOUS):
+            address = parse_address(env[Env.RENDEZVOUS])
+        timeout_text = env.get(Env.RENDEZVOUS_TIMEOUT_S) or str(DEFAULT_RENDEZVOUS_TIMEOUT_S)
         try:
             timeout_s = float(timeout_text)
         except ValueError:
             raise ValueError(
-                f"{ENV_RENDEZVOUS_TIMEOUT_S}={timeout_text!r} is not a number of seconds"
+                f"{Env.RENDEZVOUS_TIMEOUT_S}={timeout_text!r} is not a number of seconds"
             ) from None
         return cls(
-            group=need(ENV_GROUP),
-            incarnation=need(ENV_INCARNATION),
-            rank=integer(ENV_RANK),
-            world_size=integer(ENV_WORLD_SIZE),
+            group=need(Env.GROUP),
+            incarnation=need(Env.INCARNATION),
+            rank=integer(Env.RANK),
+            world_size=integer(Env.WORLD_SIZE),
             address=address,
             timeout_s=timeout_s,
         )
@@ -171,7 +165,7 @@ def parse_address(text: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` for IPv6) -> ``(host, port)``; raises ``ValueError``."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{ENV_RENDEZVOUS}={text!r} is not host:port")
+        raise ValueError(f"{Env.RENDEZVOUS}={text!r} is not host:port")
     return host.strip("[]"), int(port)
 
 

@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dwdp.api.contract import Env
 from dwdp.worker.transport.base import (
     DEFAULT_RENDEZVOUS_TIMEOUT_S,
-    ENV_RENDEZVOUS_TIMEOUT_S,
     GroupTransport,
     RendezvousTimeout,
     TransportError,
@@ -103,7 +103,7 @@ class MpiTransport(GroupTransport):
                 raise RendezvousTimeout(
                     f"MPI DWDP group (tag {tag}): rank(s) {pending} did not arrive at "
                     f"collective #{seq} {label!r} within {self.timeout_s:g} s "
-                    f"({ENV_RENDEZVOUS_TIMEOUT_S})",
+                    f"({Env.RENDEZVOUS_TIMEOUT_S})",
                     missing=tuple(pending),
                 )
             time.sleep(pause)

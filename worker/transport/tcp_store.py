@@ -22,9 +22,8 @@ import socket
 import time
 from collections.abc import Sequence
 
+from dwdp.api.contract import Env
 from dwdp.worker.transport.base import (
-    ENV_RENDEZVOUS,
-    ENV_RENDEZVOUS_TIMEOUT_S,
     GroupTransport,
     RendezvousConfig,
     RendezvousTimeout,
@@ -69,7 +68,7 @@ def check_rendezvous_hosts(host: str, host_ids: Sequence[str]) -> None:
         by_host = {h: [r for r, x in enumerate(host_ids) if x == h] for h in distinct}
         where = ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items())
         raise LoopbackAcrossHosts(
-            f"{ENV_RENDEZVOUS} host {host!r} is a loopback address, but the ranks run on "
+            f"{Env.RENDEZVOUS} host {host!r} is a loopback address, but the ranks run on "
             f"{len(distinct)} hosts ({where}); use an address of rank 0's host that every "
             "host can reach"
         )
@@ -86,7 +85,7 @@ class TcpStoreTransport(GroupTransport):
 
     def __init__(self, config: RendezvousConfig, *, host_id: str | None = None) -> None:
         if config.address is None:
-            raise ValueError(f"the TCP store rendezvous needs {ENV_RENDEZVOUS}=host:port")
+            raise ValueError(f"the TCP store rendezvous needs {Env.RENDEZVOUS}=host:port")
         super().__init__(rank=config.rank, world_size=config.world_size,
                          timeout_s=config.timeout_s)
         self.config = config
@@ -127,7 +126,7 @@ class TcpStoreTransport(GroupTransport):
             raise RendezvousTimeout(
                 f"group {config.group!r} incarnation {config.incarnation!r}: the rendezvous "
                 f"store at {host}:{port} (hosted by rank 0) was not reachable within "
-                f"{config.timeout_s:g} s ({ENV_RENDEZVOUS_TIMEOUT_S}); missing rank(s) [0]: "
+                f"{config.timeout_s:g} s ({Env.RENDEZVOUS_TIMEOUT_S}); missing rank(s) [0]: "
                 f"{exc}",
                 missing=(0,),
             ) from exc
@@ -174,7 +173,7 @@ class TcpStoreTransport(GroupTransport):
                 message = (
                     f"group {self.config.group!r} incarnation {self.config.incarnation!r}: "
                     f"rank(s) {pending} did not arrive at collective #{seq} {label!r} within "
-                    f"{self.timeout_s:g} s ({ENV_RENDEZVOUS_TIMEOUT_S})"
+                    f"{self.timeout_s:g} s ({Env.RENDEZVOUS_TIMEOUT_S})"
                 )
                 # The first rank to time out publishes its verdict, so the ranks that are
                 # present fail with the same message instead of losing rank 0's store.

@@ -21,12 +21,12 @@ import pytest
 
 import dwdp.worker
 from dwdp.api import contract
-from dwdp.api.contract import TERMINATION_WORDS, Env, StatusPhase
+from dwdp.api.contract import TERMINATION_WORDS, Env, Stage, StatusPhase
 from dwdp.operator.groups import classify_failure
 from dwdp.operator.observe import rank_report_from_json
 from dwdp.operator.testing import rankprog
 from dwdp.worker.launcher import launcher_line
-from dwdp.worker.main import STAGE_SETUP, phased
+from dwdp.worker.main import phased
 from dwdp.worker.server.status import NoDwdp, with_identity
 from dwdp.worker.setup.phases import DensePhase, ExpertPhase, SetupError
 from dwdp.worker.transport.base import RendezvousTimeout
@@ -115,10 +115,10 @@ def _worker_termination_words() -> set[str]:
     assert len(stages) >= 5, stages  # the scan found run_worker's stages
     lines = [phased(s, RuntimeError("x")) for s in stages if s is not None]
     lines += [
-        phased(STAGE_SETUP, SetupError(p.value, "what", {0: "x"}, restored=True))
+        phased(Stage.SETUP, SetupError(p.value, "what", {0: "x"}, restored=True))
         for p in (*DensePhase, *ExpertPhase)
     ]
-    lines.append(phased(STAGE_SETUP, RendezvousTimeout("late", missing=(1,))))
+    lines.append(phased(Stage.SETUP, RendezvousTimeout("late", missing=(1,))))
     lines = [launcher_line(0, 0, 1, line) for line in lines]
     return {_head(line) for line in lines}
 

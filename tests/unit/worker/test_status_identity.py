@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from dwdp.api.contract import Stage
 from dwdp.worker.launcher import launcher_line
-from dwdp.worker.main import STAGE_RENDEZVOUS, STAGE_SETUP, phased
+from dwdp.worker.main import phased
 from dwdp.worker.server.status import NoDwdp, engine_failure, rank_identity, with_identity
 
 pytestmark = pytest.mark.unit
@@ -56,9 +57,9 @@ class RendezvousTimeout(RuntimeError):
 
 
 def test_termination_lines_lead_with_the_phase() -> None:
-    assert phased(STAGE_SETUP, _SetupError("map failed")) == "P3: _SetupError: map failed"
+    assert phased(Stage.SETUP, _SetupError("map failed")) == "P3: _SetupError: map failed"
     assert phased("load", ValueError("bad")) == "load: ValueError: bad"
-    assert phased(STAGE_RENDEZVOUS, RendezvousTimeout("late")).startswith("rendezvous: ")
+    assert phased(Stage.RENDEZVOUS, RendezvousTimeout("late")).startswith("rendezvous: ")
     line = launcher_line(2, 6, 1, "P3: SetupError: map failed")
     assert line == "P3: local rank 2 (rank 6) exited with status 1: SetupError: map failed"
     assert launcher_line(1, 1, -9, "") == "local rank 1 (rank 1) killed by signal 9"
