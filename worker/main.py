@@ -5,9 +5,10 @@ server refuses dense DWDP before anything loads) -> check the checkpoint's heade
 architecture adapter and the expert partition (one line naming the tensor or field) -> with
 DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the copy operations)
 and the copy settings resolved once (``dwdp.worker.settings``) -> join the group
-(rendezvous) -> load the model (with expert DWDP only what the rank keeps: ``load_model``)
--> DWDP setup (dense first, then experts; commit) -> start the engine -> serve HTTP until a
-signal. A fatal error anywhere writes a one-line cause to the
+(rendezvous) -> load the model (with expert DWDP only what the rank keeps: ``load_model``;
+with a group every rank votes on the load, and a rank that failed fails the group together:
+``dwdp.worker.engine.load_vote``) -> DWDP setup (dense first, then experts; commit) -> start
+the engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
 termination message path and exits non-zero; the engine is stopped whatever happens.
 """
 
@@ -259,6 +260,7 @@ def run_worker(opts: WorkerOptions) -> int:
         _torch_threads(resolve_torch_threads(os.environ))
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
+        from dwdp.worker.engine.load_vote import load_together
         from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
@@ -266,7 +268,10 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = Stage.RENDEZVOUS
         group = join_group(cfg)
         stage["now"] = Stage.LOAD
-        model, tokenizer, loaded = load_model(cfg, plan, group, _device_for(cfg, local_rank))
+        device = _device_for(cfg, local_rank)
+        model, tokenizer, loaded = load_together(
+            group, lambda: load_model(cfg, plan, group, device), device=device
+        )
         stage["now"] = Stage.SETUP
         dwdp = setup_dwdp(
             model,
