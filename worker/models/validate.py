@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.models import adapter_for
+
+if TYPE_CHECKING:
+    from dwdp.worker.models.base import ArchitectureAdapter
 
 
 class CheckpointError(ValueError):
@@ -160,14 +163,22 @@ def validate_checkpoint(path: str | Path) -> Any:
 
     Every model tensor must be present in one of its on-disk forms (fused, or one tensor per
     expert matrix as the architecture's original checkpoints store it), with the expected shape
-    and dtype. Raises ``CheckpointError`` naming the first offending tensor.
+    and dtype, and the experts on disk must be config.json's count (checked first: a count that
+    differs is named as such, not as the shapes or tensors it throws off). Raises
+    ``CheckpointError`` naming the file (or the directory, for a missing tensor) and the first
+    offending tensor.
     """
     path = Path(path)
     config = load_config(path)
     headers, where = scan_checkpoint(path)
     adapter = adapter_for(config)
     assert adapter is not None
-    for name, (shape, dtype) in expected_tensors(config).items():
+    expected = expected_tensors(config)
+    field = _expert_field(path)
+    for name, (shape, _dtype) in expected.items():
+        if _is_expert_table(name, shape):
+            _check_expert_count(path, adapter, name, shape, headers, where, field)
+    for name, (shape, dtype) in expected.items():
         forms = adapter.checkpoint_forms(name, shape)
         form = next((f for f in forms if all(k in headers for k in f)), None)
         if form is None:
@@ -190,6 +201,63 @@ def validate_checkpoint(path: str | Path) -> Any:
                     f"checkpoint {file}: tensor {key} has dtype {got_dtype}, expected {dtype}"
                 )
     return config
+
+
+_EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
+"""config.json's routed-expert count of Qwen3-MoE, DeepSeek-V3 and Mixtral."""
+
+
+def _expert_field(path: Path) -> str | None:
+    """The routed-expert field as ``path``'s config.json spells it (transformers aliases
+    them), ``None`` without one."""
+    raw = json.loads((path / "config.json").read_text())
+    fields = {**raw, **(raw.get("text_config") or {})}
+    return next((f for f in _EXPERT_FIELDS if isinstance(fields.get(f), int)), None)
+
+
+def _is_expert_table(name: str, shape: tuple[int, ...]) -> bool:
+    head, _, last = name.rpartition(".")
+    return last in ("gate_up_proj", "down_proj") and head.endswith(".experts") and len(shape) == 3
+
+
+def _check_expert_count(
+    path: Path,
+    adapter: ArchitectureAdapter,
+    name: str,
+    shape: tuple[int, ...],
+    headers: Headers,
+    where: dict[str, Path],
+    field: str | None,
+) -> None:
+    """Refuse a checkpoint whose expert count for the fused table ``name`` ([E, ...]) is not
+    config.json's E: a fused table on disk with another first dimension, or one tensor per
+    expert matrix with an expert E present, or only experts 0..k-1 (0 < k < E)."""
+    num = shape[0]
+    config_says = f"config.json gives {num}" + (f" ({field})" if field else "")
+    forms = adapter.checkpoint_forms(name, shape)
+    for key in (next(iter(f)) for f in forms if list(f.values()) == [shape]):  # fused forms
+        got = headers[key][0] if key in headers else ()
+        if len(got) == 3 and got[0] != num and got[1:] == shape[1:]:
+            raise CheckpointError(
+                f"checkpoint {where[key]}: tensor {key} has shape {list(got)}: {got[0]} "
+                f"experts where {config_says}"
+            )
+    per_expert = sum(list(f.values()) != [shape] for f in forms)
+    for alternative in range(per_expert):  # the naming alternatives of expert_matrix_names
+        names = [adapter.expert_matrix_names(name, e)[alternative] for e in range(num + 1)]
+        extra = next((k for k in names[num] if k in headers), None)
+        if extra is not None:
+            raise CheckpointError(
+                f"checkpoint {where[extra]}: tensor {extra} is expert {num} (counting from 0) "
+                f"where {config_says}"
+            )
+        held = next(e for e in range(num + 1) if not all(k in headers for k in names[e]))
+        if 0 < held < num and not any(k in headers for e in names[held:num] for k in e):
+            last = names[held - 1][-1]
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {names[held][0]} is missing: the checkpoint holds "
+                f"{held} experts (the last, {last}, in {where[last].name}) where {config_says}"
+            )
 
 
 def _files_of(where: dict[str, Path]) -> str:
