@@ -50,7 +50,8 @@ class LoadError(RuntimeError):
 
 
 def load_together(group: GroupTransport | None, load: Callable[[], _T], *, device: str) -> _T:
-    """``load()`` on this rank, then (with a group) one vote of every rank on the load.
+    """``load()`` (which returns a value, never ``None``) on this rank, then (with a group)
+    one vote of every rank on the load.
 
     Without a group the load's own error propagates. With one, returns the load's result
     when every rank loaded, else raises :class:`LoadError` on every rank alike (the result
