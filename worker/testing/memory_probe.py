@@ -10,6 +10,7 @@ scenario in turn it loads through ``load_sharded`` (its quarter of the experts),
 expert DWDP (``expert+dense``: and dense DWDP), generates, closes and frees everything, so each
 scenario's peak is its own. On CUDA every rank uses device 0 (several ranks share one GPU
 through POSIX fds); on ``cpu`` the cpu backend (a tiny checkpoint, to check this code).
+``run_probes`` runs the replicated process alone, then the ranks, and returns the records.
 
 Writes ``OUT/<role>.<rank>.json``: a list of records, one per scenario, each with, in bytes:
 ``load_peak`` / ``peak`` (torch's ``max_memory_allocated`` after the load / after setup and
@@ -195,6 +196,61 @@ def _scenario(scenario: str, args: argparse.Namespace, backend: Backend,
     del model, attachment
     _reset(args.device)
     return record
+
+
+def run_probes(
+    checkpoint: str | Path,
+    out: Path,
+    *,
+    world: int = 4,
+    device: str = "cuda:0",
+    slots: int = 2,
+    max_tokens: int = 8,
+    timeout_s: float = 400.0,
+) -> tuple[dict[str, Any], list[list[dict[str, Any]]]]:
+    """Run the replicated process alone, then ``world`` rank processes (every scenario), each
+    a fresh interpreter writing into ``out``; returns ``(replicated record, records of every
+    rank)``. Raises ``RuntimeError`` naming the exit codes when a process fails or outlives
+    ``timeout_s`` seconds (it is killed)."""
+    import os
+    import socket
+    import subprocess
+    import uuid
+
+    probe = [sys.executable, "-m", "dwdp.worker.testing.memory_probe"]
+    common = ["--device", device, "--slots", str(slots), "--max-tokens", str(max_tokens)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    _wait([subprocess.Popen([*probe, "replicated", str(out), str(checkpoint), *common],
+                            env=env)], timeout_s)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = f"p{uuid.uuid4().hex[:8]}"
+    _wait([subprocess.Popen([*probe, "rank", str(out), str(checkpoint), *common, "--rank",
+                             str(r), "--world", str(world), "--group", group, "--port",
+                             str(port)], env=env)
+           for r in range(world)], timeout_s)
+    reference = json.loads((out / "replicated.0.json").read_text())[0]
+    return reference, [json.loads((out / f"rank.{r}.json").read_text()) for r in range(world)]
+
+
+def _wait(procs: list[Any], timeout_s: float) -> None:
+    import subprocess
+
+    codes: list[int | None] = []
+    try:
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=timeout_s))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if codes != [0] * len(procs):
+        raise RuntimeError(f"memory probe processes exited with {codes} (None: timed out)")
 
 
 def main(argv: list[str] | None = None) -> int:
