@@ -13,8 +13,9 @@ had the device to itself (in a deployment each rank has its own GPU); the number
 per-process counters, so the ranks sharing the GPU here do not see each other's memory.
 
 Usage: python bench/gpu_memory.py [--layers 17] [--world 4] [--slots 2] [--max-tokens 8]
-                                  [--out bench/results] [--keep]
-Writes OUT/gpu_memory.json and OUT/gpu_memory.txt (the printed table).
+                                  [--seed 3] [--out bench/results] [--workdir DIR] [--keep]
+Writes OUT/gpu_memory.json and OUT/gpu_memory.txt (the printed table); exits 1 when a DWDP
+rank's tokens differ from the replicated model's. ``--layers 4`` gives a 5 GB checkpoint.
 """
 
 from __future__ import annotations
