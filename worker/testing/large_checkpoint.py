@@ -70,6 +70,8 @@ def qwen3_moe_config(
     from transformers import Qwen3MoeConfig
 
     _itemsize(shape.dtype)
+    # head_dim is no declared field of Qwen3MoeConfig (an extra attribute it takes)
+    extra: dict[str, Any] = {"head_dim": shape.head_dim}
     return Qwen3MoeConfig(
         vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
@@ -78,7 +80,7 @@ def qwen3_moe_config(
         num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
+        **extra,
         num_experts=shape.num_experts,
         num_experts_per_tok=shape.num_experts_per_tok,
         norm_topk_prob=True,
@@ -171,16 +173,18 @@ class _ShardWriter:
     def __init__(
         self, out: Path, model: Any, *, seed: int, device: str, std: float, total: int
     ) -> None:
-        from dwdp.worker.models import adapter_for
+        from dwdp.worker.models import require_adapter
 
         self.out = out
-        self.adapter = adapter_for(model)
+        self.adapter = require_adapter(model, dense=False)
         self.seed = seed
         self.device = device
         self.std = std
         self.total = total
 
-    def write(self, index: int, group: list[tuple[str, torch.Tensor]]) -> tuple[list[str], str, int]:
+    def write(
+        self, index: int, group: list[tuple[str, torch.Tensor]]
+    ) -> tuple[list[str], str, int]:
         """Write shard ``index``; returns (its tensor names, its file name, its bytes)."""
         from safetensors.torch import save_file
 
@@ -194,7 +198,7 @@ class _ShardWriter:
         """The on-disk tensors (host, contiguous, each its own storage) behind model tensor
         ``name``: itself, or one per expert matrix for a fused expert table."""
         values = self._draw(name, meta).cpu()
-        head, _, last = name.rpartition(".")
+        head = name.rpartition(".")[0]
         if not (head.endswith(".experts") and values.dim() == 3):
             yield name, values.contiguous()
             return
