@@ -6,8 +6,11 @@ says which file holds which tensor): the non-expert tensors whole (replicated), 
 expert tables of the MoE layers DWDP does not manage (``dwdp.worker.expert.managed``) whole,
 and of every managed MoE layer only the rows ``[start, end)`` of this rank's stored range
 (``ExpertPartition.ranges[rank]``, overlaps of the redundant partition included). Those rows
-go into a :class:`LoadedExperts`, which expert setup writes into the rank's store; the
-module's own tables stay on the meta device until the repoint points them into the slots.
+go into a :class:`LoadedExperts` on the host, whatever ``device`` is: expert setup copies them
+into the rank's store, which it allocates on the device, so on a GPU the rows never sit in
+device memory next to the store (they would double the experts' share of the device peak);
+the module's own tables stay on the meta device until the repoint points them into the
+slots.
 
 On-disk forms (``ArchitectureAdapter.checkpoint_forms``): a fused table (``[E, 2I, H]`` /
 ``[E, H, I]``, sliced along its first dimension) or one tensor per expert matrix as
@@ -15,8 +18,8 @@ On-disk forms (``ArchitectureAdapter.checkpoint_forms``): a fused table (``[E, 2
 order, as transformers fuses them on load). A tensor of another dtype than the model's is
 cast (the ``dtype`` option), as ``from_pretrained`` does.
 
-Peak host memory of a rank: the replicated tensors + its expert rows + the unmanaged layers'
-tables + one expert matrix in flight, instead of the whole checkpoint.
+Peak host memory of a rank: the replicated tensors (on a cpu device) + its expert rows + the
+unmanaged layers' tables + one expert matrix in flight, instead of the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def load_sharded(
     """Return ``(model, tokenizer, rows)`` for rank ``rank`` of ``partition``, in eval mode.
 
     ``model`` holds every tensor on ``device`` except the managed MoE layers' fused expert
-    tables (meta, full shape); ``rows`` holds this rank's rows of those tables. ``dtype``:
+    tables (meta, full shape); ``rows`` holds this rank's rows of those tables, on the host
+    (module docstring). ``dtype``:
     ``auto`` (the checkpoint's) or a torch dtype name. Raises ``CheckpointError`` (one line
     naming the file and the tensor) for a checkpoint that cannot serve.
     """
@@ -80,7 +84,9 @@ def load_sharded(
         for name, meta in _checkpoint_tensors(model, config):
             if id(meta) in managed:
                 prefix, param = managed[id(meta)]
-                rows.tables.setdefault(prefix, {})[param] = reader.read(name, meta, start, end)
+                rows.tables.setdefault(prefix, {})[param] = reader.read(
+                    name, meta, start, end, device="cpu"
+                )
                 _mark_loaded(meta)
             else:
                 _put(model, name, reader.read(name, meta, 0, None), meta)
@@ -179,9 +185,14 @@ class _Reader:
             self._file = file
         return self._handle.get_slice(key)
 
-    def read(self, name: str, meta: torch.Tensor, start: int, end: int | None) -> torch.Tensor:
-        """Model tensor ``name`` (``meta`` gives its shape and dtype) on the device; for a
-        fused expert table only rows ``[start, end)`` (``end`` ``None``: all)."""
+    def read(
+        self, name: str, meta: torch.Tensor, start: int, end: int | None, *,
+        device: str | None = None,
+    ) -> torch.Tensor:
+        """Model tensor ``name`` (``meta`` gives its shape and dtype) on ``device`` (``None``:
+        the reader's); for a fused expert table only rows ``[start, end)`` (``end`` ``None``:
+        all)."""
+        device = self.device if device is None else device
         shape = tuple(meta.shape)
         stop = shape[0] if end is None else end
         forms = self.adapter.checkpoint_forms(name, shape)
@@ -197,9 +208,9 @@ class _Reader:
                 view = piece[start:stop] if (start, stop) != (0, shape[0]) else piece[:]
                 # a copy: safetensors' tensors are views of the file's mapping, which would
                 # keep every page read resident for as long as one of them lives
-                value = view.to(device=self.device, dtype=meta.dtype, copy=True)
+                value = view.to(device=device, dtype=meta.dtype, copy=True)
             else:
-                value = self._per_expert(name, meta, form, start, stop)
+                value = self._per_expert(name, meta, form, start, stop, device)
         except CheckpointError:
             raise
         except Exception as exc:
@@ -211,14 +222,14 @@ class _Reader:
 
     def _per_expert(
         self, name: str, meta: torch.Tensor, form: dict[str, tuple[int, ...]], start: int,
-        stop: int,
+        stop: int, device: str,
     ) -> torch.Tensor:
         """Rows ``[start, stop)`` of a fused table stored as one tensor per expert matrix."""
         import torch
 
         alternatives = self.adapter.expert_matrix_names(name, start)
         which = next(i for i, names in enumerate(alternatives) if names[0] in form)
-        out = torch.empty((stop - start, *meta.shape[1:]), dtype=meta.dtype, device=self.device)
+        out = torch.empty((stop - start, *meta.shape[1:]), dtype=meta.dtype, device=device)
         for row, expert in enumerate(range(start, stop)):
             names = self.adapter.expert_matrix_names(name, expert)[which]
             offset = 0

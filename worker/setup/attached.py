@@ -57,12 +57,13 @@ def setup_attached(
     """Dense setup, expert setup, the expert gather check and the repoint (module
     docstring). Raises ``SetupError`` on every rank alike.
 
-    ``loaded``: the expert rows a sharded load read (``dwdp.worker.engine.sharded``; the
-    layers' own tables are then meta tensors): expert setup writes the store from them
-    instead of slicing the full tables, and the gather check compares the rank's range."""
+    ``loaded``: the expert rows a sharded load read (``dwdp.worker.engine.sharded``; on the
+    host, and the layers' own tables are then meta tensors): expert setup writes the store
+    from them instead of slicing the full tables, and the gather check compares the rank's
+    range."""
     device = layers[0].experts.gate_up_proj.device
-    if loaded is not None:
-        device = next(iter(loaded.tables[layers[0].prefix].values())).device
+    if loaded is not None:  # the tables are meta and the rows on the host: the model's device
+        device = next(t.device for t in model.parameters() if not t.is_meta)
     dense = None
     if enable_dense:
         dense = setup_dense(
