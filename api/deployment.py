@@ -390,6 +390,11 @@ class _ServingSection(ApiModel):
     )
     max_num_tokens: PosInt = Field(default=8192, description="Tokens per forward pass, at most.")
     max_batch_size: PosInt = Field(default=8, description="Requests per forward pass, at most.")
+    max_model_len: PosInt | None = Field(
+        default=None,
+        description="Prompt plus generated tokens of one request, at most; unset: the "
+        "model's max_position_embeddings.",
+    )
     kv_cache: KvCacheConfig = Field(
         default_factory=KvCacheConfig, json_schema_extra=_EMPTY_DEFAULT
     )
@@ -909,6 +914,7 @@ def launch_config_for(
         gracefulShutdownTimeoutSeconds=spec.graceful_shutdown_timeout_seconds,
         max_num_tokens=section.max_num_tokens,
         max_batch_size=section.max_batch_size,
+        max_model_len=section.max_model_len,
         kv_cache=section.kv_cache,
         server_port=spec.server.port,
     )

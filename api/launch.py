@@ -102,19 +102,23 @@ class EngineSwitches(ApiModel):
 
 
 class KvCacheConfig(ApiModel):
-    """KV-cache sizing knobs. Not read by this worker yet (its engine grows a KV cache per
-    batch); a worker started with values other than the defaults logs a warning."""
+    """How a rank sizes its KV cache pool after the DWDP commit (``dwdp.worker.engine.kv_pool``):
+    ``freeMemoryFraction`` of the memory left after weights, DWDP buffers and activations,
+    bounded by ``maxTokens``; a pool below one ``maxModelLen`` request is refused."""
 
     free_memory_fraction: float = Field(
         default=0.9,
         strict=True,
         gt=0,
         le=1,
-        description="Fraction (0, 1] of the GPU memory left free after weights and DWDP "
-        "buffers that the KV cache takes.",
+        description="Fraction (0, 1] of the GPU memory left free after weights, DWDP "
+        "buffers and activations that the KV cache pool takes (host memory on the cpu "
+        "backend).",
     )
     max_tokens: PosInt | None = Field(
-        default=None, description="Upper bound on KV-cache tokens; unset means no bound."
+        default=None,
+        description="Upper bound on the KV cache pool, in tokens; unset means no bound. "
+        "Must be at least maxModelLen.",
     )
 
 
@@ -164,6 +168,11 @@ class LaunchConfig(ApiModel):
     )
     max_num_tokens: PosInt = Field(default=8192, description="Tokens per forward pass, at most.")
     max_batch_size: PosInt = Field(default=8, description="Requests per forward pass, at most.")
+    max_model_len: PosInt | None = Field(
+        default=None,
+        description="Prompt plus generated tokens of one request, at most; unset: the "
+        "model's max_position_embeddings.",
+    )
     kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig)
     server_port: int = Field(
         default=8000,
@@ -385,12 +394,6 @@ def launch_warnings(cfg: LaunchConfig, role: Role | None = None) -> list[str]:
         warnings.append(
             f"dense DWDP is meant for context (prefill) servers, but the role is {shown}; "
             f"set role: context (or {ROLE_ENV}=context)"
-        )
-    if cfg.kv_cache != KvCacheConfig():
-        warnings.append(
-            "kvCache is not read by this worker yet: its engine grows a KV cache per batch "
-            "(no pool sized from free memory), so freeMemoryFraction and maxTokens have no "
-            "effect"
         )
     return warnings
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.api.contract import StatusPhase
 from dwdp.api.partition import ExpertPartition
-from dwdp.worker.backend.base import Backend
+from dwdp.worker.backend.base import Backend, Buffer
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.models.base import MoeLayer
 from dwdp.worker.schedule.dense import DenseSlotSchedule
@@ -172,6 +172,19 @@ class DwdpAttachment:
             "repeated_moe_layers": list(self.facts.repeated),
             "scalars": dict(self.facts.scalars),
         }
+
+    def buffer_ranges(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of the stores and slots this rank allocated (expert and
+        dense); empty once released. The weights that view them are DWDP's, not replicated."""
+        if self.phase != StatusPhase.COMMITTED:
+            return []
+        buffers: list[Buffer] = [*self.experts.slots]
+        stores = [self.experts.store]
+        if self.dense is not None:
+            buffers += [b for ring in self.dense.slots.values() for b in ring]
+            stores.append(self.dense.store)
+        buffers += [s for s in stores if s is not None]
+        return [(b.tensor().data_ptr(), b.nbytes) for b in buffers]
 
     @property
     def sm_reserve(self) -> int:

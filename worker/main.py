@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dwdp.api.contract import Env, Stage
+from dwdp.worker.memory import MemoryWatch, RankMemory, size_rank_memory
 from dwdp.worker.server.status import rank_identity
 from dwdp.worker.settings import (
     CopySettings,
@@ -72,6 +73,12 @@ def phased(stage: str, exc: BaseException) -> str:
     elif type(exc).__name__ in ("RendezvousTimeout", "LoopbackAcrossHosts"):
         stage = Stage.RENDEZVOUS
     return f"{stage}: {one_line(exc)}"
+
+
+def with_memory(line: str, watch: MemoryWatch) -> str:
+    """The termination line plus the memory measured so far (``; memory GiB ...``)."""
+    summary = watch.summary()
+    return f"{line}; {summary}" if summary else line
 
 
 class WorkerStartupError(RuntimeError):
@@ -147,6 +154,7 @@ class ModelPlan:
     adapter: ArchitectureAdapter
     num_experts: int
     partition: ExpertPartition | None
+    max_model_len: int
 
 
 def check_model(cfg: LaunchConfig) -> ModelPlan:
@@ -172,7 +180,32 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
                 "dwdp.enableExperts: the model has no fused-experts MoE layer to distribute"
             )
         partition = cfg.dwdp.partition(num_experts)
-    return ModelPlan(config, adapter, num_experts, partition)
+    return ModelPlan(config, adapter, num_experts, partition, resolve_max_model_len(cfg, config))
+
+
+DEFAULT_MAX_MODEL_LEN = 2048
+"""The context of a model whose config gives no ``max_position_embeddings``."""
+
+
+def resolve_max_model_len(cfg: LaunchConfig, config: PretrainedConfig) -> int:
+    """Prompt plus generated tokens of one request, at most: ``maxModelLen`` or the model's
+    ``max_position_embeddings``; a ``kvCache.maxTokens`` below it is refused here, before
+    the rendezvous. Raises ``WorkerStartupError`` (``maxModelLen`` above the model's
+    context) or ``KvPoolError``."""
+    from dwdp.worker.engine.kv_pool import check_max_tokens
+
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if cfg.max_model_len is None:
+        length = int(context or DEFAULT_MAX_MODEL_LEN)
+    elif context and cfg.max_model_len > int(context):
+        raise WorkerStartupError(
+            f"maxModelLen: {cfg.max_model_len} is more than the model's "
+            f"max_position_embeddings {context}"
+        )
+    else:
+        length = cfg.max_model_len
+    check_max_tokens(cfg.kv_cache, length)
+    return length
 
 
 def resolve_host_settings(
@@ -248,6 +281,7 @@ def run_worker(opts: WorkerOptions) -> int:
     stop_engine = None
     group: Any = None
     stage: dict[str, str] = {"now": Stage.CONFIG}
+    watch = MemoryWatch("cpu")
     try:
         cfg = check_launch(load_launch_config(opts.config), opts.role)
         local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
@@ -268,10 +302,12 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = Stage.RENDEZVOUS
         group = join_group(cfg)
         stage["now"] = Stage.LOAD
-        device = _device_for(cfg, local_rank)
+        watch = MemoryWatch(_device_for(cfg, local_rank))
+        watch.start()
         model, tokenizer, loaded = load_together(
-            group, lambda: load_model(cfg, plan, group, device), device=device
+            group, lambda: load_model(cfg, plan, group, watch.device), device=watch.device
         )
+        watch.end()
         stage["now"] = Stage.SETUP
         dwdp = setup_dwdp(
             model,
@@ -283,12 +319,21 @@ def run_worker(opts: WorkerOptions) -> int:
             loaded=loaded,
         )
         stage["now"] = Stage.ENGINE
+        pool, ledger = size_rank_memory(
+            model,
+            dwdp,
+            watch,
+            kv=cfg.kv_cache,
+            max_num_tokens=cfg.max_num_tokens,
+            max_model_len=plan.max_model_len,
+        )
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}
 
         def on_fatal(exc: BaseException) -> None:
             fatal.append(exc)
-            write_termination_message(phased(Stage.ENGINE, exc), opts.termination_log)
+            line = with_memory(phased(Stage.ENGINE, exc), watch)
+            write_termination_message(line, opts.termination_log)
             server = server_holder.get("server")
             if server is not None:
                 server.should_exit = True
@@ -298,7 +343,10 @@ def run_worker(opts: WorkerOptions) -> int:
             tokenizer,
             model_name=cfg.model.served_name or Path(cfg.model.path).name,
             config=EngineConfig(
-                max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens
+                max_batch_size=cfg.max_batch_size,
+                max_num_tokens=cfg.max_num_tokens,
+                max_model_len=plan.max_model_len,
+                kv_capacity_tokens=pool.capacity_tokens,
             ),
             on_fatal=on_fatal,
         )
@@ -310,6 +358,7 @@ def run_worker(opts: WorkerOptions) -> int:
             served_name=cfg.model.served_name,
             on_shutdown=engine.stop,
             identity=rank_identity(),
+            memory=RankMemory(ledger, pool),
         )
         stage["now"] = Stage.SERVE
         log.info(
@@ -335,7 +384,9 @@ def run_worker(opts: WorkerOptions) -> int:
             return 1
         return 0
     except Exception as exc:
-        line = write_termination_message(phased(stage["now"], exc), opts.termination_log)
+        line = write_termination_message(
+            with_memory(phased(stage["now"], exc), watch), opts.termination_log
+        )
         log.error("worker failed: %s", line)
         return 1
     finally:

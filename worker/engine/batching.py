@@ -4,7 +4,8 @@ A background thread takes up to ``max_batch_size`` queued requests (and at most
 ``max_num_tokens`` prompt tokens), left-pads them into one prefill forward, then runs one decode
 forward per step until every request of the wave has stopped. Token choice uses transformers'
 logits processors (temperature, top-k, top-p) per request; greedy requests take the argmax.
-Requests that arrive during a wave wait for the next one.
+Requests that arrive during a wave wait for the next one. A wave also fits the KV cache pool
+(``EngineConfig.kv_capacity_tokens``): each request reserves the tokens it may fill.
 
 [Note: one forward at a time] Every forward of the model goes through ``_forward`` under
 ``_forward_lock``: DWDP's hooks assume one pass at a time per model (the prefetch schedule is a
@@ -41,12 +42,15 @@ class EngineConfig:
 
     ``max_batch_size`` requests and ``max_num_tokens`` prompt tokens per wave;
     ``max_model_len`` bounds prompt + generated tokens (default: the model's
-    ``max_position_embeddings``).
+    ``max_position_embeddings``); ``kv_capacity_tokens``, the KV cache pool
+    (``dwdp.worker.engine.kv_pool``), bounds the tokens a wave may reserve: each request
+    reserves ``min(prompt + max_tokens, max_model_len)`` (``None``: no bound).
     """
 
     max_batch_size: int = 8
     max_num_tokens: int = 8192
     max_model_len: int | None = None
+    kv_capacity_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +64,8 @@ class EngineStats:
     forward_passes: int = 0
     forward_seconds: float = 0.0
     waves: int = 0
+    kv_tokens_in_use: int = 0
+    """KV cache tokens the running wave reserves (a gauge, not a counter)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -263,25 +269,13 @@ class BatchingEngine:
             first = self._queue.get()
             if first is None:
                 continue
-            wave = [first]
-            tokens = len(first.prompt)
-            while len(wave) < self.config.max_batch_size:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    continue
-                if tokens + len(nxt.prompt) > self.config.max_num_tokens:
-                    self._queue.put(nxt)  # next wave; order within a wave does not matter
-                    break
-                wave.append(nxt)
-                tokens += len(nxt.prompt)
-            wave = [r for r in wave if not self._drop_if_aborted(r)]
+            wave = [r for r in self._take_wave(first) if not self._drop_if_aborted(r)]
             if not wave:
                 continue
+            self.stats.kv_tokens_in_use = sum(self._kv_tokens(r) for r in wave)
             try:
                 self._run_wave(wave)
+                self.stats.kv_tokens_in_use = 0
             except BaseException as exc:  # the model or DWDP failed: the engine is dead
                 log.exception("engine forward failed; the engine stops")
                 self._dead = exc
@@ -293,6 +287,36 @@ class BatchingEngine:
                 if self._on_fatal is not None:
                     self._on_fatal(exc)
                 return
+
+    def _kv_tokens(self, req: _Request) -> int:
+        """The KV cache tokens ``req`` may fill: its prompt and every token it may
+        generate, at most the model's context."""
+        return min(len(req.prompt) + req.params.max_tokens, self.max_model_len)
+
+    def _take_wave(self, first: _Request) -> list[_Request]:
+        """``first`` and the queued requests that fit beside it: at most ``max_batch_size``
+        requests, ``max_num_tokens`` prompt tokens and ``kv_capacity_tokens`` reserved KV
+        tokens; the first that does not fit waits for the next wave."""
+        wave = [first]
+        tokens, reserved = len(first.prompt), self._kv_tokens(first)
+        capacity = self.config.kv_capacity_tokens
+        while len(wave) < self.config.max_batch_size:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                continue
+            need = self._kv_tokens(nxt)
+            if tokens + len(nxt.prompt) > self.config.max_num_tokens or (
+                capacity is not None and reserved + need > capacity
+            ):
+                self._queue.put(nxt)  # next wave; order within a wave does not matter
+                break
+            wave.append(nxt)
+            tokens += len(nxt.prompt)
+            reserved += need
+        return wave
 
     def _drop_if_aborted(self, req: _Request) -> bool:
         if req.aborted:

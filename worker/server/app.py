@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,8 +32,12 @@ from dwdp.worker.server.status import (
     DwdpStatusSource,
     NoDwdp,
     engine_failure,
+    kv_tokens_in_use,
     with_identity,
 )
+
+if TYPE_CHECKING:
+    from dwdp.worker.memory import RankMemory
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ def build_app(
     served_name: str | None = None,
     on_shutdown: Any = None,
     identity: dict[str, Any] | None = None,
+    memory: RankMemory | None = None,
 ) -> FastAPI:
     """The app of one rank.
 
@@ -74,6 +79,8 @@ def build_app(
     :func:`dwdp.worker.server.status.rank_identity`) is added to every ``/dwdp/status``
     answer, so the operator's commit gate can check that every rank of a group incarnation
     runs the same revision. A rank whose engine died answers phase ``failed``.
+    ``memory`` (the rank's memory ledger and KV pool) adds ``memory`` and ``kv_cache`` to
+    ``/dwdp/status`` and their gauges to ``/metrics``.
 
     ``on_shutdown`` (a callable) runs in the lifespan shutdown, after uvicorn stopped
     accepting and its graceful-shutdown bound (if any) cancelled the remaining handlers; the
@@ -91,7 +98,7 @@ def build_app(
                 on_shutdown()
 
     app = FastAPI(title="dwdp worker", version="0.1.0", lifespan=lifespan)
-    metrics = ServerMetrics(engine, dwdp)
+    metrics = ServerMetrics(engine, dwdp, memory)
     app.state.serving = OpenAIServing(engine, dwdp, metrics, served_name=served_name)
     app.state.metrics = metrics
 
@@ -160,6 +167,9 @@ def build_app(
     @app.get("/dwdp/status")
     async def dwdp_status(request: Request) -> dict[str, Any]:
         serving = _serving(request)
-        return with_identity(serving.dwdp.status(), identity, engine_failure(serving.engine))
+        status = serving.dwdp.status()
+        if memory is not None:
+            status.update(memory.status(kv_tokens_in_use(serving.engine)))
+        return with_identity(status, identity, engine_failure(serving.engine))
 
     return app

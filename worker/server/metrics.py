@@ -9,19 +9,54 @@ bookkeeping twice.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from dwdp.worker.server.status import DwdpStatusSource
+from dwdp.worker.server.status import DwdpStatusSource, kv_tokens_in_use
+
+if TYPE_CHECKING:
+    from dwdp.worker.memory import RankMemory
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _ScrapeCollector:
-    def __init__(self, engine: object, dwdp: DwdpStatusSource) -> None:
+    def __init__(
+        self, engine: object, dwdp: DwdpStatusSource, memory: RankMemory | None
+    ) -> None:
         self.engine = engine
         self.dwdp = dwdp
+        self.memory = memory
+
+    def _memory(self) -> Iterator[Metric]:
+        if self.memory is None:
+            return
+        parts = GaugeMetricFamily(
+            "dwdp_memory_bytes",
+            "The rank's memory ledger: bytes by part (peak_load, replicated_weights, "
+            "expert_store, dense_store, slot_rings, activations_headroom, kv_pool) and "
+            "where (host, device); parts not measured are left out.",
+            labels=["part", "where"],
+        )
+        for part, placed in self.memory.ledger.as_dict().items():
+            for where, value in placed.items():
+                if value is not None:
+                    parts.add_metric([part, where], float(value))
+        yield parts
+        capacity = self.memory.kv_pool.capacity_tokens
+        yield GaugeMetricFamily(
+            "dwdp_kv_cache_capacity_tokens",
+            "Tokens the KV cache pool holds (sized after the DWDP commit).",
+            value=capacity,
+        )
+        yield GaugeMetricFamily(
+            "dwdp_kv_cache_usage_perc",
+            "Fraction (0-1) of the KV cache pool the running requests reserve, as vLLM's "
+            "kv_cache_usage_perc.",
+            value=kv_tokens_in_use(self.engine) / capacity,
+        )
 
     def collect(self) -> Iterator[Metric]:
         stats = getattr(self.engine, "stats", None)
@@ -54,14 +89,18 @@ class _ScrapeCollector:
         committed = GaugeMetricFamily("dwdp_committed", "1 once DWDP setup committed.")
         committed.add_metric([], 1.0 if self.dwdp.committed else 0.0)
         yield committed
+        yield from self._memory()
 
 
 class ServerMetrics:
     """The metrics of one app; ``registry`` is what ``/metrics`` renders."""
 
-    def __init__(self, engine: object, dwdp: DwdpStatusSource) -> None:
+    def __init__(
+        self, engine: object, dwdp: DwdpStatusSource, memory: RankMemory | None = None
+    ) -> None:
         """``engine``: read for its ``stats`` (token and forward counters) when it has
-        them; ``dwdp``: the DWDP status source."""
+        them; ``dwdp``: the DWDP status source; ``memory``: the ledger and KV pool, when
+        the rank measured them."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "dwdp_requests",
@@ -83,4 +122,4 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_ScrapeCollector(engine, dwdp))
+        self.registry.register(_ScrapeCollector(engine, dwdp, memory))

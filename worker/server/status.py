@@ -35,6 +35,12 @@ def engine_failure(engine: Any) -> str | None:
     return None if dead is None else f"{type(dead).__name__}: {dead}"
 
 
+def kv_tokens_in_use(engine: Any) -> int:
+    """KV cache tokens the engine's running requests reserve (0 when it cannot say)."""
+    stats = getattr(engine, "stats", None)
+    return int(getattr(stats, "kv_tokens_in_use", 0))
+
+
 def with_identity(
     status: dict[str, Any], identity: Mapping[str, Any] | None, failure: str | None = None
 ) -> dict[str, Any]:
@@ -61,6 +67,9 @@ class DwdpStatusSource(Protocol):
         ``bytes_freed``, ``leaks``, ``slots``, ``slot_waits`` and ``sm_reserve`` (the SMs
         the gather kernel holds) (bytes as integers)."""
 
+    def buffer_ranges(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of every DWDP store and slot this rank allocated."""
+
 
 class NoDwdp:
     """The status of a rank that serves with replicated weights."""
@@ -69,6 +78,10 @@ class NoDwdp:
 
     def __init__(self, reason: str = "DWDP is off (dwdp_size 1 and enable_dense false)") -> None:
         self.reason = reason
+
+    def buffer_ranges(self) -> list[tuple[int, int]]:
+        """No DWDP buffers."""
+        return []
 
     def status(self) -> dict[str, Any]:
         """Phase ``disabled`` with zero counters."""
