@@ -7,8 +7,9 @@ fds, each attaching expert DWDP and then expert + dense DWDP
 (``dwdp.worker.testing.memory_probe``), and deletes the checkpoint. Reported per rank and
 configuration, in GB: the weights the rank holds outside DWDP's buffers (the replicated
 part), the stores (VMM, ``cuMemCreate``; expert and dense), the slots, torch's peak and
-reserved bytes, and the KV pool in tokens that the rest of the device would hold
-(``kv_pool_tokens``), with its gain over the replicated rank's. Every rank is sized as if it
+reserved bytes, and the KV pool in tokens the worker sizes after the commit
+(``dwdp.worker.memory.size_rank_memory``, default ``kvCache``), with its gain over the
+replicated rank's. Every rank is sized as if it
 had the device to itself (in a deployment each rank has its own GPU); the numbers are
 per-process counters, so the ranks sharing the GPU here do not see each other's memory.
 
@@ -27,34 +28,13 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 GB = 1e9
-KV_FRACTION = 0.9
 
 
-def kv_pool_tokens(device_total: int, own_bytes: int, kv_bytes_per_token: int) -> int:
-    """STAND-IN until ``dwdp.worker.memory`` sizes the pool (the lead swaps this for the
-    product's function): tokens of KV cache that ``KV_FRACTION`` of the device memory the rank
-    does not hold would store. ``own_bytes``: the rank's torch ``max_memory_reserved`` + its
-    VMM stores (its slots are torch allocations, inside the reserved bytes)."""
-    return max(0, int(KV_FRACTION * (device_total - own_bytes)) // kv_bytes_per_token)
-
-
-def kv_bytes_per_token(config: Any) -> int:
-    """KV cache bytes of one token of a Qwen3-MoE model: layers x (K and V) x KV heads x
-    head_dim x dtype bytes."""
-    import torch
-
-    itemsize = getattr(torch, str(config.dtype).removeprefix("torch.")).itemsize
-    return (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
-            * itemsize)
-
-
-def _row(config_name: str, rank: object, rec: dict, per_token: int, base: int | None) -> dict:
+def _row(config_name: str, rank: object, rec: dict, base: int | None) -> dict:
     resident = rec["resident"]
-    own = rec["reserved"] + rec["vmm"]
-    tokens = kv_pool_tokens(rec["device_total"], own, per_token)
+    tokens = rec["kv_pool"]["capacity_tokens"]
     return {
         "config": config_name,
         "rank": rank,
@@ -66,7 +46,8 @@ def _row(config_name: str, rank: object, rec: dict, per_token: int, base: int | 
         "slots": rec["slots"],
         "torch_peak": rec["peak"],
         "torch_reserved": rec["reserved"],
-        "own": own,
+        "headroom": rec["ledger"]["activations_headroom"]["device"],
+        "kv_pool_bytes": rec["kv_pool"]["bytes"],
         "kv_tokens": tokens,
         "kv_gain_tokens": None if base is None else tokens - base,
         "tokens_equal_replicated": None,
@@ -89,8 +70,10 @@ def _table(rows: list[dict], head: str) -> str:
             f"{r['slots'] / GB:>7.3f} {r['torch_peak'] / GB:>7.3f} "
             f"{r['torch_reserved'] / GB:>7.3f} {r['kv_tokens']:>10} {gain:>9} {same:>5}"
         )
-    lines.append("(GB; weights: the rank's tensors outside DWDP's buffers; st: VMM stores; "
-                 f"KV: {KV_FRACTION} x (device total - reserved - stores) / bytes per token)")
+    lines.append("(GB; weights: the rank's tensors outside DWDP's buffers; st: VMM stores; KV "
+                 "tokens: the worker's pool (dwdp.worker.memory.size_rank_memory, kvCache "
+                 "defaults): 0.9 x (device total - torch allocated - stores - activation "
+                 "headroom of an 8192-token forward) / bytes per token)")
     return "\n".join(lines)
 
 
@@ -108,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dwdp.worker.models.validate import load_config
     from dwdp.worker.testing.large_checkpoint import (
         Qwen3MoeShape,
         checkpoint_sizes,
@@ -122,18 +104,18 @@ def main(argv: list[str] | None = None) -> int:
                                           seed=args.seed, device="cuda:0")
         torch.cuda.empty_cache()
         sizes = checkpoint_sizes(ckpt)
-        per_token = kv_bytes_per_token(load_config(ckpt))
         (work / "probe").mkdir()
         reference, ranks = run_probes(ckpt, work / "probe", world=args.world,
                                       slots=args.slots, max_tokens=args.max_tokens)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    base = _row("replicated", "each", reference, per_token, None)
+    per_token = reference["kv_pool"]["bytes_per_token"]
+    base = _row("replicated", "each", reference, None)
     rows = [base]
     for index, scenario in enumerate(SCENARIOS):
         for rank, records in enumerate(ranks):
-            row = _row(scenario, rank, records[index], per_token, base["kv_tokens"])
+            row = _row(scenario, rank, records[index], base["kv_tokens"])
             row["tokens_equal_replicated"] = records[index]["tokens"] == reference["tokens"]
             rows.append(row)
     head = (

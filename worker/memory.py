@@ -243,7 +243,8 @@ def activation_headroom(model: Any, tokens: int) -> int:
 
 def free_for_kv_bytes(device: str, *, dwdp_device_bytes: int, headroom: int) -> int:
     """Memory the KV pool may take (bytes), measured now. GPU: the device's total minus
-    what torch holds for this process, its DWDP buffers and the activation headroom (a
+    what torch holds for this process (weights, slot rings), ``dwdp_device_bytes`` (the
+    stores, VMM allocations outside torch's allocator) and the activation headroom (a
     warning when other processes hold more of the GPU than that leaves); host:
     ``MemAvailable``."""
     if not device.startswith("cuda"):
@@ -299,14 +300,15 @@ def size_rank_memory(
     profiling forward of ``min(max_num_tokens, max_model_len)`` tokens), the KV pool from the
     memory left (``dwdp.worker.engine.kv_pool.size_kv_pool``) and the ledger, which
     ``watch`` keeps. Raises ``KvPoolError`` for a pool below one ``max_model_len`` request."""
-    _, expert, dense, slots = dwdp_buffers(dwdp.status())
+    _, expert, dense, _ = dwdp_buffers(dwdp.status())
     headroom = Placed(host=None, device=0)
     if watch.on_gpu:
         tokens = min(max_num_tokens, max_model_len)
         headroom = Placed(host=None, device=activation_headroom(model, tokens))
     free = free_for_kv_bytes(
         watch.device,
-        dwdp_device_bytes=sum(p.device or 0 for p in (expert, dense, slots)),
+        # the stores are VMM allocations torch does not count; the slots are torch's
+        dwdp_device_bytes=(expert.device or 0) + (dense.device or 0),
         headroom=headroom.device or 0,
     )
     pool = size_kv_pool(

@@ -98,6 +98,8 @@ def test_each_rank_holds_its_share_and_answers_as_replicated(records, checkpoint
     index = SCENARIOS.index(scenario)
     rows = [per_rank[index] for per_rank in records["ranks"]]
     print(_table(scenario, rows, sizes, ref))
+    print("KV pool tokens: replicated", ref["kv_pool"]["capacity_tokens"], "| ranks",
+          [r["kv_pool"]["capacity_tokens"] for r in rows])
     for rank, rec in enumerate(rows):
         assert rec["scenario"] == scenario and rec["leaks"] == 0
         share, bound = _bound(rec, sizes)
@@ -109,3 +111,15 @@ def test_each_rank_holds_its_share_and_answers_as_replicated(records, checkpoint
         if scenario == "expert+dense":  # the dense weights were sharded after the load
             assert rec["weights"] < rec["loaded_weights"]
         assert rec["tokens"] == ref["tokens"], rank
+        # what DWDP freed became KV cache: the worker's pool (sized after the commit, as
+        # on a GPU of the rank's own) holds more tokens than the replicated rank's
+        pool, base = rec["kv_pool"], ref["kv_pool"]
+        assert pool["bytes_per_token"] == base["bytes_per_token"]
+        freed = ref["weights"] - rec["weights"] - rec["vmm"] - rec["slots"]
+        assert freed > sizes["experts"] / 2
+        assert pool["capacity_tokens"] > base["capacity_tokens"], (rank, pool, base)
+        ledger = rec["ledger"]
+        assert ledger["expert_store"]["device"] == rec["resident"]["expert"][
+            "store_allocated_bytes"]
+        assert ledger["replicated_weights"]["device"] == rec["weights"]
+        assert ledger["kv_pool"]["device"] == pool["bytes"]

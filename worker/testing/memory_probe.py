@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dwdp.worker.memory import MemoryWatch, size_rank_memory, weight_bytes
+
 if TYPE_CHECKING:
     from dwdp.worker.backend.base import Backend
     from dwdp.worker.transport.base import GroupTransport
@@ -73,30 +75,21 @@ def _device_total(device: str) -> int | None:
 
 
 def tensor_bytes(model: Any, exclude: list[tuple[int, int]] | None = None) -> int:
-    """Bytes of the model's materialised parameters and buffers (each storage once), leaving
-    out meta tensors and storages that start inside one of ``exclude``'s ``(address, nbytes)``
-    ranges (DWDP's stores and slots)."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.is_meta:
-            continue
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in seen or any(lo <= ptr < lo + n for lo, n in exclude or ()):
-            continue
-        seen.add(ptr)
-        total += storage.nbytes()
-    return total
+    """Bytes of the model's materialised parameters and buffers, host and device
+    (``dwdp.worker.memory.weight_bytes``), ``exclude``'s ``(address, nbytes)`` left out."""
+    placed = weight_bytes(model, exclude or ())
+    return (placed.host or 0) + (placed.device or 0)
 
 
-def _dwdp_ranges(attachment: Any) -> list[tuple[int, int]]:
-    """``(address, nbytes)`` of every store and slot the attachment's managers hold."""
-    buffers = [attachment.experts.store, *attachment.experts.slots]
-    if attachment.dense is not None:
-        buffers.append(attachment.dense.store)
-        buffers.extend(b for ring in attachment.dense.slots.values() for b in ring)
-    return [(b.tensor().data_ptr(), int(b.nbytes)) for b in buffers if b is not None]
+def kv_record(model: Any, dwdp: Any, watch: MemoryWatch, max_model_len: int) -> dict[str, Any]:
+    """The product's KV pool and ledger for this rank (``size_rank_memory``, default
+    ``kvCache``, ``maxNumTokens`` 8192): ``kv_pool`` and ``ledger`` as ``/dwdp/status``
+    shows them. Runs a profiling forward on a GPU: call it after the peaks are read."""
+    from dwdp.api.launch import KvCacheConfig
+
+    pool, ledger = size_rank_memory(model, dwdp, watch, kv=KvCacheConfig(),
+                                    max_num_tokens=8192, max_model_len=max_model_len)
+    return {"kv_pool": pool.as_dict(), "ledger": ledger.as_dict()}
 
 
 def generate(model: Any, tok: Any, max_tokens: int) -> list[list[int]]:
@@ -112,17 +105,26 @@ def generate(model: Any, tok: Any, max_tokens: int) -> list[list[int]]:
 def replicated(path: str, device: str, max_tokens: int) -> dict[str, Any]:
     """The replicated reference: the whole model on ``device``."""
     from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.server.status import NoDwdp
 
     _reset(device)
+    watch = MemoryWatch(device)
+    watch.start()
     model, tok = load_checkpoint(path)
     model.to(device)
+    watch.end()
     load = _peaks(device)
     weights = tensor_bytes(model)
     tokens = generate(model, tok, max_tokens)
-    return {"scenario": "replicated", "load_peak": load["peak"], **_peaks(device),
-            "loaded_weights": weights, "weights": weights, "vmm": 0, "stores": 0, "slots": 0,
-            "resident": {}, "range": None, "device_total": _device_total(device),
-            "tokens": tokens}
+    record: dict[str, Any] = {"scenario": "replicated", "load_peak": load["peak"], **_peaks(device),
+              "loaded_weights": weights, "weights": weights, "vmm": 0, "stores": 0,
+              "slots": 0, "resident": {}, "range": None, "device_total": _device_total(device),
+              "tokens": tokens}
+    return {**record, **kv_record(model, NoDwdp(), watch, _max_model_len(model))}
+
+
+def _max_model_len(model: Any) -> int:
+    return int(model.config.get_text_config().max_position_embeddings)
 
 
 def dwdp_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -171,8 +173,11 @@ def _scenario(scenario: str, args: argparse.Namespace, backend: Backend,
     config = load_config(args.checkpoint)
     adapter = require_adapter(config, dense=dense)
     partition = expert_partition(expert_count(config), args.world)
+    watch = MemoryWatch(args.device)
+    watch.start()
     model, tok, loaded = load_sharded(args.checkpoint, adapter=adapter, partition=partition,
                                       rank=args.rank, device=args.device)
+    watch.end()
     load = _peaks(args.device)
     loaded_weights = tensor_bytes(model)
     attachment = attach(model, adapter, backend=backend, transport=transport,
@@ -184,13 +189,14 @@ def _scenario(scenario: str, args: argparse.Namespace, backend: Backend,
     record = {
         "scenario": scenario, "load_peak": load["peak"], **_peaks(args.device),
         "loaded_weights": loaded_weights,
-        "weights": tensor_bytes(model, _dwdp_ranges(attachment)),
+        "weights": tensor_bytes(model, attachment.buffer_ranges()),
         "vmm": sum(r["store_allocated_bytes"] for r in status["resident"].values()),
         "stores": status["bytes_stored"], "slots": status["bytes_slots"],
         "resident": status["resident"], "leaks": status["leaks"],
         "range": list(partition.ranges[args.rank]), "device_total": _device_total(args.device),
         "tokens": tokens,
     }
+    record.update(kv_record(model, attachment, watch, _max_model_len(model)))
     transport.barrier(label=f"probe.{scenario}.measured")  # no peer unmaps a live store
     attachment.close()
     del model, attachment
