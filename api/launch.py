@@ -102,9 +102,9 @@ class EngineSwitches(ApiModel):
 
 
 class KvCacheConfig(ApiModel):
-    """How a rank sizes its KV cache pool after the DWDP commit (``dwdp.worker.engine.kv_pool``):
-    ``freeMemoryFraction`` of the memory left after weights, DWDP buffers and activations,
-    bounded by ``maxTokens``; a pool below one ``maxModelLen`` request is refused."""
+    """How a rank sizes its KV cache pool after the DWDP commit: freeMemoryFraction of the
+    memory left after weights, DWDP buffers and one forward's activations, bounded by
+    maxTokens; a pool below one maxModelLen request is refused."""
 
     free_memory_fraction: float = Field(
         default=0.9,

@@ -304,10 +304,12 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = Stage.LOAD
         watch = MemoryWatch(_device_for(cfg, local_rank))
         watch.start()
-        model, tokenizer, loaded = load_together(
-            group, lambda: load_model(cfg, plan, group, watch.device), device=watch.device
-        )
-        watch.end()
+        try:
+            model, tokenizer, loaded = load_together(
+                group, lambda: load_model(cfg, plan, group, watch.device), device=watch.device
+            )
+        finally:
+            watch.end()  # a failed load's peak goes into the termination message too
         stage["now"] = Stage.SETUP
         dwdp = setup_dwdp(
             model,

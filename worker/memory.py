@@ -18,8 +18,9 @@ not estimated:
 
 Bytes are integers; ``None`` means not measured. ``free_for_kv_bytes`` is the memory the pool
 may take: on a GPU the device's total minus what this rank holds (weights, DWDP buffers,
-headroom), so ranks sharing one GPU (tests) each size their pool as on a GPU of their own; on
-the host the kernel's ``MemAvailable``.
+headroom), so ranks sharing one GPU (tests) each size their pool as on a GPU of their own (a
+warning says so when the pool exceeds what is free now); on the host the kernel's
+``MemAvailable``.
 """
 
 from __future__ import annotations
@@ -244,25 +245,35 @@ def activation_headroom(model: Any, tokens: int) -> int:
 def free_for_kv_bytes(device: str, *, dwdp_device_bytes: int, headroom: int) -> int:
     """Memory the KV pool may take (bytes), measured now. GPU: the device's total minus
     what torch holds for this process (weights, slot rings), ``dwdp_device_bytes`` (the
-    stores, VMM allocations outside torch's allocator) and the activation headroom (a
-    warning when other processes hold more of the GPU than that leaves); host:
+    stores, VMM allocations outside torch's allocator) and the activation headroom; host:
     ``MemAvailable``."""
     if not device.startswith("cuda"):
         return host_available_bytes()
     import torch
 
     total = int(torch.cuda.get_device_properties(device).total_memory)
-    held = int(torch.cuda.memory_allocated(device)) + dwdp_device_bytes + headroom
+    return total - int(torch.cuda.memory_allocated(device)) - dwdp_device_bytes - headroom
+
+
+def warn_if_shared(device: str, pool_bytes: int, headroom: int) -> bool:
+    """Warn (and return True) when a GPU pool of ``pool_bytes`` would not fit in what the
+    driver reports free now beside one forward's ``headroom``: other processes hold the GPU
+    (or the fraction leaves no room for the CUDA context)."""
+    if not device.startswith("cuda"):
+        return False
+    import torch
+
     free_now, _ = torch.cuda.mem_get_info(device)
-    if free_now - headroom < total - held:
-        log.warning(
-            "%s is shared: %.2f GiB free now, %.2f GiB after this rank's own use; the KV "
-            "pool is sized as if the GPU were this rank's alone",
-            device,
-            (free_now - headroom) / 2**30,
-            (total - held) / 2**30,
-        )
-    return total - held
+    if pool_bytes <= free_now - headroom:
+        return False
+    log.warning(
+        "%s: the KV cache pool (%.2f GiB, sized from this rank's own use) is more than the "
+        "%.2f GiB free now beside the activations: other processes use this GPU",
+        device,
+        pool_bytes / 2**30,
+        (free_now - headroom) / 2**30,
+    )
+    return True
 
 
 def measure_ledger(
@@ -318,6 +329,7 @@ def size_rank_memory(
         max_model_len=max_model_len,
         where=DEVICE if watch.on_gpu else HOST,
     )
+    warn_if_shared(watch.device, pool.nbytes, headroom.device or 0)
     ledger = measure_ledger(
         model,
         dwdp,

@@ -138,6 +138,41 @@ def test_every_rank_committed_the_same_layout(pod):
     assert all(s["leaks"] == 0 and 0 < s["bytes_freed"] <= s["bytes_stored"] for s in statuses)
 
 
+def test_every_rank_reports_its_memory_ledger_and_kv_pool(pod):
+    """/dwdp/status and /metrics carry the rank's memory ledger and its KV cache pool; on
+    the cpu backend every part lives on the host, and the replicated weights are the whole
+    model's minus every managed expert table and the dense shards DWDP took."""
+    _proc, urls, ckpt, *_ = pod
+    model, _tok = load_checkpoint(ckpt)
+    whole = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers()))
+    for url in urls:
+        status = httpx.get(url + "/dwdp/status", timeout=10).json()
+        memory, pool, resident = status["memory"], status["kv_cache"], status["resident"]
+        assert all(part["device"] in (0, None) for part in memory.values()), memory
+        assert memory["expert_store"]["host"] == resident["expert"]["store_allocated_bytes"]
+        assert memory["dense_store"]["host"] == resident["dense"]["store_allocated_bytes"] > 0
+        assert memory["slot_rings"]["host"] == status["bytes_slots"] > 0
+        taken = resident["expert"]["sharded_bytes"] + resident["dense"]["sharded_bytes"]
+        assert memory["replicated_weights"]["host"] == whole - taken
+        assert memory["peak_load"]["host"] > memory["replicated_weights"]["host"]
+        assert memory["activations_headroom"]["host"] is None  # not measured on the host
+        assert pool["where"] == "host" and pool["limited_by"] == "freeMemoryFraction"
+        assert pool["capacity_tokens"] >= model.config.max_position_embeddings
+        assert memory["kv_pool"]["host"] == pool["bytes"] == (
+            pool["capacity_tokens"] * pool["bytes_per_token"]
+        )
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        shown = {
+            m.rsplit(" ", 1)[0]: float(m.rsplit(" ", 1)[1])
+            for m in metrics.splitlines()
+            if m and not m.startswith("#")
+        }
+        part = 'dwdp_memory_bytes{part="expert_store",where="host"}'
+        assert shown[part] == memory["expert_store"]["host"]
+        assert shown["dwdp_kv_cache_capacity_tokens"] == pool["capacity_tokens"]
+        assert shown["dwdp_kv_cache_usage_perc"] == 0.0  # nothing running
+
+
 def test_every_rank_serves_the_replicated_greedy_tokens(pod):
     _proc, urls, ckpt, *_ = pod
     torch.set_num_threads(1)

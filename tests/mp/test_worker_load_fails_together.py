@@ -117,5 +117,7 @@ def test_one_rank_fails_to_load_every_rank_fails_with_its_cause(tmp_path, group)
     for message in messages:
         tensor = message.split("(tensor ")[1].split(")")[0]
         assert weight_map[tensor] == gone, message
-    assert len(set(messages)) == 1  # the same verdict on every rank
+    # the same verdict on every rank, then each rank's own memory measured so far
+    assert len({m.split("; memory GiB")[0] for m in messages}) == 1
+    assert all("; memory GiB (host/device): peak_load " in m for m in messages), messages
     assert not leftover_segments(group)

@@ -102,20 +102,52 @@ def test_missing_context_role_warns_once(tmp_path, monkeypatch, caplog):
     assert not caplog.records
 
 
-def test_kv_cache_settings_the_engine_does_not_read_are_warned(tmp_path, monkeypatch, caplog):
-    """kvCache is accepted (the field reference documents it) but this worker's engine does
-    not read it yet: a worker started with non-default values says so once, not silently."""
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from dwdp.worker.testing.checkpoint import make_checkpoint
+
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "m", seed=2)
+
+
+def test_kv_max_tokens_below_one_request_is_refused_before_anything_loads(
+    tmp_path, tiny_checkpoint, monkeypatch
+):
+    """maxTokens below maxModelLen (the model's 512 here) can never serve a full request:
+    refused at the checkpoint check, before the rendezvous and the load."""
     monkeypatch.setenv("DWDP_ROLE", "context")
-    monkeypatch.setattr(worker_main, "_warned", set())
-    plain = load_launch_config(str(_config(tmp_path)))
-    sized = load_launch_config(str(_config(tmp_path, kvCache={"freeMemoryFraction": 0.5})))
-    with caplog.at_level(logging.WARNING, logger="dwdp.worker.main"):
-        check_launch(plain, None)
-        assert not [r for r in caplog.records if "kvCache" in r.getMessage()]
-        check_launch(sized, None)
-        check_launch(sized, None)
-    warned = [r.getMessage() for r in caplog.records if "kvCache" in r.getMessage()]
-    assert len(warned) == 1 and "not read by this worker" in warned[0]
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded: the kvCache rule must refuse first")
+
+    monkeypatch.setattr(worker_main, "load_model", no_load)
+    config = _config(tmp_path, model=str(tiny_checkpoint), kvCache={"maxTokens": 100})
+    code, line = _run(tmp_path, config)
+    assert code == 1
+    assert line.startswith("checkpoint: KvPoolError: kvCache.maxTokens: 100 tokens"), line
+    assert "maxModelLen 512" in line
+    config = _config(tmp_path, model=str(tiny_checkpoint), maxModelLen=4096)
+    code, line = _run(tmp_path, config)
+    assert code == 1 and "maxModelLen: 4096 is more than the model's" in line, line
+
+
+def test_a_kv_pool_below_one_request_fails_the_rank_naming_the_numbers(
+    tmp_path, tiny_checkpoint, monkeypatch
+):
+    """A freeMemoryFraction that leaves fewer tokens than one maxModelLen request is refused
+    when the pool is sized (after the load, before serving), with the ledger measured so
+    far in the termination message."""
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    config = _config(
+        tmp_path,
+        model=str(tiny_checkpoint),
+        maxModelLen=256,
+        kvCache={"freeMemoryFraction": 1e-9},
+    )
+    code, line = _run(tmp_path, config)
+    assert code == 1
+    assert line.startswith("engine: KvPoolError: kvCache: the KV cache pool holds "), line
+    assert "less than one request of maxModelLen 256 tokens" in line
+    assert "; memory GiB (host/device): peak_load " in line and "kv_pool" not in line
 
 
 def test_bad_launch_config_is_one_line(tmp_path):
