@@ -88,6 +88,26 @@ class RankProcesses:
         return alive
 
 
+def run_worker_rank(rank: int, *, group: str, world: int, port: int, config: Path,
+                    termination_log: Path, timeout_s: float = 120) -> int:
+    """Run ``dwdp worker``'s ``run_worker`` in this (rank) process as rank ``rank`` of
+    ``world`` (the operator's environment, the store on 127.0.0.1:``port``); returns its
+    exit status."""
+    from dwdp.worker.main import WorkerOptions, run_worker
+
+    os.environ.update({
+        "DWDP_GROUP": group,
+        "DWDP_INCARNATION": "i0",
+        "DWDP_RANK": str(rank),
+        "DWDP_LOCAL_RANK": str(rank),
+        "DWDP_WORLD_SIZE": str(world),
+        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
+        "DWDP_RENDEZVOUS_TIMEOUT_S": str(timeout_s),
+        "DWDP_TORCH_THREADS": "1",
+    })
+    return run_worker(WorkerOptions(config=str(config), termination_log=str(termination_log)))
+
+
 def run_group(out: Path, group: str, world: int, target: Callable[[int, Path], None], *,
               timeout_s: float = 600) -> None:
     """Fork ``target(rank, out)`` for every rank of one group and wait: every rank must

@@ -15,7 +15,6 @@ and leave no shared-memory segment.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import sys
@@ -30,7 +29,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import RankProcesses, free_port
+from conftest import RankProcesses, free_port, run_worker_rank
 
 from dwdp.worker.backend.cpu import leftover_segments
 from dwdp.worker.models.validate import INDEX_FILE
@@ -44,19 +43,9 @@ WAIT_S = 240  # well under the rendezvous timeout: a hang until it would be kill
 
 
 def _rank(rank: int, out: Path, group: str, port: int, config: Path) -> None:
-    from dwdp.worker.main import WorkerOptions, run_worker
-
-    os.environ.update({
-        "DWDP_GROUP": group,
-        "DWDP_INCARNATION": "i0",
-        "DWDP_RANK": str(rank),
-        "DWDP_LOCAL_RANK": str(rank),
-        "DWDP_WORLD_SIZE": str(WORLD),
-        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
-        "DWDP_RENDEZVOUS_TIMEOUT_S": str(RENDEZVOUS_TIMEOUT_S),
-        "DWDP_TORCH_THREADS": "1",
-    })
-    code = run_worker(WorkerOptions(config=str(config), termination_log=str(out / f"term.{rank}")))
+    code = run_worker_rank(rank, group=group, world=WORLD, port=port, config=config,
+                           termination_log=out / f"term.{rank}",
+                           timeout_s=RENDEZVOUS_TIMEOUT_S)
     (out / f"code.{rank}").write_text(str(code))
 
 

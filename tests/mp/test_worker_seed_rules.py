@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import free_port, run_group  # noqa: E402
+from conftest import free_port, run_group, run_worker_rank  # noqa: E402
 
 from dwdp.worker.dense.layout import DENSE_MIN_BYTES  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
@@ -103,20 +103,8 @@ REFUSALS = {
 
 def _worker_rank(rank: int, out: Path, group: str, name: str, configs: list[Path],
                  port: int) -> None:
-    from dwdp.worker.main import WorkerOptions, run_worker
-
-    os.environ.update({
-        "DWDP_GROUP": group,
-        "DWDP_INCARNATION": "i0",
-        "DWDP_RANK": str(rank),
-        "DWDP_LOCAL_RANK": str(rank),
-        "DWDP_WORLD_SIZE": str(WORLD),
-        "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
-        "DWDP_RENDEZVOUS_TIMEOUT_S": "120",
-        "DWDP_TORCH_THREADS": "1",
-    })
-    term = out / f"{name}.term.{rank}"
-    code = run_worker(WorkerOptions(config=str(configs[rank]), termination_log=str(term)))
+    code = run_worker_rank(rank, group=group, world=WORLD, port=port, config=configs[rank],
+                           termination_log=out / f"{name}.term.{rank}")
     (out / f"{name}.code.{rank}").write_text(str(code))
 
 

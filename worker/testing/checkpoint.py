@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ def tiny_config(
     num_layers: int = 3,
     hidden_size: int = 32,
     dtype: str = "float32",
-    special_ids: dict[str, int] | None = None,
+    special_ids: Mapping[str, int | None] | None = None,
     moe_width: int = 16,
 ) -> PretrainedConfig:
     """A tiny ``transformers`` config of ``arch``: ``num_layers`` decoder layers of width
@@ -137,6 +138,22 @@ def fill_seeded(model: Any, seed: int) -> None:
             tensor.copy_(values.to(tensor.dtype))
 
 
+def write_tokenizer(out: Path) -> tuple[Any, dict[str, int | None]]:
+    """Write the test tokenizer's files into ``out`` (created); returns the tokenizer and
+    its special token ids (``bos``, ``eos``, ``pad``) for the config."""
+    from dwdp.worker.testing.tokenizer import build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(str(out))
+    ids = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+    }
+    return tokenizer, ids
+
+
 def make_checkpoint(
     arch: str,
     out: str | Path,
@@ -159,17 +176,8 @@ def make_checkpoint(
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from dwdp.worker.testing.tokenizer import build_tokenizer
-
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(str(out))
-    ids = {
-        "bos": tokenizer.bos_token_id,
-        "eos": tokenizer.eos_token_id,
-        "pad": tokenizer.pad_token_id,
-    }
+    tokenizer, ids = write_tokenizer(out)
     config = tiny_config(
         arch,
         vocab_size=len(tokenizer),

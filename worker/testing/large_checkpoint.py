@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,7 +62,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def qwen3_moe_config(
-    shape: Qwen3MoeShape, *, vocab_size: int, special_ids: dict[str, int | None]
+    shape: Qwen3MoeShape, *, vocab_size: int, special_ids: Mapping[str, int | None]
 ) -> PretrainedConfig:
     """The ``Qwen3MoeConfig`` of ``shape``: every decoder layer an MoE layer
     (``mlp_only_layers`` empty, ``decoder_sparse_step`` 1), top-k of ``num_experts_per_tok``
@@ -119,18 +119,11 @@ def write_qwen3_moe_checkpoint(
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from dwdp.worker.testing.tokenizer import build_tokenizer
+    from dwdp.worker.testing.checkpoint import write_tokenizer
 
     shape = shape if shape is not None else Qwen3MoeShape()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(str(out))
-    ids = {
-        "bos": tokenizer.bos_token_id,
-        "eos": tokenizer.eos_token_id,
-        "pad": tokenizer.pad_token_id,
-    }
+    tokenizer, ids = write_tokenizer(out)
     config = qwen3_moe_config(shape, vocab_size=len(tokenizer), special_ids=ids)
     config.save_pretrained(str(out))
     GenerationConfig(
