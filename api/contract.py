@@ -65,6 +65,21 @@ class Env(enum.StrEnum):
     """HTTP port of local rank 0; local rank k serves ``DWDP_PORT + k``."""
     TERMINATION_LOG = "DWDP_TERMINATION_LOG"
     """Where to write the termination message (default ``/dev/termination-log``)."""
+    RENDEZVOUS_SECRET_FILE = "DWDP_RENDEZVOUS_SECRET_FILE"
+    """Path of a file holding the group incarnation's rendezvous secret (at least 32 bytes,
+    raw): every connection to the rendezvous store proves it knows the secret. The operator
+    mounts it from a Secret of that incarnation (key ``secret``) at
+    :data:`RENDEZVOUS_SECRET_PATH`; ``dwdp launch`` makes one for a local run."""
+
+
+RENDEZVOUS_SECRET_DIR = "/var/run/secrets/dwdp/rendezvous"
+"""Where the operator mounts an incarnation's rendezvous Secret in its pods (read-only)."""
+RENDEZVOUS_SECRET_KEY = "secret"
+"""The key of the rendezvous Secret's data, and the file name under the mount."""
+RENDEZVOUS_SECRET_PATH = f"{RENDEZVOUS_SECRET_DIR}/{RENDEZVOUS_SECRET_KEY}"
+"""The file ``DWDP_RENDEZVOUS_SECRET_FILE`` names in an operator-made pod."""
+RENDEZVOUS_SECRET_BYTES = 32
+"""Bytes of a generated rendezvous secret (and the least a secret file may hold)."""
 
 
 ENV_DENSE_MIN_BYTES = "DWDP_DENSE_MIN_BYTES"
