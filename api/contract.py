@@ -65,6 +65,10 @@ class Env(enum.StrEnum):
     """HTTP port of local rank 0; local rank k serves ``DWDP_PORT + k``."""
     TERMINATION_LOG = "DWDP_TERMINATION_LOG"
     """Where to write the termination message (default ``/dev/termination-log``)."""
+    API_KEY = "DWDP_API_KEY"
+    """The key clients send as ``Authorization: Bearer <key>`` on ``/v1/*`` (unset or empty:
+    no key). The operator fills it from the Secret ``spec.server.apiKeySecretRef`` names
+    (``valueFrom.secretKeyRef``: ``kubectl describe`` shows the reference, not the key)."""
     RENDEZVOUS_SECRET_FILE = "DWDP_RENDEZVOUS_SECRET_FILE"
     """Path of a file holding the group incarnation's rendezvous secret (at least 32 bytes,
     raw): every connection to the rendezvous store proves it knows the secret. The operator

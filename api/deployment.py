@@ -525,11 +525,35 @@ class RendezvousSpec(ApiModel):
     )
 
 
+class SecretKeyRef(ApiModel):
+    """One key of a Secret in the deployment's namespace."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Name of the Secret (a DNS subdomain).",
+    )
+    key: str = Field(
+        default="api-key",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key of the Secret's data that holds the value.",
+    )
+
+
 class ServerSpec(ApiModel):
     """The HTTP servers of the workers."""
 
     port: Port = Field(
         default=8000, description="Port of local rank 0 in a pod; local rank k serves port + k."
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="A Secret key holding the API key clients must send as 'Authorization: "
+        "Bearer <key>' on /v1/* (like vLLM's --api-key); /health, /ready, /metrics and "
+        "/dwdp/status stay open. Unset: no key.",
     )
 
 

@@ -316,7 +316,7 @@ def role_template(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(command),
-        "env": [e.to_yaml_dict() for e in spec.env or ()],
+        "env": [*api_key_env(spec), *(e.to_yaml_dict() for e in spec.env or ())],
         "resources": resources,
         "nodeSelector": dict(spec.node_selector or {}),
         "tolerations": [t.to_yaml_dict() for t in spec.tolerations or ()],
@@ -339,6 +339,16 @@ def revisions(
     return {
         role: revision_of(role_template(spec, role, command=command)) for role in role_shapes(spec)
     }
+
+
+def api_key_env(spec: DwdpDeploymentSpec) -> list[dict[str, Any]]:
+    """``DWDP_API_KEY`` from the Secret key ``spec.server.apiKeySecretRef`` names (a
+    reference: the key never appears in the pod spec), or nothing without one."""
+    ref = spec.server.api_key_secret_ref
+    if ref is None:
+        return []
+    selector = {"name": ref.name, "key": ref.key}
+    return [{"name": Env.API_KEY.value, "valueFrom": {"secretKeyRef": selector}}]
 
 
 def worker_pod(

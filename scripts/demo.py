@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -37,6 +38,10 @@ CHART = REPO / "charts" / "dwdp-operator"
 EXAMPLE = REPO / "examples" / "04-demo.yaml"
 NAME = "demo"
 NAMESPACE = "dwdp-demo"
+API_KEY_SECRET = "demo-api-key"
+"""The Secret ``spec.server.apiKeySecretRef`` of the example names (key ``api-key``)."""
+API_KEY = secrets.token_urlsafe(24)
+"""This run's API key: the Secret holds it, every request sends it as a Bearer token."""
 OPERATOR_NAMESPACE = "dwdp-system"
 RELEASE = "dwdp"
 MODEL_DIR = "tiny-deepseek-v3"
@@ -107,6 +112,17 @@ def manifest(models: Path, *, name: str = NAME) -> dict[str, Any]:
     doc["metadata"]["name"] = name
     doc["spec"]["model"]["hostPath"] = str(models.resolve())
     return doc
+
+
+def api_key_secret() -> dict[str, Any]:
+    """The Secret holding this run's API key (apply it with the DwdpDeployment)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": API_KEY_SECRET},
+        "type": "Opaque",
+        "stringData": {"api-key": API_KEY},
+    }
 
 
 def install_operator(tc: Any, namespace: str = OPERATOR_NAMESPACE, *, watch: str | None = None):
@@ -258,10 +274,19 @@ def ask(url: str, path: str, req: dict[str, Any], timeout: float = 120.0) -> str
     """POST one request; returns the answer text. Raises on an HTTP error."""
     import httpx
 
-    r = httpx.post(url + path, json=req, timeout=timeout)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(url + path, json=req, headers=headers, timeout=timeout)
     if r.status_code != 200:
         raise RuntimeError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
     return answer_of(path, r.json())
+
+
+def without_key(url: str) -> int:
+    """The status of a completion sent without the API key (401 when the key holds)."""
+    import httpx
+
+    path, req = requests_of()[0]
+    return httpx.post(url + path, json=req, timeout=30).status_code
 
 
 def reference_answers(model_dir: Path) -> list[str]:
@@ -406,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = doc["spec"]["context"]
         ranks = spec["dwdp"]["dwdpSize"]
         t_apply = time.monotonic()
-        tc.apply(NAMESPACE, doc)
+        tc.apply(NAMESPACE, api_key_secret(), doc)
         ready_s = wait_ready(tc, NAMESPACE, NAME, groups=spec["replicas"])
         say(f"   Ready {ready_s:.1f} s after apply")
         say(tc.kubectl("get", "dwdp", "-n", NAMESPACE, "-o", "wide").stdout.rstrip())
@@ -430,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         for ep, path, got, same in res.rows:
             mark = "==" if same else "!="
             say(f"   {ep.group:14} {ep.address}:{ep.port} {path:22} {got!r} {mark} reference")
+        locked = without_key(ctx[0].url)
+        say(f"   without the API key (Secret {API_KEY_SECRET}): HTTP {locked}")
         rps, failed = throughput(ctx, count=args.requests)
         say(
             f"   throughput: {args.requests} completions (up to {MAX_TOKENS} tokens each) over "
@@ -437,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         say("== 7/7 summary")
         say(tc.kubectl("get", "dwdp", "-n", NAMESPACE, "-o", "wide").stdout.rstrip())
-        ok = res.ok and failed == 0 and len(groups) == spec["replicas"]
+        ok = res.ok and failed == 0 and len(groups) == spec["replicas"] and locked == 401
         say(f"   answers equal to the reference: {sum(r[3] for r in res.rows)}/{len(res.rows)}")
         say(f"   time from apply to Ready: {ready_s:.1f} s")
         say(f"   requests/s served: {rps:.2f}")

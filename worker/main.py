@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.api.contract import Env, Stage
 from dwdp.worker.memory import MemoryWatch, RankMemory, size_rank_memory
+from dwdp.worker.server.guard import check_api_key
 from dwdp.worker.server.status import rank_identity
 from dwdp.worker.settings import (
     CopySettings,
@@ -291,6 +292,7 @@ def run_worker(opts: WorkerOptions) -> int:
         settings = resolve_host_settings(cfg, local_rank, stage)
         stage["now"] = Stage.CONFIG
         dense_min_bytes = resolve_dense_min_bytes(os.environ)
+        api_key = check_api_key(os.environ.get(Env.API_KEY), Env.API_KEY)
         _torch_threads(resolve_torch_threads(os.environ))
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
@@ -361,6 +363,7 @@ def run_worker(opts: WorkerOptions) -> int:
             on_shutdown=engine.stop,
             identity=rank_identity(),
             memory=RankMemory(ledger, pool),
+            api_key=api_key,
         )
         stage["now"] = Stage.SERVE
         log.info(

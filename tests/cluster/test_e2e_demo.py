@@ -63,7 +63,7 @@ def deployed() -> Iterator[tuple[Any, Path, list[str]]]:
         demo.install_operator(tc, watch=NS)
         models = state / "models"
         model_dir = demo.make_model(models)
-        tc.apply(NS, demo.manifest(models))
+        tc.apply(NS, demo.api_key_secret(), demo.manifest(models))
         took = demo.wait_ready(tc, NS, demo.NAME, groups=2, timeout=900)
         print(f"apply -> Ready: {took:.1f} s")
         want = demo.reference_answers(model_dir)
@@ -104,6 +104,8 @@ def test_every_group_and_the_generation_server_answer_like_the_reference(deploye
     res = demo.ask_everyone(ctx + gen, want)
     bad = [(ep.url, path, got) for ep, path, got, same in res.rows if not same]
     assert not bad, f"answers differ from the reference {want}: {bad}"
+    # the API key from the Secret holds on every server; the probes' paths stay open
+    assert {demo.without_key(ep.url) for ep in ctx + gen} == {401}
     assert len(res.rows) == 9 * len(want)
     status = tc.get("dwdp", demo.NAME, NS)["status"]
     assert [(g["name"], g["phase"], g["ranksReady"]) for g in status["groups"]] == [

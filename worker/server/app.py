@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dwdp.worker.engine.protocol import EngineClient
+from dwdp.worker.server.guard import RequestGuard
 from dwdp.worker.server.metrics import ServerMetrics
 from dwdp.worker.server.protocol import (
     ChatCompletionRequest,
@@ -72,6 +73,7 @@ def build_app(
     on_shutdown: Any = None,
     identity: dict[str, Any] | None = None,
     memory: RankMemory | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The app of one rank.
 
@@ -80,7 +82,9 @@ def build_app(
     answer, so the operator's commit gate can check that every rank of a group incarnation
     runs the same revision. A rank whose engine died answers phase ``failed``.
     ``memory`` (the rank's memory ledger and KV pool) adds ``memory`` and ``kv_cache`` to
-    ``/dwdp/status`` and their gauges to ``/metrics``.
+    ``/dwdp/status`` and their gauges to ``/metrics``. With ``api_key`` every ``/v1/*``
+    request needs ``Authorization: Bearer <api_key>`` (401 otherwise); request bodies are
+    bounded either way (``dwdp.worker.server.guard``).
 
     ``on_shutdown`` (a callable) runs in the lifespan shutdown, after uvicorn stopped
     accepting and its graceful-shutdown bound (if any) cancelled the remaining handlers; the
@@ -101,6 +105,7 @@ def build_app(
     metrics = ServerMetrics(engine, dwdp, memory)
     app.state.serving = OpenAIServing(engine, dwdp, metrics, served_name=served_name)
     app.state.metrics = metrics
+    app.add_middleware(RequestGuard, api_key=api_key)
 
     @app.exception_handler(ServingError)
     async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:

@@ -290,6 +290,25 @@ def test_generation_shape_and_pod() -> None:
     assert env["DWDP_WORLD_SIZE"] == "1"
 
 
+@pytest.mark.parametrize("role", [Role.CONTEXT, Role.GENERATION])
+def test_the_api_key_reaches_every_worker_pod_as_a_secret_reference(role: Role) -> None:
+    """spec.server.apiKeySecretRef becomes DWDP_API_KEY from a secretKeyRef: the pod spec
+    (what kubectl describe shows) names the Secret, never the key; without it, no variable."""
+    ref = {"name": "serving-keys", "key": "openai"}
+    spec = parse_deployment(doc(server={"apiKeySecretRef": ref}, generation={})).spec
+    pod = builders.worker_pod(
+        spec, OWNER, role=role, group_index=0, incarnation=0, pod_index=0, revision="r"
+    )
+    env = pod["spec"]["containers"][0]["env"]
+    (entry,) = [e for e in env if e["name"] == "DWDP_API_KEY"]
+    assert entry == {"name": "DWDP_API_KEY", "valueFrom": {"secretKeyRef": ref}}
+    plain = parse_deployment(doc(generation={})).spec
+    pod = builders.worker_pod(
+        plain, OWNER, role=role, group_index=0, incarnation=0, pod_index=0, revision="r"
+    )
+    assert "DWDP_API_KEY" not in {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+
+
 @pytest.mark.parametrize(
     ("patch", "same"),
     [
@@ -302,6 +321,7 @@ def test_generation_shape_and_pod() -> None:
         ({"context": {"replicas": 2, "ranksPerPod": 2, "dwdp": {"dwdpSize": 2}}}, False),
         ({"rendezvous": {"timeoutSeconds": 60}}, False),
         ({"server": {"port": 9000}}, False),
+        ({"server": {"apiKeySecretRef": {"name": "keys"}}}, False),
     ],
 )
 def test_revision_covers_only_what_reaches_pods(patch: dict, same: bool) -> None:

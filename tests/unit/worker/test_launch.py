@@ -438,3 +438,13 @@ def test_bad_worker_env_setting_is_refused_before_the_rendezvous(
     assert f"{name}: {value!r} is not an integer {rule}" in line
     assert line.count("\n") == 1
     assert b"rendezvous" not in proc.stderr.lower()
+
+
+def test_a_blank_api_key_is_refused_before_the_rendezvous(tmp_path, tiny_checkpoint, monkeypatch):
+    """A DWDP_API_KEY with blanks around it (a Secret written with a newline) could never be
+    sent back by a client: the rank refuses it as a config error, naming the variable."""
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    monkeypatch.setenv("DWDP_API_KEY", "sk-123\n")
+    code, line = _run(tmp_path, _config(tmp_path, model=str(tiny_checkpoint)))
+    assert code == 1
+    assert line.startswith("config: ApiKeyError: DWDP_API_KEY: the API key has leading"), line

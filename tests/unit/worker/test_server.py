@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -15,7 +14,6 @@ uvicorn = pytest.importorskip("uvicorn")
 from dwdp.worker.engine.batching import BatchingEngine, EngineConfig  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.server.app import build_app  # noqa: E402
-from dwdp.worker.server.run import uvicorn_kwargs  # noqa: E402
 from dwdp.worker.server.status import NoDwdp  # noqa: E402
 from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
 
@@ -43,30 +41,8 @@ class FakeDwdp:
         }
 
 
-class UvicornThread:
-    """uvicorn in a thread on 127.0.0.1 and an OS-chosen free port."""
-
-    def __init__(self, app, **kwargs) -> None:
-        config = uvicorn.Config(app, **uvicorn_kwargs(host="127.0.0.1", port=0, **kwargs))
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, uvicorn_thread):
     torch.set_num_threads(1)
     path = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ck") / "ds", num_experts=5)
     model, tok = load_checkpoint(path)
@@ -77,7 +53,7 @@ def served(tmp_path_factory):
     stopped = []
     app = build_app(engine, dwdp=dwdp, on_shutdown=lambda: stopped.append(engine.stop()))
     with (
-        UvicornThread(app, graceful_shutdown_timeout_s=None) as base,
+        uvicorn_thread(app, graceful_shutdown_timeout_s=None) as base,
         httpx.Client(base_url=base, timeout=60) as client,
     ):
         yield client, engine, dwdp, base, app
@@ -288,7 +264,7 @@ def test_client_disconnect_aborts(served):
     assert engine.stats.requests_aborted > before
 
 
-def test_health_503_when_engine_dead(tmp_path):
+def test_health_503_when_engine_dead(tmp_path, uvicorn_thread):
     class Dead:
         model_name = "dead"
         max_model_len = 8
@@ -305,7 +281,7 @@ def test_health_503_when_engine_dead(tmp_path):
         def generate(self, *a):
             raise AssertionError
 
-    with UvicornThread(build_app(Dead()), graceful_shutdown_timeout_s=None) as base:
+    with uvicorn_thread(build_app(Dead()), graceful_shutdown_timeout_s=None) as base:
         r = httpx.get(base + "/health")
         assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
         assert httpx.get(base + "/ready").status_code == 503
