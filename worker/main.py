@@ -111,9 +111,15 @@ def load_launch_config(path: str | None) -> LaunchConfig:
     if not path:
         raise WorkerStartupError(f"no launch config: pass --config FILE or set {Env.CONFIG}")
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise WorkerStartupError(f"launch config {path}: {exc}") from exc
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise WorkerStartupError(f"launch config {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise WorkerStartupError(
+            f"launch config {path}: not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise WorkerStartupError(f"launch config {path}: {_yaml_problem(exc)}") from exc
     if not isinstance(data, dict):
         raise WorkerStartupError(f"launch config {path}: expected a mapping at the top level")
     try:
@@ -122,6 +128,14 @@ def load_launch_config(path: str | None) -> LaunchConfig:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "(top level)"
         raise WorkerStartupError(f"launch config {path}: {where}: {first.get('msg')}") from exc
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML error in one line: ``line L column C: <problem>``."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or (str(exc).splitlines() or ["invalid YAML"])[0]
+    where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
 
 
 def check_launch(

@@ -91,3 +91,11 @@ def test_the_key_setting_is_checked():
     for bad in ("  ", " k1", "k1\n"):
         with pytest.raises(ApiKeyError, match="DWDP_API_KEY: the API key has leading"):
             check_api_key(bad, "DWDP_API_KEY")
+
+
+def test_schemathesis_with_the_key_finds_no_server_error(keyed, schemathesis_run):
+    """The whole API fuzzed with the key on: no 5xx; the key is what lets /v1/* through."""
+    statuses, failures = schemathesis_run(keyed, {"Authorization": f"Bearer {KEY}"}, examples=15)
+    assert not failures, failures[:5]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
+        assert 200 in statuses[path] and 401 not in statuses[path], (path, statuses[path])
