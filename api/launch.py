@@ -420,12 +420,13 @@ def parse_role(text: str) -> Role:
 def resolve_role(
     launch_role: Role | str | None, environ: Mapping[str, str] | None = None
 ) -> Role | None:
-    """The worker's role: the launch's (``--role``) if given, else ``DWDP_ROLE``, else None.
+    """The worker's role: the launch's (``--role``) if given, else ``DWDP_ROLE`` (empty:
+    unset), else None.
 
-    Raises ``ValueError`` for an unknown spelling in either place.
+    Raises ``ValueError`` for an unknown spelling in either place (blanks only included).
     """
     if launch_role is not None and launch_role != "":
         return launch_role if isinstance(launch_role, Role) else parse_role(launch_role)
     env = os.environ if environ is None else environ
     value = env.get(ROLE_ENV, "")
-    return parse_role(value) if value.strip() else None
+    return parse_role(value) if value else None  # blanks only: refused, as for --role

@@ -228,8 +228,15 @@ def test_resolve_role_prefers_the_launch() -> None:
     assert resolve_role("gen0", {}) is Role.GENERATION
     assert resolve_role(None, {"DWDP_ROLE": "CTX0"}) is Role.CONTEXT
     assert resolve_role(None, {"DWDP_ROLE": "gen3"}) is Role.GENERATION
-    assert resolve_role(None, {"DWDP_ROLE": " "}) is None
+    assert resolve_role(None, {"DWDP_ROLE": ""}) is None
     assert resolve_role(None, {}) is None
+
+
+@pytest.mark.parametrize("flag", ["  ", None])
+def test_a_blank_role_is_refused_from_the_flag_and_the_environment(flag) -> None:
+    """Blanks are no role in either place: refused alike (an empty variable is unset)."""
+    with pytest.raises(ValueError, match="unknown role"):
+        resolve_role(flag, {"DWDP_ROLE": "  "} if flag is None else {})
 
 
 def test_warning_without_a_context_role() -> None:
