@@ -214,9 +214,10 @@ def _ours(obj: Mapping[str, Any]) -> bool:
 class Observed:
     """Everything the plan reads about the cluster for one deployment.
 
-    ``children`` maps every non-pod child (ConfigMap, Service, EndpointSlice) to its
-    applied-hash annotation; ``ranks`` maps a pod name to its ranks' reports in local-rank
-    order (None for a rank that did not answer) and holds only the pods that were asked.
+    ``children`` maps every non-pod child (ConfigMap, Service, EndpointSlice, Secret,
+    PodGroup, ComputeDomain) to its applied-hash annotation; ``ranks`` maps a pod name to
+    its ranks' reports in local-rank order (None for a rank that did not answer) and holds
+    only the pods that were asked.
     """
 
     pods: tuple[ObservedPod, ...] = ()

@@ -66,6 +66,9 @@ __all__ = [
     "status_differs",
 ]
 
+_INCARNATION_KINDS = ("Secret", "PodGroup", "ComputeDomain")
+"""Children made per group incarnation (before its pods), deleted once its pods are gone."""
+
 REQUEUE_BUSY_S = 2.0
 """Seconds to the next look while some group is starting (the ranks are polled)."""
 REQUEUE_IDLE_S = 60.0
@@ -80,7 +83,8 @@ class Plan:
     apply: tuple[dict[str, Any], ...] = ()
     """Non-pod children to server-side apply (ConfigMaps, Services)."""
     create: tuple[dict[str, Any], ...] = ()
-    """Per-incarnation children created before its pods (gang PodGroup, ComputeDomain)."""
+    """Per-incarnation children created before its pods (rendezvous Secret without its
+    value, gang PodGroup, ComputeDomain)."""
     create_pods: tuple[dict[str, Any], ...] = ()
     gates: tuple[GateChange, ...] = ()
     slices: tuple[dict[str, Any], ...] = ()
@@ -220,6 +224,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
             shape=shape,
             target=revisions[role],
             fabric_pods=fabric_pods,
+            rendezvous_secret=builders.rendezvous_secret_needed(spec, role),
         )
         roles[role] = decide_role(ctx, recorded_groups(owner.name, role, old_status))
     actions = sum((d.actions for d in roles.values()), NO_ACTIONS)
@@ -280,14 +285,15 @@ def _children(
     keep = {ChildKey(o["kind"], o["metadata"]["name"]) for o in wanted + slices}
     keep |= {ChildKey("ConfigMap", naming.config_map(owner.name, r, rev)) for r, rev in in_use}
     keep |= actions.keep
-    for p in observed.pods:  # an incarnation's PodGroup and ComputeDomain live as its pods do
+    for p in observed.pods:  # an incarnation's own children live as its pods do
         group = naming.group_name(owner.name, p.role, p.group_index)
         name = naming.incarnation(group, p.incarnation)
         keep |= {ChildKey("PodGroup", name), ChildKey("ComputeDomain", name)}
+        keep.add(ChildKey("Secret", naming.rendezvous_secret(group, p.incarnation)))
     if observed.create_blocked:
-        # A refused creation waits for its retry: keep the PodGroups and ComputeDomains it
-        # made (the retry reuses them) rather than delete and re-create them every attempt.
-        keep |= {k for k in observed.children if k.kind in ("PodGroup", "ComputeDomain")}
+        # A refused creation waits for its retry: keep the per-incarnation children it made
+        # (the retry reuses them) rather than delete and re-create them every attempt.
+        keep |= {k for k in observed.children if k.kind in _INCARNATION_KINDS}
 
     def changed(objs: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
         return tuple(

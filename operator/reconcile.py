@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
+from dwdp.api.contract import RENDEZVOUS_SECRET_BYTES
+from dwdp.operator.builders import with_secret_value
 from dwdp.operator.constants import LABEL_GROUP, Reason
 from dwdp.operator.kube import OPTIONAL_KINDS, ApiError, Kube, now_rfc3339
 from dwdp.operator.observe import Observed, pod_from_object
@@ -94,7 +97,9 @@ class _Memory:
 
 
 async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None) -> bool:
-    """Apply ``p`` in its order; returns False when some write failed (the rest still ran)."""
+    """Apply ``p`` in its order; returns False when some write failed (the rest still ran).
+    A planned Secret (an incarnation's rendezvous Secret) gets its random value here, from
+    :func:`secrets.token_bytes`, so the plan stays deterministic."""
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     ok = True
@@ -118,6 +123,8 @@ async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None
         # Creations stop at the first refusal (quota, admission): the rest would be refused
         # too; the loop retries after a backoff, so a refusal never becomes a write storm.
         # A refused PodGroup or ComputeDomain stops the pods that need it.
+        if obj["kind"] == "Secret":  # the plan has no value: a fresh random one per Secret
+            obj = with_secret_value(obj, secrets.token_bytes(RENDEZVOUS_SECRET_BYTES))
         try:
             await kube.create(obj)
         except ApiError as exc:
