@@ -40,12 +40,9 @@ _PATHS = {
     "PodGroup": (f"/apis/{c.PODGROUP_API}", "podgroups"),
     "ComputeDomain": (f"/apis/{c.COMPUTE_DOMAIN_API}", "computedomains"),
 }
-CHILD_KINDS = ("ConfigMap", "Service", "EndpointSlice", "Secret")
-"""Kinds of the non-pod children the operator lists and may delete."""
-METADATA_ONLY_KINDS = frozenset({"Secret"})
-"""Kinds listed as metadata only (``PartialObjectMetadataList``): the operator never reads
-a Secret's value back."""
-_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+CHILD_KINDS = ("ConfigMap", "Service", "EndpointSlice")
+"""Kinds of the non-pod children the operator lists and may delete. Never Secrets: the
+operator creates and deletes the rendezvous Secrets by name and cannot read any Secret."""
 OPTIONAL_KINDS = {"PodGroup": c.PODGROUP_API, "ComputeDomain": c.COMPUTE_DOMAIN_API}
 """Children whose API a cluster may not serve: listed only where served."""
 DISCOVERY_TTL_S = 60.0
@@ -107,9 +104,8 @@ class Kube:
         body: Any = None,
         query: dict[str, Any] | None = None,
         content_type: str = "application/json",
-        accept: str = "application/json",
     ) -> Any:
-        headers = {"Accept": accept, "Content-Type": content_type}
+        headers = {"Accept": "application/json", "Content-Type": content_type}
         method_, url, headers, body, _ = self.client.param_serialize(
             method,
             path,
@@ -171,20 +167,11 @@ class Kube:
         self, namespace: str, deployment: str, optional: tuple[str, ...] = ()
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Pods, and the other children (each with ``kind`` set), labelled with the
-        deployment's name; ``optional``: served optional kinds to list too. Secrets come
-        as metadata only (no ``data``)."""
+        deployment's name; ``optional``: served optional kinds to list too."""
         query = {"labelSelector": f"{c.LABEL_DEPLOYMENT}={deployment}"}
         kinds = ("Pod", *CHILD_KINDS, *optional)
         answers = await asyncio.gather(
-            *(
-                self.request(
-                    "GET",
-                    _path(kind, namespace),
-                    query=query,
-                    accept=_METADATA_LIST if kind in METADATA_ONLY_KINDS else "application/json",
-                )
-                for kind in kinds
-            )
+            *(self.request("GET", _path(kind, namespace), query=query) for kind in kinds)
         )
         out: dict[str, list[dict[str, Any]]] = {}
         for kind, answer in zip(kinds, answers, strict=True):

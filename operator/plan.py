@@ -36,7 +36,7 @@ from dwdp.api.errors import Problem
 from dwdp.operator import builders, naming
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
-from dwdp.operator.observe import ChildKey, Observed
+from dwdp.operator.observe import ChildKey, Observed, ObservedPod
 from dwdp.operator.status import (
     GroupView,
     carry_transition_times,
@@ -63,11 +63,9 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "plan",
+    "secret_deletes",
     "status_differs",
 ]
-
-_INCARNATION_KINDS = ("Secret", "PodGroup", "ComputeDomain")
-"""Children made per group incarnation (before its pods), deleted once its pods are gone."""
 
 REQUEUE_BUSY_S = 2.0
 """Seconds to the next look while some group is starting (the ranks are polled)."""
@@ -232,6 +230,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         Delete("Pod", p.name) for p in observed.pods if p.role not in shapes and p.live
     )
     actions += Actions(delete=orphans)
+    actions += Actions(delete=secret_deletes(observed, actions.delete))
     apply, slices, stale = _children(spec, owner, observed, roles, actions, revisions)
     actions += Actions(delete=stale)
     status = _status(spec, owner, body, observed, roles, actions, revisions, now)
@@ -247,6 +246,25 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         events=actions.events,
         requeue_after_s=_requeue_after(actions, all_ready),
         groups=tuple(v for d in roles.values() for v in d.views),
+    )
+
+
+def secret_deletes(observed: Observed, deletes: Sequence[Delete]) -> tuple[Delete, ...]:
+    """The rendezvous Secrets to delete in the same step as their incarnation: those whose
+    pods (the ones mounting them) this plan deletes, leaving none of them live. Secrets are
+    never listed (the operator cannot read them), so the pods name them; a Secret whose
+    pods vanished unseen is deleted by the vanished step, and every one goes with the
+    deployment through its owner reference."""
+    gone = {d.name for d in deletes if d.kind == "Pod"}
+    by_secret: dict[str, list[ObservedPod]] = {}
+    for p in observed.pods:
+        if p.secret is not None:
+            by_secret.setdefault(p.secret, []).append(p)
+    return tuple(
+        Delete("Secret", name)
+        for name, members in sorted(by_secret.items())
+        if any(p.name in gone for p in members)
+        and all(p.name in gone or not p.live for p in members)
     )
 
 
@@ -285,15 +303,14 @@ def _children(
     keep = {ChildKey(o["kind"], o["metadata"]["name"]) for o in wanted + slices}
     keep |= {ChildKey("ConfigMap", naming.config_map(owner.name, r, rev)) for r, rev in in_use}
     keep |= actions.keep
-    for p in observed.pods:  # an incarnation's own children live as its pods do
+    for p in observed.pods:  # an incarnation's PodGroup and ComputeDomain live as its pods do
         group = naming.group_name(owner.name, p.role, p.group_index)
         name = naming.incarnation(group, p.incarnation)
         keep |= {ChildKey("PodGroup", name), ChildKey("ComputeDomain", name)}
-        keep.add(ChildKey("Secret", naming.rendezvous_secret(group, p.incarnation)))
     if observed.create_blocked:
-        # A refused creation waits for its retry: keep the per-incarnation children it made
-        # (the retry reuses them) rather than delete and re-create them every attempt.
-        keep |= {k for k in observed.children if k.kind in _INCARNATION_KINDS}
+        # A refused creation waits for its retry: keep the PodGroups and ComputeDomains it
+        # made (the retry reuses them) rather than delete and re-create them every attempt.
+        keep |= {k for k in observed.children if k.kind in ("PodGroup", "ComputeDomain")}
 
     def changed(objs: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
         return tuple(

@@ -351,14 +351,12 @@ def create_incarnation(
     create: list[dict[str, Any]] = []
     keep: set[ChildKey] = set()
     gang_name = cd_template = secret = None
-    if ctx.rendezvous_secret:
+    if ctx.rendezvous_secret:  # never listed: created by name (already there: no change)
         obj = builders.rendezvous_secret(
             ctx.owner, role=ctx.role, group_index=index, incarnation=inc
         )
         secret = obj["metadata"]["name"]
-        keep.add(ChildKey("Secret", secret))
-        if ChildKey("Secret", secret) not in ctx.observed.children:
-            create.append(obj)
+        create.append(obj)
     if ctx.options.gang and ctx.observed.gang:
         gang_name = naming.incarnation(group, inc)
         obj = builders.pod_group(
@@ -451,7 +449,8 @@ def draining(ctx: RoleContext, g: GroupState) -> GroupDecision:
 
 def vanished(ctx: RoleContext, g: GroupState) -> tuple[GroupState, Actions]:
     """Every pod of a running incarnation is gone: a failure; the group then waits to
-    restart (the returned state records it)."""
+    restart (the returned state records it). Its rendezvous Secret goes too (its pods
+    vanished without the operator deleting them, so no step deleted it)."""
     failure = failure_of(
         groups.EXIT_WORD,
         f"every pod of incarnation {g.recorded_incarnation} is gone",
@@ -469,7 +468,10 @@ def vanished(ctx: RoleContext, g: GroupState) -> tuple[GroupState, Actions]:
     state = replace(
         g, restarts=restarts, last_failure=failure, recorded_phase=GroupPhase.RESTARTING.value
     )
-    return state, Actions(events=(event,))
+    deletes: tuple[Delete, ...] = ()
+    if ctx.rendezvous_secret:
+        deletes = (Delete("Secret", naming.rendezvous_secret(g.name, g.recorded_incarnation)),)
+    return state, Actions(delete=deletes, events=(event,))
 
 
 def waiting_to_restart(ctx: RoleContext, g: GroupState) -> GroupDecision:

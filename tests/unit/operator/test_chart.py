@@ -80,7 +80,6 @@ def test_rbac_is_exactly_the_documented_set(helm: str) -> None:
         ("resource.nvidia.com", "computedomains", "list"),
         ("resource.nvidia.com", "computedomains", "create"),
         ("resource.nvidia.com", "computedomains", "delete"),
-        ("", "secrets", "list"),
         ("", "secrets", "create"),
         ("", "secrets", "delete"),
         ("", "events", "create"),

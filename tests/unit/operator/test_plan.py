@@ -179,7 +179,13 @@ def test_scale_adds_and_removes_whole_groups_only() -> None:
     assert [g["phase"] for g in p.status["groups"]] == ["Serving", "Draining", "Draining"]
     # Step 2: the pods go, with their grace period.
     p = sim.step()
-    assert sorted(p.delete, key=lambda d: d.name) == [Delete("Pod", n, 30) for n in drained]
+    pod_deletes = [d for d in p.delete if d.kind == "Pod"]
+    assert sorted(pod_deletes, key=lambda d: d.name) == [Delete("Pod", n, 30) for n in drained]
+    # ... and their incarnations' rendezvous Secrets in the same step.
+    assert [d for d in p.delete if d.kind != "Pod"] == [
+        Delete("Secret", "demo-g1-i0-rdzv"),
+        Delete("Secret", "demo-g2-i0-rdzv"),
+    ]
     assert [e.reason for e in p.events] == [Reason.DELETED_GROUP, Reason.DELETED_GROUP]
     p = sim.step()
     assert sim.names("Pod") == ["demo-g0-i0-p0", "demo-g0-i0-p1"]
@@ -232,7 +238,9 @@ def test_a_failed_pod_fails_its_group_only_and_closes_its_gate() -> None:
     assert groups["demo-g1"]["lastFailure"]["reason"] == "SetupFailed"
     assert groups["demo-g1"]["restarts"] == 1
     # Fail together: the whole incarnation goes, the other group is untouched.
-    assert sorted(d.name for d in p.delete) == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
+    pod_deletes = sorted(d.name for d in p.delete if d.kind == "Pod")
+    assert pod_deletes == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
+    assert [d for d in p.delete if d.kind != "Pod"] == [Delete("Secret", "demo-g1-i0-rdzv")]
     assert p.status["phase"] == "Degraded"
     degraded = p.status["conditions"][2]
     assert (degraded["status"], degraded["reason"]) == ("True", "GroupFailed")
