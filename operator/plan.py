@@ -63,7 +63,6 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "plan",
-    "secret_deletes",
     "status_differs",
 ]
 
@@ -230,7 +229,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         Delete("Pod", p.name) for p in observed.pods if p.role not in shapes and p.live
     )
     actions += Actions(delete=orphans)
-    actions += Actions(delete=secret_deletes(observed, actions.delete))
+    actions += Actions(delete=_secret_deletes(observed, actions.delete))
     apply, slices, stale = _children(spec, owner, observed, roles, actions, revisions)
     actions += Actions(delete=stale)
     status = _status(spec, owner, body, observed, roles, actions, revisions, now)
@@ -249,7 +248,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     )
 
 
-def secret_deletes(observed: Observed, deletes: Sequence[Delete]) -> tuple[Delete, ...]:
+def _secret_deletes(observed: Observed, deletes: Sequence[Delete]) -> tuple[Delete, ...]:
     """The rendezvous Secrets to delete in the same step as their incarnation: those whose
     pods (the ones mounting them) this plan deletes, leaving none of them live. Secrets are
     never listed (the operator cannot read them), so the pods name them; a Secret whose

@@ -345,13 +345,14 @@ def create_incarnation(
     fresh: bool = True,
 ) -> Actions:
     """Pods of one incarnation, after its rendezvous Secret (without its value: the apply
-    step adds a random one), gang PodGroup and ComputeDomain (each created only when not
+    step adds a random one; Secrets are never listed, so it is always planned and the apply
+    step skips one it already made), gang PodGroup and ComputeDomain (created only when not
     there yet); a CreatedGroup Event when ``fresh``."""
     group = naming.group_name(ctx.owner.name, ctx.role, index)
     create: list[dict[str, Any]] = []
     keep: set[ChildKey] = set()
     gang_name = cd_template = secret = None
-    if ctx.rendezvous_secret:  # never listed: created by name (already there: no change)
+    if ctx.rendezvous_secret:
         obj = builders.rendezvous_secret(
             ctx.owner, role=ctx.role, group_index=index, incarnation=inc
         )
