@@ -132,3 +132,37 @@ def test_rendezvous_secret_per_incarnation(
     cluster.wait_for(
         lambda: not secrets(cluster, ns, name), timeout=60, message="Secrets garbage-collected"
     )
+
+
+def test_a_refused_creation_retries_the_pod_not_the_secret(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """A quota refuses g1's pod: each retry (5 s, 15 s, ... apart) sends the pod again but
+    not its Secret, which the first attempt made (Secrets are never read back, so the
+    operator's loop remembers it)."""
+    ns, name = namespace, "rdzvquota"
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "pods"},
+        "spec": {"hard": {"pods": "1"}},
+    }
+    cluster.apply(ns, quota)
+    cluster.wait_for(
+        lambda: (cluster.get("resourcequota", "pods", ns).get("status") or {}).get("hard"),
+        timeout=30,
+        message="quota status computed",
+    )
+    before = operator.fresh_writes()["by"]
+    cluster.apply(ns, deployment(name, replicas=2, ranks_per_pod=2, dwdp_size=2))
+
+    def retried() -> dict | None:
+        by = operator.writes()["by"]
+        pod_posts = by.get("POST Pod", 0) - before.get("POST Pod", 0)
+        return by if pod_posts >= 3 else None  # g0's pod, g1's first attempt and a retry
+
+    by = cluster.wait_for(retried, timeout=90, interval=1.0, message="a retry of g1's pod")
+    assert by.get("POST Secret", 0) - before.get("POST Secret", 0) == 2, by
+    assert set(secrets(cluster, ns, name)) == {f"{name}-g0-i0-rdzv", f"{name}-g1-i0-rdzv"}
+    cluster.kubectl("delete", "resourcequota", "pods", "-n", ns)
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
