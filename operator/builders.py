@@ -9,6 +9,7 @@ builders never read the cluster and never look at the clock.
 
 from __future__ import annotations
 
+import base64
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,9 +17,14 @@ from typing import Any
 
 import yaml
 
-from dwdp.api.contract import Env
+from dwdp.api.contract import (
+    RENDEZVOUS_SECRET_DIR,
+    RENDEZVOUS_SECRET_KEY,
+    RENDEZVOUS_SECRET_PATH,
+    Env,
+)
 from dwdp.api.deployment import API_VERSION, KIND, DwdpDeploymentSpec, launch_config_for
-from dwdp.api.enums import Role
+from dwdp.api.enums import Role, Transport
 from dwdp.api.launch import validate_launch
 from dwdp.operator import constants as c
 from dwdp.operator import naming
@@ -34,8 +40,11 @@ __all__ = [
     "headless_service",
     "launch_config_text",
     "pod_group",
+    "rendezvous_secret",
+    "rendezvous_secret_needed",
     "role_shapes",
     "role_template",
+    "with_secret_value",
     "worker_pod",
 ]
 
@@ -363,10 +372,14 @@ def worker_pod(
     command: tuple[str, ...] = c.DEFAULT_WORKER_COMMAND,
     pod_group: str | None = None,
     channel_template: str | None = None,
+    secret: str | None = None,
 ) -> dict[str, Any]:
     """Pod ``pod_index`` of incarnation ``incarnation`` of group ``group_index`` of
     ``role``: ranks ``pod_index * ranksPerPod`` onwards, the rendezvous environment of
-    DESIGN.md 4, one GPU per rank, restartPolicy Never, the commit-gate readiness gate."""
+    DESIGN.md 4, one GPU per rank, restartPolicy Never, the commit-gate readiness gate.
+    ``secret``: the incarnation's rendezvous Secret, mounted read-only at
+    ``RENDEZVOUS_SECRET_DIR`` and named by ``DWDP_RENDEZVOUS_SECRET_FILE`` (its path, never
+    its value)."""
     t = role_template(spec, role, command=command)
     shape = role_shapes(spec)[role]
     group = naming.group_name(owner.name, role, group_index)
@@ -454,6 +467,8 @@ def worker_pod(
             {"name": c.CHANNEL_CLAIM, "resourceClaimTemplateName": channel_template}
         ]
         container["resources"] = {**container["resources"], "claims": [{"name": c.CHANNEL_CLAIM}]}
+    if secret is not None:
+        _mount_secret(pod_spec, container, secret)
     if t["nodeSelector"]:
         pod_spec["nodeSelector"] = t["nodeSelector"]
     if t["tolerations"]:
@@ -467,6 +482,26 @@ def worker_pod(
         },
         owner,
     )
+
+
+def _mount_secret(pod_spec: dict[str, Any], container: dict[str, Any], secret: str) -> None:
+    """Add the rendezvous Secret ``secret`` to a worker pod: a secret volume (key
+    ``secret`` only, mode 0400), its read-only mount and the env var naming the file."""
+    pod_spec["volumes"].append(
+        {
+            "name": c.RENDEZVOUS_VOLUME,
+            "secret": {
+                "secretName": secret,
+                "defaultMode": c.RENDEZVOUS_SECRET_MODE,
+                "items": [{"key": RENDEZVOUS_SECRET_KEY, "path": RENDEZVOUS_SECRET_KEY}],
+            },
+        }
+    )
+    container["volumeMounts"].append(
+        {"name": c.RENDEZVOUS_VOLUME, "mountPath": RENDEZVOUS_SECRET_DIR, "readOnly": True}
+    )
+    env = {"name": Env.RENDEZVOUS_SECRET_FILE.value, "value": RENDEZVOUS_SECRET_PATH}
+    container["env"].append(env)
 
 
 # ----------------------------------------------------------------------------- per incarnation
@@ -530,3 +565,42 @@ def compute_domain(
         },
         owner,
     )
+
+
+def rendezvous_secret_needed(spec: DwdpDeploymentSpec, role: Role) -> bool:
+    """The ranks of a ``role`` group meet at rank 0's TCP store, so each incarnation needs a
+    rendezvous Secret: DWDP is on (experts or dense) and the transport is ``tcpStore``
+    (the worker's own rule: ``dwdp.worker.group.join_group``; MPI and no-DWDP groups never
+    open the store)."""
+    cfg = launch_config_for(spec, role)
+    dwdp_on = bool(cfg.dwdp.expert_dwdp or cfg.dwdp.enable_dense)
+    return dwdp_on and cfg.transport == Transport.TCP_STORE
+
+
+def rendezvous_secret(
+    owner: Owner, *, role: Role, group_index: int, incarnation: int
+) -> dict[str, Any]:
+    """The rendezvous Secret of one group incarnation, without its value (type Opaque,
+    labelled and owned like the incarnation's pods). The value is random and so never
+    planned: :func:`with_secret_value` adds it just before the creation."""
+    group = naming.group_name(owner.name, role, group_index)
+    return _finish(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": naming.rendezvous_secret(group, incarnation),
+                "labels": _incarnation_labels(owner, role, group_index, incarnation),
+            },
+            "type": "Opaque",
+        },
+        owner,
+    )
+
+
+def with_secret_value(obj: Mapping[str, Any], value: bytes) -> dict[str, Any]:
+    """A copy of the rendezvous Secret ``obj`` whose ``data[secret]`` is ``value``
+    (raw bytes, base64-encoded as the API wants)."""
+    out = copy.deepcopy(dict(obj))
+    out["data"] = {RENDEZVOUS_SECRET_KEY: base64.b64encode(value).decode("ascii")}
+    return out

@@ -84,6 +84,10 @@ CONFIG_DIR = "/etc/dwdp"
 CONFIG_KEY_CONTEXT = "context.yaml"
 CONFIG_KEY_GENERATION = "generation.yaml"
 MODEL_VOLUME = "model"
+RENDEZVOUS_VOLUME = "rendezvous-secret"
+"""Volume of a worker pod holding its incarnation's rendezvous Secret."""
+RENDEZVOUS_SECRET_MODE = 0o400
+"""File mode of the mounted rendezvous secret (read by the worker's user only)."""
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 DEFAULT_WORKER_COMMAND = ("dwdp", "launch", "--host", f"$({Env.POD_IP.value})")
 """Container command of a worker pod (``dwdp launch`` binds the pod's own address)."""

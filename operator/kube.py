@@ -32,6 +32,7 @@ REQUEST_TIMEOUT_S = 30.0
 _PATHS = {
     "Pod": ("/api/v1", "pods"),
     "ConfigMap": ("/api/v1", "configmaps"),
+    "Secret": ("/api/v1", "secrets"),
     "Service": ("/api/v1", "services"),
     "Event": ("/api/v1", "events"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
@@ -40,7 +41,8 @@ _PATHS = {
     "ComputeDomain": (f"/apis/{c.COMPUTE_DOMAIN_API}", "computedomains"),
 }
 CHILD_KINDS = ("ConfigMap", "Service", "EndpointSlice")
-"""Kinds of the non-pod children the operator lists and may delete."""
+"""Kinds of the non-pod children the operator lists and may delete. Never Secrets: the
+operator creates and deletes the rendezvous Secrets by name and cannot read any Secret."""
 OPTIONAL_KINDS = {"PodGroup": c.PODGROUP_API, "ComputeDomain": c.COMPUTE_DOMAIN_API}
 """Children whose API a cluster may not serve: listed only where served."""
 DISCOVERY_TTL_S = 60.0

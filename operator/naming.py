@@ -19,6 +19,7 @@ __all__ = [
     "incarnation",
     "pod_name",
     "rendezvous_address",
+    "rendezvous_secret",
 ]
 
 _GROUP_PREFIX = {Role.CONTEXT: "g", Role.GENERATION: "gen"}
@@ -66,6 +67,11 @@ def incarnation(group: str, incarnation: int) -> str:
 def channel_claim_template(group: str, incarnation: int) -> str:
     """The ResourceClaimTemplate the incarnation's ComputeDomain makes for its channel."""
     return f"{group}-i{incarnation}-channel"
+
+
+def rendezvous_secret(group: str, incarnation: int) -> str:
+    """The Secret holding the incarnation's rendezvous secret: ``demo-g0-i3-rdzv``."""
+    return f"{group}-i{incarnation}-rdzv"
 
 
 def rendezvous_address(

@@ -104,6 +104,8 @@ class ObservedPod:
     """``metadata.deletionTimestamp`` (when the pod is being deleted)."""
     grace_s: int | None = None
     """``spec.terminationGracePeriodSeconds``."""
+    secret: str | None = None
+    """The incarnation's rendezvous Secret the pod mounts (None: none)."""
 
     @property
     def failed(self) -> bool:
@@ -188,6 +190,14 @@ def pod_from_object(obj: Mapping[str, Any]) -> ObservedPod | None:
         created=meta.get("creationTimestamp"),
         deleted=meta.get("deletionTimestamp"),
         grace_s=spec.get("terminationGracePeriodSeconds"),
+        secret=next(
+            (
+                str(v["secret"].get("secretName"))
+                for v in spec.get("volumes") or ()
+                if v.get("name") == c.RENDEZVOUS_VOLUME and "secret" in v
+            ),
+            None,
+        ),
     )
 
 
@@ -214,9 +224,10 @@ def _ours(obj: Mapping[str, Any]) -> bool:
 class Observed:
     """Everything the plan reads about the cluster for one deployment.
 
-    ``children`` maps every non-pod child (ConfigMap, Service, EndpointSlice) to its
-    applied-hash annotation; ``ranks`` maps a pod name to its ranks' reports in local-rank
-    order (None for a rank that did not answer) and holds only the pods that were asked.
+    ``children`` maps every listed non-pod child (ConfigMap, Service, EndpointSlice,
+    PodGroup, ComputeDomain; never a Secret) to its applied-hash annotation; ``ranks`` maps
+    a pod name to its ranks' reports in local-rank order (None for a rank that did not
+    answer) and holds only the pods that were asked.
     """
 
     pods: tuple[ObservedPod, ...] = ()

@@ -36,7 +36,7 @@ from dwdp.api.errors import Problem
 from dwdp.operator import builders, naming
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
-from dwdp.operator.observe import ChildKey, Observed
+from dwdp.operator.observe import ChildKey, Observed, ObservedPod
 from dwdp.operator.status import (
     GroupView,
     carry_transition_times,
@@ -80,7 +80,8 @@ class Plan:
     apply: tuple[dict[str, Any], ...] = ()
     """Non-pod children to server-side apply (ConfigMaps, Services)."""
     create: tuple[dict[str, Any], ...] = ()
-    """Per-incarnation children created before its pods (gang PodGroup, ComputeDomain)."""
+    """Per-incarnation children created before its pods (rendezvous Secret without its
+    value, gang PodGroup, ComputeDomain)."""
     create_pods: tuple[dict[str, Any], ...] = ()
     gates: tuple[GateChange, ...] = ()
     slices: tuple[dict[str, Any], ...] = ()
@@ -220,6 +221,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
             shape=shape,
             target=revisions[role],
             fabric_pods=fabric_pods,
+            rendezvous_secret=builders.rendezvous_secret_needed(spec, role),
         )
         roles[role] = decide_role(ctx, recorded_groups(owner.name, role, old_status))
     actions = sum((d.actions for d in roles.values()), NO_ACTIONS)
@@ -227,6 +229,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         Delete("Pod", p.name) for p in observed.pods if p.role not in shapes and p.live
     )
     actions += Actions(delete=orphans)
+    actions += Actions(delete=_secret_deletes(observed, actions.delete))
     apply, slices, stale = _children(spec, owner, observed, roles, actions, revisions)
     actions += Actions(delete=stale)
     status = _status(spec, owner, body, observed, roles, actions, revisions, now)
@@ -242,6 +245,25 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         events=actions.events,
         requeue_after_s=_requeue_after(actions, all_ready),
         groups=tuple(v for d in roles.values() for v in d.views),
+    )
+
+
+def _secret_deletes(observed: Observed, deletes: Sequence[Delete]) -> tuple[Delete, ...]:
+    """The rendezvous Secrets to delete in the same step as their incarnation: those whose
+    pods (the ones mounting them) this plan deletes, leaving none of them live. Secrets are
+    never listed (the operator cannot read them), so the pods name them; a Secret whose
+    pods vanished unseen is deleted by the vanished step, and every one goes with the
+    deployment through its owner reference."""
+    gone = {d.name for d in deletes if d.kind == "Pod"}
+    by_secret: dict[str, list[ObservedPod]] = {}
+    for p in observed.pods:
+        if p.secret is not None:
+            by_secret.setdefault(p.secret, []).append(p)
+    return tuple(
+        Delete("Secret", name)
+        for name, members in sorted(by_secret.items())
+        if any(p.name in gone for p in members)
+        and all(p.name in gone or not p.live for p in members)
     )
 
 

@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
+from dwdp.api.contract import RENDEZVOUS_SECRET_BYTES
+from dwdp.operator.builders import with_secret_value
 from dwdp.operator.constants import LABEL_GROUP, Reason
 from dwdp.operator.kube import OPTIONAL_KINDS, ApiError, Kube, now_rfc3339
 from dwdp.operator.observe import Observed, pod_from_object
@@ -72,6 +75,9 @@ class _Memory:
     create_error: str | None = None
     create_failures: int = 0
     create_retry_at: float = 0.0
+    secrets_made: set[str] = field(default_factory=set)
+    """Rendezvous Secrets this loop created and has not deleted: a refused creation's retry
+    does not send them again (Secrets are never read back, so nothing else tells)."""
 
     def create_blocked(self) -> bool:
         """A refused creation waits for its retry time."""
@@ -94,7 +100,9 @@ class _Memory:
 
 
 async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None) -> bool:
-    """Apply ``p`` in its order; returns False when some write failed (the rest still ran)."""
+    """Apply ``p`` in its order; returns False when some write failed (the rest still ran).
+    A planned Secret (an incarnation's rendezvous Secret) gets its random value here, from
+    :func:`secrets.token_bytes`, so the plan stays deterministic."""
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     ok = True
@@ -118,8 +126,15 @@ async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None
         # Creations stop at the first refusal (quota, admission): the rest would be refused
         # too; the loop retries after a backoff, so a refusal never becomes a write storm.
         # A refused PodGroup or ComputeDomain stops the pods that need it.
+        if obj["kind"] == "Secret":
+            if memory is not None and obj["metadata"]["name"] in memory.secrets_made:
+                continue
+            # The plan has no value: a fresh random one per Secret, generated here.
+            obj = with_secret_value(obj, secrets.token_bytes(RENDEZVOUS_SECRET_BYTES))
         try:
             await kube.create(obj)
+            if memory is not None and obj["kind"] == "Secret":
+                memory.secrets_made.add(obj["metadata"]["name"])
         except ApiError as exc:
             ok = False
             refused = f"cannot create {obj['kind']} {obj['metadata']['name']}: {exc.message}"
@@ -144,6 +159,8 @@ async def execute(kube: Kube, body: dict, p: Plan, memory: _Memory | None = None
         await attempt(
             f"delete {d.kind} {d.name}", kube.delete(d.kind, ns, d.name, grace_s=d.grace_s)
         )
+        if memory is not None and d.kind == "Secret":
+            memory.secrets_made.discard(d.name)
     if p.status is not None:
         await attempt("write the status", kube.apply_status(ns, name, p.status))
     for ev in p.events:

@@ -114,7 +114,8 @@ class Actions:
     """Cluster actions a step decided; ``a + b`` keeps the order (a's first)."""
 
     create: tuple[dict[str, Any], ...] = ()
-    """Per-incarnation children created before its pods (gang PodGroup, ComputeDomain)."""
+    """Per-incarnation children created before its pods (rendezvous Secret, gang PodGroup,
+    ComputeDomain)."""
     pods: tuple[dict[str, Any], ...] = ()
     gates: tuple[GateChange, ...] = ()
     delete: tuple[Delete, ...] = ()
@@ -155,6 +156,9 @@ class RoleContext:
     """The revision the spec asks for."""
     fabric_pods: bool
     """Context incarnations get a ComputeDomain."""
+    rendezvous_secret: bool = False
+    """Incarnations of this role get a rendezvous Secret (their ranks meet at a TCP store:
+    :func:`~dwdp.operator.builders.rendezvous_secret_needed`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,12 +344,20 @@ def create_incarnation(
     *,
     fresh: bool = True,
 ) -> Actions:
-    """Pods of one incarnation, after its gang PodGroup and ComputeDomain (created only
-    when not there yet); a CreatedGroup Event when ``fresh``."""
+    """Pods of one incarnation, after its rendezvous Secret (without its value: the apply
+    step adds a random one; Secrets are never listed, so it is always planned and the apply
+    step skips one it already made), gang PodGroup and ComputeDomain (created only when not
+    there yet); a CreatedGroup Event when ``fresh``."""
     group = naming.group_name(ctx.owner.name, ctx.role, index)
     create: list[dict[str, Any]] = []
     keep: set[ChildKey] = set()
-    gang_name = cd_template = None
+    gang_name = cd_template = secret = None
+    if ctx.rendezvous_secret:
+        obj = builders.rendezvous_secret(
+            ctx.owner, role=ctx.role, group_index=index, incarnation=inc
+        )
+        secret = obj["metadata"]["name"]
+        create.append(obj)
     if ctx.options.gang and ctx.observed.gang:
         gang_name = naming.incarnation(group, inc)
         obj = builders.pod_group(
@@ -383,6 +395,7 @@ def create_incarnation(
             command=ctx.options.command,
             pod_group=gang_name,
             channel_template=cd_template,
+            secret=secret,
         )
         for i in pod_indices
     )
@@ -437,7 +450,8 @@ def draining(ctx: RoleContext, g: GroupState) -> GroupDecision:
 
 def vanished(ctx: RoleContext, g: GroupState) -> tuple[GroupState, Actions]:
     """Every pod of a running incarnation is gone: a failure; the group then waits to
-    restart (the returned state records it)."""
+    restart (the returned state records it). Its rendezvous Secret goes too (its pods
+    vanished without the operator deleting them, so no step deleted it)."""
     failure = failure_of(
         groups.EXIT_WORD,
         f"every pod of incarnation {g.recorded_incarnation} is gone",
@@ -455,7 +469,10 @@ def vanished(ctx: RoleContext, g: GroupState) -> tuple[GroupState, Actions]:
     state = replace(
         g, restarts=restarts, last_failure=failure, recorded_phase=GroupPhase.RESTARTING.value
     )
-    return state, Actions(events=(event,))
+    deletes: tuple[Delete, ...] = ()
+    if ctx.rendezvous_secret:
+        deletes = (Delete("Secret", naming.rendezvous_secret(g.name, g.recorded_incarnation)),)
+    return state, Actions(delete=deletes, events=(event,))
 
 
 def waiting_to_restart(ctx: RoleContext, g: GroupState) -> GroupDecision:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 
 import pytest
@@ -59,6 +60,7 @@ def without_hash(obj: dict) -> dict:
         (naming.group_name("demo", Role.CONTEXT, 3), "demo-g3"),
         (naming.group_name("demo", Role.GENERATION, 0), "demo-gen0"),
         (naming.pod_name("demo-g3", 2, 1), "demo-g3-i2-p1"),
+        (naming.rendezvous_secret("demo-g3", 2), "demo-g3-i2-rdzv"),
         (
             naming.rendezvous_address(
                 group="demo-g1",
@@ -81,6 +83,7 @@ def test_longest_names_fit_a_dns_label() -> None:
     longest = naming.pod_name(naming.group_name(dep, Role.GENERATION, 999), 99999, 99)
     assert len(longest) <= 63
     assert len(naming.config_map(dep, Role.GENERATION, "0123456789")) <= 63
+    assert len(naming.rendezvous_secret(naming.group_name(dep, Role.CONTEXT, 999), 99999)) <= 63
 
 
 def test_context_pod_of_second_group_second_pod() -> None:
@@ -345,3 +348,12 @@ def test_applied_hash_changes_with_content() -> None:
         builders.headless_service(SPEC, OWNER, Role.CONTEXT)
     )
     assert builders.applied_hash({"metadata": {}}) is None
+
+
+def test_secret_value_is_added_base64_to_a_copy() -> None:
+    planned = builders.rendezvous_secret(OWNER, role=Role.CONTEXT, group_index=0, incarnation=1)
+    value = bytes(range(32))
+    out = builders.with_secret_value(planned, value)
+    assert base64.b64decode(out["data"]["secret"]) == value
+    assert "data" not in planned  # the plan's object is left as planned
+    assert out["metadata"] == planned["metadata"] and out["type"] == "Opaque"

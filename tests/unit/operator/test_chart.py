@@ -80,6 +80,8 @@ def test_rbac_is_exactly_the_documented_set(helm: str) -> None:
         ("resource.nvidia.com", "computedomains", "list"),
         ("resource.nvidia.com", "computedomains", "create"),
         ("resource.nvidia.com", "computedomains", "delete"),
+        ("", "secrets", "create"),
+        ("", "secrets", "delete"),
         ("", "events", "create"),
     } | {
         ("", kind, verb)

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 
+from dwdp.api.contract import RENDEZVOUS_SECRET_DIR, RENDEZVOUS_SECRET_PATH, Env
 from dwdp.operator import constants as c
 from dwdp.operator.constants import Reason
 from dwdp.operator.observe import Observed, rank_report_from_json
@@ -69,7 +70,7 @@ class Sim:
 
     def step(self, now: str = "T"):
         p = plan(self.body, self.observed(), options=OPTIONS, now=now)
-        for obj in (*p.apply, *p.slices):
+        for obj in (*p.apply, *p.create, *p.slices):
             self.objects[(obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(obj)
         for pod in p.create_pods:
             pod = copy.deepcopy(pod)
@@ -178,7 +179,13 @@ def test_scale_adds_and_removes_whole_groups_only() -> None:
     assert [g["phase"] for g in p.status["groups"]] == ["Serving", "Draining", "Draining"]
     # Step 2: the pods go, with their grace period.
     p = sim.step()
-    assert sorted(p.delete, key=lambda d: d.name) == [Delete("Pod", n, 30) for n in drained]
+    pod_deletes = [d for d in p.delete if d.kind == "Pod"]
+    assert sorted(pod_deletes, key=lambda d: d.name) == [Delete("Pod", n, 30) for n in drained]
+    # ... and their incarnations' rendezvous Secrets in the same step.
+    assert [d for d in p.delete if d.kind != "Pod"] == [
+        Delete("Secret", "demo-g1-i0-rdzv"),
+        Delete("Secret", "demo-g2-i0-rdzv"),
+    ]
     assert [e.reason for e in p.events] == [Reason.DELETED_GROUP, Reason.DELETED_GROUP]
     p = sim.step()
     assert sim.names("Pod") == ["demo-g0-i0-p0", "demo-g0-i0-p1"]
@@ -231,7 +238,9 @@ def test_a_failed_pod_fails_its_group_only_and_closes_its_gate() -> None:
     assert groups["demo-g1"]["lastFailure"]["reason"] == "SetupFailed"
     assert groups["demo-g1"]["restarts"] == 1
     # Fail together: the whole incarnation goes, the other group is untouched.
-    assert sorted(d.name for d in p.delete) == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
+    pod_deletes = sorted(d.name for d in p.delete if d.kind == "Pod")
+    assert pod_deletes == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
+    assert [d for d in p.delete if d.kind != "Pod"] == [Delete("Secret", "demo-g1-i0-rdzv")]
     assert p.status["phase"] == "Degraded"
     degraded = p.status["conditions"][2]
     assert (degraded["status"], degraded["reason"]) == ("True", "GroupFailed")
@@ -341,3 +350,89 @@ def test_endpoint_slices_of_the_slice_controller_are_not_ours() -> None:
     p = sim.step()
     assert all(d.kind != "EndpointSlice" for d in p.delete)
     assert sim.step().writes == 0
+
+
+# ----------------------------------------------------------------------------- rendezvous Secret
+def _env(pod: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def _secret_volume(pod: dict) -> str | None:
+    """The Secret the pod mounts at the rendezvous secret folder (None: none)."""
+    mounts = pod["spec"]["containers"][0]["volumeMounts"]
+    mount = next((m for m in mounts if m["mountPath"] == RENDEZVOUS_SECRET_DIR), None)
+    if mount is None:
+        return None
+    assert mount["readOnly"] is True
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    assert vol["secret"]["defaultMode"] == 0o400
+    assert vol["secret"]["items"] == [{"key": "secret", "path": "secret"}]
+    return vol["secret"]["secretName"]
+
+
+def test_each_incarnation_gets_its_own_rendezvous_secret_before_its_pods() -> None:
+    """A DWDP group over the TCP store: one Secret per incarnation, planned without a
+    value, labelled and owned like the incarnation's pods, mounted only into them, and
+    named by the env var (its path, never its value)."""
+    p = plan(body(), Observed(), options=OPTIONS, now="T0")
+    secrets = [o for o in p.create if o["kind"] == "Secret"]
+    assert [s["metadata"]["name"] for s in secrets] == ["demo-g0-i0-rdzv", "demo-g1-i0-rdzv"]
+    for index, secret in enumerate(secrets):
+        assert secret["type"] == "Opaque"
+        assert "data" not in secret and "stringData" not in secret  # the apply step adds it
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert secret["metadata"]["ownerReferences"][0]["controller"] is True
+        pod = p.create_pods[2 * index]
+        want = {
+            k: v
+            for k, v in pod["metadata"]["labels"].items()
+            if k not in (c.LABEL_POD_INDEX, c.LABEL_REVISION)
+        }
+        assert secret["metadata"]["labels"] == want
+        assert want[c.LABEL_INCARNATION] == "0" and want[c.LABEL_GROUP] == f"demo-g{index}"
+    for pod in p.create_pods:
+        group = pod["metadata"]["labels"][c.LABEL_GROUP]
+        assert _secret_volume(pod) == f"{group}-i0-rdzv"
+        env = _env(pod)
+        assert env[Env.RENDEZVOUS_SECRET_FILE.value] == RENDEZVOUS_SECRET_PATH
+        assert "secret" not in str(pod["metadata"].get("annotations"))
+        assert not any(
+            "secretKeyRef" in (e.get("valueFrom") or {})
+            for e in pod["spec"]["containers"][0]["env"]
+        )
+    assert plan(body(), Observed(), options=OPTIONS, now="T0") == p  # still deterministic
+
+
+def test_a_restart_gets_a_new_secret_and_the_old_one_goes_with_its_pods() -> None:
+    sim = Sim(body(replicas=1))
+    sim.step()
+    assert sim.names("Secret") == ["demo-g0-i0-rdzv"]
+    assert sim.step().create == ()  # present: not created again
+    for name in sim.names("Pod"):
+        del sim.objects[("Pod", name)]
+    p = sim.step("2026-01-01T00:00:00Z")  # the failure: incarnation 0's pods are gone
+    assert Delete("Secret", "demo-g0-i0-rdzv") in p.delete
+    p = sim.step("2026-01-01T00:00:10Z")
+    assert [o["metadata"]["name"] for o in p.create] == ["demo-g0-i1-rdzv"]
+    assert {_secret_volume(pod) for pod in p.create_pods} == {"demo-g0-i1-rdzv"}
+    assert sim.names("Secret") == ["demo-g0-i1-rdzv"]
+
+
+def test_a_group_without_dwdp_gets_no_secret() -> None:
+    """dwdpSize 1: the worker never opens the store (the operator refuses the MPI transport
+    outright, so tcpStore is the only rendezvous it runs)."""
+    spec = {"context": {"replicas": 1, "ranksPerPod": 1, "dwdp": {"dwdpSize": 1}}}
+    p = plan(body(**spec), Observed(), options=OPTIONS, now="T0")
+    assert p.create_pods and not [o for o in p.create if o["kind"] == "Secret"]
+    for pod in p.create_pods:
+        assert _secret_volume(pod) is None
+        assert Env.RENDEZVOUS_SECRET_FILE.value not in _env(pod)
+
+
+def test_generation_servers_get_no_secret() -> None:
+    """Generation servers run no DWDP (the worker never opens the store for them)."""
+    p = plan(body(replicas=1, generation={"replicas": 1}), Observed(), options=OPTIONS, now="T")
+    secrets = [o["metadata"]["name"] for o in p.create if o["kind"] == "Secret"]
+    assert secrets == ["demo-g0-i0-rdzv"]
+    gen = [o for o in p.create_pods if o["metadata"]["labels"][c.LABEL_ROLE] == "generation"]
+    assert gen and all(_secret_volume(pod) is None for pod in gen)
