@@ -15,13 +15,13 @@ payloads, the same errors), so any verdict computed from it is the same on every
 from __future__ import annotations
 
 import os
-import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Self
 
 from dwdp.api.contract import Env
+from dwdp.worker.transport.codec import Payload, WireError, decode, encode
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 1800.0
 """Seconds a rank waits for its peers at the rendezvous and at each collective."""
@@ -71,7 +71,7 @@ class Exchange:
     """
 
     label: str
-    payloads: tuple[Any, ...]
+    payloads: tuple[Payload, ...]
     errors: Mapping[int, str] = field(default_factory=dict)
 
     @property
@@ -171,10 +171,39 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class _Envelope:
+    """One rank's message in one collective; on the wire ``[seq, label, error, payload]``."""
+
     seq: int
     label: str
     error: str | None
-    payload: Any
+    payload: Payload
+
+    def to_bytes(self) -> bytes:
+        """The envelope encoded; a payload that cannot travel (a type outside
+        :data:`~dwdp.worker.transport.codec.Payload`, too large) becomes this rank's error,
+        so every rank still reaches the same verdict."""
+        try:
+            return encode([self.seq, self.label, self.error, self.payload])
+        except WireError as exc:
+            error = f"{self.error}; " if self.error else ""
+            error += f"its payload could not be sent: {exc}"
+            return encode([self.seq, self.label, error, None])
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, *, rank: int, label: str) -> _Envelope:
+        """Decode rank ``rank``'s message of collective ``label``; raises
+        :class:`TransportError` naming both for a malformed or oversized blob."""
+        try:
+            value = decode(blob)
+        except WireError as exc:
+            raise TransportError(
+                f"collective {label!r}: the message of rank {rank} was refused: {exc}") from None
+        if not (isinstance(value, list) and len(value) == 4 and type(value[0]) is int
+                and isinstance(value[1], str) and (value[2] is None or isinstance(value[2], str))):
+            raise TransportError(
+                f"collective {label!r}: the message of rank {rank} was refused: not an "
+                "envelope [seq, label, error, payload]")
+        return cls(value[0], value[1], value[2], value[3])
 
 
 class GroupTransport(ABC):
@@ -200,20 +229,22 @@ class GroupTransport(ABC):
         in rank order. Raises :class:`RendezvousTimeout` naming the ranks still missing
         after ``timeout_s`` seconds."""
 
-    def exchange(self, payload: Any, *, label: str, error: str | None = None) -> Exchange:
+    def exchange(self, payload: Payload, *, label: str, error: str | None = None) -> Exchange:
         """Send ``payload`` and this rank's status; return what every rank sent.
 
-        ``payload`` must be picklable (objects of this package, tensors' metadata, bytes).
+        ``payload`` is a :data:`~dwdp.worker.transport.codec.Payload` (plain values, tuples,
+        registered wire records; one that cannot be encoded is sent as this rank's error).
         ``error`` is ``None`` for success or a one-line message. Never raises for another
         rank's error (see :meth:`Exchange.raise_if_failed`); raises
         :class:`CollectiveMismatch` when ranks are in different collectives and
-        :class:`TransportError` when the group cannot be reached.
+        :class:`TransportError` when the group cannot be reached or a rank's message is
+        malformed (naming the collective and the rank).
         """
         seq = self._seq
         self._seq += 1
-        blob = pickle.dumps(_Envelope(seq, label, error, payload), protocol=5)
+        blob = _Envelope(seq, label, error, payload).to_bytes()
         raw = self._allgather_bytes(blob, seq=seq, label=label)
-        envelopes: list[_Envelope] = [pickle.loads(b) for b in raw]
+        envelopes = [_Envelope.from_bytes(b, rank=r, label=label) for r, b in enumerate(raw)]
         seen = {(e.seq, e.label) for e in envelopes}
         if len(seen) != 1:
             where = ", ".join(f"rank {r}: #{e.seq} {e.label!r}" for r, e in enumerate(envelopes))
@@ -221,7 +252,7 @@ class GroupTransport(ABC):
         errors = {r: e.error for r, e in enumerate(envelopes) if e.error is not None}
         return Exchange(label, tuple(e.payload for e in envelopes), errors)
 
-    def allgather(self, payload: Any, *, label: str) -> list[Any]:
+    def allgather(self, payload: Payload, *, label: str) -> list[Payload]:
         """Every rank's ``payload``; raises :class:`GroupFailure` if any rank failed."""
         result = self.exchange(payload, label=label)
         result.raise_if_failed()
