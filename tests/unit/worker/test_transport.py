@@ -14,6 +14,7 @@ from dwdp.worker.transport.base import (
     GroupFailure,
     GroupTransport,
     RendezvousConfig,
+    RendezvousSecretError,
     TransportError,
     parse_address,
 )
@@ -26,6 +27,15 @@ ENV = {
     "DWDP_WORLD_SIZE": "4",
     "DWDP_RENDEZVOUS": "pod-0.svc:29500",
 }
+SECRET = bytes(range(32))
+
+
+@pytest.fixture
+def env(tmp_path) -> dict[str, str]:
+    """The rendezvous contract with a secret file, as the operator mounts it."""
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET)
+    return {**ENV, "DWDP_RENDEZVOUS_SECRET_FILE": str(path)}
 
 
 class ThreadGroup:
@@ -68,13 +78,14 @@ def run_threads(n: int, body):
     return [results[r] for r in range(n)]
 
 
-def test_config_from_env_reads_the_contract():
-    cfg = RendezvousConfig.from_env(ENV)
+def test_config_from_env_reads_the_contract(env):
+    cfg = RendezvousConfig.from_env(env)
     assert (cfg.group, cfg.incarnation, cfg.rank, cfg.world_size) == ("g", "3", 1, 4)
+    assert cfg.secret == SECRET and SECRET.hex() not in repr(cfg)
     assert cfg.address == ("pod-0.svc", 29500)
     assert cfg.timeout_s == DEFAULT_RENDEZVOUS_TIMEOUT_S == 1800
     assert cfg.namespace == "dwdp/g/3"
-    assert RendezvousConfig.from_env({**ENV, "DWDP_RENDEZVOUS_TIMEOUT_S": "2.5"}).timeout_s == 2.5
+    assert RendezvousConfig.from_env({**env, "DWDP_RENDEZVOUS_TIMEOUT_S": "2.5"}).timeout_s == 2.5
 
 
 @pytest.mark.parametrize(
@@ -88,10 +99,35 @@ def test_config_from_env_reads_the_contract():
         ({"DWDP_INCARNATION": "a/b"}, "without '/'"),
     ],
 )
-def test_config_from_env_names_the_bad_variable(change, message):
-    env = {k: v for k, v in {**ENV, **change}.items() if v is not None}
+def test_config_from_env_names_the_bad_variable(env, change, message):
+    env = {k: v for k, v in {**env, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=message):
         RendezvousConfig.from_env(env)
+
+
+def test_the_secret_file_errors_are_one_line_naming_the_variable_and_the_path(env, tmp_path):
+    short = tmp_path / "short"
+    short.write_bytes(b"x" * 31)
+    cases = [
+        (None, "environment variable DWDP_RENDEZVOUS_SECRET_FILE is not set"),
+        (str(tmp_path / "absent"),
+         f"DWDP_RENDEZVOUS_SECRET_FILE='{tmp_path}/absent' cannot be read: No such file"),
+        (str(short), f"DWDP_RENDEZVOUS_SECRET_FILE='{short}' holds 31 bytes; a rendezvous "
+                     "secret is at least 32"),
+    ]
+    for path, message in cases:
+        bad = {k: v for k, v in env.items() if k != "DWDP_RENDEZVOUS_SECRET_FILE"}
+        if path is not None:
+            bad["DWDP_RENDEZVOUS_SECRET_FILE"] = path
+        with pytest.raises(RendezvousSecretError) as info:
+            RendezvousConfig.from_env(bad)
+        assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_a_short_secret_is_refused_in_the_config():
+    with pytest.raises(ValueError, match="the rendezvous secret is 8 bytes; it must be at "
+                                         "least 32"):
+        RendezvousConfig(group="g", incarnation="i", rank=0, world_size=1, secret=b"12345678")
 
 
 def test_parse_address_handles_ipv6():
