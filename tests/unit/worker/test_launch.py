@@ -438,3 +438,25 @@ def test_bad_worker_env_setting_is_refused_before_the_rendezvous(
     assert f"{name}: {value!r} is not an integer {rule}" in line
     assert line.count("\n") == 1
     assert b"rendezvous" not in proc.stderr.lower()
+
+
+@pytest.mark.parametrize("secret", [None, b"short"])
+def test_a_missing_or_short_rendezvous_secret_is_a_config_error(tmp_path, checkpoint, secret):
+    """A DWDP rank whose DWDP_RENDEZVOUS_SECRET_FILE is unset, or names a file shorter than
+    32 bytes: a real ``dwdp worker`` stops with one ``config:`` line naming the variable
+    (and the path), before it joins the group."""
+    config = _config(tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 2})
+    env = {}
+    if secret is not None:
+        path = tmp_path / "secret"
+        path.write_bytes(secret)
+        env["DWDP_RENDEZVOUS_SECRET_FILE"] = str(path)
+    proc, line = _rank_one_of_two(tmp_path, config, env)
+    assert proc.returncode == 1, proc.stderr.decode()[-2000:]
+    if secret is None:
+        assert line.startswith("config: RendezvousSecretError: environment variable "
+                               "DWDP_RENDEZVOUS_SECRET_FILE is not set"), line
+    else:
+        assert line.startswith(f"config: RendezvousSecretError: DWDP_RENDEZVOUS_SECRET_FILE="
+                               f"'{path}' holds 5 bytes"), line
+    assert line.count("\n") == 1
