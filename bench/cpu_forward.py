@@ -48,7 +48,8 @@ def _time_forward(model, ids, mask, repeats: int) -> list[float]:
     return times
 
 
-def _rank(rank: int, args: argparse.Namespace, ckpt: str, group: str, port: int, out: Path) -> None:
+def _rank(rank: int, args: argparse.Namespace, ckpt: str, group: str, port: int, out: Path,
+          secret: bytes) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -70,6 +71,7 @@ def _rank(rank: int, args: argparse.Namespace, ckpt: str, group: str, port: int,
         incarnation="bench",
         rank=rank,
         world_size=args.world,
+        secret=secret,
         address=("127.0.0.1", port),
         timeout_s=600,
     )
@@ -137,13 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     group, port = f"b{uuid.uuid4().hex[:8]}", _free_port()
+    secret = os.urandom(32)  # the group's rendezvous secret, shared by the forked ranks
     pids = []
     for rank in range(args.world):
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                _rank(rank, args, ckpt, group, port, work)
+                _rank(rank, args, ckpt, group, port, work, secret)
             except BaseException:
                 traceback.print_exc()
                 code = 1

@@ -29,7 +29,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.set_defaults(func=_worker)
 
     launch = subparsers.add_parser(
-        "launch", help="start one worker process per local rank of a pod and watch them"
+        "launch",
+        help="start one worker process per local rank of a pod and watch them",
+        description=(
+            "Start one worker process per local rank of a pod and watch them. The group's "
+            "rendezvous secret: the file DWDP_RENDEZVOUS_SECRET_FILE names (the operator "
+            "mounts one); when it is unset, launch makes a private one for this run (mode "
+            "0600, removed at exit), which only the ranks of this one launch share: a "
+            "group over several pods without the operator must give every pod the same "
+            "file (at least 32 random bytes) in DWDP_RENDEZVOUS_SECRET_FILE."
+        ),
     )
     _common(launch)
     launch.add_argument(

@@ -11,6 +11,13 @@ crash, or even a clean exit, which leaves the group short of a rank), the launch
 others (SIGTERM, then SIGKILL after a grace period), writes that child's termination line to
 the pod's termination message path, and exits non-zero. SIGTERM or SIGINT to the launcher is
 forwarded to every child; the launcher then exits 0 only if every child did.
+
+The rendezvous secret: children inherit ``DWDP_RENDEZVOUS_SECRET_FILE`` (the operator mounts
+the group incarnation's secret). When it is unset, the launcher writes 32 random bytes to a
+private file (mode 0600, in its own 0700 work directory, removed at exit) and names it in
+every child's environment, so a single-pod local run needs no setup. Only this launch's
+ranks share that secret: a group spread over several pods without the operator must give
+every pod the same secret file (at least 32 random bytes) in ``DWDP_RENDEZVOUS_SECRET_FILE``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pathlib import Path
 
 from dwdp.api.contract import Env
 from dwdp.worker.termination import write_termination_message
+from dwdp.worker.transport.base import make_secret_file
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +110,9 @@ def run_launcher(opts: LaunchOptions) -> int:
         return 1
     grace = _stop_grace(opts, config)
     workdir = Path(tempfile.mkdtemp(prefix="dwdp-launch-"))
+    base = dict(os.environ)
+    if not base.get(Env.RENDEZVOUS_SECRET_FILE):
+        base[Env.RENDEZVOUS_SECRET_FILE] = str(_local_secret(workdir, nproc))
     children: list[tuple[int, subprocess.Popen, Path]] = []
     stopping: dict[str, int | None] = {"signal": None}
 
@@ -118,7 +129,7 @@ def run_launcher(opts: LaunchOptions) -> int:
             if opts.port is not None:
                 cmd += ["--port", str(opts.port)]
             env = child_env(
-                dict(os.environ),
+                base,
                 first_rank=first_rank,
                 local_rank=k,
                 nproc=nproc,
@@ -135,6 +146,19 @@ def run_launcher(opts: LaunchOptions) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _local_secret(workdir: Path, nproc: int) -> Path:
+    """A fresh rendezvous secret for this launch's ranks (a private file in ``workdir``)."""
+    world = os.environ.get(Env.WORLD_SIZE)
+    if world and world.isdigit() and int(world) > nproc:
+        log.warning(
+            "launcher: %s is unset: a secret was made for the %d local rank(s) of this "
+            "launch only, but %s=%s; ranks of other pods will be refused by the rendezvous "
+            "store (give every pod the same secret file)",
+            Env.RENDEZVOUS_SECRET_FILE, nproc, Env.WORLD_SIZE, world,
+        )
+    return make_secret_file(workdir)
 
 
 def launcher_line(local_rank: int, rank: int, code: int, cause: str) -> str:

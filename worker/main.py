@@ -65,7 +65,8 @@ def warn_once(message: str) -> bool:
 def phased(stage: str, exc: BaseException) -> str:
     """The termination line ``<phase>: <ErrorType>: <message>`` the operator classifies
     failures by (the first word before ':'). The phase is the setup phase a ``SetupError``
-    names, ``rendezvous`` for a transport timeout, otherwise the startup stage."""
+    names, ``rendezvous`` for a transport timeout, ``config`` for the rendezvous secret file,
+    otherwise the startup stage."""
     from dwdp.worker.termination import one_line
 
     phase = getattr(exc, "phase", None)
@@ -73,6 +74,8 @@ def phased(stage: str, exc: BaseException) -> str:
         stage = str(phase)
     elif type(exc).__name__ in ("RendezvousTimeout", "LoopbackAcrossHosts"):
         stage = Stage.RENDEZVOUS
+    elif type(exc).__name__ == "RendezvousSecretError":
+        stage = Stage.CONFIG
     return f"{stage}: {one_line(exc)}"
 
 

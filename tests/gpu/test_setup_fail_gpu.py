@@ -21,6 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dwdp.worker.transport.base import make_secret_file  # noqa: E402
+
 WORLD = 4
 FAIL_RANK = 2
 SCENARIOS = ("P3", "P6", "map", "none")
@@ -38,14 +40,15 @@ CHILD = textwrap.dedent(
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import ENV_FAIL_AT, SetupError
     from dwdp.worker.settings import CopySettings
-    from dwdp.worker.transport.base import RendezvousConfig
+    from dwdp.worker.transport.base import RendezvousConfig, read_secret
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
     rank, port, group, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     ckpt, scenarios, fail_rank = sys.argv[5], json.loads(sys.argv[6]), int(sys.argv[7])
     torch.cuda.set_device(0)
     config = RendezvousConfig(group=group, incarnation="i0", rank=rank, world_size=4,
-                              address=("127.0.0.1", port), timeout_s=240)
+                              secret=read_secret(os.environ), address=("127.0.0.1", port),
+                              timeout_s=240)
     backend = CudaBackend(device=0, handle_type=HandleType.POSIX_FD)
     records = []
     with TcpStoreTransport(config) as transport:
@@ -107,6 +110,7 @@ def records(tmp_path_factory):
     script.write_text(CHILD)
     env = {k: v for k, v in os.environ.items() if k != "DWDP_FAIL_AT"}
     env["PYTHONUNBUFFERED"] = "1"
+    env["DWDP_RENDEZVOUS_SECRET_FILE"] = str(make_secret_file(root))
     port, group = _free_port(), f"g{uuid.uuid4().hex[:8]}"
     procs = [
         subprocess.Popen(

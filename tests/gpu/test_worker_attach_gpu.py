@@ -20,6 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dwdp.worker.transport.base import make_secret_file  # noqa: E402
+
 WORLD = 4
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")
 MODES = (
@@ -32,7 +34,7 @@ SCENARIOS = [(arch, slots, mode, kernel) for arch in ARCHS for slots, mode, kern
 
 CHILD = textwrap.dedent(
     """
-    import json, sys, torch
+    import json, os, sys, torch
     from pathlib import Path
     from dwdp.api.enums import CopyMode, GatherKernel, HandleType
     from dwdp.api.partition import expert_partition
@@ -64,12 +66,13 @@ CHILD = textwrap.dedent(
     from dwdp.worker.backend.cuda import CudaBackend
     from dwdp.worker.models import adapter_for
     from dwdp.worker.settings import CopySettings
-    from dwdp.worker.transport.base import RendezvousConfig
+    from dwdp.worker.transport.base import RendezvousConfig, read_secret
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
     rank = int(rank)
     config = RendezvousConfig(group=group, incarnation="i0", rank=rank, world_size=4,
-                              address=("127.0.0.1", port), timeout_s=240)
+                              secret=read_secret(os.environ), address=("127.0.0.1", port),
+                              timeout_s=240)
     backend = CudaBackend(device=0, handle_type=HandleType.POSIX_FD)
     with TcpStoreTransport(config) as transport:
         for index, (arch, slots, mode, kernel) in enumerate(scenarios):
@@ -109,7 +112,8 @@ def run(tmp_path_factory):
     ckpts = {a: str(make_checkpoint(a, root / a, num_experts=6, seed=9)) for a in ARCHS}
     script = root / "child.py"
     script.write_text(CHILD)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "DWDP_RENDEZVOUS_SECRET_FILE": str(make_secret_file(root))}
     args = [json.dumps(SCENARIOS), json.dumps(ckpts)]
     ref = subprocess.run(
         [sys.executable, str(script), "ref", "0", "-", str(root), *args],

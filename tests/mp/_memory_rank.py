@@ -14,6 +14,7 @@ after the load and after setup, the generated tokens, the expert store and slot 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from dwdp.worker.engine.protocol import SamplingParams
 from dwdp.worker.engine.sharded import load_sharded
 from dwdp.worker.models import require_adapter
 from dwdp.worker.models.validate import load_config, validate_checkpoint
-from dwdp.worker.transport.base import RendezvousConfig
+from dwdp.worker.transport.base import RendezvousConfig, read_secret
 from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
 WORLD = 4
@@ -56,7 +57,8 @@ def generate(model, tok) -> list[list[int]]:
 
 def rank_main(path: str, group: str, port: int, rank: int) -> dict:
     config = RendezvousConfig(group=group, incarnation="i0", rank=rank, world_size=WORLD,
-                              address=("127.0.0.1", port), timeout_s=120)
+                              secret=read_secret(os.environ), address=("127.0.0.1", port),
+                              timeout_s=120)
     with TcpStoreTransport(config) as transport:
         adapter = require_adapter(load_config(path), dense=False)
         partition = expert_partition(NUM_EXPERTS, WORLD)

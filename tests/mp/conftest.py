@@ -25,6 +25,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from dwdp.worker.backend.cpu import leftover_segments
 
+RENDEZVOUS_SECRET = os.urandom(32)
+"""The rendezvous secret of the groups the tests fork (every forked rank holds it)."""
+
+
+def write_secret(directory: Path, name: str = "rendezvous-secret") -> Path:
+    """A private file (mode 0600) in ``directory`` holding :data:`RENDEZVOUS_SECRET`, as the
+    operator mounts one; ``DWDP_RENDEZVOUS_SECRET_FILE`` names it."""
+    path = directory / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(RENDEZVOUS_SECRET)
+    return path
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -95,6 +108,8 @@ def run_worker_rank(rank: int, *, group: str, world: int, port: int, config: Pat
     exit status."""
     from dwdp.worker.main import WorkerOptions, run_worker
 
+    secret = write_secret(termination_log.parent, f"rendezvous-secret.{rank}")
+
     os.environ.update({
         "DWDP_GROUP": group,
         "DWDP_INCARNATION": "i0",
@@ -103,6 +118,7 @@ def run_worker_rank(rank: int, *, group: str, world: int, port: int, config: Pat
         "DWDP_WORLD_SIZE": str(world),
         "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
         "DWDP_RENDEZVOUS_TIMEOUT_S": str(timeout_s),
+        "DWDP_RENDEZVOUS_SECRET_FILE": str(secret),
         "DWDP_TORCH_THREADS": "1",
     })
     return run_worker(WorkerOptions(config=str(config), termination_log=str(termination_log)))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from conftest import write_secret
+
 from dwdp.worker.transport.base import RendezvousConfig
 from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
@@ -25,7 +27,8 @@ def _target(group: str, port: int, *, world: int = 4, incarnation=lambda r: "i1"
         env = {"DWDP_GROUP": group, "DWDP_INCARNATION": incarnation(rank),
                "DWDP_RANK": str(rank), "DWDP_WORLD_SIZE": str(world),
                "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
-               "DWDP_RENDEZVOUS_TIMEOUT_S": str(TIMEOUT_S)}
+               "DWDP_RENDEZVOUS_TIMEOUT_S": str(TIMEOUT_S),
+               "DWDP_RENDEZVOUS_SECRET_FILE": str(write_secret(out, f"secret.{rank}"))}
         start = time.monotonic()
         record = {"rank": rank}
         try:

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _ranks import FAIL_RANK, SCENARIOS, run_scenario
-from conftest import RankProcesses, free_port, read_records
+from conftest import RENDEZVOUS_SECRET, RankProcesses, free_port, read_records
 
 from dwdp.worker.backend.cpu import leftover_segments
 from dwdp.worker.transport.base import RendezvousConfig
@@ -34,7 +34,8 @@ def _run_tcp(out: Path, group: str) -> dict[int, int]:
 
     def target(rank: int, out: Path) -> None:
         config = RendezvousConfig(group=group, incarnation="i0", rank=rank, world_size=WORLD,
-                                  address=("127.0.0.1", port), timeout_s=60)
+                                  secret=RENDEZVOUS_SECRET, address=("127.0.0.1", port),
+                                  timeout_s=60)
         with TcpStoreTransport(config) as transport:
             for scenario in SCENARIOS:
                 run_scenario(scenario, transport, rank, group, out)

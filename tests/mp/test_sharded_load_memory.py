@@ -21,6 +21,7 @@ time, the tokenizer, one expert in flight):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -39,6 +40,7 @@ from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
 from dwdp.worker.models.validate import INDEX_FILE, read_headers  # noqa: E402
 from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+from dwdp.worker.transport.base import make_secret_file  # noqa: E402
 
 WORLD = 4
 NUM_EXPERTS = 16
@@ -49,7 +51,9 @@ SCRIPT = Path(__file__).parent / "_memory_rank.py"
 
 
 def _run(out: Path, *args: object) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, str(SCRIPT), str(a), str(out), *map(str, rest)])
+    env = {**os.environ, "DWDP_RENDEZVOUS_SECRET_FILE": str(make_secret_file(out))}
+    return [subprocess.Popen([sys.executable, str(SCRIPT), str(a), str(out), *map(str, rest)],
+                             env=env)
             for a, *rest in args]
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import free_port, run_group  # noqa: E402
+from conftest import RENDEZVOUS_SECRET, free_port, run_group  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
@@ -70,6 +70,7 @@ def _rank_main(rank: int, out: Path, group: str, port: int, ckpt: str) -> None:
         incarnation="i0",
         rank=rank,
         world_size=WORLD,
+        secret=RENDEZVOUS_SECRET,
         address=("127.0.0.1", port),
         timeout_s=120,
     )

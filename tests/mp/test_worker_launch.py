@@ -192,8 +192,35 @@ def test_every_rank_serves_the_replicated_greedy_tokens(pod):
     assert float(moved.split()[-1]) > 0
 
 
+def _secret_files(launcher: int) -> list[str]:
+    """``DWDP_RENDEZVOUS_SECRET_FILE`` in the environment of each child of ``launcher``."""
+    paths = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        paths += [e.split(b"=", 1)[1].decode() for e in environ
+                  if e.startswith(b"DWDP_RENDEZVOUS_SECRET_FILE=")]
+    return paths
+
+
+def test_the_launch_made_one_private_secret_for_its_ranks(pod):
+    """The environment had no DWDP_RENDEZVOUS_SECRET_FILE: the launcher made one private
+    secret file and gave it to every rank (the group above committed over it)."""
+    proc, *_ = pod
+    paths = _secret_files(proc.pid)
+    assert len(paths) == WORLD and len(set(paths)) == 1
+    info = os.stat(paths[0])
+    assert info.st_mode & 0o777 == 0o600 and info.st_size == 32
+
+
 def test_sigterm_stops_the_pod_cleanly(pod):
     proc, _urls, _ckpt, group, _term = pod
+    secret = _secret_files(proc.pid)[0]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     assert not leftover_segments(group)
+    assert not os.path.exists(secret)  # the launcher removed its secret at exit

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import free_port, run_group, run_worker_rank  # noqa: E402
+from conftest import RENDEZVOUS_SECRET, free_port, run_group, run_worker_rank  # noqa: E402
 
 from dwdp.worker.dense.layout import DENSE_MIN_BYTES  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
@@ -213,7 +213,7 @@ def _setup_rank(rank: int, out: Path, group: str, port: int, ckpts: dict) -> Non
     lines = _Lines()
     record: dict = {}
     config = RendezvousConfig(group=group, incarnation="i0", rank=rank, world_size=WORLD,
-                              address=("127.0.0.1", port), timeout_s=120)
+                              secret=RENDEZVOUS_SECRET, address=("127.0.0.1", port), timeout_s=120)
 
     def attached(index: int, ck: str, change=None, **launch):
         os.environ["DWDP_INCARNATION"] = f"s{index}"

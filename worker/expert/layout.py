@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dwdp.worker.backend.base import Buffer, CopyDescriptor, CopyPlan, PeerView
+from dwdp.worker.transport.codec import wire_record
 
 ALIGN = 64
 """Bytes: every tensor block in the store and the slots starts on this boundary."""
@@ -48,6 +49,7 @@ class LoadedExperts:
     tables: dict[str, dict[str, torch.Tensor]]
 
 
+@wire_record("expert.chunk_spec")
 @dataclass(frozen=True, slots=True)
 class ChunkSpec:
     """One expert tensor of one layer: name, one expert's shape and dtype, bytes."""

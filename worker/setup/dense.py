@@ -49,6 +49,7 @@ from dwdp.worker.setup.phases import (
 )
 from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
+from dwdp.worker.transport.codec import wire_record
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class DenseSetupOptions:
     device: torch.device | str | None = None
 
 
+@wire_record("dense.layout_summary")
 @dataclass(frozen=True, slots=True)
 class LayoutSummary:
     """What P1 exchanges: the flag, the layout digest, the blob checksums, bytes needed."""

@@ -46,6 +46,7 @@ from dwdp.worker.setup.phases import ExpertPhase, FailureInjector, SetupError, d
 from dwdp.worker.setup.status import ResidentBytes
 from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
+from dwdp.worker.transport.codec import wire_record
 
 __all__ = ["ExpertDwdp", "ExpertLayerWeights", "PrefetchRingMemoryError", "setup_experts"]
 
@@ -62,6 +63,7 @@ class ExpertState(enum.StrEnum):
     RELEASED = "released"
 
 
+@wire_record("expert.handshake")
 @dataclass(frozen=True, slots=True)
 class Handshake:
     """What a rank sends at the handshake: the partition table it computed, its range,

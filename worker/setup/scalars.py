@@ -30,12 +30,14 @@ from dwdp.worker.models.base import EXPERT_PARAMS, MoeLayer
 from dwdp.worker.setup.phases import SetupError
 from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
+from dwdp.worker.transport.codec import wire_record
 
 log = logging.getLogger(__name__)
 
 PHASE_SCALARS = "scalars"
 """The setup phase word of the exchange (termination messages start with it)."""
 
+@wire_record("setup.layer_scalar")
 @dataclass(frozen=True, slots=True)
 class LayerScalar:
     """One per-layer scalar as this rank holds it: ``layer`` (the decoder layer's prefix,

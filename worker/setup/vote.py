@@ -6,12 +6,12 @@ A free function over the group transport, returning the transport's small named 
 
 from __future__ import annotations
 
-from typing import Any
-
 from dwdp.worker.transport.base import Exchange, GroupTransport
+from dwdp.worker.transport.codec import Payload
 
 
-def vote(transport: GroupTransport, label: str, error: str | None, payload: Any = None) -> Exchange:
+def vote(transport: GroupTransport, label: str, error: str | None,
+         payload: Payload = None) -> Exchange:
     """Send this rank's ``error`` (``None``: success) and ``payload``; return every rank's.
 
     Every rank gets the same :class:`Exchange`, so a verdict computed from it is the same

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -132,7 +133,7 @@ def dwdp_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from dwdp.api.enums import HandleType
-    from dwdp.worker.transport.base import RendezvousConfig
+    from dwdp.worker.transport.base import RendezvousConfig, read_secret
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
     backend: Backend
@@ -147,8 +148,8 @@ def dwdp_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         backend = CpuBackend(group=args.group, incarnation="probe", rank=args.rank)
     config = RendezvousConfig(group=args.group, incarnation="i0", rank=args.rank,
-                              world_size=args.world, address=("127.0.0.1", args.port),
-                              timeout_s=args.timeout)
+                              world_size=args.world, secret=read_secret(os.environ),
+                              address=("127.0.0.1", args.port), timeout_s=args.timeout)
     records = []
     try:
         with TcpStoreTransport(config) as transport:
@@ -223,6 +224,9 @@ def run_probes(
     import subprocess
     import uuid
 
+    from dwdp.api.contract import Env
+    from dwdp.worker.transport.base import make_secret_file
+
     probe = [sys.executable, "-m", "dwdp.worker.testing.memory_probe"]
     common = ["--device", device, "--slots", str(slots), "--max-tokens", str(max_tokens)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -232,10 +236,15 @@ def run_probes(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     group = f"p{uuid.uuid4().hex[:8]}"
-    _wait([subprocess.Popen([*probe, "rank", str(out), str(checkpoint), *common, "--rank",
-                             str(r), "--world", str(world), "--group", group, "--port",
-                             str(port)], env=env)
-           for r in range(world)], timeout_s)
+    secret_file = make_secret_file(out)  # the group's rendezvous secret, as a pod gets it
+    env[Env.RENDEZVOUS_SECRET_FILE] = str(secret_file)
+    try:
+        _wait([subprocess.Popen([*probe, "rank", str(out), str(checkpoint), *common, "--rank",
+                                 str(r), "--world", str(world), "--group", group, "--port",
+                                 str(port)], env=env)
+               for r in range(world)], timeout_s)
+    finally:
+        secret_file.unlink()
     reference = json.loads((out / "replicated.0.json").read_text())[0]
     return reference, [json.loads((out / f"rank.{r}.json").read_text()) for r in range(world)]
 

@@ -3,7 +3,8 @@
 Every exchange carries each rank's status, so a rank that failed reports its error at the
 same collective where the others look for its payload: every rank reaches the same verdict
 after the same collective (fail-together). ``base`` fixes the interface; ``tcp_store`` is
-the TCP store rendezvous (rank 0 hosts the store) and ``mpi`` the mpi4py sub-communicator.
+the TCP store rendezvous (rank 0 hosts the authenticated ``store``) and ``mpi`` the mpi4py
+sub-communicator; ``codec`` is the wire format of every collective (msgpack, never pickle).
 """
 
 from dwdp.worker.transport.base import (
@@ -12,6 +13,7 @@ from dwdp.worker.transport.base import (
     GroupFailure,
     GroupTransport,
     RendezvousConfig,
+    RendezvousSecretError,
     RendezvousTimeout,
     TransportError,
 )
@@ -22,6 +24,7 @@ __all__ = [
     "GroupFailure",
     "GroupTransport",
     "RendezvousConfig",
+    "RendezvousSecretError",
     "RendezvousTimeout",
     "TransportError",
 ]

@@ -15,13 +15,15 @@ payloads, the same errors), so any verdict computed from it is the same on every
 from __future__ import annotations
 
 import os
-import pickle
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
+from pathlib import Path
+from typing import Self
 
-from dwdp.api.contract import Env
+from dwdp.api.contract import RENDEZVOUS_SECRET_BYTES, Env
+from dwdp.worker.transport.codec import Payload, WireError, decode, encode
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 1800.0
 """Seconds a rank waits for its peers at the rendezvous and at each collective."""
@@ -30,6 +32,11 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 1800.0
 
 class TransportError(RuntimeError):
     """A group transport could not complete a collective."""
+
+
+class RendezvousSecretError(ValueError):
+    """The rendezvous secret file is not configured, not readable or too short (a
+    configuration error: the worker's termination line starts ``config:``)."""
 
 
 class RendezvousTimeout(TransportError):
@@ -71,7 +78,7 @@ class Exchange:
     """
 
     label: str
-    payloads: tuple[Any, ...]
+    payloads: tuple[Payload, ...]
     errors: Mapping[int, str] = field(default_factory=dict)
 
     @property
@@ -94,13 +101,16 @@ class RendezvousConfig:
     """Where and how a rank joins its group (the environment contract of DESIGN.md 4).
 
     ``address`` is ``(host, port)`` of the store that rank 0 hosts, or ``None`` where the
-    transport needs none (MPI). ``timeout_s`` is in seconds.
+    transport needs none (MPI). ``timeout_s`` is in seconds. ``secret`` is the group
+    incarnation's rendezvous secret (at least ``RENDEZVOUS_SECRET_BYTES`` raw bytes): every
+    connection to the store proves it knows it. Raises ``ValueError`` naming a bad field.
     """
 
     group: str
     incarnation: str
     rank: int
     world_size: int
+    secret: bytes = field(repr=False)
     address: tuple[str, int] | None = None
     timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
 
@@ -111,6 +121,10 @@ class RendezvousConfig:
             raise ValueError(f"{Env.RANK}={self.rank} is outside [0, {self.world_size})")
         if self.timeout_s <= 0:
             raise ValueError(f"{Env.RENDEZVOUS_TIMEOUT_S} must be > 0 s, got {self.timeout_s}")
+        if len(self.secret) < RENDEZVOUS_SECRET_BYTES:
+            raise ValueError(
+                f"the rendezvous secret is {len(self.secret)} bytes; it must be at least "
+                f"{RENDEZVOUS_SECRET_BYTES} random bytes ({Env.RENDEZVOUS_SECRET_FILE})")
         for name, value in (("group", self.group), ("incarnation", self.incarnation)):
             if not value or "/" in value:
                 raise ValueError(f"the {name} name {value!r} must be non-empty without '/'")
@@ -124,7 +138,8 @@ class RendezvousConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
         """Read the rendezvous contract; raises ``ValueError`` naming a missing or bad
-        variable. ``DWDP_RENDEZVOUS`` (``host:port``) is optional here."""
+        variable (:class:`RendezvousSecretError` for the secret file).
+        ``DWDP_RENDEZVOUS`` (``host:port``) is optional here."""
         env = os.environ if environ is None else environ
 
         def need(name: str) -> str:
@@ -156,9 +171,44 @@ class RendezvousConfig:
             incarnation=need(Env.INCARNATION),
             rank=integer(Env.RANK),
             world_size=integer(Env.WORLD_SIZE),
+            secret=read_secret(env),
             address=address,
             timeout_s=timeout_s,
         )
+
+
+def read_secret(environ: Mapping[str, str]) -> bytes:
+    """The rendezvous secret: the raw bytes of the file ``DWDP_RENDEZVOUS_SECRET_FILE``
+    names. Raises :class:`RendezvousSecretError` (one line naming the variable and the
+    path) when it is unset, unreadable or shorter than ``RENDEZVOUS_SECRET_BYTES``."""
+    name = Env.RENDEZVOUS_SECRET_FILE
+    path = environ.get(name)
+    if not path:
+        raise RendezvousSecretError(
+            f"environment variable {name} is not set: it names the file of the group's "
+            "rendezvous secret (the operator mounts one; dwdp launch makes one)")
+    try:
+        secret = Path(path).read_bytes()
+    except OSError as exc:
+        raise RendezvousSecretError(
+            f"{name}={path!r} cannot be read: {exc.strerror or exc}") from None
+    if len(secret) < RENDEZVOUS_SECRET_BYTES:
+        raise RendezvousSecretError(
+            f"{name}={path!r} holds {len(secret)} bytes; a rendezvous secret is at least "
+            f"{RENDEZVOUS_SECRET_BYTES} random bytes")
+    return secret
+
+
+def make_secret_file(directory: str | os.PathLike[str] | None = None) -> Path:
+    """A new private file (mode 0600) in ``directory`` (default: the temp directory) holding
+    ``RENDEZVOUS_SECRET_BYTES`` random bytes: a local run's rendezvous secret. The caller
+    removes it."""
+    fd, name = tempfile.mkstemp(prefix="dwdp-rendezvous-", dir=directory)
+    try:
+        os.write(fd, os.urandom(RENDEZVOUS_SECRET_BYTES))
+    finally:
+        os.close(fd)
+    return Path(name)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -171,10 +221,39 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class _Envelope:
+    """One rank's message in one collective; on the wire ``[seq, label, error, payload]``."""
+
     seq: int
     label: str
     error: str | None
-    payload: Any
+    payload: Payload
+
+    def to_bytes(self) -> bytes:
+        """The envelope encoded; a payload that cannot travel (a type outside
+        :data:`~dwdp.worker.transport.codec.Payload`, too large) becomes this rank's error,
+        so every rank still reaches the same verdict."""
+        try:
+            return encode([self.seq, self.label, self.error, self.payload])
+        except WireError as exc:
+            error = f"{self.error}; " if self.error else ""
+            error += f"its payload could not be sent: {exc}"
+            return encode([self.seq, self.label, error, None])
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, *, rank: int, label: str) -> _Envelope:
+        """Decode rank ``rank``'s message of collective ``label``; raises
+        :class:`TransportError` naming both for a malformed or oversized blob."""
+        try:
+            value = decode(blob)
+        except WireError as exc:
+            raise TransportError(
+                f"collective {label!r}: the message of rank {rank} was refused: {exc}") from None
+        if not (isinstance(value, list) and len(value) == 4 and type(value[0]) is int
+                and isinstance(value[1], str) and (value[2] is None or isinstance(value[2], str))):
+            raise TransportError(
+                f"collective {label!r}: the message of rank {rank} was refused: not an "
+                "envelope [seq, label, error, payload]")
+        return cls(value[0], value[1], value[2], value[3])
 
 
 class GroupTransport(ABC):
@@ -200,20 +279,22 @@ class GroupTransport(ABC):
         in rank order. Raises :class:`RendezvousTimeout` naming the ranks still missing
         after ``timeout_s`` seconds."""
 
-    def exchange(self, payload: Any, *, label: str, error: str | None = None) -> Exchange:
+    def exchange(self, payload: Payload, *, label: str, error: str | None = None) -> Exchange:
         """Send ``payload`` and this rank's status; return what every rank sent.
 
-        ``payload`` must be picklable (objects of this package, tensors' metadata, bytes).
+        ``payload`` is a :data:`~dwdp.worker.transport.codec.Payload` (plain values, tuples,
+        registered wire records; one that cannot be encoded is sent as this rank's error).
         ``error`` is ``None`` for success or a one-line message. Never raises for another
         rank's error (see :meth:`Exchange.raise_if_failed`); raises
         :class:`CollectiveMismatch` when ranks are in different collectives and
-        :class:`TransportError` when the group cannot be reached.
+        :class:`TransportError` when the group cannot be reached or a rank's message is
+        malformed (naming the collective and the rank).
         """
         seq = self._seq
         self._seq += 1
-        blob = pickle.dumps(_Envelope(seq, label, error, payload), protocol=5)
+        blob = _Envelope(seq, label, error, payload).to_bytes()
         raw = self._allgather_bytes(blob, seq=seq, label=label)
-        envelopes: list[_Envelope] = [pickle.loads(b) for b in raw]
+        envelopes = [_Envelope.from_bytes(b, rank=r, label=label) for r, b in enumerate(raw)]
         seen = {(e.seq, e.label) for e in envelopes}
         if len(seen) != 1:
             where = ", ".join(f"rank {r}: #{e.seq} {e.label!r}" for r, e in enumerate(envelopes))
@@ -221,7 +302,7 @@ class GroupTransport(ABC):
         errors = {r: e.error for r, e in enumerate(envelopes) if e.error is not None}
         return Exchange(label, tuple(e.payload for e in envelopes), errors)
 
-    def allgather(self, payload: Any, *, label: str) -> list[Any]:
+    def allgather(self, payload: Payload, *, label: str) -> list[Payload]:
         """Every rank's ``payload``; raises :class:`GroupFailure` if any rank failed."""
         result = self.exchange(payload, label=label)
         result.raise_if_failed()

@@ -6,7 +6,9 @@ message also carries the DWDP tag. The allgather is built from point-to-point se
 polled receives instead of ``MPI_Allgather`` so that a rank that never arrives makes the
 others fail at the timeout with the missing ranks named, instead of blocking forever.
 MPI orders the messages of one (source, tag, communicator), so consecutive collectives
-never mix.
+never mix. Messages travel as raw byte buffers (``Isend``/``Recv`` of ``MPI.BYTE``), never
+through mpi4py's pickling ``send``/``recv``; the bytes are the collective's msgpack
+envelope (``codec``).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class MpiTransport(GroupTransport):
 
         comm, tag = self.comm, self.tag
         peers = [r for r in range(self.world_size) if r != self.rank]
-        sends = [comm.isend(data, dest=p, tag=tag) for p in peers]
+        sends = [comm.Isend([data, MPI.BYTE], dest=p, tag=tag) for p in peers]
         received: dict[int, bytes] = {self.rank: data}
         pending = list(peers)
         deadline = time.monotonic() + self.timeout_s
@@ -90,8 +92,10 @@ class MpiTransport(GroupTransport):
         while pending:
             progressed = False
             for peer in list(pending):
-                if comm.iprobe(source=peer, tag=tag, status=status):
-                    received[peer] = comm.recv(source=peer, tag=tag)
+                if comm.Iprobe(source=peer, tag=tag, status=status):
+                    buffer = bytearray(status.Get_count(MPI.BYTE))
+                    comm.Recv([buffer, MPI.BYTE], source=peer, tag=tag)
+                    received[peer] = bytes(buffer)
                     pending.remove(peer)
                     progressed = True
             if not pending:

@@ -1,4 +1,4 @@
-"""The TCP store rendezvous: rank 0 hosts a ``torch.distributed.TCPStore``, every rank joins.
+"""The TCP store rendezvous: rank 0 hosts the group's store, every rank joins.
 
 Keys live under ``dwdp/<group>/<incarnation>/`` (:attr:`RendezvousConfig.namespace`), so a
 rank of an old incarnation that reaches a new incarnation's store never meets its keys.
@@ -8,15 +8,15 @@ the join: it carries every rank's host identity, and a loopback rendezvous addre
 by ranks on different hosts is refused on every rank (seed 004: a loopback store across
 hosts would connect each host to a store of its own).
 
-Why ``TCPStore`` and not a store of our own: it is what the engine's process groups use,
-hosts itself on rank 0 (``is_master``), retries the connection until its timeout while
-rank 0 starts, and has ``check``/``multi_get``; the missing-rank message needs only the
-polling loop here.
+The store is our own (``store``), not ``torch.distributed.TCPStore``: torch's store takes
+any client, so anything that reached the port could read or write the collectives. Every
+connection to ours proves it knows the group incarnation's secret
+(:attr:`RendezvousConfig.secret`); the collectives' bytes are msgpack (``codec``), never
+pickle.
 """
 
 from __future__ import annotations
 
-import datetime
 import ipaddress
 import socket
 import time
@@ -29,11 +29,19 @@ from dwdp.worker.transport.base import (
     RendezvousTimeout,
     TransportError,
 )
+from dwdp.worker.transport.store import (
+    KeyValueStore,
+    SecretRefused,
+    StoreClient,
+    StoreServer,
+)
 
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.05
 _CLOSE_WAIT_MAX_S = 60.0
 """Rank 0 keeps the store up at most this long (seconds) for the peers to finish."""
+CONNECTIONS_PER_RANK = 4
+"""Rank 0's store holds at most this many connections per rank of the group at once."""
 
 
 class LoopbackAcrossHosts(TransportError):
@@ -75,12 +83,13 @@ def check_rendezvous_hosts(host: str, host_ids: Sequence[str]) -> None:
 
 
 class TcpStoreTransport(GroupTransport):
-    """A group transport over a TCP store that rank 0 hosts.
+    """A group transport over the authenticated store that rank 0 hosts.
 
     ``host_id`` identifies this rank's machine for the loopback check (default: the host
     name). Construction joins the group (a collective): it returns once every rank
     arrived, or raises :class:`RendezvousTimeout` naming the missing ranks after
-    ``config.timeout_s`` seconds, or :class:`LoopbackAcrossHosts`.
+    ``config.timeout_s`` seconds, :class:`~dwdp.worker.transport.store.SecretRefused` when
+    rank 0's store holds another secret, or :class:`LoopbackAcrossHosts`.
     """
 
     def __init__(self, config: RendezvousConfig, *, host_id: str | None = None) -> None:
@@ -92,47 +101,43 @@ class TcpStoreTransport(GroupTransport):
         self.host_id = host_id if host_id is not None else socket.gethostname()
         self._closed = False
         self._aborted_at: int | None = None
+        self._server: StoreServer | None = None
+        self._client: StoreClient | None = None
         host, port = config.address
-        try:
-            from torch.distributed import TCPStore
-        except ImportError as exc:  # pragma: no cover - torch without distributed
-            raise TransportError("torch.distributed is not available") from exc
         deadline = time.monotonic() + config.timeout_s
-        try:
-            if config.rank != 0:  # TCPStore's own retry backs off by seconds: wait here
-                _wait_for_listener(host, port, deadline)
-            self._listener = _bind_listener(host, port) if config.rank == 0 else None
-            self._store = TCPStore(
-                host,
-                port,
-                world_size=None,
-                is_master=config.rank == 0,
-                timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
-                wait_for_workers=False,
-                master_listen_fd=self._listener.fileno() if self._listener else None,
-            )
-            if self._listener is not None:  # the store owns the descriptor now and closes it
-                self._listener.detach()
-                self._listener = None
-        except Exception as exc:
-            listener = getattr(self, "_listener", None)
-            if listener is not None:
-                listener.close()
-                self._listener = None
-            if config.rank == 0:
+        self._store: KeyValueStore
+        if config.rank == 0:
+            try:
+                self._server = StoreServer(
+                    host, port, config.secret,
+                    max_connections=CONNECTIONS_PER_RANK * config.world_size)
+            except OSError as exc:
                 raise TransportError(
                     f"rank 0 could not host the rendezvous store on {host}:{port}: {exc}"
                 ) from exc
-            raise RendezvousTimeout(
-                f"group {config.group!r} incarnation {config.incarnation!r}: the rendezvous "
-                f"store at {host}:{port} (hosted by rank 0) was not reachable within "
-                f"{config.timeout_s:g} s ({Env.RENDEZVOUS_TIMEOUT_S}); missing rank(s) [0]: "
-                f"{exc}",
-                missing=(0,),
-            ) from exc
-        host_ids = self.allgather(self.host_id, label="join")
-        check_rendezvous_hosts(host, host_ids)
-        self.host_ids: tuple[str, ...] = tuple(host_ids)
+            self._store = self._server.table
+        else:
+            try:
+                self._client = StoreClient.connect(host, port, config.secret,
+                                                   deadline=deadline, timeout_s=config.timeout_s)
+            except SecretRefused:
+                raise
+            except TransportError as exc:
+                raise RendezvousTimeout(
+                    f"group {config.group!r} incarnation {config.incarnation!r}: the "
+                    f"rendezvous store at {host}:{port} (hosted by rank 0) was not reachable "
+                    f"within {config.timeout_s:g} s ({Env.RENDEZVOUS_TIMEOUT_S}); missing "
+                    f"rank(s) [0]: {exc}",
+                    missing=(0,),
+                ) from exc
+            self._store = self._client
+        try:
+            host_ids = self.allgather(self.host_id, label="join")
+            check_rendezvous_hosts(host, host_ids)
+        except BaseException:
+            self.close()
+            raise
+        self.host_ids: tuple[str, ...] = tuple(str(h) for h in host_ids)
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.config.namespace}/c{seq}/{rank}"
@@ -154,8 +159,7 @@ class TcpStoreTransport(GroupTransport):
     def _allgather_on_store(self, data: bytes, *, seq: int, label: str) -> list[bytes]:
         store = self._store
         abort_key = f"{self.config.namespace}/abort"
-        # torch's stub types the value as str; the store takes bytes (a library stub gap)
-        store.set(self._key(seq, self.rank), data)  # type: ignore[arg-type]
+        store.set(self._key(seq, self.rank), data)
         keys = {r: self._key(seq, r) for r in range(self.world_size)}
         pending = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + self.timeout_s
@@ -165,7 +169,7 @@ class TcpStoreTransport(GroupTransport):
             if not pending:
                 break
             if store.check([abort_key]):  # a peer timed out first: fail with its verdict
-                message = bytes(store.get(abort_key)).decode()
+                message = (store.get(abort_key) or b"").decode(errors="replace")
                 self._aborted_at = seq
                 self.close()
                 raise RendezvousTimeout(message, missing=_missing_from(message))
@@ -177,8 +181,8 @@ class TcpStoreTransport(GroupTransport):
                 )
                 # The first rank to time out publishes its verdict, so the ranks that are
                 # present fail with the same message instead of losing rank 0's store.
-                store.compare_set(abort_key, "", message)
-                message = bytes(store.get(abort_key)).decode()
+                verdict = store.compare_set(abort_key, b"", message.encode())
+                message = (verdict or message.encode()).decode(errors="replace")
                 self._aborted_at = seq
                 self.close()
                 raise RendezvousTimeout(message, missing=_missing_from(message))
@@ -186,8 +190,8 @@ class TcpStoreTransport(GroupTransport):
             pause = min(pause * 2, _POLL_MAX_S)
         values = store.multi_get([keys[r] for r in range(self.world_size)])
         if seq > 0:  # every rank wrote #seq, so every rank finished reading #seq - 1
-            store.delete_key(self._key(seq - 1, self.rank))
-        return [bytes(v) for v in values]
+            store.delete(self._key(seq - 1, self.rank))
+        return [v if v is not None else b"" for v in values]
 
     def close(self) -> None:
         """Leave the group. Rank 0 keeps hosting the store until every peer left (at most
@@ -198,8 +202,7 @@ class TcpStoreTransport(GroupTransport):
         ns = self.config.namespace
         try:
             if self.rank != 0:
-                # torch's stub types the value as str; the store takes bytes (stub gap)
-                self._store.set(f"{ns}/left/{self.rank}", b"1")  # type: ignore[arg-type]
+                self._store.set(f"{ns}/left/{self.rank}", b"1")
             else:
                 keys = [f"{ns}/left/{r}" for r in range(1, self.world_size)]
                 if self._aborted_at is not None:  # wait only for the ranks that are present
@@ -213,48 +216,10 @@ class TcpStoreTransport(GroupTransport):
         except Exception:  # the peers are gone already: nothing to wait for
             pass
         finally:
-            del self._store
-            listener = getattr(self, "_listener", None)
-            if listener is not None:
-                listener.close()
-                self._listener = None
-
-
-def _bind_listener(host: str, port: int) -> socket.socket | None:
-    """A listening socket bound to ``host``'s own address when it is one of this machine's
-    (so stores of several groups on one host, each pod with its own address, do not clash on
-    the port, as TCPStore alone binds every address); None when ``host`` is not local (the
-    store then listens on every address)."""
-    try:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
-    except OSError:
-        return None
-    for *_, addr in infos:
-        if ipaddress.ip_address(addr[0]).is_unspecified:
-            continue
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(512)
-            return sock
-        except OSError:
-            sock.close()
-    return None
-
-
-def _wait_for_listener(host: str, port: int, deadline: float) -> None:
-    """Poll until something listens on ``host:port`` or ``deadline`` (monotonic seconds)."""
-    pause = 0.01
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise TransportError(f"nothing listens on {host}:{port}: {exc}") from exc
-            time.sleep(pause)
-            pause = min(pause * 2, 0.2)
+            if self._client is not None:
+                self._client.close()
+            if self._server is not None:
+                self._server.stop()
 
 
 def _missing_from(message: str) -> tuple[int, ...]:

@@ -102,15 +102,8 @@ def test_missing_context_role_warns_once(tmp_path, monkeypatch, caplog):
     assert not caplog.records
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    from dwdp.worker.testing.checkpoint import make_checkpoint
-
-    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "m", seed=2)
-
-
 def test_kv_max_tokens_below_one_request_is_refused_before_anything_loads(
-    tmp_path, tiny_checkpoint, monkeypatch
+    tmp_path, checkpoint, monkeypatch
 ):
     """maxTokens below maxModelLen (the model's 512 here) can never serve a full request:
     refused at the checkpoint check, before the rendezvous and the load."""
@@ -120,18 +113,18 @@ def test_kv_max_tokens_below_one_request_is_refused_before_anything_loads(
         raise AssertionError("the model loaded: the kvCache rule must refuse first")
 
     monkeypatch.setattr(worker_main, "load_model", no_load)
-    config = _config(tmp_path, model=str(tiny_checkpoint), kvCache={"maxTokens": 100})
+    config = _config(tmp_path, model=str(checkpoint), kvCache={"maxTokens": 100})
     code, line = _run(tmp_path, config)
     assert code == 1
     assert line.startswith("checkpoint: KvPoolError: kvCache.maxTokens: 100 tokens"), line
     assert "maxModelLen 512" in line
-    config = _config(tmp_path, model=str(tiny_checkpoint), maxModelLen=4096)
+    config = _config(tmp_path, model=str(checkpoint), maxModelLen=4096)
     code, line = _run(tmp_path, config)
     assert code == 1 and "maxModelLen: 4096 is more than the model's" in line, line
 
 
 def test_a_kv_pool_below_one_request_fails_the_rank_naming_the_numbers(
-    tmp_path, tiny_checkpoint, monkeypatch
+    tmp_path, checkpoint, monkeypatch
 ):
     """A freeMemoryFraction that leaves fewer tokens than one maxModelLen request is refused
     when the pool is sized (after the load, before serving), with the ledger measured so
@@ -139,7 +132,7 @@ def test_a_kv_pool_below_one_request_fails_the_rank_naming_the_numbers(
     monkeypatch.setenv("DWDP_ROLE", "context")
     config = _config(
         tmp_path,
-        model=str(tiny_checkpoint),
+        model=str(checkpoint),
         maxModelLen=256,
         kvCache={"freeMemoryFraction": 1e-9},
     )
@@ -440,11 +433,33 @@ def test_bad_worker_env_setting_is_refused_before_the_rendezvous(
     assert b"rendezvous" not in proc.stderr.lower()
 
 
-def test_a_blank_api_key_is_refused_before_the_rendezvous(tmp_path, tiny_checkpoint, monkeypatch):
+def test_a_blank_api_key_is_refused_before_the_rendezvous(tmp_path, checkpoint, monkeypatch):
     """A DWDP_API_KEY with blanks around it (a Secret written with a newline) could never be
     sent back by a client: the rank refuses it as a config error, naming the variable."""
     monkeypatch.setenv("DWDP_ROLE", "context")
     monkeypatch.setenv("DWDP_API_KEY", "sk-123\n")
-    code, line = _run(tmp_path, _config(tmp_path, model=str(tiny_checkpoint)))
+    code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint)))
     assert code == 1
     assert line.startswith("config: ApiKeyError: DWDP_API_KEY: the API key has leading"), line
+
+
+@pytest.mark.parametrize("secret", [None, b"short"])
+def test_a_missing_or_short_rendezvous_secret_is_a_config_error(tmp_path, checkpoint, secret):
+    """A DWDP rank whose DWDP_RENDEZVOUS_SECRET_FILE is unset, or names a file shorter than
+    32 bytes: a real ``dwdp worker`` stops with one ``config:`` line naming the variable
+    (and the path), before it joins the group."""
+    config = _config(tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 2})
+    env = {}
+    if secret is not None:
+        path = tmp_path / "secret"
+        path.write_bytes(secret)
+        env["DWDP_RENDEZVOUS_SECRET_FILE"] = str(path)
+    proc, line = _rank_one_of_two(tmp_path, config, env)
+    assert proc.returncode == 1, proc.stderr.decode()[-2000:]
+    if secret is None:
+        assert line.startswith("config: RendezvousSecretError: environment variable "
+                               "DWDP_RENDEZVOUS_SECRET_FILE is not set"), line
+    else:
+        assert line.startswith(f"config: RendezvousSecretError: DWDP_RENDEZVOUS_SECRET_FILE="
+                               f"'{path}' holds 5 bytes"), line
+    assert line.count("\n") == 1

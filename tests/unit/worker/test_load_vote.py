@@ -4,6 +4,7 @@ its cause, and what either rank had loaded is dropped."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import uuid
@@ -23,6 +24,7 @@ from dwdp.worker.transport.base import RendezvousConfig  # noqa: E402
 from dwdp.worker.transport.tcp_store import TcpStoreTransport  # noqa: E402
 
 WORLD = 2
+SECRET = os.urandom(32)  # the rendezvous secret of the group these threads form
 CAUSE = "checkpoint /ck/model-00002-of-00003.safetensors: tensor w: reading failed (EIO)"
 
 
@@ -40,7 +42,7 @@ def _each_rank(body: Callable[[int, TcpStoreTransport], Any]) -> list[Any]:
 
     def run(rank: int) -> None:
         config = RendezvousConfig(group=group, incarnation="i0", rank=rank, world_size=WORLD,
-                                  address=("127.0.0.1", port), timeout_s=60)
+                                  secret=SECRET, address=("127.0.0.1", port), timeout_s=60)
         try:
             with TcpStoreTransport(config) as transport:
                 results[rank] = body(rank, transport)
