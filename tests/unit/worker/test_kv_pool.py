@@ -86,31 +86,39 @@ def tiny(tmp_path_factory):
 
 
 def _waves(tiny, capacity: int | None) -> int:
-    """Queue three requests of 4 + 6 tokens before the engine starts; return its waves."""
+    """Three requests of 4 + 6 tokens queued while the engine is busy with a first one;
+    returns the waves the three took."""
+    import time
+
     from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
     from dwdp.worker.engine.protocol import SamplingParams
 
     model, tok = tiny
     engine = BatchingEngine(model, tok, model_name="m",
-                            config=EngineConfig(kv_capacity_tokens=capacity))
+                            config=EngineConfig(kv_capacity_tokens=capacity)).start()
     params = SamplingParams(max_tokens=6, ignore_eos=True)
 
+    async def drain(gen):
+        return [out async for out in gen]
+
     async def main() -> int:
-        gens = [engine.generate(f"r{i}", [5, 6, 7, 8], params) for i in range(3)]
-
-        async def drain(gen):
-            return [out async for out in gen]
-
-        tasks = [asyncio.create_task(drain(g)) for g in gens]
-        while engine._queue.qsize() < 3:  # every request queued before the loop starts
-            await asyncio.sleep(0.01)
-        engine.start()
-        results = await asyncio.gather(*tasks)
+        with engine._forward_lock:  # the engine thread blocks in its first forward
+            first = asyncio.create_task(drain(engine.generate("r0", [5, 6, 7, 8], params)))
+            deadline = time.monotonic() + 30
+            while engine.stats.waves < 1:
+                assert time.monotonic() < deadline, "the first wave never started"
+                await asyncio.sleep(0.01)
+            tasks = [asyncio.create_task(drain(engine.generate(f"r{i}", [5, 6, 7, 8], params)))
+                     for i in (1, 2, 3)]
+            while engine._queue.qsize() < 3:  # all three wait behind the first wave
+                assert time.monotonic() < deadline, "the requests were not queued"
+                await asyncio.sleep(0.01)
+        results = await asyncio.gather(first, *tasks)
         assert all(r[-1].finish_reason == "length" for r in results)
-        return engine.stats.waves
+        return engine.stats.waves - 1
 
     try:
-        return asyncio.run(main())
+        return asyncio.run(asyncio.wait_for(main(), 120))
     finally:
         engine.stop()
 
