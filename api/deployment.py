@@ -369,7 +369,17 @@ def _rules_context() -> list[dict[str, str]]:
     ]
     return worker_limit_rules(Scope.CONTEXT) + [
         cel_rule(rule, message, field_path=path) for rule, message, path in rules
-    ]
+    ] + [KV_TOKENS_RULE]
+
+
+_KV_ONE_REQUEST = "the KV cache pool must hold one request of the longest context"
+KV_TOKENS_RULE = cel_rule(
+    "!has(self.maxModelLen) || !has(self.kvCache.maxTokens) || "
+    "self.kvCache.maxTokens >= self.maxModelLen",
+    f"kvCache.maxTokens must be at least maxModelLen: {_KV_ONE_REQUEST}",
+    field_path=".kvCache.maxTokens",
+)
+"""The section rule a worker would otherwise refuse at start (``check_max_tokens``)."""
 
 
 class _ServingSection(ApiModel):
@@ -398,6 +408,19 @@ class _ServingSection(ApiModel):
     kv_cache: KvCacheConfig = Field(
         default_factory=KvCacheConfig, json_schema_extra=_EMPTY_DEFAULT
     )
+
+    def kv_problems(self) -> list[Problem]:
+        """``kvCache.maxTokens`` below ``maxModelLen`` when the section sets both."""
+        tokens, length = self.kv_cache.max_tokens, self.max_model_len
+        if tokens is None or length is None or tokens >= length:
+            return []
+        return [
+            Problem(
+                ("kvCache", "maxTokens"),
+                tokens,
+                f"must be at least maxModelLen {length}: {_KV_ONE_REQUEST}",
+            )
+        ]
 
 
 class ContextSpec(_ServingSection):
@@ -462,7 +485,7 @@ class ContextSpec(_ServingSection):
                     f"{self.handle_type.value} shares stores within one host only",
                 )
             )
-        return problems
+        return problems + self.kv_problems()
 
     @model_validator(mode="after")
     def _check(self) -> ContextSpec:
@@ -486,6 +509,7 @@ class GenerationSpec(_ServingSection):
                     "context parallel sizes)",
                     field_path=".ranksPerPod",
                 ),
+                KV_TOKENS_RULE,
             ]
         )
     )
@@ -506,7 +530,7 @@ class GenerationSpec(_ServingSection):
                     "context parallel sizes)",
                 )
             )
-        return problems
+        return problems + self.kv_problems()
 
     @model_validator(mode="after")
     def _check(self) -> GenerationSpec:

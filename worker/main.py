@@ -347,6 +347,7 @@ def run_worker(opts: WorkerOptions) -> int:
             kv=cfg.kv_cache,
             max_num_tokens=cfg.max_num_tokens,
             max_model_len=plan.max_model_len,
+            host_sharers=int(os.environ.get(Env.LOCAL_WORLD_SIZE) or 1),
         )
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -242,13 +242,15 @@ def activation_headroom(model: Any, tokens: int) -> int:
     return max(0, int(torch.cuda.max_memory_allocated(device)) - int(before))
 
 
-def free_for_kv_bytes(device: str, *, dwdp_device_bytes: int, headroom: int) -> int:
+def free_for_kv_bytes(
+    device: str, *, dwdp_device_bytes: int, headroom: int, host_sharers: int = 1
+) -> int:
     """Memory the KV pool may take (bytes), measured now. GPU: the device's total minus
     what torch holds for this process (weights, slot rings), ``dwdp_device_bytes`` (the
     stores, VMM allocations outside torch's allocator) and the activation headroom; host:
-    ``MemAvailable``."""
+    ``MemAvailable`` split evenly among the ``host_sharers`` ranks of the pod."""
     if not device.startswith("cuda"):
-        return host_available_bytes()
+        return host_available_bytes() // max(1, host_sharers)
     import torch
 
     total = int(torch.cuda.get_device_properties(device).total_memory)
@@ -306,11 +308,14 @@ def size_rank_memory(
     kv: KvCacheConfig,
     max_num_tokens: int,
     max_model_len: int,
+    host_sharers: int = 1,
 ) -> tuple[KvPool, MemoryLedger]:
     """After the commit, before the engine starts: the activation headroom (on a GPU, one
     profiling forward of ``min(max_num_tokens, max_model_len)`` tokens), the KV pool from the
     memory left (``dwdp.worker.engine.kv_pool.size_kv_pool``) and the ledger, which
-    ``watch`` keeps. Raises ``KvPoolError`` for a pool below one ``max_model_len`` request."""
+    ``watch`` keeps. ``host_sharers``: the ranks of the pod, which share the host's memory
+    (a pool on the host takes its share). Raises ``KvPoolError`` for a pool below one
+    ``max_model_len`` request; the termination message then lists every part measured."""
     _, expert, dense, _ = dwdp_buffers(dwdp.status())
     headroom = Placed(host=None, device=0)
     if watch.on_gpu:
@@ -321,7 +326,12 @@ def size_rank_memory(
         # the stores are VMM allocations torch does not count; the slots are torch's
         dwdp_device_bytes=(expert.device or 0) + (dense.device or 0),
         headroom=headroom.device or 0,
+        host_sharers=host_sharers,
     )
+    peak_load = watch.parts.get("peak_load", Placed(None, None))
+    before = measure_ledger(model, dwdp, peak_load=peak_load, headroom=headroom,
+                            kv_pool=Placed(0, 0))
+    watch.record(before)  # a refused pool's termination message lists every part
     pool = size_kv_pool(
         kv,
         free_bytes=free,
@@ -330,13 +340,7 @@ def size_rank_memory(
         where=DEVICE if watch.on_gpu else HOST,
     )
     warn_if_shared(watch.device, pool.nbytes, headroom.device or 0)
-    ledger = measure_ledger(
-        model,
-        dwdp,
-        peak_load=watch.parts.get("peak_load", Placed(None, None)),
-        headroom=headroom,
-        kv_pool=Placed.on(pool.where, pool.nbytes),
-    )
+    ledger = replace(before, kv_pool=Placed.on(pool.where, pool.nbytes))
     watch.record(ledger)
     log.info(
         "KV cache pool: %d tokens (%s, %d bytes per token, %.2f GiB on the %s); %s",

@@ -138,6 +138,12 @@ def test_every_rank_committed_the_same_layout(pod):
     assert all(s["leaks"] == 0 and 0 < s["bytes_freed"] <= s["bytes_stored"] for s in statuses)
 
 
+def _mem_total() -> int:
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    line = next(x for x in lines if x.startswith("MemTotal"))
+    return int(line.split()[1]) * 1024
+
+
 def test_every_rank_reports_its_memory_ledger_and_kv_pool(pod):
     """/dwdp/status and /metrics carry the rank's memory ledger and its KV cache pool; on
     the cpu backend every part lives on the host, and the replicated weights are the whole
@@ -157,6 +163,8 @@ def test_every_rank_reports_its_memory_ledger_and_kv_pool(pod):
         assert memory["peak_load"]["host"] > memory["replicated_weights"]["host"]
         assert memory["activations_headroom"]["host"] is None  # not measured on the host
         assert pool["where"] == "host" and pool["limited_by"] == "freeMemoryFraction"
+        # the pod's 4 ranks share the host: each pool takes at most a quarter of it
+        assert pool["free_bytes"] <= _mem_total() // WORLD
         assert pool["capacity_tokens"] >= model.config.max_position_embeddings
         assert memory["kv_pool"]["host"] == pool["bytes"] == (
             pool["capacity_tokens"] * pool["bytes_per_token"]

@@ -140,7 +140,8 @@ def test_a_kv_pool_below_one_request_fails_the_rank_naming_the_numbers(
     assert code == 1
     assert line.startswith("engine: KvPoolError: kvCache: the KV cache pool holds "), line
     assert "less than one request of maxModelLen 256 tokens" in line
-    assert "; memory GiB (host/device): peak_load " in line and "kv_pool" not in line
+    assert "; memory GiB (host/device): peak_load " in line
+    assert "replicated_weights " in line and "kv_pool 0.00/0.00" in line
 
 
 def test_bad_launch_config_is_one_line(tmp_path):
