@@ -143,9 +143,24 @@ def run_launcher(opts: LaunchOptions) -> int:
         return _watch(children, stopping, grace, first_rank, opts.termination_log)
     finally:
         _stop_all(children, grace)
+        _sweep_stores(base, nproc)
         for s, handler in previous.items():
             signal.signal(s, handler)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _sweep_stores(env: dict[str, str], nproc: int) -> None:
+    """After every local rank exited: when this launcher ran the whole group (the cpu
+    backend's shared-memory stores need that), unlink the store files its ranks left (a
+    rank killed in setup cannot unlink its own; /dev/shm outlives the container)."""
+    group, incarnation = env.get(Env.GROUP), env.get(Env.INCARNATION, "0")
+    if not group or str(nproc) != env.get(Env.WORLD_SIZE, str(nproc)):
+        return
+    from dwdp.worker.backend.cpu import remove_incarnation_segments
+
+    removed = remove_incarnation_segments(group, incarnation)
+    if removed:
+        log.warning("removed %d store file(s) the ranks left: %s", len(removed), ", ".join(removed))
 
 
 def _local_secret(workdir: Path, nproc: int) -> Path:

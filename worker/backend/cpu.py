@@ -313,6 +313,20 @@ class CpuBackend(Backend):
         return min(shm_free, available)
 
 
+def remove_incarnation_segments(group: str, incarnation: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink every store file of ``group``'s ``incarnation`` left in ``shm_dir`` (ranks
+    killed before they could unlink theirs); returns the names removed. Only for a caller
+    that knows every rank of that incarnation has exited (``dwdp launch`` of a whole group)."""
+    prefix = f"{SEGMENT_PREFIX}{_safe(group)}-{_safe(incarnation)}-"
+    removed = []
+    for name in leftover_segments(group, shm_dir):
+        if name.startswith(prefix):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+    return removed
+
+
 def leftover_segments(group: str, shm_dir: str = SHM_DIR) -> list[str]:
     """Store files of ``group`` still present in ``shm_dir`` (tests: must be empty)."""
     prefix = f"{SEGMENT_PREFIX}{_safe(group)}-"

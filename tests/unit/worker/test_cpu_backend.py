@@ -132,3 +132,26 @@ def _rank0(t, group):
 
 def test_free_bytes_is_positive():
     assert CpuBackend(group="g", incarnation="1", rank=0).free_bytes() > 0
+
+
+def test_the_launcher_of_a_whole_group_removes_the_stores_its_ranks_left():
+    """Ranks killed in setup leave their store files (SIGKILL: no unlink); once every local
+    rank exited, the launcher of the whole group removes that incarnation's files, and only
+    them (not another incarnation's, and nothing when the group spans other pods)."""
+    from dwdp.worker.backend.cpu import CpuBackend, leftover_segments
+    from dwdp.worker.launcher import _sweep_stores
+
+    group = f"sw{uuid.uuid4().hex[:8]}"
+    left = [CpuBackend(group=group, incarnation=inc, rank=r).allocate_store(4096, tag="experts")
+            for inc in ("3", "4") for r in (0, 1)]
+    env = {"DWDP_GROUP": group, "DWDP_INCARNATION": "3", "DWDP_WORLD_SIZE": "2"}
+    try:
+        _sweep_stores({**env, "DWDP_WORLD_SIZE": "4"}, nproc=2)  # other pods hold ranks
+        assert len(leftover_segments(group)) == 4
+        _sweep_stores(env, nproc=2)
+        assert leftover_segments(group) == [f"dwdp-{group}-4-{r}-experts" for r in (0, 1)]
+    finally:
+        for store in left:
+            store.close()
+        for name in leftover_segments(group):
+            os.unlink(os.path.join("/dev/shm", name))
