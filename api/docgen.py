@@ -60,7 +60,8 @@ def _constraints(node: dict[str, Any], required: bool) -> list[str]:
     out = ["required"] if required else []
     for key, word in (("minimum", ">="), ("maximum", "<=")):
         if key in node:
-            out.append(f"{word} {node[key]}")
+            strict = node.get(f"exclusive{key.capitalize()}") is True  # the CRD's boolean form
+            out.append(f"{word[0] if strict else word} {node[key]}")
     if "minLength" in node:
         out.append(f"length >= {node['minLength']}")
     if "maxLength" in node:

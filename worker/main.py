@@ -130,7 +130,11 @@ def load_launch_config(path: str | None) -> LaunchConfig:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "(top level)"
-        raise WorkerStartupError(f"launch config {path}: {where}: {first.get('msg')}") from exc
+        got = first.get("input")
+        shown = "" if isinstance(got, dict | list) else f" (got {repr(got)[:80]})"
+        raise WorkerStartupError(
+            f"launch config {path}: {where}: {first.get('msg')}{shown}"
+        ) from exc
 
 
 def _yaml_problem(exc: Exception) -> str:
