@@ -4,12 +4,17 @@ request bodies bounded, and the key's configuration checked (real uvicorn, real 
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
 from dwdp.worker.server.guard import MAX_BODY_BYTES, ApiKeyError, check_api_key
 
 torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+from _http_helpers import UvicornThread, schemathesis_run  # noqa: E402
+
 httpx = pytest.importorskip("httpx")
 
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
@@ -21,13 +26,13 @@ KEY = "sk-test-0123456789"
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory, uvicorn_thread):
+def keyed(tmp_path_factory):
     torch.set_num_threads(1)
     path = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "m", seed=5)
     model, tok = load_checkpoint(path)
     engine = BatchingEngine(model, tok, model_name="m").start()
     app = build_app(engine, api_key=KEY, on_shutdown=engine.stop)
-    with uvicorn_thread(app, graceful_shutdown_timeout_s=None) as base:
+    with UvicornThread(app, graceful_shutdown_timeout_s=None) as base:
         yield base
 
 
@@ -93,7 +98,7 @@ def test_the_key_setting_is_checked():
             check_api_key(bad, "DWDP_API_KEY")
 
 
-def test_schemathesis_with_the_key_finds_no_server_error(keyed, schemathesis_run):
+def test_schemathesis_with_the_key_finds_no_server_error(keyed):
     """The whole API fuzzed with the key on: no 5xx; the key is what lets /v1/* through."""
     statuses, failures = schemathesis_run(keyed, {"Authorization": f"Bearer {KEY}"}, examples=15)
     assert not failures, failures[:5]

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+from _http_helpers import UvicornThread, schemathesis_run  # noqa: E402
+
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -42,7 +47,7 @@ class FakeDwdp:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, uvicorn_thread):
+def served(tmp_path_factory):
     torch.set_num_threads(1)
     path = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ck") / "ds", num_experts=5)
     model, tok = load_checkpoint(path)
@@ -53,7 +58,7 @@ def served(tmp_path_factory, uvicorn_thread):
     stopped = []
     app = build_app(engine, dwdp=dwdp, on_shutdown=lambda: stopped.append(engine.stop()))
     with (
-        uvicorn_thread(app, graceful_shutdown_timeout_s=None) as base,
+        UvicornThread(app, graceful_shutdown_timeout_s=None) as base,
         httpx.Client(base_url=base, timeout=60) as client,
     ):
         yield client, engine, dwdp, base, app
@@ -264,7 +269,7 @@ def test_client_disconnect_aborts(served):
     assert engine.stats.requests_aborted > before
 
 
-def test_health_503_when_engine_dead(tmp_path, uvicorn_thread):
+def test_health_503_when_engine_dead(tmp_path):
     class Dead:
         model_name = "dead"
         max_model_len = 8
@@ -281,13 +286,13 @@ def test_health_503_when_engine_dead(tmp_path, uvicorn_thread):
         def generate(self, *a):
             raise AssertionError
 
-    with uvicorn_thread(build_app(Dead()), graceful_shutdown_timeout_s=None) as base:
+    with UvicornThread(build_app(Dead()), graceful_shutdown_timeout_s=None) as base:
         r = httpx.get(base + "/health")
         assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
         assert httpx.get(base + "/ready").status_code == 503
 
 
-def test_schemathesis_finds_no_server_error(served, schemathesis_run):
+def test_schemathesis_finds_no_server_error(served):
     client, _engine, dwdp, base, _app = served
     dwdp.committed = True
     statuses, failures = schemathesis_run(base)

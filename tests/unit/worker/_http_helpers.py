@@ -1,4 +1,5 @@
-"""Shared fixtures of the worker unit tests."""
+"""HTTP helpers of the worker unit tests (imported by path, like tests/mp's helpers: a
+conftest.py here would shadow tests/mp/conftest.py, which tests import by name)."""
 
 from __future__ import annotations
 
@@ -35,14 +36,9 @@ class UvicornThread:
 
 
 
-@pytest.fixture(scope="session")
-def uvicorn_thread() -> type[UvicornThread]:
-    """``UvicornThread``: ``with uvicorn_thread(app, graceful_shutdown_timeout_s=None) as
-    base_url:`` serves ``app`` on 127.0.0.1 for the block."""
-    return UvicornThread
 
 
-def _schemathesis_run(
+def schemathesis_run(
     base: str, headers: dict[str, str] | None = None, examples: int = 25
 ) -> tuple[dict[str, set[int]], list[tuple]]:
     """Schemathesis over every operation of the app at ``base`` (its OpenAPI document),
@@ -78,10 +74,3 @@ def _schemathesis_run(
     for op in operations:
         make_check(op)()
     return seen, failures
-
-
-@pytest.fixture(scope="session")
-def schemathesis_run():
-    """``schemathesis_run(base, headers=None) -> (statuses per path, failures)``: see
-    ``_schemathesis_run``."""
-    return _schemathesis_run
