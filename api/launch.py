@@ -191,6 +191,17 @@ class LaunchError(ValueError):
         super().__init__(f"launch refused: {problem}")
 
 
+def dwdp_active(cfg: LaunchConfig) -> bool:
+    """True when the launch asks for expert or dense DWDP (the ranks then form a group)."""
+    return bool(cfg.dwdp.expert_dwdp or cfg.dwdp.enable_dense)
+
+
+def opens_rendezvous_store(cfg: LaunchConfig) -> bool:
+    """True when the ranks meet at rank 0's TCP store: DWDP on and transport ``tcpStore``
+    (the store every rank must prove the incarnation's secret to; MPI never opens it)."""
+    return dwdp_active(cfg) and cfg.transport is Transport.TCP_STORE
+
+
 def dense_mode(cfg: LaunchConfig) -> DenseMode | None:
     """The dense DWDP mode this launch qualifies for, or None (dense off or neither mode)."""
     d, par = cfg.dwdp, cfg.parallel

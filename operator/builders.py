@@ -24,8 +24,8 @@ from dwdp.api.contract import (
     Env,
 )
 from dwdp.api.deployment import API_VERSION, KIND, DwdpDeploymentSpec, launch_config_for
-from dwdp.api.enums import Role, Transport
-from dwdp.api.launch import validate_launch
+from dwdp.api.enums import Role
+from dwdp.api.launch import opens_rendezvous_store, validate_launch
 from dwdp.operator import constants as c
 from dwdp.operator import naming
 from dwdp.operator.revision import revision_of, stable_hash
@@ -569,12 +569,9 @@ def compute_domain(
 
 def rendezvous_secret_needed(spec: DwdpDeploymentSpec, role: Role) -> bool:
     """The ranks of a ``role`` group meet at rank 0's TCP store, so each incarnation needs a
-    rendezvous Secret: DWDP is on (experts or dense) and the transport is ``tcpStore``
-    (the worker's own rule: ``dwdp.worker.group.join_group``; MPI and no-DWDP groups never
-    open the store)."""
-    cfg = launch_config_for(spec, role)
-    dwdp_on = bool(cfg.dwdp.expert_dwdp or cfg.dwdp.enable_dense)
-    return dwdp_on and cfg.transport == Transport.TCP_STORE
+    rendezvous Secret (``dwdp.api.launch.opens_rendezvous_store``, the rule the worker
+    follows too)."""
+    return opens_rendezvous_store(launch_config_for(spec, role))
 
 
 def rendezvous_secret(

@@ -19,14 +19,14 @@ from pathlib import Path
 
 from torch import nn
 
-from dwdp.api.launch import LaunchConfig
+from dwdp.api.launch import LaunchConfig, dwdp_active
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.attachment import CopyCounters, DwdpAttachment, SetupFacts
 from dwdp.worker.backend.base import Backend, CopyPlan, Stream
 from dwdp.worker.dense.layout import DENSE_MIN_BYTES, Segment
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.expert.layout import LoadedExperts
-from dwdp.worker.group import DwdpConfigError, dwdp_active, make_backend
+from dwdp.worker.group import DwdpConfigError, make_backend
 from dwdp.worker.models.base import ArchitectureAdapter, MoeLayer
 from dwdp.worker.schedule.dense import DenseSlotSchedule
 from dwdp.worker.schedule.expert import ExpertPrefetchSchedule

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 
 from dwdp.api.contract import Env
-from dwdp.api.launch import LaunchConfig
+from dwdp.api.launch import LaunchConfig, dwdp_active
 from dwdp.worker.backend.base import Backend
 from dwdp.worker.settings import CopySettings
 from dwdp.worker.transport.base import GroupTransport
@@ -19,11 +19,6 @@ from dwdp.worker.transport.base import GroupTransport
 
 class DwdpConfigError(ValueError):
     """A DWDP setting this worker cannot run; the message names the field and the fix."""
-
-
-def dwdp_active(cfg: LaunchConfig) -> bool:
-    """True when the launch asks for expert or dense DWDP."""
-    return bool(cfg.dwdp.expert_dwdp or cfg.dwdp.enable_dense)
 
 
 def join_group(

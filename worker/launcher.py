@@ -156,7 +156,7 @@ def _sweep_stores(env: dict[str, str], nproc: int) -> None:
     group, incarnation = env.get(Env.GROUP), env.get(Env.INCARNATION, "0")
     if not group or str(nproc) != env.get(Env.WORLD_SIZE, str(nproc)):
         return
-    from dwdp.worker.backend.cpu import remove_incarnation_segments
+    from dwdp.worker.backend.shm_names import remove_incarnation_segments
 
     removed = remove_incarnation_segments(group, incarnation)
     if removed:

@@ -238,7 +238,7 @@ def resolve_host_settings(
     the gate, ``config`` for a setting the host cannot run). Without DWDP: the defaults.
 
     Raises ``HostGateError`` or ``CopySettingsError``."""
-    from dwdp.worker.group import dwdp_active
+    from dwdp.api.launch import dwdp_active
     from dwdp.worker.host import check_copy_ops, probe_host
     from dwdp.worker.settings import resolve_copy_settings
 
