@@ -40,6 +40,7 @@ from dwdp.api.launch import (
     ParallelConfig,
     launch_problems,
 )
+from dwdp.api.security import NetworkPolicySpec, PodSecurityContext, SecurityContext
 from dwdp.api.support import Scope, SectionView, worker_limit_problems, worker_limit_rules
 
 __all__ = [
@@ -697,6 +698,22 @@ class DwdpDeploymentSpec(ApiModel):
     )
     env: list[EnvVar] | None = Field(
         default=None, max_length=128, description="Extra environment variables of every worker."
+    )
+    security_context: SecurityContext = Field(
+        default_factory=SecurityContext,
+        json_schema_extra=_EMPTY_DEFAULT,
+        description="Security context of every worker container; a field set here replaces "
+        "only that field's restrictive default.",
+    )
+    pod_security_context: PodSecurityContext = Field(
+        default_factory=PodSecurityContext,
+        json_schema_extra=_EMPTY_DEFAULT,
+        description="Security context of every worker pod (user, groups, seccomp).",
+    )
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec,
+        json_schema_extra=_EMPTY_DEFAULT,
+        description="The NetworkPolicies of the worker pods (opt-out).",
     )
     context: ContextSpec = Field(description="The context (prefill) servers: DWDP groups.")
     generation: GenerationSpec | None = Field(
