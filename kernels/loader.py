@@ -2,7 +2,7 @@
 
 The CUDA C sources beside this module are compiled at run time with NVRTC
 (``cuda.bindings.nvrtc``) to a cubin for the device's architecture (``sm_90`` on H200),
-cached on disk under ``$DWDP_KERNEL_CACHE`` or ``~/.cache/dwdp/kernels``, keyed by a hash
+cached on disk under ``$DWDP_KERNEL_CACHE`` or ``$XDG_CACHE_HOME/dwdp/kernels``, keyed by a hash
 of every source byte, the compile options, the NVRTC version and the architecture, and
 loaded into the current CUDA context. A cubin (not PTX) is loaded so that a newer NVRTC
 than the driver's own CUDA version works (minor-version compatibility).
@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 """Folder of the ``.cu``/``.cuh`` sources."""
@@ -145,9 +148,14 @@ def cache_key(
 
 
 def cache_dir() -> Path:
-    """``$DWDP_KERNEL_CACHE`` or ``~/.cache/dwdp/kernels``."""
+    """``$DWDP_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/dwdp/kernels``, else
+    ``~/.cache/dwdp/kernels`` (an operator-made pod, whose root filesystem is read-only,
+    sets ``XDG_CACHE_HOME`` to a folder of its writable ``/tmp`` volume)."""
     env = os.environ.get("DWDP_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "dwdp" / "kernels"
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "dwdp" / "kernels"
 
 
 def cache_path(config: GatherConfig, arch: str, key: str) -> Path:
@@ -211,11 +219,14 @@ def compile_cubin(config: GatherConfig, arch: str) -> tuple[bytes, Path, bool]:
         _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, cubin))
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(cubin)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home: the kernel still runs, compiled each start
+        log.warning("kernel cache %s not writable (%s); set DWDP_KERNEL_CACHE", path.parent, exc)
     return cubin, path, False
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "compute_domain",
     "config_map",
     "endpoint_slices",
+    "group_policy",
     "headless_service",
     "launch_config_text",
     "pod_group",
@@ -44,6 +45,7 @@ __all__ = [
     "rendezvous_secret_needed",
     "role_shapes",
     "role_template",
+    "serving_policy",
     "with_secret_value",
     "worker_pod",
 ]
@@ -284,6 +286,80 @@ def endpoint_slices(
     return slices
 
 
+# ----------------------------------------------------------------------------- network policies
+
+
+def _worker_selector(owner: Owner) -> dict[str, Any]:
+    return {
+        "matchLabels": {
+            c.LABEL_DEPLOYMENT: owner.name,
+            c.LABEL_COMPONENT: c.Component.WORKER.value,
+        }
+    }
+
+
+def serving_policy(
+    spec: DwdpDeploymentSpec, owner: Owner, *, operator_namespace: str | None = None
+) -> dict[str, Any]:
+    """The NetworkPolicy of every worker pod of the deployment: ingress only on the
+    serving ports (``server.port`` up to the widest role's last local-rank port), from
+    ``spec.networkPolicy.servingFrom`` (unset: any source; set: those peers and every pod
+    of ``operator_namespace``, whose operator reads ``/dwdp/status``). Other ports are
+    reached only under :func:`group_policy`; egress is not restricted."""
+    first = spec.server.port
+    width = max(s.ranks_per_pod for s in role_shapes(spec).values())
+    port: dict[str, Any] = {"protocol": "TCP", "port": first}
+    if width > 1:
+        port["endPort"] = first + width - 1
+    rule: dict[str, Any] = {"ports": [port]}
+    peers = spec.network_policy.serving_from
+    if peers is not None:
+        rule["from"] = [p.to_yaml_dict() for p in peers]
+        if operator_namespace is not None:
+            ns = {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
+            rule["from"].append({"namespaceSelector": ns})
+    return _finish(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {
+                "name": naming.serving_policy(owner.name),
+                "labels": _labels(owner, c.Component.NETWORK_POLICY),
+            },
+            "spec": {
+                "podSelector": _worker_selector(owner),
+                "policyTypes": ["Ingress"],
+                "ingress": [rule],
+            },
+        },
+        owner,
+    )
+
+
+def group_policy(owner: Owner, group: str) -> dict[str, Any]:
+    """The NetworkPolicy of one group (every incarnation of it): its pods reach each other
+    on every port (the rendezvous store on pod 0, and NCCL, MPI or UCX, which pick
+    ephemeral ports); no other pod reaches them there (the rendezvous port included)."""
+    selector = _worker_selector(owner)
+    selector["matchLabels"][c.LABEL_GROUP] = group
+    return _finish(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {
+                "name": naming.group_policy(group),
+                "labels": _labels(owner, c.Component.NETWORK_POLICY),
+            },
+            "spec": {
+                "podSelector": selector,
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": copy.deepcopy(selector)}]}],
+            },
+        },
+        owner,
+    )
+
+
 # ----------------------------------------------------------------------------- pods
 
 
@@ -320,12 +396,20 @@ def role_template(
         )
     if volumes:
         mounts.append({"name": c.MODEL_VOLUME, "mountPath": model.mount_path, "readOnly": True})
+    volumes += _WRITABLE_VOLUMES
+    mounts += _WRITABLE_MOUNTS
     return {
         "role": role.value,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(command),
-        "env": [*api_key_env(spec), *(e.to_yaml_dict() for e in spec.env or ())],
+        "env": [
+            *api_key_env(spec),
+            *_cache_env(spec),
+            *(e.to_yaml_dict() for e in spec.env or ()),
+        ],
+        "securityContext": spec.security_context.to_yaml_dict(),
+        "podSecurityContext": spec.pod_security_context.to_yaml_dict(),
         "resources": resources,
         "nodeSelector": dict(spec.node_selector or {}),
         "tolerations": [t.to_yaml_dict() for t in spec.tolerations or ()],
@@ -339,6 +423,23 @@ def role_template(
         "terminationGracePeriodSeconds": _grace_seconds(spec),
         "launchConfig": launch_config_text(spec, role),
     }
+
+
+_WRITABLE_VOLUMES = [
+    {"name": c.TMP_VOLUME, "emptyDir": {}},
+    {"name": c.SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+]
+"""The writable volumes of a worker pod (its root filesystem is read-only by default)."""
+_WRITABLE_MOUNTS = [
+    {"name": c.TMP_VOLUME, "mountPath": c.TMP_DIR},
+    {"name": c.SHM_VOLUME, "mountPath": c.SHM_DIR},
+]
+
+
+def _cache_env(spec: DwdpDeploymentSpec) -> list[dict[str, Any]]:
+    """:data:`~dwdp.operator.constants.CACHE_ENV` less the names ``spec.env`` sets."""
+    own = {e.name for e in spec.env or ()}
+    return [{"name": k, "value": v} for k, v in c.CACHE_ENV.items() if k not in own]
 
 
 def revisions(
@@ -433,6 +534,7 @@ def worker_pod(
         "env": env,
         "ports": ports,
         "resources": t["resources"],
+        "securityContext": t["securityContext"],
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": spec.server.port},
             "periodSeconds": READINESS_PERIOD_S,
@@ -451,6 +553,7 @@ def worker_pod(
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": t["terminationGracePeriodSeconds"],
         "readinessGates": [{"conditionType": c.GATE_CONDITION}],
+        "securityContext": t["podSecurityContext"],
         "containers": [container],
         "volumes": [
             {

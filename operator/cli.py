@@ -161,8 +161,13 @@ def _run(args: argparse.Namespace) -> int:
         kube = Kube.from_environment()
     except Exception as exc:  # kubernetes.config.ConfigException, unreadable kubeconfig
         raise UserError(f"no cluster credentials (service account or KUBECONFIG): {exc}") from exc
+    import os
+
     options = PlanOptions(
-        command=command, gang=args.gang == "auto", compute_domains=args.compute_domains == "auto"
+        command=command,
+        gang=args.gang == "auto",
+        compute_domains=args.compute_domains == "auto",
+        operator_namespace=os.environ.get("POD_NAMESPACE") or None,
     )
     reconcilers = Reconcilers(kube, options)
     registry = build_registry(reconcilers, config)

@@ -89,6 +89,19 @@ RENDEZVOUS_VOLUME = "rendezvous-secret"
 RENDEZVOUS_SECRET_MODE = 0o400
 """File mode of the mounted rendezvous secret (read by the worker's user only)."""
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+TMP_VOLUME = "tmp"
+"""Writable emptyDir of a worker pod at ``/tmp`` (the root filesystem is read-only)."""
+TMP_DIR = "/tmp"
+SHM_VOLUME = "dshm"
+"""Memory-backed emptyDir at ``/dev/shm``: shared memory between a pod's local ranks (the
+cpu backend's stores) beyond a container runtime's 64 MiB default."""
+SHM_DIR = "/dev/shm"
+CACHE_ENV = {
+    "XDG_CACHE_HOME": f"{TMP_DIR}/.cache",
+    "TRITON_CACHE_DIR": f"{TMP_DIR}/.cache/triton",
+}
+"""Caches (the gather kernels' cubins, Hugging Face, Triton) pointed at the writable /tmp
+of a pod whose root filesystem is read-only; a name the spec's ``env`` sets wins."""
 DEFAULT_WORKER_COMMAND = ("dwdp", "launch", "--host", f"$({Env.POD_IP.value})")
 """Container command of a worker pod (``dwdp launch`` binds the pod's own address)."""
 
@@ -141,3 +154,4 @@ class Component(enum.StrEnum):
     CONFIG = "config"
     SERVICE = "service"
     ENDPOINTS = "endpoints"
+    NETWORK_POLICY = "network-policy"

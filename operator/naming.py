@@ -15,11 +15,13 @@ __all__ = [
     "config_map",
     "endpoint_slice",
     "group_name",
+    "group_policy",
     "headless_service",
     "incarnation",
     "pod_name",
     "rendezvous_address",
     "rendezvous_secret",
+    "serving_policy",
 ]
 
 _GROUP_PREFIX = {Role.CONTEXT: "g", Role.GENERATION: "gen"}
@@ -46,6 +48,16 @@ def client_service(deployment: str) -> str:
 def endpoint_slice(deployment: str, local_rank: int) -> str:
     """The EndpointSlice of the client Service for local rank ``local_rank``'s port."""
     return f"{deployment}-rank-{local_rank}"
+
+
+def serving_policy(deployment: str) -> str:
+    """The NetworkPolicy of every worker pod's serving ports (``demo-serving``)."""
+    return f"{deployment}-serving"
+
+
+def group_policy(group: str) -> str:
+    """The NetworkPolicy letting a group's pods reach each other (``demo-g0-group``)."""
+    return f"{group}-group"
 
 
 def group_name(deployment: str, role: Role, index: int) -> str:

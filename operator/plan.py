@@ -230,7 +230,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     )
     actions += Actions(delete=orphans)
     actions += Actions(delete=_secret_deletes(observed, actions.delete))
-    apply, slices, stale = _children(spec, owner, observed, roles, actions, revisions)
+    apply, slices, stale = _children(spec, owner, observed, roles, actions, revisions, options)
     actions += Actions(delete=stale)
     status = _status(spec, owner, body, observed, roles, actions, revisions, now)
     all_ready = status["conditions"][0]["status"] == "True"
@@ -274,10 +274,11 @@ def _children(
     roles: Mapping[Role, RoleDecision],
     actions: Actions,
     revisions: Mapping[Role, str],
+    options: PlanOptions,
 ) -> tuple[tuple[dict[str, Any], ...], tuple[dict[str, Any], ...], tuple[Delete, ...]]:
     """The static children: ``(apply, slices, deletes)``: the configs of the revisions in
-    use, the services and the endpoint slices whose applied-hash differs, and every child
-    nothing needs any more."""
+    use, the services, the NetworkPolicies and the endpoint slices whose applied-hash
+    differs, and every child nothing needs any more."""
     in_use = {(p.role, p.revision) for p in observed.pods if p.live}
     in_use |= {(role, revisions[role]) for role in roles}
     in_use |= {
@@ -291,6 +292,7 @@ def _children(
     ]
     wanted += [builders.headless_service(spec, owner, role) for role in roles]
     wanted.append(builders.client_service(spec, owner))
+    wanted += _network_policies(spec, owner, observed, roles, actions, options)
     serving = [
         builders.Endpoint(p.name, p.ip)
         for view in roles[Role.CONTEXT].views
@@ -325,6 +327,26 @@ def _children(
         if k not in keep
     )
     return changed(wanted), changed(slices), stale
+
+
+def _network_policies(
+    spec: DwdpDeploymentSpec,
+    owner: builders.Owner,
+    observed: Observed,
+    roles: Mapping[Role, RoleDecision],
+    actions: Actions,
+    options: PlanOptions,
+) -> list[dict[str, Any]]:
+    """The serving NetworkPolicy and one per group that has or gets pods (none when
+    ``spec.networkPolicy.enabled`` is false). They are applied before this plan's pods
+    are created, so a new group's ranks reach each other from their first packet."""
+    if not spec.network_policy.enabled:
+        return []
+    names = {naming.group_name(owner.name, p.role, p.group_index) for p in observed.pods}
+    names |= {v.name for d in roles.values() for v in d.views}
+    names |= {pod["metadata"]["labels"][c.LABEL_GROUP] for pod in actions.pods}
+    serving = builders.serving_policy(spec, owner, operator_namespace=options.operator_namespace)
+    return [serving, *(builders.group_policy(owner, g) for g in sorted(names))]
 
 
 def _status(

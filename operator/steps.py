@@ -76,6 +76,9 @@ class PlanOptions:
     compute_domains: bool = True
     """Fabric groups across pods get a ComputeDomain per incarnation (refused where the
     API is not served); False: never (CPU test clusters, where fabric is nominal)."""
+    operator_namespace: str | None = None
+    """The operator's own namespace (``POD_NAMESPACE``): a NetworkPolicy that limits the
+    serving ports lets its pods through (the operator reads ``/dwdp/status``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,7 +115,19 @@ def test_context_pod_of_second_group_second_pod() -> None:
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 30,
             "readinessGates": [{"conditionType": "dwdp.io/group-ready"}],
-            "volumes": [{"name": "launch-config", "configMap": {"name": "demo-context-r1"}}],
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "runAsGroup": 1000,
+                "fsGroup": 1000,
+                "fsGroupChangePolicy": "OnRootMismatch",
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "volumes": [
+                {"name": "launch-config", "configMap": {"name": "demo-context-r1"}},
+                {"name": "tmp", "emptyDir": {}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            ],
             "containers": [
                 {
                     "name": "worker",
@@ -141,6 +153,8 @@ def test_context_pod_of_second_group_second_pod() -> None:
                             "name": "DWDP_POD_IP",
                             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
                         },
+                        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+                        {"name": "TRITON_CACHE_DIR", "value": "/tmp/.cache/triton"},
                     ],
                     "ports": [
                         {"name": "rank-0", "containerPort": 8000, "protocol": "TCP"},
@@ -150,6 +164,12 @@ def test_context_pod_of_second_group_second_pod() -> None:
                         "limits": {"nvidia.com/gpu": 2},
                         "requests": {"nvidia.com/gpu": 2},
                     },
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "privileged": False,
+                        "readOnlyRootFilesystem": True,
+                        "capabilities": {"add": [], "drop": ["ALL"]},
+                    },
                     "readinessProbe": {
                         "httpGet": {"path": "/ready", "port": 8000},
                         "periodSeconds": 2,
@@ -158,7 +178,9 @@ def test_context_pod_of_second_group_second_pod() -> None:
                     "terminationMessagePath": "/dev/termination-log",
                     "terminationMessagePolicy": "FallbackToLogsOnError",
                     "volumeMounts": [
-                        {"name": "launch-config", "mountPath": "/etc/dwdp", "readOnly": True}
+                        {"name": "launch-config", "mountPath": "/etc/dwdp", "readOnly": True},
+                        {"name": "tmp", "mountPath": "/tmp"},
+                        {"name": "dshm", "mountPath": "/dev/shm"},
                     ],
                 }
             ],
@@ -357,3 +379,66 @@ def test_secret_value_is_added_base64_to_a_copy() -> None:
     assert base64.b64decode(out["data"]["secret"]) == value
     assert "data" not in planned  # the plan's object is left as planned
     assert out["metadata"] == planned["metadata"] and out["type"] == "Opaque"
+
+
+def test_a_spec_override_replaces_only_its_field_and_user_env_wins() -> None:
+    spec = parse_deployment(
+        doc(
+            securityContext={
+                "readOnlyRootFilesystem": False,
+                "capabilities": {"add": ["IPC_LOCK"]},
+            },
+            podSecurityContext={"runAsUser": 2000},
+            env=[{"name": "XDG_CACHE_HOME", "value": "/models/cache"}],
+        )
+    ).spec
+    pod = builders.worker_pod(
+        spec, OWNER, role=Role.CONTEXT, group_index=0, incarnation=0, pod_index=0, revision="r"
+    )
+    ctr = pod["spec"]["containers"][0]
+    assert ctr["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": False,
+        "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]},
+    }
+    assert pod["spec"]["securityContext"]["runAsUser"] == 2000
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    caches = [e for e in ctr["env"] if e["name"] == "XDG_CACHE_HOME"]
+    assert caches == [{"name": "XDG_CACHE_HOME", "value": "/models/cache"}]
+
+
+def test_serving_policy_opens_the_serving_ports_of_the_widest_role_only() -> None:
+    spec = parse_deployment(
+        doc(
+            context={"replicas": 1, "ranksPerPod": 4, "dwdp": {"dwdpSize": 4}},
+            generation={"replicas": 1},
+        )
+    ).spec
+    policy = without_hash(builders.serving_policy(spec, OWNER, operator_namespace="ops"))
+    assert policy["metadata"]["name"] == "demo-serving"
+    assert policy["spec"] == {
+        "podSelector": {
+            "matchLabels": {"dwdp.io/deployment": "demo", "app.kubernetes.io/component": "worker"}
+        },
+        "policyTypes": ["Ingress"],
+        # no `from`: any source (servingFrom unset), so no operator peer is needed either
+        "ingress": [{"ports": [{"protocol": "TCP", "port": 8000, "endPort": 8003}]}],
+    }
+
+
+def test_group_policy_admits_only_the_group_itself_on_every_port() -> None:
+    policy = without_hash(builders.group_policy(OWNER, "demo-g1"))
+    selector = {
+        "matchLabels": {
+            "dwdp.io/deployment": "demo",
+            "app.kubernetes.io/component": "worker",
+            "dwdp.io/group": "demo-g1",
+        }
+    }
+    assert policy["metadata"]["name"] == "demo-g1-group"
+    assert policy["spec"] == {
+        "podSelector": selector,
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": selector}]}],
+    }

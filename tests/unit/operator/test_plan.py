@@ -109,6 +109,9 @@ def test_first_plan_creates_every_child_of_two_groups() -> None:
         ("ConfigMap", f"demo-context-{p.status['revision']}"),
         ("Service", "demo-context"),
         ("Service", "demo"),
+        ("NetworkPolicy", "demo-serving"),
+        ("NetworkPolicy", "demo-g0-group"),
+        ("NetworkPolicy", "demo-g1-group"),
     ]
     assert [o["metadata"]["name"] for o in p.create_pods] == [
         "demo-g0-i0-p0",
@@ -281,7 +284,8 @@ def test_spec_change_applies_a_new_config_and_keeps_the_old_for_live_groups() ->
     p = sim.step()
     new_rev = p.status["revision"]
     assert new_rev != old_rev
-    assert [o["metadata"]["name"] for o in p.apply] == [f"demo-context-{new_rev}"]
+    # the new revision's config, and the NetworkPolicy of the surge group it starts
+    assert [o["metadata"]["name"] for o in p.apply] == [f"demo-context-{new_rev}", "demo-g1-group"]
     # Live groups are never patched: a surge group starts at the new revision.
     assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
     assert p.delete == ()
@@ -436,3 +440,38 @@ def test_generation_servers_get_no_secret() -> None:
     assert secrets == ["demo-g0-i0-rdzv"]
     gen = [o for o in p.create_pods if o["metadata"]["labels"][c.LABEL_ROLE] == "generation"]
     assert gen and all(_secret_volume(pod) is None for pod in gen)
+
+
+def test_a_group_policy_lives_as_long_as_its_group_and_the_setting() -> None:
+    sim = Sim(body(replicas=2))
+    first = sim.step()
+    policies = [o["metadata"]["name"] for o in first.apply if o["kind"] == "NetworkPolicy"]
+    # applied in the plan that creates the pods (apply runs before the pod creations)
+    assert policies == ["demo-serving", "demo-g0-group", "demo-g1-group"] and first.create_pods
+    sim.step()
+    sim.body["spec"]["context"]["replicas"] = 1
+    sim.step()  # gates close
+    sim.step()  # pods deleted
+    p = sim.step()
+    assert Delete("NetworkPolicy", "demo-g1-group") in p.delete
+    assert sim.names("NetworkPolicy") == ["demo-g0-group", "demo-serving"]
+    sim.body["spec"]["networkPolicy"] = {"enabled": False}
+    p = sim.step()
+    assert sorted(d.name for d in p.delete if d.kind == "NetworkPolicy") == [
+        "demo-g0-group",
+        "demo-serving",
+    ]
+    assert sim.names("Pod") == ["demo-g0-i0-p0", "demo-g0-i0-p1"]  # no rollout for it
+    assert sim.step().writes == 0
+
+
+def test_serving_sources_let_the_operator_namespace_in() -> None:
+    peers = [{"namespaceSelector": {"matchLabels": {"team": "gateway"}}}]
+    options = PlanOptions(compute_domains=False, operator_namespace="dwdp-system")
+    spec = body(networkPolicy={"servingFrom": peers})
+    p = plan(spec, Observed(), options=options, now="T0")
+    serving = next(o for o in p.apply if o["metadata"]["name"] == "demo-serving")
+    assert serving["spec"]["ingress"][0]["from"] == [
+        *peers,
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "dwdp-system"}}},
+    ]
