@@ -73,8 +73,7 @@ class SeccompProfile(ApiModel):
                 cel_rule(
                     "self.type == 'Localhost' ? has(self.localhostProfile) "
                     ": !has(self.localhostProfile)",
-                    "localhostProfile is required with type Localhost and must be unset "
-                    "otherwise",
+                    "localhostProfile is required with type Localhost and must be unset otherwise",
                     field_path=".localhostProfile",
                 )
             ]
@@ -145,9 +144,7 @@ class SecurityContext(ApiModel):
     @model_validator(mode="after")
     def _check(self) -> SecurityContext:
         if self.privileged and not self.allow_privilege_escalation:
-            raise RuleViolations(
-                [Problem(("allowPrivilegeEscalation",), False, _PRIVILEGED_RULE)]
-            )
+            raise RuleViolations([Problem(("allowPrivilegeEscalation",), False, _PRIVILEGED_RULE)])
         return self
 
 

@@ -610,3 +610,59 @@ def test_configmap_volume_and_subpath(cluster: TestCluster, namespace: str) -> N
         "file": "dwdp_size: 4\n",
         "dir": ["config.yaml", "other"],
     }
+
+
+def test_security_context_read_only_root_no_privileges(
+    cluster: TestCluster, namespace: str
+) -> None:
+    """A container with readOnlyRootFilesystem, allowPrivilegeEscalation: false and every
+    capability dropped (the worker pods' defaults) cannot write outside its volumes, has
+    no_new_privs and no capability; its emptyDir and termination log stay writable."""
+    code = """
+        import errno, json, os
+        def can_write(path):
+            try:
+                open(path, "w").close()
+                return True
+            except OSError as exc:
+                return errno.errorcode[exc.errno]
+        fields = dict(
+            line.split(":\\t", 1) for line in open("/proc/self/status").read().splitlines()
+        )
+        out = {
+            "root": can_write(os.path.join(os.getcwd(), "x")),
+            "scratch": can_write("/scratch/x"),
+            "no_new_privs": fields["NoNewPrivs"].strip(),
+            "cap_eff": fields["CapEff"].strip(),
+            "cap_bnd": fields["CapBnd"].strip(),
+        }
+        with open("/dev/termination-log", "w") as f:
+            json.dump(out, f)
+    """
+    security = {
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+    }
+    ctr = python_container(
+        code,
+        securityContext=security,
+        volumeMounts=[{"name": "scratch", "mountPath": "/scratch"}],
+    )
+    cluster.apply(
+        namespace,
+        pod(
+            "locked",
+            [ctr],
+            restartPolicy="Never",
+            volumes=[{"name": "scratch", "emptyDir": {}}],
+        ),
+    )
+    p = wait_finished(cluster, namespace, "locked")
+    assert json.loads(terminated(p)["message"]) == {
+        "root": "EROFS",
+        "scratch": True,
+        "no_new_privs": "1",
+        "cap_eff": "0000000000000400",  # CAP_NET_BIND_SERVICE (bit 10) only
+        "cap_bnd": "0000000000000400",
+    }

@@ -128,6 +128,69 @@ def test_every_group_and_the_generation_server_answer_like_the_reference(deploye
     assert table[1].split()[:4] == ["demo", "2", "2", "Ready"]
 
 
+def _selected(tc: Any, selector: dict[str, Any]) -> list[str]:
+    """Names of the pods of ``NS`` a NetworkPolicy's ``matchLabels`` selects."""
+    labels = ",".join(f"{k}={v}" for k, v in selector["matchLabels"].items())
+    out = tc.kubectl("get", "pods", "-n", NS, "-l", labels, "-o", "name").stdout.split()
+    return sorted(n.removeprefix("pod/") for n in out)
+
+
+def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) -> None:
+    """The groups that committed and served above ran with the restrictive defaults: every
+    worker pod asks for them, and the rank processes really have a read-only root, no
+    capability and no_new_privs (the process kubelet applies those three). The
+    NetworkPolicies select the deployment's worker pods (serving ports) and each group's
+    own pods (every port); the local cluster does not enforce them."""
+    tc, _model, _want = deployed
+    pods = json.loads(tc.kubectl("get", "pods", "-n", NS, "-o", "json").stdout)["items"]
+    workers = {
+        p["metadata"]["name"]: p
+        for p in pods
+        if p["metadata"]["labels"].get("app.kubernetes.io/component") == "worker"
+    }
+    assert len(workers) == 3  # two context pods of 4 ranks, one generation server
+    for p in workers.values():
+        ctr = p["spec"]["containers"][0]["securityContext"]
+        assert ctr["readOnlyRootFilesystem"] and not ctr["allowPrivilegeEscalation"]
+        assert ctr["capabilities"]["drop"] == ["ALL"]
+        pod_ctx = p["spec"]["securityContext"]
+        assert pod_ctx["runAsNonRoot"] and pod_ctx["seccompProfile"]["type"] == "RuntimeDefault"
+    (pid,) = _rank_pids("demo-g0", 0)
+    status = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    assert status["NoNewPrivs"].strip() == "1"
+    assert int(status["CapEff"], 16) == 0
+    root = next(
+        line.split()
+        for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        if line.split()[4] == "/"
+    )
+    assert "ro" in root[5].split(","), root
+    policies = {
+        p["metadata"]["name"]: p["spec"]
+        for p in json.loads(tc.kubectl("get", "networkpolicy", "-n", NS, "-o", "json").stdout)[
+            "items"
+        ]
+    }
+    assert sorted(policies) == [
+        "demo-g0-group",
+        "demo-g1-group",
+        "demo-gen0-group",
+        "demo-serving",
+    ]
+    serving = policies["demo-serving"]
+    assert _selected(tc, serving["podSelector"]) == sorted(workers)
+    assert serving["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000, "endPort": 8003}]}]
+    for group in ("demo-g0", "demo-g1", "demo-gen0"):
+        spec = policies[f"{group}-group"]
+        own = sorted(
+            n for n, p in workers.items() if p["metadata"]["labels"]["dwdp.io/group"] == group
+        )
+        assert _selected(tc, spec["podSelector"]) == own
+        assert spec["ingress"] == [{"from": [{"podSelector": spec["podSelector"]}]}]
+
+
 def _rank_pids(group: str, local_rank: int) -> list[int]:
     """PIDs of the ``dwdp worker`` processes of ``group``'s local rank ``local_rank``."""
     pids = []

@@ -26,6 +26,13 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
 - Deletion: SIGTERM to every container's process group, SIGKILL after the grace period, then
   the pod is removed with grace 0. On SIGTERM the kubelet stops all its pods the same way.
 
+- A container's ``securityContext``: ``readOnlyRootFilesystem`` remounts ``/`` read-only in
+  the pod's mount namespace (its volumes stay writable or read-only as mounted),
+  ``allowPrivilegeEscalation: false`` sets no_new_privs, ``capabilities`` become the
+  process's bounding and inheritable sets (``setpriv``). Not applied: runAsUser/runAsGroup/
+  fsGroup (processes run as the kubelet's user) and seccomp profiles; NetworkPolicies are
+  not enforced (no network plugin).
+
 Pods bind their own address, so two pods can serve the same port. Mount points missing on
 the host (e.g. /var/run/secrets/kubernetes.io/serviceaccount) are created empty on the host.
 Not supported: images, ``kubectl exec``/``attach``/``port-forward``, ClusterIP routing
@@ -212,6 +219,35 @@ def expand(value: str, env: dict[str, str]) -> str:
         return env.get(name, m.group(0))
 
     return _VAR.sub(sub, value)
+
+
+def _setpriv_caps(capabilities: dict) -> str:
+    """``-all,+ipc_lock`` from a ``capabilities`` stanza (drop first, then add)."""
+
+    def name(cap: str) -> str:
+        return cap.lower().removeprefix("cap_")
+
+    drop = [str(x) for x in capabilities.get("drop") or []]
+    parts = ["-all"] if "ALL" in drop else [f"-{name(x)}" for x in drop]
+    parts += [f"+{name(str(x))}" for x in capabilities.get("add") or []]
+    return ",".join(parts)
+
+
+def privilege_argv(security: dict) -> list[str]:
+    """The ``setpriv`` prefix that applies a container's ``securityContext`` to its
+    process: ``allowPrivilegeEscalation: false`` -> no_new_privs; ``capabilities`` -> the
+    bounding and inheritable sets (a root process keeps only the added ones). Empty for a
+    privileged container or a context that asks for neither. runAsUser/runAsGroup and
+    seccomp are not applied (the processes run as the kubelet's user)."""
+    if security.get("privileged"):
+        return []
+    argv = []
+    if security.get("allowPrivilegeEscalation") is False:
+        argv.append("--no-new-privs")
+    caps = _setpriv_caps(security.get("capabilities") or {})
+    if caps:
+        argv += [f"--bounding-set={caps}", f"--inh-caps={caps}"]
+    return ["setpriv", *argv, "--"] if argv else []
 
 
 def field_value(pod: dict, path: str) -> str:
@@ -748,7 +784,11 @@ class PodWorker(threading.Thread):
         bind(term_file, term, False)
         workdir = ctr.spec.get("workingDir") or str(self.dir / "work")
         lines.append(f"mkdir -p {q(workdir)} && cd {q(workdir)}")
-        lines.append('exec "$@"')
+        security = ctr.spec.get("securityContext") or {}
+        if security.get("readOnlyRootFilesystem"):
+            # The root mount of this namespace only: volumes and /dev, /proc stay as mounted.
+            lines.append("mount -o remount,bind,ro /")
+        lines.append(" ".join(["exec", *privilege_argv(security), '"$@"']))
         script = self.dir / "run" / f"{ctr.name}.sh"
         script.write_text("\n".join(lines) + "\n")
         return script
