@@ -134,8 +134,8 @@ class SecurityContext(ApiModel):
     privileged: Bool = Field(default=False, description="Run the container privileged.")
     read_only_root_filesystem: Bool = Field(
         default=True,
-        description="Mount the image read-only; the pod writes only to its volumes (/tmp, "
-        "/dev/shm and the volumes the spec adds).",
+        description="Mount the image read-only; the pod writes only to its /tmp and "
+        "/dev/shm volumes (emptyDirs the operator adds).",
     )
     capabilities: Capabilities = Field(
         default_factory=Capabilities, json_schema_extra=_EMPTY_DEFAULT

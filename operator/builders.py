@@ -298,6 +298,22 @@ def _worker_selector(owner: Owner) -> dict[str, Any]:
     }
 
 
+def _ingress_policy(
+    owner: Owner, name: str, selector: dict[str, Any], rule: dict[str, Any]
+) -> dict[str, Any]:
+    """A NetworkPolicy ``name`` admitting only ``rule``'s ingress to the pods ``selector``
+    picks (egress left open)."""
+    return _finish(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": name, "labels": _labels(owner, c.Component.NETWORK_POLICY)},
+            "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": [rule]},
+        },
+        owner,
+    )
+
+
 def serving_policy(
     spec: DwdpDeploymentSpec, owner: Owner, *, operator_namespace: str | None = None
 ) -> dict[str, Any]:
@@ -318,22 +334,7 @@ def serving_policy(
         if operator_namespace is not None:
             ns = {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
             rule["from"].append({"namespaceSelector": ns})
-    return _finish(
-        {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": {
-                "name": naming.serving_policy(owner.name),
-                "labels": _labels(owner, c.Component.NETWORK_POLICY),
-            },
-            "spec": {
-                "podSelector": _worker_selector(owner),
-                "policyTypes": ["Ingress"],
-                "ingress": [rule],
-            },
-        },
-        owner,
-    )
+    return _ingress_policy(owner, naming.serving_policy(owner.name), _worker_selector(owner), rule)
 
 
 def group_policy(owner: Owner, group: str) -> dict[str, Any]:
@@ -342,22 +343,8 @@ def group_policy(owner: Owner, group: str) -> dict[str, Any]:
     ephemeral ports); no other pod reaches them there (the rendezvous port included)."""
     selector = _worker_selector(owner)
     selector["matchLabels"][c.LABEL_GROUP] = group
-    return _finish(
-        {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": {
-                "name": naming.group_policy(group),
-                "labels": _labels(owner, c.Component.NETWORK_POLICY),
-            },
-            "spec": {
-                "podSelector": selector,
-                "policyTypes": ["Ingress"],
-                "ingress": [{"from": [{"podSelector": copy.deepcopy(selector)}]}],
-            },
-        },
-        owner,
-    )
+    rule = {"from": [{"podSelector": copy.deepcopy(selector)}]}
+    return _ingress_policy(owner, naming.group_policy(group), selector, rule)
 
 
 # ----------------------------------------------------------------------------- pods

@@ -1,6 +1,8 @@
 """The Helm chart on the local control plane: it renders objects the apiserver accepts, and
 an installed release runs ``dwdp operator`` as a pod under the chart's ServiceAccount, which
-reconciles an example (so the RBAC is enough) and is refused a verb the chart does not grant.
+reconciles an example through a rollout, a role added and removed, and a delete (so the
+RBAC is enough), is refused a verb the chart does not grant, and used every verb the chart
+grants (derived from the apiserver's audit log: a grant it never used fails the test).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dwdp.devcluster.testing import TestCluster
 from dwdp.operator.testing.process import RANKPROG_COMMAND
 
 REPO = Path(__file__).resolve().parents[2]
+INSTALL_SETS = ("computeDomains=off",)  # 02-small is fabric across 2 pods; no ComputeDomain CRD
 CHART = REPO / "charts" / "dwdp-operator"
 RELEASE = "dwdp"
 SA = f"{RELEASE}-dwdp-operator"
@@ -75,8 +78,7 @@ def test_helm_install_runs_the_operator_under_its_rbac(
         f"workerCommand={RANKPROG_COMMAND}",
         "--set",
         f"watchNamespaces[0]={ns}",
-        "--set",
-        "computeDomains=off",  # 02-small is fabric across 2 pods; no ComputeDomain CRD here
+        *(a for v in INSTALL_SETS for a in ("--set", v)),
         "--wait",
         "--timeout",
         "120s",
@@ -149,6 +151,105 @@ def test_helm_install_runs_the_operator_under_its_rbac(
             check=False,
         )
         assert can.stdout.strip() == "yes"
+        exercise_rollout_and_roles(cluster, ns)
         cluster.kubectl("delete", "dwdp", "small", "-n", ns, "--wait=true", "--timeout=60s")
+        granted = chart_grants(cluster, ns)
+        used, refused = operator_api_calls(cluster, ns)
+        assert not refused, f"the operator was refused: {sorted(refused)}"
+        assert granted - used == set(), f"granted but never used: {sorted(granted - used)}"
+        assert used - granted == set(), f"used but not granted: {sorted(used - granted)}"
     finally:
         cluster.helm("uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "60s", check=False)
+
+
+def exercise_rollout_and_roles(cluster: TestCluster, ns: str) -> None:
+    """Drive ``small`` through what the operator's RBAC exists for: a generation server
+    added (its Service, its pod), a rollout to a new revision (surge group, drained old
+    group: pods, PodGroup, rendezvous Secret, NetworkPolicy and ConfigMap deleted), and the
+    generation role removed again (its Service deleted)."""
+
+    def status() -> dict:
+        return cluster.get("dwdp", "small", ns).get("status") or {}
+
+    def settled(revision: str | None, generation: int) -> bool:
+        st = status()
+        groups = st.get("groups") or []
+        return (
+            st.get("phase") == "Ready"
+            and (revision is None or st.get("revision") != revision)
+            and len(groups) == 1
+            and groups[0].get("phase") == "Serving"
+            and (st.get("generation") or {}).get("readyReplicas", 0) == generation
+        )
+
+    patch = {"spec": {"generation": {"replicas": 1}}}
+    cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+    cluster.wait_for(lambda: settled(None, 1), timeout=120, interval=0.5, message="generation up")
+    before = status()["revision"]
+    patch = {"spec": {"env": [{"name": "ROLLOUT", "value": "2"}]}}
+    cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+    cluster.wait_for(lambda: settled(before, 1), timeout=180, interval=0.5, message="rolled out")
+    patch = {"spec": {"generation": None}}
+    cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+    def generation_gone() -> bool:
+        services = cluster.kubectl("get", "services", "-n", ns, "-o", "name").stdout.split()
+        return settled(None, 0) and "service/small-generation" not in services
+
+    cluster.wait_for(generation_gone, timeout=120, interval=0.5, message="generation removed")
+
+
+Grant = tuple[str, str, str]
+"""(API group, resource[/subresource], verb)."""
+
+
+def chart_grants(cluster: TestCluster, ns: str) -> set[Grant]:
+    """Every (group, resource, verb) the chart's ClusterRole grants, as installed."""
+    rendered = cluster.helm(
+        "template",
+        RELEASE,
+        str(CHART),
+        "-n",
+        ns,
+        *(a for v in INSTALL_SETS for a in ("--set", v)),
+        "--show-only",
+        "templates/rbac.yaml",
+    ).stdout
+    role = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ClusterRole")
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def operator_api_calls(cluster: TestCluster, ns: str) -> tuple[set[Grant], set[Grant]]:
+    """``(used, refused)``: the resource requests the operator pod made under the chart's
+    ServiceAccount, from the apiserver's audit log. A server-side apply that created its
+    object (code 201) needed ``create`` as well as ``patch``. The test's own kubectl calls
+    with the same token are left out (user agent kubectl)."""
+    user = f"system:serviceaccount:{ns}:{SA}"
+    used: set[Grant] = set()
+    refused: set[Grant] = set()
+    for line in cluster.cluster.audit_log.read_text().splitlines():
+        event = json.loads(line)
+        ref = event.get("objectRef")
+        if (
+            event.get("stage") != "ResponseComplete"
+            or event["user"].get("username") != user
+            or event.get("userAgent", "").startswith("kubectl")
+            or ref is None
+        ):
+            continue
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        grant = (ref.get("apiGroup", ""), resource, event["verb"])
+        code = (event.get("responseStatus") or {}).get("code", 0)
+        if code == 403:
+            refused.add(grant)
+            continue
+        used.add(grant)
+        if event["verb"] == "patch" and code == 201:
+            used.add((grant[0], resource, "create"))
+    return used, refused

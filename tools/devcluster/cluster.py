@@ -9,7 +9,8 @@ no process behind. Layout of a state folder::
     kubeconfig     admin kubeconfig (certificates embedded)
     pki/           see pki.py
     etcd/          etcd data
-    logs/          one log per component
+    logs/          one log per component, and audit.log: the apiserver's audit log of
+                   every request a service account made (Metadata level, JSON lines)
     run/           one pid file per component
     pods/          the kubelet's per-pod folders (volumes, logs, pid files)
 """
@@ -42,6 +43,18 @@ FEATURE_GATES = "GenericWorkload=true"
 RUNTIME_CONFIG = "scheduling.k8s.io/v1beta1=true"
 SERVICE_CIDR = "10.0.0.0/24"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "None"},
+    ],
+}
+"""What the apiserver audits: every request of a service account (who, verb, resource,
+response code), nothing else. Pods run under service accounts (the Helm-installed operator
+among them), so a test can derive the API calls a component really made."""
 
 COMPONENTS = ("etcd", "apiserver", "controller-manager", "scheduler")
 
@@ -248,6 +261,7 @@ class Cluster:
         self.state_dir = Path(state_dir or paths.default_state_dir()).resolve()
         self.pki = self.state_dir / "pki"
         self.logs = self.state_dir / "logs"
+        self.audit_log = self.logs / "audit.log"
         self.run = self.state_dir / "run"
         self.kubeconfig = self.state_dir / "kubeconfig"
         self.config_path = self.state_dir / "cluster.json"
@@ -332,6 +346,12 @@ class Cluster:
                 out[pidfile.stem] = pid
         return out
 
+    def _audit_policy(self) -> Path:
+        """Write :data:`AUDIT_POLICY` into the state folder; return its path."""
+        path = self.state_dir / "audit-policy.yaml"
+        path.write_text(yaml.safe_dump(AUDIT_POLICY, sort_keys=False))
+        return path
+
     def _component_cmd(self, name: str, cfg: ClusterConfig, binary: Path) -> list[str]:
         p, kc = self.pki, str(self.kubeconfig)
         common = [f"--feature-gates={FEATURE_GATES}", "--bind-address=127.0.0.1"]
@@ -369,6 +389,11 @@ class Cluster:
                 "--kubelet-preferred-address-types=InternalIP",
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
+                f"--audit-policy-file={self._audit_policy()}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=200",
+                "--audit-log-maxbackup=1",
             ]
         auth = [
             f"--kubeconfig={kc}",
