@@ -7,6 +7,7 @@ import json
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from dwdp.devcluster.testing import TestCluster
@@ -617,7 +618,9 @@ def test_security_context_read_only_root_no_privileges(
 ) -> None:
     """A container with readOnlyRootFilesystem, allowPrivilegeEscalation: false and every
     capability dropped (the worker pods' defaults) cannot write outside its volumes, has
-    no_new_privs and no capability; its emptyDir and termination log stay writable."""
+    no_new_privs and only the added capability; its emptyDirs (one at /tmp, above this
+    cluster's state folder) and its termination log stay writable, and what it writes in
+    /tmp stays in the pod."""
     code = """
         import errno, json, os
         def can_write(path):
@@ -630,8 +633,9 @@ def test_security_context_read_only_root_no_privileges(
             line.split(":\\t", 1) for line in open("/proc/self/status").read().splitlines()
         )
         out = {
-            "root": can_write(os.path.join(os.getcwd(), "x")),
+            "root": can_write("/dwdp-locked-pod-wrote-this"),
             "scratch": can_write("/scratch/x"),
+            "tmp": can_write("/tmp/dwdp-locked-pod-wrote-this"),
             "no_new_privs": fields["NoNewPrivs"].strip(),
             "cap_eff": fields["CapEff"].strip(),
             "cap_bnd": fields["CapBnd"].strip(),
@@ -647,7 +651,10 @@ def test_security_context_read_only_root_no_privileges(
     ctr = python_container(
         code,
         securityContext=security,
-        volumeMounts=[{"name": "scratch", "mountPath": "/scratch"}],
+        volumeMounts=[
+            {"name": "scratch", "mountPath": "/scratch"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
     )
     cluster.apply(
         namespace,
@@ -655,13 +662,15 @@ def test_security_context_read_only_root_no_privileges(
             "locked",
             [ctr],
             restartPolicy="Never",
-            volumes=[{"name": "scratch", "emptyDir": {}}],
+            volumes=[{"name": "scratch", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
         ),
     )
     p = wait_finished(cluster, namespace, "locked")
+    assert not Path("/tmp/dwdp-locked-pod-wrote-this").exists()
     assert json.loads(terminated(p)["message"]) == {
         "root": "EROFS",
         "scratch": True,
+        "tmp": True,
         "no_new_privs": "1",
         "cap_eff": "0000000000000400",  # CAP_NET_BIND_SERVICE (bit 10) only
         "cap_bnd": "0000000000000400",

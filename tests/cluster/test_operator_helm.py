@@ -8,6 +8,7 @@ grants (derived from the apiserver's audit log: a grant it never used fails the 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -164,9 +165,10 @@ def test_helm_install_runs_the_operator_under_its_rbac(
 
 def exercise_rollout_and_roles(cluster: TestCluster, ns: str) -> None:
     """Drive ``small`` through what the operator's RBAC exists for: a generation server
-    added (its Service, its pod), a rollout to a new revision (surge group, drained old
-    group: pods, PodGroup, rendezvous Secret, NetworkPolicy and ConfigMap deleted), and the
-    generation role removed again (its Service deleted)."""
+    added (its Service, its pod); a rollout to two ranks per pod (surge group, drained old
+    group: pods, PodGroup, rendezvous Secret, NetworkPolicy and ConfigMap deleted; a second
+    EndpointSlice); a rollout back to one rank per pod with the generation role removed (its
+    Service and the second EndpointSlice deleted)."""
 
     def status() -> dict:
         return cluster.get("dwdp", "small", ns).get("status") or {}
@@ -182,21 +184,33 @@ def exercise_rollout_and_roles(cluster: TestCluster, ns: str) -> None:
             and (st.get("generation") or {}).get("readyReplicas", 0) == generation
         )
 
-    patch = {"spec": {"generation": {"replicas": 1}}}
-    cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
-    cluster.wait_for(lambda: settled(None, 1), timeout=120, interval=0.5, message="generation up")
-    before = status()["revision"]
-    patch = {"spec": {"env": [{"name": "ROLLOUT", "value": "2"}]}}
-    cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
-    cluster.wait_for(lambda: settled(before, 1), timeout=180, interval=0.5, message="rolled out")
-    patch = {"spec": {"generation": None}}
-    cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+    def names(kind: str) -> list[str]:
+        return cluster.kubectl("get", kind, "-n", ns, "-o", "name").stdout.split()
 
-    def generation_gone() -> bool:
-        services = cluster.kubectl("get", "services", "-n", ns, "-o", "name").stdout.split()
-        return settled(None, 0) and "service/small-generation" not in services
+    def change(patch: dict, done: Callable[[], bool], what: str) -> None:
+        cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+        cluster.wait_for(done, timeout=180, interval=0.5, message=what)
 
-    cluster.wait_for(generation_gone, timeout=120, interval=0.5, message="generation removed")
+    change({"spec": {"generation": {"replicas": 1}}}, lambda: settled(None, 1), "generation up")
+    first = status()["revision"]
+    change(
+        {"spec": {"context": {"ranksPerPod": 2}}},
+        lambda: (
+            settled(first, 1)
+            and "endpointslice.discovery.k8s.io/small-rank-1" in names("endpointslices")
+        ),
+        "rolled out to 2 ranks per pod",
+    )
+    second = status()["revision"]
+    change(
+        {"spec": {"generation": None, "context": {"ranksPerPod": 1}}},
+        lambda: (
+            settled(second, 0)
+            and "service/small-generation" not in names("services")
+            and "endpointslice.discovery.k8s.io/small-rank-1" not in names("endpointslices")
+        ),
+        "rolled back to 1 rank per pod, generation removed",
+    )
 
 
 Grant = tuple[str, str, str]
@@ -225,6 +239,14 @@ def chart_grants(cluster: TestCluster, ns: str) -> set[Grant]:
     }
 
 
+def _counted(event: dict) -> bool:
+    """A watch is counted when it starts (it is still open while the operator runs), every
+    other request when it completes."""
+    return event.get("stage") == (
+        "ResponseStarted" if event.get("verb") == "watch" else "ResponseComplete"
+    )
+
+
 def operator_api_calls(cluster: TestCluster, ns: str) -> tuple[set[Grant], set[Grant]]:
     """``(used, refused)``: the resource requests the operator pod made under the chart's
     ServiceAccount, from the apiserver's audit log. A server-side apply that created its
@@ -237,7 +259,7 @@ def operator_api_calls(cluster: TestCluster, ns: str) -> tuple[set[Grant], set[G
         event = json.loads(line)
         ref = event.get("objectRef")
         if (
-            event.get("stage") != "ResponseComplete"
+            not _counted(event)
             or event["user"].get("username") != user
             or event.get("userAgent", "").startswith("kubectl")
             or ref is None

@@ -13,7 +13,10 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
   (``<hostname>.<subdomain>[.<ns>[.svc[.cluster.local]]]``), the hostname is the pod's, and
   the pod's volumes (emptyDir, configMap, secret, projected with serviceAccountToken from
   TokenRequest, downwardAPI, hostPath, PVC bound to a hostPath or local PV) are bind-mounted
-  at their mount paths. The service-account token therefore sits at
+  at their mount paths (a mount over a folder above a host path the pod still needs, such
+  as an emptyDir at /tmp above the state folder or the virtual environment, is made last;
+  such an emptyDir is an overlay whose lower layer is the host folder, since the host is
+  this kubelet's "image"). The service-account token therefore sits at
   /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT point at
   the apiserver, so in-cluster clients work and RBAC applies.
 - Each container is ``command + args`` (the image is ignored) with its env resolved
@@ -742,25 +745,11 @@ class PodWorker(threading.Thread):
         env.update(pod_env)
         return env
 
-    def _script(self, pod: dict, ctr: Container) -> Path:
-        """Write the shell script that sets up the pod's mount namespace and execs."""
-        lines = ["#!/bin/sh", "set -e"]
-        q = shlex.quote
-        lines.append(f"mount --bind {q(str(self.hosts_file))} /etc/hosts")
-        lines.append(f"hostname {q(self.hostname(pod))}")
-
-        def bind(src: Path, dest: str, read_only: bool) -> None:
-            if src.is_dir():
-                lines.append(f"[ -d {q(dest)} ] || mkdir -p {q(dest)}")
-            else:
-                lines.append(
-                    f"[ -e {q(dest)} ] || {{ mkdir -p {q(str(Path(dest).parent))}; "
-                    f": > {q(dest)}; }}"
-                )
-            lines.append(f"mount --bind {q(str(src))} {q(dest)}")
-            if read_only:
-                lines.append(f"mount -o remount,bind,ro {q(dest)}")
-
+    def _mounts(self, pod: dict, ctr: Container) -> list[tuple[Path, str, bool, bool]]:
+        """``(source, mountPath, readOnly, emptyDir)`` of every volumeMount of ``ctr``
+        (subPath resolved), then its termination-log file."""
+        empty = {v["name"] for v in pod["spec"].get("volumes") or [] if "emptyDir" in v}
+        out = []
         for m in ctr.spec.get("volumeMounts") or []:
             src = self.volumes.get(m["name"])
             if src is None:
@@ -777,13 +766,80 @@ class PodWorker(threading.Thread):
                 src = resolved
                 if not src.exists():
                     src.mkdir(parents=True, exist_ok=True)
-            bind(src, m["mountPath"], bool(m.get("readOnly")))
+            out.append(
+                (src, m["mountPath"], bool(m.get("readOnly")), m["name"] in empty and not sub)
+            )
         term = ctr.spec.get("terminationMessagePath") or "/dev/termination-log"
         term_file = self.dir / "run" / f"{ctr.name}.termination-log"
         term_file.write_text("")
-        bind(term_file, term, False)
+        out.append((term_file, term, False, False))
+        return out
+
+    def _host_paths(self, mounts: list[tuple[Path, str, bool, bool]]) -> list[str]:
+        """Host paths the pod still needs once its volumes are mounted: the volume sources,
+        its own folder and the "image" (the kubelet's PATH folders and Python)."""
+        import sys
+
+        return [
+            str(self.dir),
+            *(str(src) for src, _, _, _ in mounts),
+            *self.kubelet.path_prepend,
+            sys.prefix,
+            sys.base_prefix,
+        ]
+
+    def _script(self, pod: dict, ctr: Container) -> Path:
+        """Write the shell script that sets up the pod's mount namespace and execs.
+
+        A mount whose path is a folder above a host path the pod still needs
+        (:meth:`_host_paths`: e.g. an emptyDir at /tmp over a state folder or a virtual
+        environment in /tmp) is made last; an emptyDir there is an overlay with the host
+        folder below (the host is this kubelet's image: its programs stay visible, the
+        pod's writes stay in the emptyDir)."""
+        lines = ["#!/bin/sh", "set -e"]
+        q = shlex.quote
+        lines.append(f"mount --bind {q(str(self.hosts_file))} /etc/hosts")
+        lines.append(f"hostname {q(self.hostname(pod))}")
+
+        def target(src: Path, dest: str) -> None:
+            if src.is_dir():
+                lines.append(f"[ -d {q(dest)} ] || mkdir -p {q(dest)}")
+            else:
+                lines.append(
+                    f"[ -e {q(dest)} ] || {{ mkdir -p {q(str(Path(dest).parent))}; "
+                    f": > {q(dest)}; }}"
+                )
+
+        def bind(src: Path, dest: str, read_only: bool) -> None:
+            target(src, dest)
+            lines.append(f"mount --bind {q(str(src))} {q(dest)}")
+            if read_only:
+                lines.append(f"mount -o remount,bind,ro {q(dest)}")
+
+        def overlay(src: Path, dest: str) -> None:
+            work = src.with_name(f".{src.name}.overlay-work")
+            work.mkdir(exist_ok=True)
+            target(src, dest)
+            options = f"lowerdir={dest},upperdir={src},workdir={work}"
+            lines.append(f"mount -t overlay overlay -o {q(options)} {q(dest)}")
+
+        mounts = self._mounts(pod, ctr)
+        needed = self._host_paths(mounts)
+
+        def shadows(dest: str) -> bool:
+            top = os.path.normpath(dest)
+            return any(os.path.commonpath([top, h]) == top for h in needed if os.path.isabs(h))
+
+        later = sorted((m for m in mounts if shadows(m[1])), key=lambda m: m[1].count("/"))
+        for src, dest, read_only, _ in (m for m in mounts if not shadows(m[1])):
+            bind(src, dest, read_only)
         workdir = ctr.spec.get("workingDir") or str(self.dir / "work")
         lines.append(f"mkdir -p {q(workdir)} && cd {q(workdir)}")
+        for src, dest, read_only, empty_dir in later:
+            if empty_dir and os.path.isdir(dest):
+                overlay(src, dest)
+            else:
+                bind(src, dest, read_only)
         security = ctr.spec.get("securityContext") or {}
         if security.get("readOnlyRootFilesystem"):
             # The root mount of this namespace only: volumes and /dev, /proc stay as mounted.
