@@ -309,9 +309,11 @@ def _children(
         name = naming.incarnation(group, p.incarnation)
         keep |= {ChildKey("PodGroup", name), ChildKey("ComputeDomain", name)}
     if observed.create_blocked:
-        # A refused creation waits for its retry: keep the PodGroups and ComputeDomains it
-        # made (the retry reuses them) rather than delete and re-create them every attempt.
-        keep |= {k for k in observed.children if k.kind in ("PodGroup", "ComputeDomain")}
+        # A refused creation waits for its retry: keep the PodGroups, ComputeDomains and
+        # group NetworkPolicies it made (the retry reuses them) rather than delete and
+        # re-create them every attempt.
+        kinds = ("PodGroup", "ComputeDomain", "NetworkPolicy")
+        keep |= {k for k in observed.children if k.kind in kinds}
 
     def changed(objs: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
         return tuple(
