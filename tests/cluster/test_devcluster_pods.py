@@ -4,6 +4,8 @@ apiserver, pods run as processes by the process kubelet."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import textwrap
 import time
 import urllib.request
@@ -675,3 +677,58 @@ def test_security_context_read_only_root_no_privileges(
         "cap_eff": "0000000000000400",  # CAP_NET_BIND_SERVICE (bit 10) only
         "cap_bnd": "0000000000000400",
     }
+
+
+def _start_ticks(pid: int) -> int:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def test_an_apiserver_outage_changes_no_container(cluster: TestCluster, namespace: str) -> None:
+    """With the apiserver down for 30 s, the kubelet keeps every container as it was (same
+    process, same start time, no restart) while its status patches fail, and reports the
+    pod again once the apiserver is back (a pod made Ready during the outage shows Ready)."""
+    code = """
+        import os, time
+        while not os.path.exists("/scratch/ready"):
+            time.sleep(0.2)
+        time.sleep(100000)
+    """
+    readiness = {"exec": {"command": ["test", "-f", "/scratch/ready"]}, "periodSeconds": 1}
+    ctr = python_container(
+        code,
+        readinessProbe=readiness,
+        volumeMounts=[{"name": "scratch", "mountPath": "/scratch"}],
+    )
+    volumes = [{"name": "scratch", "emptyDir": {}}]
+    cluster.apply(namespace, pod("outlast", [ctr], restartPolicy="Never", volumes=volumes))
+    running = cluster.wait_for(
+        lambda: (
+            (p := cluster.get("pod", "outlast", namespace))["status"].get("phase") == "Running"
+            and pids_of(p)
+            and p
+        ),
+        timeout=60,
+        message="pod running",
+    )
+    (pid,) = pids_of(running)
+    started = _start_ticks(pid)
+    scratch = next(cluster.state_dir.glob(f"pods/{namespace}_outlast_*")) / "volumes" / "scratch"
+    apiserver = cluster.cluster.running()["apiserver"]
+    os.kill(apiserver, signal.SIGTERM)
+    try:
+        cluster.wait_for(lambda: not alive(apiserver), timeout=30, message="apiserver stopped")
+        (scratch / "ready").touch()  # the pod turns Ready while nobody can be told
+        time.sleep(30)
+        assert alive(pid) and _start_ticks(pid) == started
+    finally:
+        cluster.cluster.up()
+    back = cluster.wait_for(
+        lambda: condition(p := cluster.get("pod", "outlast", namespace), "Ready") == "True" and p,
+        timeout=90,
+        message="the pod's Ready condition after the outage",
+    )
+    assert pids_of(back) == [pid] and alive(pid) and _start_ticks(pid) == started
+    (status,) = back["status"]["containerStatuses"]
+    assert status["restartCount"] == 0 and "running" in status["state"]

@@ -68,6 +68,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import urllib3
+
 from dwdp.devcluster.cluster import read_pidfile, write_pidfile
 
 log = logging.getLogger("dwdp.devcluster.kubelet")
@@ -133,9 +135,12 @@ class Api:
             body=body,
             auth_settings=["BearerToken"],
         )
-        resp = self.client.call_api(
-            method_, url, header_params=headers, body=body, _request_timeout=timeout
-        )
+        try:
+            resp = self.client.call_api(
+                method_, url, header_params=headers, body=body, _request_timeout=timeout
+            )
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiUnreachable(exc) from exc
         raw = resp.response
         if not 200 <= resp.status <= 299:
             data = raw.data
@@ -175,6 +180,14 @@ class ApiError(Exception):
     def __init__(self, status: int, body: Any) -> None:
         super().__init__(f"{status}: {str(body)[:300]}")
         self.status = status
+
+
+class ApiUnreachable(ApiError):
+    """No answer at all (connection refused or reset, timeout): the apiserver is down or
+    unreachable. A kubelet keeps its containers running through it and retries."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(0, f"apiserver unreachable: {cause}")
 
 
 def pod_path(ns: str, name: str, sub: str = "") -> str:
@@ -394,6 +407,9 @@ class PodWorker(threading.Thread):
         self.stop_event = threading.Event()
         self.finished = threading.Event()
         self.base_env: dict[str, str] = {}
+        self.status_backoff_s = 0.0
+        """Current wait between status patches the apiserver did not answer (0: none)."""
+        self.status_retry_at = 0.0
 
     # -- from the watch -------------------------------------------------------------
     def update(self, pod: dict) -> None:
@@ -1204,19 +1220,34 @@ class PodWorker(threading.Thread):
                 }
         return status
 
-    def _patch_status(self, status: dict) -> None:
+    def _patch_status(self, status: dict) -> bool:
+        """Send ``status``; False when the apiserver did not answer (the caller retries
+        after :attr:`status_backoff_s`, doubling up to :data:`BACKOFF_MAX_S`)."""
         try:
             self.kubelet.api.patch(pod_path(self.ns, self.name_, "status"), {"status": status})
+        except ApiUnreachable as exc:
+            if self.status_backoff_s == 0:
+                log.warning("%s: status patch failed, retrying with backoff: %s", self.name, exc)
+            self.status_backoff_s = min(
+                BACKOFF_MAX_S, max(BACKOFF_INITIAL_S, 2 * self.status_backoff_s)
+            )
+            self.status_retry_at = time.monotonic() + self.status_backoff_s
+            return False
         except ApiError as exc:
             if exc.status == 404:
                 self.removed = True
             else:
                 log.warning("%s: status patch failed: %s", self.name, exc)
+        if self.status_backoff_s:
+            log.info("%s: status patch works again", self.name)
+        self.status_backoff_s = 0.0
+        return True
 
     def _publish(self, pod: dict) -> None:
+        if time.monotonic() < self.status_retry_at:
+            return
         status = self._status(pod)
-        if status != self.last_status:
-            self._patch_status(status)
+        if status != self.last_status and self._patch_status(status):
             self.last_status = status
 
     # -- main loop ------------------------------------------------------------------
@@ -1264,13 +1295,20 @@ class PodWorker(threading.Thread):
                     self._publish(pod)
                     self.kubelet.wait(self, 1.0)
                     continue
+                except ApiUnreachable as exc:  # setup reads Secrets/ConfigMaps: try again
+                    log.info("%s: setup waits for the apiserver: %s", self.name, exc)
+                    self.kubelet.wait(self, 1.0)
+                    continue
             with self.lock:
                 self._step(pod)
             self._publish(pod)
             if self.terminating_since is not None and not any(c.running for c in self._all()):
                 self._delete_pod(pod)
                 return
-            self._refresh_tokens()
+            try:
+                self._refresh_tokens()
+            except ApiUnreachable as exc:
+                log.info("%s: token refresh waits for the apiserver: %s", self.name, exc)
             self.kubelet.wait(self, TICK_S)
 
     def _step(self, pod: dict) -> None:
