@@ -716,7 +716,7 @@ def test_an_apiserver_outage_changes_no_container(cluster: TestCluster, namespac
     started = _start_ticks(pid)
     scratch = next(cluster.state_dir.glob(f"pods/{namespace}_outlast_*")) / "volumes" / "scratch"
     apiserver = cluster.cluster.running()["apiserver"]
-    os.kill(apiserver, signal.SIGTERM)
+    os.kill(apiserver, signal.SIGKILL)  # a crash: the process is gone at once
     try:
         cluster.wait_for(lambda: not alive(apiserver), timeout=30, message="apiserver stopped")
         (scratch / "ready").touch()  # the pod turns Ready while nobody can be told
