@@ -199,6 +199,12 @@ def crd_manifest() -> dict[str, Any]:
                             "jsonPath": ".spec.context.replicas",
                         },
                         {
+                            "name": "Up-to-date",
+                            "type": "integer",
+                            "description": "Context groups at the current revision.",
+                            "jsonPath": ".status.updatedGroups",
+                        },
+                        {
                             "name": "Phase",
                             "type": "string",
                             "jsonPath": ".status.phase",

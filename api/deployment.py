@@ -604,6 +604,13 @@ class RolloutSpec(ApiModel):
     max_unavailable: NonNegInt = Field(
         default=0, description="Groups that may be missing (below replicas) during a rollout."
     )
+    progress_deadline_seconds: PosInt = Field(
+        default=600,
+        description="A group at the current revision that has not committed this many "
+        "seconds after it started (restarts included) makes Progressing False with reason "
+        "ProgressDeadlineExceeded, like a Deployment's progressDeadlineSeconds; the rollout "
+        "waits and old groups keep serving.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:
@@ -832,6 +839,12 @@ class GroupStatus(_StatusModel):
     leaks: int = 0
     restarts: int = 0
     last_failure: FailureRecord | None = None
+    started_at: str | None = Field(
+        default=None,
+        max_length=64,
+        description="When the group started at its revision (RFC 3339); restarts at the "
+        "same revision keep it (the progress deadline counts from it).",
+    )
 
 
 class GenerationStatus(_StatusModel):
@@ -853,6 +866,9 @@ class DwdpDeploymentStatus(_StatusModel):
     observed_generation: int | None = None
     replicas: int = Field(default=0, description="Context groups that exist, in any phase.")
     ready_groups: int = Field(default=0, description="Context groups committed and serving.")
+    updated_groups: int = Field(
+        default=0, description="Context groups at the current revision, in any phase."
+    )
     selector: str | None = Field(
         default=None, max_length=1024, description="Label selector of the context pods (scale)."
     )

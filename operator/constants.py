@@ -130,6 +130,8 @@ class Reason(enum.StrEnum):
     GROUPS_NOT_READY = "GroupsNotReady"
     GROUPS_STARTING = "GroupsStarting"
     SCALING = "Scaling"
+    ROLLING_OUT = "RollingOut"
+    PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
     STABLE = "Stable"
     GROUP_FAILED = "GroupFailed"
     HEALTHY = "Healthy"

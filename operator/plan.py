@@ -42,6 +42,7 @@ from dwdp.operator.status import (
     carry_transition_times,
     conditions,
     deployment_phase,
+    stuck_groups,
 )
 from dwdp.operator.steps import (
     NO_ACTIONS,
@@ -370,6 +371,14 @@ def _status(
     failed = [v.name for v in views if v.phase in (GroupPhase.FAILED, GroupPhase.RESTARTING)]
     existing = len(ctx_role.views) + ctx_role.draining
     generation = (body.get("metadata") or {}).get("generation")
+    deadline = spec.rollout.progress_deadline_seconds
+    stuck = [
+        line
+        for role, decision in roles.items()
+        for line in stuck_groups(
+            decision.entries, revision=revisions[role], deadline_s=deadline, now=now
+        )
+    ]
     conds = conditions(
         desired=ctx_role.replicas,
         ready=ready,
@@ -379,6 +388,7 @@ def _status(
         generation_desired=gen_role.replicas if gen_role else 0,
         generation_ready=gen_ready,
         observed_generation=generation,
+        stuck=stuck,
     )
     if observed.create_error:
         refused: dict[str, Any] = {
@@ -415,6 +425,7 @@ def _status(
         observed_generation=generation,
         replicas=existing,
         ready_groups=ready,
+        updated_groups=sum(1 for e in ctx_role.entries if e.revision == revisions[Role.CONTEXT]),
         selector=f"{c.LABEL_DEPLOYMENT}={owner.name},{c.LABEL_ROLE}={Role.CONTEXT.value}",
         revision=revisions[Role.CONTEXT],
         groups=list(ctx_role.entries),

@@ -9,13 +9,14 @@ keeps its old ``lastTransitionTime``), so a deployment at rest is never written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dwdp.api.deployment import DeploymentPhase, FailureRecord, GroupStatus
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
+from dwdp.operator.groups import seconds_since
 from dwdp.operator.observe import ObservedPod, RankReport
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "deployment_phase",
     "evaluate_group",
     "failure_record",
+    "stuck_groups",
 ]
 
 
@@ -180,11 +182,15 @@ def conditions(
     generation_desired: int,
     generation_ready: int,
     observed_generation: int | None,
+    stuck: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Ready, Progressing and Degraded, without transition times.
 
     ``desired``/``ready``/``existing`` count context groups; ``failed`` names the failed
-    groups (any role); ``outdated`` counts groups at an older revision.
+    groups (any role); ``outdated`` counts groups at an older revision; ``stuck`` says, one
+    line each, which groups at the current revision missed the progress deadline
+    (:func:`stuck_groups`). Progressing looks at the rollout first (stuck, then outdated
+    groups), then at scaling, then at groups starting, as a Deployment's does.
     """
     all_ready = ready >= desired and generation_ready >= generation_desired and not failed
     ready_msg = (
@@ -198,28 +204,54 @@ def conditions(
         ready_msg,
         observed_generation,
     )
-    if existing != desired:
-        progressing = (True, Reason.SCALING, f"{existing} context groups, {desired} desired")
-    elif not all_ready and not failed:
-        progressing = (True, Reason.GROUPS_STARTING, ready_msg)
+    if stuck:
+        progressing = (False, Reason.PROGRESS_DEADLINE_EXCEEDED, "; ".join(stuck))
     elif outdated:
         progressing = (
             True,
-            Reason.GROUPS_NOT_READY,
+            Reason.ROLLING_OUT,
             f"rolling out: {outdated} groups run an older revision",
         )
+    elif existing != desired:
+        progressing = (True, Reason.SCALING, f"{existing} context groups, {desired} desired")
+    elif not all_ready and not failed:
+        progressing = (True, Reason.GROUPS_STARTING, ready_msg)
     else:
         progressing = (False, Reason.STABLE, "no change under way")
-    degraded = (
-        (True, Reason.GROUP_FAILED, "failed: " + ", ".join(sorted(failed)))
-        if failed
-        else (False, Reason.HEALTHY, "no group failed")
-    )
+    if failed:
+        degraded = (True, Reason.GROUP_FAILED, "failed: " + ", ".join(sorted(failed)))
+    elif stuck:
+        degraded = (True, Reason.PROGRESS_DEADLINE_EXCEEDED, "rollout stuck: " + "; ".join(stuck))
+    else:
+        degraded = (False, Reason.HEALTHY, "no group failed")
     return [
         ready_cond,
         _cond(c.COND_PROGRESSING, *progressing, observed_generation),
         _cond(c.COND_DEGRADED, *degraded, observed_generation),
     ]
+
+
+def stuck_groups(
+    entries: Iterable[GroupStatus], *, revision: str, deadline_s: int, now: str
+) -> list[str]:
+    """One line for each group at ``revision`` that has not committed ``deadline_s``
+    seconds after its ``startedAt`` (restarts included): its name, revision, phase and
+    last failure. Draining and serving groups are never stuck."""
+    out = []
+    for g in entries:
+        if g.revision != revision or g.phase in (GroupPhase.SERVING, GroupPhase.DRAINING):
+            continue
+        since = seconds_since(g.started_at, now)
+        if since is None or since <= deadline_s:
+            continue
+        line = (
+            f"group {g.name} (revision {g.revision}) has not committed {int(since)} s after "
+            f"it started (progressDeadlineSeconds {deadline_s}): phase {g.phase}"
+        )
+        if g.last_failure is not None:
+            line += f", last failure at {g.last_failure.phase}: {g.last_failure.message[:300]}"
+        out.append(line)
+    return out
 
 
 def carry_transition_times(

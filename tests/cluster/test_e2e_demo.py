@@ -125,7 +125,8 @@ def test_every_group_and_the_generation_server_answer_like_the_reference(deploye
     # DWDP_DENSE_MIN_BYTES: every one of them is under the default 1 MiB)
     assert st["resident"]["dense"]["sharded_bytes"] > 0, st["resident"]
     table = tc.kubectl("get", "dwdp", "-n", NS, "-o", "wide").stdout.splitlines()
-    assert table[1].split()[:4] == ["demo", "2", "2", "Ready"]
+    assert table[0].split()[:5] == ["NAME", "READY", "GROUPS", "UP-TO-DATE", "PHASE"]
+    assert table[1].split()[:5] == ["demo", "2", "2", "2", "Ready"]
 
 
 def _selected(tc: Any, selector: dict[str, Any]) -> list[str]:

@@ -475,3 +475,42 @@ def test_serving_sources_let_the_operator_namespace_in() -> None:
         *peers,
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "dwdp-system"}}},
     ]
+
+
+def test_a_revision_that_never_commits_hits_the_deadline_and_old_groups_keep_serving() -> None:
+    sim = Sim(body(replicas=1, rollout={"progressDeadlineSeconds": 60}))
+    sim.step(now="2026-01-01T00:00:00Z")
+    sim.step(now="2026-01-01T00:00:01Z")
+    old = sim.body["status"]["revision"]
+    sim.body["spec"]["image"] = "worker:broken"
+    sim.rank_phase = None  # the new revision's ranks never answer committed
+    p = sim.step(now="2026-01-01T00:00:02Z")
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
+    new = p.status["revision"]
+    surge = next(g for g in p.status["groups"] if g["name"] == "demo-g1")
+    assert surge["startedAt"] == "2026-01-01T00:00:02Z"
+    p = sim.step(now="2026-01-01T00:00:30Z")
+    progressing = next(x for x in p.status["conditions"] if x["type"] == "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("True", "RollingOut")
+    assert p.status["updatedGroups"] == 1
+    p = sim.step(now="2026-01-01T00:01:03Z")
+    conds = {x["type"]: x for x in p.status["conditions"]}
+    assert (conds["Progressing"]["status"], conds["Progressing"]["reason"]) == (
+        "False",
+        "ProgressDeadlineExceeded",
+    )
+    assert (
+        f"group demo-g1 (revision {new}) has not committed 61 s" in conds["Progressing"]["message"]
+    )
+    assert conds["Degraded"]["status"] == "True" and conds["Ready"]["status"] == "True"
+    assert [(g["name"], g["revision"], g["phase"]) for g in p.status["groups"]] == [
+        ("demo-g0", old, "Serving"),
+        ("demo-g1", new, "Rendezvous"),
+    ]
+    assert p.delete == () and p.create_pods == ()  # the rollout waits; nothing drained
+    # Reverting the spec: the stuck group goes, the old one is left as it is.
+    sim.body["spec"]["image"] = "worker:1"
+    p = sim.step(now="2026-01-01T00:01:04Z")
+    assert p.status["revision"] == old
+    assert all(g.pod.startswith("demo-g1") for g in p.gates)
+    assert all(d.name.startswith("demo-g1") for d in p.delete)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dwdp.api.deployment import GroupStatus
 from dwdp.api.enums import Role
 from dwdp.operator.constants import GroupPhase
 from dwdp.operator.observe import ObservedPod, RankReport, pod_from_object, rank_report_from_json
@@ -12,6 +13,7 @@ from dwdp.operator.status import (
     conditions,
     deployment_phase,
     evaluate_group,
+    stuck_groups,
 )
 
 
@@ -376,3 +378,47 @@ def test_transition_times_carry_over_only_when_status_is_unchanged() -> None:
 )
 def test_deployment_phase(all_ready, failed, started, want) -> None:
     assert deployment_phase(all_ready=all_ready, failed=failed, started=started).value == want
+
+
+def _entry(phase: str, started_at: str | None, revision: str = "new", **extra) -> GroupStatus:
+    return GroupStatus.model_validate(
+        {"name": "demo-g2", "revision": revision, "phase": phase, "startedAt": started_at, **extra}
+    )
+
+
+def test_a_group_past_the_progress_deadline_is_stuck_with_its_phase_and_failure() -> None:
+    failure = {"phase": "P3", "message": "rank 1: out of memory", "reason": "SetupFailed"}
+    entries = [
+        _entry("SettingUp", "2026-01-01T00:00:00Z", restarts=2, lastFailure=failure),
+        _entry("Serving", "2026-01-01T00:00:00Z"),  # committed: never stuck
+        _entry("Rendezvous", "2026-01-01T00:00:00Z", revision="old"),  # not the rollout's
+    ]
+    kw = dict(revision="new", deadline_s=600)
+    assert stuck_groups(entries, now="2026-01-01T00:10:00Z", **kw) == []  # 600 s: not yet
+    (line,) = stuck_groups(entries, now="2026-01-01T00:10:01Z", **kw)
+    assert line == (
+        "group demo-g2 (revision new) has not committed 601 s after it started "
+        "(progressDeadlineSeconds 600): phase SettingUp, last failure at P3: rank 1: out of memory"
+    )
+
+
+def test_the_rollout_comes_before_scaling_and_a_stuck_one_is_progressing_false() -> None:
+    base = dict(
+        desired=2,
+        ready=2,
+        failed=[],
+        generation_desired=0,
+        generation_ready=0,
+        observed_generation=None,
+    )
+    surge = conditions(existing=3, outdated=2, **base)  # maxSurge 1: 3 groups, 2 old
+    assert [(x["status"], x["reason"]) for x in surge[1:]] == [
+        ("True", "RollingOut"),
+        ("False", "Healthy"),
+    ]
+    stuck = conditions(existing=3, outdated=2, stuck=["group demo-g2 ..."], **base)
+    assert [(x["status"], x["reason"], x["message"]) for x in stuck[1:]] == [
+        ("False", "ProgressDeadlineExceeded", "group demo-g2 ..."),
+        ("True", "ProgressDeadlineExceeded", "rollout stuck: group demo-g2 ..."),
+    ]
+    assert stuck[0]["status"] == "True"  # the old groups keep serving
