@@ -41,6 +41,7 @@ from dwdp.operator.status import (
     GroupView,
     carry_transition_times,
     conditions,
+    deadline_left_s,
     deployment_phase,
     stuck_groups,
 )
@@ -233,7 +234,9 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     actions += Actions(delete=_secret_deletes(observed, actions.delete))
     apply, slices, stale = _children(spec, owner, observed, roles, actions, revisions, options)
     actions += Actions(delete=stale)
-    status = _status(spec, owner, body, observed, roles, actions, revisions, now)
+    stuck, left = _progress(spec, roles, revisions, now)
+    actions += Actions(requeue_s=tuple(left))
+    status = _status(spec, owner, body, observed, roles, actions, revisions, now, stuck)
     all_ready = status["conditions"][0]["status"] == "True"
     return Plan(
         apply=apply,
@@ -352,6 +355,25 @@ def _network_policies(
     return [serving, *(builders.group_policy(owner, g) for g in sorted(names))]
 
 
+def _progress(
+    spec: DwdpDeploymentSpec,
+    roles: Mapping[Role, RoleDecision],
+    revisions: Mapping[Role, str],
+    now: str,
+) -> tuple[list[str], list[float]]:
+    """``(stuck, left)``: a line for each current-revision group past
+    ``rollout.progressDeadlineSeconds``, and the seconds until each other starting one
+    gets there (the next look is then at the latest, even while old groups keep it Ready)."""
+    stuck: list[str] = []
+    left: list[float] = []
+    deadline = spec.rollout.progress_deadline_seconds
+    for role, decision in roles.items():
+        rev = revisions[role]
+        stuck += stuck_groups(decision.entries, revision=rev, deadline_s=deadline, now=now)
+        left += deadline_left_s(decision.entries, revision=rev, deadline_s=deadline, now=now)
+    return stuck, left
+
+
 def _status(
     spec: DwdpDeploymentSpec,
     owner: builders.Owner,
@@ -361,8 +383,10 @@ def _status(
     actions: Actions,
     revisions: Mapping[Role, str],
     now: str,
+    stuck: Sequence[str],
 ) -> dict[str, Any]:
-    """The status to write (camelCase), built through :class:`DwdpDeploymentStatus`."""
+    """The status to write (camelCase), built through :class:`DwdpDeploymentStatus`;
+    ``stuck``: the groups past the progress deadline (:func:`_progress`)."""
     ctx_role = roles[Role.CONTEXT]
     gen_role = roles.get(Role.GENERATION)
     views = [*ctx_role.views, *(gen_role.views if gen_role else ())]
@@ -371,14 +395,6 @@ def _status(
     failed = [v.name for v in views if v.phase in (GroupPhase.FAILED, GroupPhase.RESTARTING)]
     existing = len(ctx_role.views) + ctx_role.draining
     generation = (body.get("metadata") or {}).get("generation")
-    deadline = spec.rollout.progress_deadline_seconds
-    stuck = [
-        line
-        for role, decision in roles.items()
-        for line in stuck_groups(
-            decision.entries, revision=revisions[role], deadline_s=deadline, now=now
-        )
-    ]
     conds = conditions(
         desired=ctx_role.replicas,
         ready=ready,
@@ -402,7 +418,10 @@ def _status(
         conds.append(refused)
     all_ready = conds[0]["status"] == "True"
     phase = deployment_phase(
-        all_ready=all_ready, failed=bool(failed), started=bool(observed.pods or actions.pods)
+        all_ready=all_ready,
+        failed=bool(failed),
+        started=bool(observed.pods or actions.pods),
+        stuck=bool(stuck),
     )
     old_conditions = (body.get("status") or {}).get("conditions")
     generation_status = None

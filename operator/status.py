@@ -23,6 +23,7 @@ __all__ = [
     "GroupView",
     "carry_transition_times",
     "conditions",
+    "deadline_left_s",
     "deployment_phase",
     "evaluate_group",
     "failure_record",
@@ -231,6 +232,33 @@ def conditions(
     ]
 
 
+def _starting(
+    entries: Iterable[GroupStatus], revision: str, now: str
+) -> list[tuple[GroupStatus, float]]:
+    """The groups at ``revision`` still starting (neither serving nor draining), each with
+    the seconds since its ``startedAt`` (those without a readable time left out)."""
+    out = []
+    for g in entries:
+        if g.revision != revision or g.phase in (GroupPhase.SERVING, GroupPhase.DRAINING):
+            continue
+        since = seconds_since(g.started_at, now)
+        if since is not None:
+            out.append((g, since))
+    return out
+
+
+def deadline_left_s(
+    entries: Iterable[GroupStatus], *, revision: str, deadline_s: int, now: str
+) -> list[float]:
+    """Seconds until each group at ``revision`` that is still starting reaches the progress
+    deadline (the plan looks again then, even while the old groups keep it Ready)."""
+    return [
+        deadline_s - since + 1.0
+        for _, since in _starting(entries, revision, now)
+        if since <= deadline_s
+    ]
+
+
 def stuck_groups(
     entries: Iterable[GroupStatus], *, revision: str, deadline_s: int, now: str
 ) -> list[str]:
@@ -238,11 +266,8 @@ def stuck_groups(
     seconds after its ``startedAt`` (restarts included): its name, revision, phase and
     last failure. Draining and serving groups are never stuck."""
     out = []
-    for g in entries:
-        if g.revision != revision or g.phase in (GroupPhase.SERVING, GroupPhase.DRAINING):
-            continue
-        since = seconds_since(g.started_at, now)
-        if since is None or since <= deadline_s:
+    for g, since in _starting(entries, revision, now):
+        if since <= deadline_s:
             continue
         line = (
             f"group {g.name} (revision {g.revision}) has not committed {int(since)} s after "
@@ -269,9 +294,15 @@ def carry_transition_times(
     return out
 
 
-def deployment_phase(*, all_ready: bool, failed: bool, started: bool) -> DeploymentPhase:
-    """``status.phase``: Ready when everything serves, Degraded when some group failed,
-    Progressing while groups start, Pending before any exists."""
+def deployment_phase(
+    *, all_ready: bool, failed: bool, started: bool, stuck: bool = False
+) -> DeploymentPhase:
+    """``status.phase``: Degraded while a rollout is past its progress deadline (even
+    though the old groups serve: ``kubectl get dwdp`` shows it), else Ready when everything
+    serves, Degraded when some group failed, Progressing while groups start, Pending before
+    any exists."""
+    if stuck:
+        return DeploymentPhase.DEGRADED
     if all_ready:
         return DeploymentPhase.READY
     if failed:

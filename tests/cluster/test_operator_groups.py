@@ -201,3 +201,60 @@ def test_rollouts_keep_capacity_and_never_mix_revisions(
     names = {p["metadata"]["name"] for p in pods(cluster, ns)}
     assert up_to_date <= names, "an up-to-date group was restarted"
     cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+def test_a_revision_that_never_commits_reports_its_deadline_and_old_groups_serve(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """maxSurge 1 / maxUnavailable 0, a new revision whose ranks never commit and a 20 s
+    progress deadline: Progressing turns False (ProgressDeadlineExceeded) naming the
+    surge group, its revision and phase, Degraded says the rollout is stuck, the old group
+    keeps serving its incarnation, and reverting the spec returns to the old revision
+    without touching the old group."""
+    ns, name = namespace, "stuck"
+    obj = deployment(
+        name, replicas=1, ranks_per_pod=1, dwdp_size=2, rollout={"progressDeadlineSeconds": 20}
+    )
+    cluster.apply(ns, obj)
+    st = wait_ready(cluster, ns, name, 1)
+    old_rev = st["revision"]
+    old_pods = sorted(p["metadata"]["name"] for p in pods(cluster, ns))
+    obj["spec"]["env"] = [{"name": "RANKPROG_COMMIT", "value": "0"}]
+    cluster.apply(ns, obj)
+    new_rev = _new_revision(cluster, ns, name, old_rev)
+    applied = time.monotonic()
+
+    def deadline_exceeded() -> dict | None:
+        st = status(cluster, ns, name)
+        conds = {c["type"]: c for c in st.get("conditions") or ()}
+        prog = conds.get("Progressing") or {}
+        return conds if prog.get("reason") == "ProgressDeadlineExceeded" else None
+
+    try:
+        conds = cluster.wait_for(deadline_exceeded, timeout=60, interval=0.5, message="deadline")
+    except AssertionError:
+        raise AssertionError(f"no deadline: {json.dumps(status(cluster, ns, name))}") from None
+    took = time.monotonic() - applied
+    print(f"ProgressDeadlineExceeded {took:.1f} s after the update (deadline 20 s)")
+    assert 20 <= took < 40, took
+    message = conds["Progressing"]["message"]
+    assert f"group {name}-g1 (revision {new_rev})" in message, message
+    assert conds["Progressing"]["status"] == "False"
+    assert conds["Degraded"]["status"] == "True"
+    assert conds["Degraded"]["reason"] == "ProgressDeadlineExceeded"
+    assert conds["Ready"]["status"] == "True"
+    st = status(cluster, ns, name)
+    g0 = next(g for g in st["groups"] if g["name"] == f"{name}-g0")
+    assert (g0["revision"], g0["phase"], g0["incarnation"]) == (old_rev, "Serving", 0)
+    assert st["updatedGroups"] == 1
+    table = cluster.kubectl("get", "dwdp", name, "-n", ns).stdout.splitlines()
+    assert table[1].split()[:5] == [name, "1", "1", "1", "Degraded"], table
+    # Revert: back to the old revision; the old group's pods are the same pods.
+    obj["spec"].pop("env")
+    cluster.apply(ns, obj)
+    st = wait_ready(cluster, ns, name, 1)
+    assert st["revision"] == old_rev
+    assert sorted(p["metadata"]["name"] for p in pods(cluster, ns)) == old_pods
+    prog = next(c for c in st["conditions"] if c["type"] == "Progressing")
+    assert prog["reason"] == "Stable"
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")

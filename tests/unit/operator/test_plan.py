@@ -503,6 +503,7 @@ def test_a_revision_that_never_commits_hits_the_deadline_and_old_groups_keep_ser
         f"group demo-g1 (revision {new}) has not committed 61 s" in conds["Progressing"]["message"]
     )
     assert conds["Degraded"]["status"] == "True" and conds["Ready"]["status"] == "True"
+    assert p.status["phase"] == "Degraded"  # what `kubectl get dwdp` shows
     assert [(g["name"], g["revision"], g["phase"]) for g in p.status["groups"]] == [
         ("demo-g0", old, "Serving"),
         ("demo-g1", new, "Rendezvous"),
