@@ -64,6 +64,12 @@ class Capabilities(ApiModel):
     )
 
 
+_PROFILE_PATH_RULE = (
+    "localhostProfile is a path relative to the kubelet's seccomp folder (no leading '/', "
+    "no '..'); whether the file exists on the node is checked only when the pod starts"
+)
+
+
 class SeccompProfile(ApiModel):
     """The seccomp filter of the pod's containers."""
 
@@ -75,7 +81,13 @@ class SeccompProfile(ApiModel):
                     ": !has(self.localhostProfile)",
                     "localhostProfile is required with type Localhost and must be unset otherwise",
                     field_path=".localhostProfile",
-                )
+                ),
+                cel_rule(
+                    "!has(self.localhostProfile) || (!self.localhostProfile.startsWith('/') "
+                    "&& !self.localhostProfile.contains('..'))",
+                    _PROFILE_PATH_RULE,
+                    field_path=".localhostProfile",
+                ),
             ]
         )
     )
@@ -93,6 +105,9 @@ class SeccompProfile(ApiModel):
 
     @model_validator(mode="after")
     def _check(self) -> SeccompProfile:
+        path = self.localhost_profile
+        if path is not None and (path.startswith("/") or ".." in path):
+            raise RuleViolations([Problem(("localhostProfile",), path, _PROFILE_PATH_RULE)])
         if (self.type == "Localhost") != (self.localhost_profile is not None):
             raise RuleViolations(
                 [
@@ -304,8 +319,9 @@ class NetworkPolicySpec(ApiModel):
     enabled: Bool = Field(default=True, description="Create the NetworkPolicies.")
     serving_from: list[NetworkPolicyPeer] | None = Field(
         default=None,
+        min_length=1,
         max_length=32,
-        description="Sources allowed on the serving ports (routers, clients, Prometheus); "
-        "unset: any source. The operator's own namespace is always allowed (it reads "
-        "/dwdp/status).",
+        description="Sources allowed on the serving ports (routers, clients, Prometheus), at "
+        "least one; unset: any source. The operator's own namespace is added when the "
+        "operator runs in a pod (POD_NAMESPACE, set by the chart): it reads /dwdp/status.",
     )

@@ -158,6 +158,9 @@ class OfflineApiserver:
         if isinstance(value, list):
             if "maxItems" in schema and len(value) > schema["maxItems"]:
                 errors.append(f"{where}: Too many: must have at most {schema['maxItems']} items")
+            if len(value) < schema.get("minItems", 0):
+                least = schema["minItems"]
+                errors.append(f"{where}: Invalid value: should have at least {least} items")
             for i, item in enumerate(value):
                 self._validate(item, schema.get("items", {}), [*path, i], errors)
         if isinstance(value, dict):
