@@ -25,11 +25,13 @@ __all__ = [
     "EXPERT_SETUP_PHASES",
     "SERVING_WORDS",
     "SETUP_WORDS",
+    "START_ID_FIELD",
     "TERMINATION_WORDS",
     "USER_ENV",
     "Env",
     "Stage",
     "StatusPhase",
+    "new_start_id",
 ]
 
 
@@ -115,6 +117,18 @@ class StatusPhase(enum.StrEnum):
 
 COMMITTED_PHASES = frozenset({StatusPhase.COMMITTED, StatusPhase.DISABLED})
 """Status phases that count as committed for the commit gate."""
+
+START_ID_FIELD = "start_id"
+"""Field of a rank's ``/dwdp/status`` answer: an id the rank process draws when it starts
+(:func:`new_start_id`). The operator records the ids of a group's ranks when it commits;
+a rank answering with another id was restarted in place, so the group failed."""
+
+
+def new_start_id() -> str:
+    """A fresh start id: 16 hex characters from the system's random source."""
+    import secrets
+
+    return secrets.token_hex(8)
 
 
 class Stage(enum.StrEnum):

@@ -839,6 +839,12 @@ class GroupStatus(_StatusModel):
     leaks: int = 0
     restarts: int = 0
     last_failure: FailureRecord | None = None
+    rank_starts: list[Annotated[str, Field(max_length=64)]] | None = Field(
+        default=None,
+        max_length=4096,
+        description="Start ids of the rank processes that committed, by rank: a rank "
+        "answering with another one was restarted in place and fails the group.",
+    )
     started_at: str | None = Field(
         default=None,
         max_length=64,

@@ -57,6 +57,7 @@ class FailureClass:
     OOM_KILLED = "OOMKilled"
     EXITED = "Exited"
     POD_MISSING = "PodMissing"
+    RESTARTED_IN_PLACE = "RestartedInPlace"
     UNSCHEDULABLE = "Unschedulable"
 
 

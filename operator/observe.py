@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dwdp.api.contract import COMMITTED_PHASES, StatusPhase
+from dwdp.api.contract import COMMITTED_PHASES, START_ID_FIELD, StatusPhase
 from dwdp.api.enums import Role
 from dwdp.operator import constants as c
 from dwdp.operator.builders import applied_hash
@@ -38,6 +38,8 @@ class RankReport:
     revision: str | None = None
     incarnation: int | None = None
     layout_digest: str | None = None
+    start_id: str | None = None
+    """The rank process's start id (a new one each time it starts)."""
 
     @property
     def committed(self) -> bool:
@@ -59,12 +61,14 @@ def rank_report_from_json(data: Any) -> RankReport | None:
     inc = data.get("incarnation")
     rank = data.get("rank")
     digest = data.get("layout_digest", data.get("layoutDigest"))
+    start = data.get(START_ID_FIELD)
     return RankReport(
         rank=rank if isinstance(rank, int) else None,
         phase=StatusPhase(data["phase"]),
         revision=data.get("revision") if isinstance(data.get("revision"), str) else None,
         incarnation=int(inc) if isinstance(inc, int | str) and str(inc).isdigit() else None,
         layout_digest=digest if isinstance(digest, str) else None,
+        start_id=start if isinstance(start, str) and start else None,
     )
 
 

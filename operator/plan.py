@@ -70,8 +70,10 @@ __all__ = [
 
 REQUEUE_BUSY_S = 2.0
 """Seconds to the next look while some group is starting (the ranks are polled)."""
-REQUEUE_IDLE_S = 60.0
-"""Seconds to the next look at rest (reads only; pod events wake the loop sooner)."""
+REQUEUE_IDLE_S = 30.0
+"""Seconds to the next look at rest (reads only: the pods, and every committed rank's
+``/dwdp/status`` once per :data:`~dwdp.operator.probe.VERIFY_INTERVAL_S`; pod events wake
+the loop sooner)."""
 
 
 @dataclass(frozen=True)

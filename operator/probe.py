@@ -1,8 +1,10 @@
-"""Ask the ranks of starting groups for ``/dwdp/status`` (rank k of a pod on port base+k).
+"""Ask the ranks for ``/dwdp/status`` (rank k of a pod on port base+k).
 
-Only pods that run and whose commit gate is still closed are asked: a committed group is
-watched through its pods (readiness probes, exits), so a deployment at rest costs no HTTP
-request here. An unreachable rank or an unreadable answer reads as None (not reported yet).
+Pods that run and whose commit gate is still closed are asked at every cycle. Committed
+groups (gate open) are asked once every :data:`VERIFY_INTERVAL_S`, so the operator sees a
+rank that is no longer the process that committed (another start id): at rest that is one
+request per rank every 30 s (2 per rank per minute), and no write. An unreachable rank or an
+unreadable answer reads as None (not reported yet).
 """
 
 from __future__ import annotations
@@ -14,17 +16,24 @@ import aiohttp
 
 from dwdp.operator.observe import ObservedPod, RankReport, rank_report_from_json
 
-__all__ = ["PROBE_TIMEOUT_S", "probe_ranks", "to_probe"]
+__all__ = ["PROBE_TIMEOUT_S", "VERIFY_INTERVAL_S", "probe_ranks", "to_probe"]
 
 PROBE_TIMEOUT_S = 3.0
 """Timeout of one rank's status request, in seconds (a loaded host answers slowly; a
 rank that misses it only reads as not reported yet for this cycle)."""
 
 
-def to_probe(pods: Iterable[ObservedPod]) -> list[ObservedPod]:
-    """The pods whose ranks are asked: running, addressed, live, gate closed."""
+VERIFY_INTERVAL_S = 30.0
+"""Seconds between two looks at the ranks of committed groups (their start ids)."""
+
+
+def to_probe(pods: Iterable[ObservedPod], *, verify: bool = False) -> list[ObservedPod]:
+    """The pods whose ranks are asked: running, addressed, live, and gate closed (or,
+    with ``verify``, open too)."""
     return [
-        p for p in pods if p.phase == "Running" and p.ip and p.live and not p.gate and p.started
+        p
+        for p in pods
+        if p.phase == "Running" and p.ip and p.live and p.started and (verify or not p.gate)
     ]
 
 

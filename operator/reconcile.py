@@ -23,7 +23,7 @@ from dwdp.operator.constants import LABEL_GROUP, Reason
 from dwdp.operator.kube import OPTIONAL_KINDS, ApiError, Kube, now_rfc3339
 from dwdp.operator.observe import Observed, pod_from_object
 from dwdp.operator.plan import Plan, PlanOptions, plan
-from dwdp.operator.probe import probe_ranks, to_probe
+from dwdp.operator.probe import VERIFY_INTERVAL_S, probe_ranks, to_probe
 
 __all__ = ["Reconcilers", "execute", "gather", "reconcile_once"]
 
@@ -46,8 +46,11 @@ async def gather(kube: Kube, body: dict, memory: _Memory | None = None) -> Obser
     pods, others = await kube.list_children(meta["namespace"], meta["name"], optional)
     port = int(((body.get("spec") or {}).get("server") or {}).get("port", 8000))
     summaries = [s for s in (pod_from_object(p) for p in pods) if s is not None]
-    ranks = await probe_ranks(to_probe(summaries), base_port=port)
     memory = memory or _Memory()
+    verify = time.monotonic() - memory.verified_at >= VERIFY_INTERVAL_S
+    if verify:
+        memory.verified_at = time.monotonic()
+    ranks = await probe_ranks(to_probe(summaries, verify=verify), base_port=port)
     return Observed.from_objects(
         pods=pods,
         children=others,
@@ -72,6 +75,8 @@ class _Memory:
     cluster)."""
 
     reported_errors: set[str] = field(default_factory=set)
+    verified_at: float = float("-inf")
+    """When the ranks of committed groups were last asked (monotonic seconds)."""
     create_error: str | None = None
     create_failures: int = 0
     create_retry_at: float = 0.0

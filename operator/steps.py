@@ -24,12 +24,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dwdp.api.contract import Stage
 from dwdp.api.deployment import DwdpDeploymentSpec, FailureRecord, GroupStatus
 from dwdp.api.enums import Role
 from dwdp.operator import builders, groups, naming
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
-from dwdp.operator.observe import ChildKey, Observed, ObservedPod
+from dwdp.operator.observe import ChildKey, Observed, ObservedPod, RankReport
 from dwdp.operator.status import GroupView, evaluate_group
 
 __all__ = [
@@ -177,6 +178,8 @@ class GroupState:
     recorded_digest: str | None = None
     restarts: int = 0
     last_failure: FailureRecord | None = None
+    recorded_starts: tuple[str, ...] = ()
+    """Start ids of the ranks that committed (``rankStarts``), by rank."""
 
     @property
     def live(self) -> list[ObservedPod]:
@@ -278,6 +281,7 @@ def recorded_groups(deployment: str, role: Role, status: Mapping[str, Any]) -> d
 def group_state(ctx: RoleContext, index: int, record: Mapping[str, Any]) -> GroupState:
     """The state of group ``index`` from the observed pods and its recorded entry."""
     digest = record.get("layoutDigest")
+    starts = record.get("rankStarts")
     return GroupState(
         index=index,
         name=naming.group_name(ctx.owner.name, ctx.role, index),
@@ -287,6 +291,7 @@ def group_state(ctx: RoleContext, index: int, record: Mapping[str, Any]) -> Grou
         recorded_digest=digest if isinstance(digest, str) else None,
         restarts=_int(record.get("restarts", 0)),
         last_failure=_failure(record.get("lastFailure")),
+        recorded_starts=tuple(str(x) for x in starts) if isinstance(starts, list) else (),
     )
 
 
@@ -550,6 +555,9 @@ def _detect_failure(
             or g.recorded_phase == GroupPhase.SERVING.value,
         )
         return FailureRecord.model_validate({**view.failure, "phase": phase, "reason": why})
+    restarted = _restarted_rank(ctx, g, view, current)
+    if restarted is not None:
+        return failure_of(Stage.SERVE.value, restarted, groups.FailureClass.RESTARTED_IN_PLACE)
     if missing and any(p.started for p in current):
         return failure_of(
             groups.EXIT_WORD,
@@ -565,6 +573,64 @@ def _detect_failure(
             groups.FailureClass.UNSCHEDULABLE,
         )
     return None
+
+
+def _answers_by_rank(
+    ctx: RoleContext, current: Sequence[ObservedPod]
+) -> dict[int, RankReport] | None:
+    """Every rank's ``/dwdp/status`` answer of this cycle by rank; None unless each rank of
+    ``current`` was asked and answered (a committed group is asked every
+    ``VERIFY_INTERVAL_S``, see :mod:`dwdp.operator.probe`)."""
+    out: dict[int, RankReport] = {}
+    for p in current:
+        got = ctx.observed.ranks.get(p.name)
+        if got is None or len(got) != p.ranks:
+            return None
+        for k, report in enumerate(got):
+            if report is None:
+                return None
+            first = p.pod_index * ctx.shape.ranks_per_pod
+            out[report.rank if report.rank is not None else first + k] = report
+    return out
+
+
+def _restarted_rank(
+    ctx: RoleContext, g: GroupState, view: GroupView, current: Sequence[ObservedPod]
+) -> str | None:
+    """Why a committed group (every gate open) no longer runs the processes that committed:
+    a rank answering with another start id than the recorded one, or not committed; None
+    when every rank is the one that committed, or not every rank answered this cycle."""
+    if not view.committed or not all(p.gate for p in current):
+        return None
+    answers = _answers_by_rank(ctx, current)
+    if answers is None:
+        return None
+    recorded = g.recorded_starts if g.recorded_incarnation == view.incarnation else ()
+    for rank, report in sorted(answers.items()):
+        was = recorded[rank] if 0 <= rank < len(recorded) else None
+        if was is not None and report.start_id is not None and report.start_id != was:
+            return (
+                f"rank {rank} is no longer the process that committed (start id "
+                f"{report.start_id}, committed as {was}): it was restarted in place"
+            )
+        if not report.committed:
+            return f"rank {rank} of the committed group reports {report.phase.value}"
+    return None
+
+
+def _rank_starts(
+    ctx: RoleContext, g: GroupState, view: GroupView, current: Sequence[ObservedPod]
+) -> tuple[str, ...]:
+    """The start ids to record for a committed incarnation: the recorded ones while it is
+    the same incarnation, else those its ranks answered with (every rank, in rank order)."""
+    if not view.committed:
+        return ()
+    if g.recorded_starts and g.recorded_incarnation == view.incarnation:
+        return g.recorded_starts
+    answers = _answers_by_rank(ctx, current)
+    if answers is None or any(r.start_id is None for r in answers.values()):
+        return ()
+    return tuple(str(answers[k].start_id) for k in sorted(answers))
 
 
 def failed(
@@ -656,10 +722,13 @@ def live(ctx: RoleContext, g: GroupState) -> GroupDecision:
     if missing and not any(p.started for p in current) and not ctx.observed.create_blocked:
         actions += create_incarnation(ctx, g.index, inc, rev, missing, fresh=False)
     actions += _gates(ctx, g, view, current)
+    starts = _rank_starts(ctx, g, view, current)
     return GroupDecision(
         actions=actions,
         view=view,
-        entry=entry(view, g.restarts, g.last_failure),
+        entry=entry(view, g.restarts, g.last_failure).model_copy(
+            update={"rank_starts": list(starts) or None}
+        ),
         slot=groups.GroupSlot(g.index, new=rev == ctx.target, serving=view.committed),
     )
 

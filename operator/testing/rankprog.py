@@ -21,6 +21,10 @@ Controls (environment, e.g. from the DwdpDeployment's ``spec.env``):
 - ``RANKPROG_FAIL_GROUP``: fail only in this group (``DWDP_GROUP``; default: every one).
 - ``RANKPROG_COMMIT=0``: never commit (stay in P6).
 - ``RANKPROG_PHASE_S``: seconds spent in each setup phase (default 0.05).
+- ``RANKPROG_REEXEC_AFTER_S``: that many seconds after every local rank committed, the
+  process re-executes itself once (same pod, same pid, new start id: ranks restarted in
+  place behind an open gate, as a runtime that restarts a container without telling would).
+  Only in incarnation 0.
 """
 
 from __future__ import annotations
@@ -36,7 +40,15 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from dwdp.api.contract import DENSE_SETUP_PHASES, EXPERT_SETUP_PHASES, Env, Stage, StatusPhase
+from dwdp.api.contract import (
+    DENSE_SETUP_PHASES,
+    EXPERT_SETUP_PHASES,
+    START_ID_FIELD,
+    Env,
+    Stage,
+    StatusPhase,
+    new_start_id,
+)
 
 COMMIT = EXPERT_SETUP_PHASES[-1]
 """The final vote (the worker's expert ``commit`` phase)."""
@@ -45,6 +57,8 @@ SETUP_STEPS: tuple[str, ...] = (Stage.LOAD, *DENSE_SETUP_PHASES)
 STEPS: tuple[str, ...] = (Stage.RENDEZVOUS, *SETUP_STEPS, COMMIT, Stage.SERVE)
 """The steps a rank walks, in order; each is the word of its termination message."""
 TERMINATION_LOG = os.environ.get(Env.TERMINATION_LOG, "/dev/termination-log")
+START_ID = new_start_id()
+"""This rank program's start id (a real worker draws one per rank process too)."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -143,6 +157,7 @@ class Rank:
                 "revision": self.revision,
                 "layout_digest": self.digest,
                 "leaks": 0,
+                START_ID_FIELD: START_ID,
             }
 
     def _enter(self, phase: str) -> None:
@@ -278,8 +293,22 @@ def main() -> int:
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
+    _reexec_later(ranks)
     while True:
         time.sleep(3600)
+
+
+def _reexec_later(ranks: list[Rank]) -> None:
+    """``RANKPROG_REEXEC_AFTER_S``: re-execute this process once, that long after every
+    local rank committed (incarnation 0 only)."""
+    after = os.environ.get("RANKPROG_REEXEC_AFTER_S")
+    if not after or os.environ.get("RANKPROG_REEXECUTED") or ranks[0].incarnation != 0:
+        return
+    while any(r.phase is not StatusPhase.COMMITTED for r in ranks):
+        time.sleep(0.1)
+    time.sleep(float(after))
+    os.environ["RANKPROG_REEXECUTED"] = "1"
+    os.execv(sys.executable, [sys.executable, "-m", "dwdp.operator.testing.rankprog"])
 
 
 if __name__ == "__main__":

@@ -234,3 +234,38 @@ def test_quota_refusing_pods_is_a_condition_and_no_write_storm(
     cluster.wait_for(recovered, timeout=90, interval=1.0, message="g1 created after the quota")
     print(f"quota lifted: both groups ready after {time.monotonic() - lifted:.1f} s")
     cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+def test_ranks_restarted_in_place_behind_an_open_gate_fail_their_group(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """The pod's rank process re-executes itself 3 s after the commit (same pod, same pid,
+    restartCount 0, a new start id), as a runtime that restarts a container without telling
+    would: the operator, asking committed groups every 30 s, sees ranks that are not the
+    processes that committed, closes the gate and replaces the whole group."""
+    ns, name = namespace, "inplace"
+    obj = deployment(
+        name, replicas=1, ranks_per_pod=2, dwdp_size=2, env={"RANKPROG_REEXEC_AFTER_S": "3"}
+    )
+    cluster.apply(ns, obj)
+
+    def serving(incarnation: int) -> dict | None:
+        st = status(cluster, ns, name)
+        g = next(iter(st.get("groups") or ()), {})
+        ok = g.get("phase") == "Serving" and g.get("incarnation") == incarnation
+        return g if ok else None
+
+    g = cluster.wait_for(lambda: serving(0), timeout=90, interval=0.5, message="i0 serving")
+    assert len(g["rankStarts"]) == 2
+    committed = time.monotonic()
+    g = cluster.wait_for(lambda: serving(1), timeout=120, interval=0.5, message="i1 serving")
+    took = time.monotonic() - committed
+    print(f"in-place restart 3 s after the commit -> incarnation 1 serving {took:.1f} s later")
+    assert g["restarts"] == 1
+    assert g["lastFailure"]["reason"] == "RestartedInPlace", g["lastFailure"]
+    assert "no longer the process that committed" in g["lastFailure"]["message"]
+    events = cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "reason=GroupFailed", "-o", "json"
+    ).stdout
+    assert any("RestartedInPlace" in e["message"] for e in json.loads(events)["items"])
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")

@@ -10,14 +10,18 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from dwdp.api.contract import Env, StatusPhase
+from dwdp.api.contract import START_ID_FIELD, Env, StatusPhase, new_start_id
+
+START_ID = new_start_id()
+"""This process's start id (``/dwdp/status`` ``start_id``): new with every rank process."""
 
 
 def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``group``, ``incarnation`` (an integer when it is one, e.g. ``"3"`` or ``"i3"``) and
-    ``revision`` of this rank, from the operator's environment (absent ones are left out)."""
+    """``start_id`` of this process, and ``group``, ``incarnation`` (an integer when it is
+    one, e.g. ``"3"`` or ``"i3"``) and ``revision`` of this rank from the operator's
+    environment (absent ones are left out)."""
     env = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {START_ID_FIELD: START_ID}
     if env.get(Env.GROUP):
         out["group"] = env[Env.GROUP]
     inc = env.get(Env.INCARNATION)

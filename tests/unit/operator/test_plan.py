@@ -39,6 +39,8 @@ class Sim:
         self.body = body
         self.objects: dict[tuple[str, str], dict] = {}
         self.rank_phase: str | None = "committed"
+        self.start_ids: dict[str, str] = {}
+        """Start id each pod's ranks answer with (none: the field is left out)."""
         self.next_ip = 1
 
     def observed(self) -> Observed:
@@ -62,6 +64,11 @@ class Sim:
                         "revision": labels[c.LABEL_REVISION],
                         "incarnation": int(labels[c.LABEL_INCARNATION]),
                         "layout_digest": "digest",
+                        **(
+                            {"start_id": self.start_ids[p["metadata"]["name"]]}
+                            if p["metadata"]["name"] in self.start_ids
+                            else {}
+                        ),
                     }
                 )
                 for k in range(len(p["spec"]["containers"][0]["ports"]) - (first == 0))
@@ -515,3 +522,43 @@ def test_a_revision_that_never_commits_hits_the_deadline_and_old_groups_keep_ser
     assert p.status["revision"] == old
     assert all(g.pod.startswith("demo-g1") for g in p.gates)
     assert all(d.name.startswith("demo-g1") for d in p.delete)
+
+
+def test_a_rank_restarted_in_place_behind_an_open_gate_fails_its_group() -> None:
+    sim = Sim(body(replicas=1))
+    sim.start_ids = {"demo-g0-i0-p0": "a0", "demo-g0-i0-p1": "a1"}
+    sim.step()
+    p = sim.step()  # commit: gates open, the start ids recorded
+    assert {g.ready for g in p.gates} == {True}
+    (g0,) = p.status["groups"]
+    assert g0["rankStarts"] == ["a0", "a0", "a1", "a1"]  # 2 ranks per pod, by rank
+    assert sim.step().writes == 0  # at rest, asked again: same processes
+    sim.start_ids["demo-g0-i0-p1"] = "b1"  # pod 1's ranks restarted in place
+    p = sim.step()
+    assert sorted(g.pod for g in p.gates if not g.ready) == ["demo-g0-i0-p0", "demo-g0-i0-p1"]
+    assert sorted(d.name for d in p.delete if d.kind == "Pod") == [
+        "demo-g0-i0-p0",
+        "demo-g0-i0-p1",
+    ]
+    (g0,) = p.status["groups"]
+    assert g0["lastFailure"]["reason"] == "RestartedInPlace"
+    assert g0["lastFailure"]["phase"] == "serve"
+    assert (
+        "rank 2 is no longer the process that committed (start id b1, committed as a1)"
+        in (g0["lastFailure"]["message"])
+    )
+    assert [e.reason for e in p.events] == [Reason.GROUP_FAILED]
+
+
+def test_a_committed_group_not_asked_this_cycle_is_not_judged() -> None:
+    sim = Sim(body(replicas=1))
+    sim.start_ids = {"demo-g0-i0-p0": "a0", "demo-g0-i0-p1": "a1"}
+    sim.step()
+    sim.step()
+    observed = sim.observed()
+    quiet = Observed.from_objects(
+        pods=[o for (k, _), o in sim.objects.items() if k == "Pod"],
+        children=[o for (k, _), o in sim.objects.items() if k != "Pod"],
+        ranks={},  # committed groups are asked only every VERIFY_INTERVAL_S
+    )
+    assert observed.ranks and plan(sim.body, quiet, options=OPTIONS, now="T").writes == 0

@@ -9,16 +9,42 @@ import pytest
 from dwdp.api.contract import Stage
 from dwdp.worker.launcher import launcher_line
 from dwdp.worker.main import phased
-from dwdp.worker.server.status import NoDwdp, engine_failure, rank_identity, with_identity
+from dwdp.worker.server.status import (
+    START_ID,
+    NoDwdp,
+    engine_failure,
+    rank_identity,
+    with_identity,
+)
 
 pytestmark = pytest.mark.unit
 
 
 def test_identity_from_the_operator_environment() -> None:
     env = {"DWDP_GROUP": "demo-g0", "DWDP_INCARNATION": "3", "DWDP_REVISION": "abc123"}
-    assert rank_identity(env) == {"group": "demo-g0", "incarnation": 3, "revision": "abc123"}
-    assert rank_identity({"DWDP_INCARNATION": "i2"}) == {"incarnation": 2}
-    assert rank_identity({}) == {}
+    start = {"start_id": START_ID}
+    assert rank_identity(env) == {
+        **start,
+        "group": "demo-g0",
+        "incarnation": 3,
+        "revision": "abc123",
+    }
+    assert rank_identity({"DWDP_INCARNATION": "i2"}) == {**start, "incarnation": 2}
+    assert rank_identity({}) == start
+
+
+def test_every_rank_process_draws_its_own_start_id() -> None:
+    import subprocess
+    import sys
+
+    code = "from dwdp.worker.server.status import START_ID; print(START_ID)"
+    ids = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    }
+    assert len(ids) == 2 and START_ID not in ids and all(len(i) == 16 for i in ids)
 
 
 def test_status_carries_the_identity_and_failed_when_the_engine_died() -> None:
