@@ -858,6 +858,11 @@ class GenerationStatus(_StatusModel):
 
     replicas: int = 0
     ready_replicas: int = 0
+    next_index: int | None = Field(
+        default=None,
+        description="Index of the next generation server (indices only grow: names are "
+        "never reused).",
+    )
 
 
 class DwdpDeploymentStatus(_StatusModel):
@@ -874,6 +879,11 @@ class DwdpDeploymentStatus(_StatusModel):
     ready_groups: int = Field(default=0, description="Context groups committed and serving.")
     updated_groups: int = Field(
         default=0, description="Context groups at the current revision, in any phase."
+    )
+    next_group_index: int | None = Field(
+        default=None,
+        description="Index of the next context group: indices only grow over the "
+        "deployment's life, so two group lifetimes never share a name (pods, events, metrics).",
     )
     selector: str | None = Field(
         default=None, max_length=1024, description="Label selector of the context pods (scale)."

@@ -23,7 +23,7 @@ every pod of it is gone), and a draining group has its gate closed before any po
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dwdp.api.contract import SERVING_WORDS, SETUP_WORDS, Stage
@@ -35,7 +35,7 @@ __all__ = [
     "RolloutStep",
     "backoff_s",
     "classify_failure",
-    "free_indices",
+    "next_index",
     "parse_time",
     "rollout_step",
     "seconds_since",
@@ -124,16 +124,10 @@ def classify_failure(
     return phase, FailureClass.EXITED
 
 
-def free_indices(used: Sequence[int] | set[int], count: int) -> list[int]:
-    """The ``count`` lowest group indices not in ``used``."""
-    taken = set(used)
-    out: list[int] = []
-    i = 0
-    while len(out) < count:
-        if i not in taken:
-            out.append(i)
-        i += 1
-    return out
+def next_index(used: Iterable[int], recorded: int | None) -> int:
+    """The next group index: the recorded one (``status``), or past every index in ``used``
+    if higher. Indices only grow, so a group name is never given to two lifetimes."""
+    return max([recorded or 0, *(i + 1 for i in used)])
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,6 +226,7 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
             target=revisions[role],
             fabric_pods=fabric_pods,
             rendezvous_secret=builders.rendezvous_secret_needed(spec, role),
+            next_index=_recorded_next_index(role, old_status),
         )
         roles[role] = decide_role(ctx, recorded_groups(owner.name, role, old_status))
     actions = sum((d.actions for d in roles.values()), NO_ACTIONS)
@@ -252,6 +253,15 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
         requeue_after_s=_requeue_after(actions, all_ready),
         groups=tuple(v for d in roles.values() for v in d.views),
     )
+
+
+def _recorded_next_index(role: Role, status: Mapping[str, Any]) -> int | None:
+    """``status.nextGroupIndex`` (context) or ``status.generation.nextIndex``."""
+    if role is Role.CONTEXT:
+        value = status.get("nextGroupIndex")
+    else:
+        value = (status.get("generation") or {}).get("nextIndex")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _secret_deletes(observed: Observed, deletes: Sequence[Delete]) -> tuple[Delete, ...]:
@@ -435,6 +445,7 @@ def _status(
             {
                 "replicas": len(gen_role.views),
                 "readyReplicas": gen_ready,
+                "nextIndex": gen_role.next_index,
                 **({"groups": kept} if kept else {}),
             }
         )
@@ -447,6 +458,7 @@ def _status(
         replicas=existing,
         ready_groups=ready,
         updated_groups=sum(1 for e in ctx_role.entries if e.revision == revisions[Role.CONTEXT]),
+        next_group_index=ctx_role.next_index,
         selector=f"{c.LABEL_DEPLOYMENT}={owner.name},{c.LABEL_ROLE}={Role.CONTEXT.value}",
         revision=revisions[Role.CONTEXT],
         groups=list(ctx_role.entries),

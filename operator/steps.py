@@ -163,6 +163,8 @@ class RoleContext:
     rendezvous_secret: bool = False
     """Incarnations of this role get a rendezvous Secret (their ranks meet at a TCP store:
     :func:`~dwdp.operator.builders.rendezvous_secret_needed`)."""
+    next_index: int | None = None
+    """The recorded index of this role's next new group (None: not recorded yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +219,8 @@ class RoleDecision:
     """Listed groups that are draining."""
     outdated: int
     """Groups at an older revision."""
+    next_index: int = 0
+    """The index the role's next new group gets (recorded in the status)."""
 
 
 # ----------------------------------------------------------------------------- records
@@ -817,8 +821,9 @@ def rollout(
     actions = Actions(gates=tuple(gates), events=tuple(events))
     if step.create and not ctx.observed.create_blocked:
         used = {p.group_index for p in ctx.observed.pods if p.role is ctx.role}
-        used |= {i for i, d in out.items() if d.entry is not None}
-        for index in groups.free_indices(used, step.create):
+        used |= set(out)
+        first = groups.next_index(used, ctx.next_index)
+        for index in range(first, first + step.create):
             actions += create_incarnation(
                 ctx, index, 0, ctx.target, range(ctx.shape.pods_per_group)
             )
@@ -862,6 +867,7 @@ def decide_role(ctx: RoleContext, records: Mapping[int, Mapping[str, Any]]) -> R
         replicas=ctx.shape.replicas,
         draining=sum(1 for d in ordered if d.draining and d.entry is not None),
         outdated=outdated,
+        next_index=groups.next_index([*indices, *after], ctx.next_index),
     )
 
 

@@ -269,3 +269,60 @@ def test_ranks_restarted_in_place_behind_an_open_gate_fail_their_group(
     ).stdout
     assert any("RestartedInPlace" in e["message"] for e in json.loads(events)["items"])
     cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+def test_scale_down_takes_the_failing_group_and_names_are_never_reused(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """Three groups, g0 failing at P3 on every start (long backoff): scaling to 2 removes
+    g0, not a serving group; scaling back to 3 creates g3, so no later group takes the name
+    of one that lived and went."""
+    ns, name = namespace, "shrink"
+    obj = deployment(
+        name,
+        replicas=3,
+        ranks_per_pod=2,
+        dwdp_size=2,
+        env={"RANKPROG_FAIL_PHASE": "P3", "RANKPROG_FAIL_GROUP": f"{name}-g0"},
+        failurePolicy={"backoffInitialSeconds": 300, "backoffMaxSeconds": 300},
+    )
+    cluster.apply(ns, obj)
+
+    def phases() -> dict[str, tuple[str, int]]:
+        return {
+            g["name"]: (g["phase"], g["incarnation"])
+            for g in groups(status(cluster, ns, name)).values()
+        }
+
+    cluster.wait_for(
+        lambda: (
+            phases()
+            == {
+                f"{name}-g0": ("Restarting", 0),
+                f"{name}-g1": ("Serving", 0),
+                f"{name}-g2": ("Serving", 0),
+            }
+        ),
+        timeout=90,
+        interval=0.5,
+        message="g0 failed, g1 and g2 serving",
+    )
+    obj["spec"]["context"]["replicas"] = 2
+    cluster.apply(ns, obj)
+    cluster.wait_for(
+        lambda: phases() == {f"{name}-g1": ("Serving", 0), f"{name}-g2": ("Serving", 0)},
+        timeout=60,
+        interval=0.5,
+        message="g0 removed, g1 and g2 untouched",
+    )
+    obj["spec"]["context"]["replicas"] = 3
+    cluster.apply(ns, obj)
+    cluster.wait_for(
+        lambda: phases().get(f"{name}-g3") == ("Serving", 0),
+        timeout=60,
+        interval=0.5,
+        message="a new group g3",
+    )
+    assert sorted(phases()) == [f"{name}-g1", f"{name}-g2", f"{name}-g3"]
+    assert status(cluster, ns, name)["nextGroupIndex"] == 4
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")

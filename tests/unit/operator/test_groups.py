@@ -10,7 +10,7 @@ from dwdp.operator.groups import (
     RolloutStep,
     backoff_s,
     classify_failure,
-    free_indices,
+    next_index,
     rollout_step,
     seconds_since,
 )
@@ -52,10 +52,11 @@ def test_classify_failure(kwargs: dict, expected: tuple[str, str]) -> None:
     assert classify_failure(**args) == expected
 
 
-def test_free_indices_fill_the_gaps_first() -> None:
-    assert free_indices({0, 2}, 3) == [1, 3, 4]
-    assert free_indices(set(), 2) == [0, 1]
-    assert free_indices({0, 1}, 0) == []
+def test_group_indices_only_grow() -> None:
+    assert next_index({0, 2}, None) == 3  # never the gap at 1
+    assert next_index(set(), None) == 0
+    assert next_index({0, 1}, 5) == 5  # groups 2-4 lived and went: not reused
+    assert next_index({7}, 5) == 8
 
 
 def test_seconds_since() -> None:

@@ -320,7 +320,7 @@ def test_generation_servers_are_groups_of_their_own() -> None:
     assert names == ["demo-g0-i0-p0", "demo-g0-i0-p1", "demo-gen0-i0-p0", "demo-gen1-i0-p0"]
     assert ("Service", "demo-generation") in {(o["kind"], o["metadata"]["name"]) for o in p.apply}
     p = sim.step()
-    assert p.status["generation"] == {"replicas": 2, "readyReplicas": 2}
+    assert p.status["generation"] == {"replicas": 2, "readyReplicas": 2, "nextIndex": 2}
     assert p.status["phase"] == "Ready"
 
 
@@ -562,3 +562,29 @@ def test_a_committed_group_not_asked_this_cycle_is_not_judged() -> None:
         ranks={},  # committed groups are asked only every VERIFY_INTERVAL_S
     )
     assert observed.ranks and plan(sim.body, quiet, options=OPTIONS, now="T").writes == 0
+
+
+def test_group_names_are_never_reused_and_scale_down_takes_the_failing_group() -> None:
+    sim = Sim(body(replicas=3))
+    sim.step()
+    sim.step()
+    assert sim.body["status"]["nextGroupIndex"] == 3
+    # g0 fails (its pod ends); scale-down to 2 must take g0, not a serving group
+    pod = sim.objects[("Pod", "demo-g0-i0-p0")]
+    pod["status"]["phase"] = "Failed"
+    pod["status"]["containerStatuses"] = [
+        {"state": {"terminated": {"exitCode": 1, "message": "P3: boom"}}}
+    ]
+    sim.body["spec"]["context"]["replicas"] = 2
+    p = sim.step()
+    groups = {g["name"]: g["phase"] for g in p.status["groups"]}
+    assert groups["demo-g1"] == "Serving" and groups["demo-g2"] == "Serving"
+    assert not any(g.pod.startswith(("demo-g1", "demo-g2")) for g in p.gates)
+    for _ in range(3):
+        sim.step()
+    assert sorted({n.rsplit("-i", 1)[0] for n in sim.names("Pod")}) == ["demo-g1", "demo-g2"]
+    # scale up again: the new group is g3, never a reused g0
+    sim.body["spec"]["context"]["replicas"] = 3
+    p = sim.step()
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g3-i0-p0", "demo-g3-i0-p1"]
+    assert p.status["nextGroupIndex"] == 4
