@@ -47,6 +47,24 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="kopf peering object (needs kopf's peering CRD); default: standalone",
     )
     p.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="run as one of several replicas: only the holder of a coordination.k8s.io Lease "
+        "reconciles, the others wait to take over (needs RBAC on leases)",
+    )
+    p.add_argument(
+        "--leader-elect-name",
+        default="dwdp-operator",
+        metavar="NAME",
+        help="name of the Lease (default dwdp-operator)",
+    )
+    p.add_argument(
+        "--leader-elect-namespace",
+        default=os.environ.get("POD_NAMESPACE") or "default",
+        metavar="NS",
+        help="namespace of the Lease (default: $POD_NAMESPACE, else default)",
+    )
+    p.add_argument(
         "--worker-command",
         default=os.environ.get(ENV_WORKER_COMMAND),
         metavar="CMD",
@@ -174,8 +192,9 @@ def _run(args: argparse.Namespace) -> int:
     settings = kopf.OperatorSettings()
     build_settings(settings, config)
     liveness = None if args.liveness.lower() == "none" else args.liveness
-    asyncio.run(
-        kopf.operator(
+
+    def run_operator() -> Any:
+        return kopf.operator(
             registry=registry,
             settings=settings,
             standalone=config.peering is None,
@@ -184,5 +203,26 @@ def _run(args: argparse.Namespace) -> int:
             clusterwide=not args.namespace,
             namespaces=args.namespace,
         )
+
+    if not args.leader_elect:
+        asyncio.run(run_operator())
+        return 0
+    from dwdp.operator.election import LeaderElector, LostLease, lead_then_run
+
+    elector = LeaderElector(
+        kube, args.leader_elect_namespace, args.leader_elect_name, _identity()
     )
+    try:
+        asyncio.run(lead_then_run(elector, run_operator, liveness=liveness))
+    except LostLease as exc:
+        raise UserError(str(exc)) from exc
     return 0
+
+
+def _identity() -> str:
+    """This replica's candidate name: the pod's hostname and a random suffix (a restarted
+    container is a new candidate)."""
+    import secrets
+    import socket
+
+    return f"{socket.gethostname()}_{secrets.token_hex(4)}"

@@ -218,7 +218,7 @@ Grant = tuple[str, str, str]
 
 
 def chart_grants(cluster: TestCluster, ns: str) -> set[Grant]:
-    """Every (group, resource, verb) the chart's ClusterRole grants, as installed."""
+    """Every (group, resource, verb) the chart's ClusterRole and Role grant, as installed."""
     rendered = cluster.helm(
         "template",
         RELEASE,
@@ -229,9 +229,10 @@ def chart_grants(cluster: TestCluster, ns: str) -> set[Grant]:
         "--show-only",
         "templates/rbac.yaml",
     ).stdout
-    role = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ClusterRole")
+    roles = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in ("ClusterRole", "Role")]
     return {
         (group, resource, verb)
+        for role in roles
         for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]

@@ -106,7 +106,8 @@ def test_deployment_runs_dwdp_operator_under_the_service_account(helm: str) -> N
     assert ctr["command"] == ["dwdp", "operator"]
     assert pod["serviceAccountName"] == "t-dwdp-operator"
     assert ctr["args"][:2] == ["--liveness", "http://$(POD_IP):8080/healthz"]
-    assert ctr["args"][2:4] == ["--worker-command", "python -m x"]
+    assert ctr["args"][2:5] == ["--leader-elect", "--leader-elect-name", "t-dwdp-operator"]
+    assert ctr["args"][5:7] == ["--worker-command", "python -m x"]
     assert "--webhook-cert-dir" in ctr["args"]
     hook = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     assert hook["webhooks"][0]["clientConfig"]["service"]["path"] == "/validate/spec-rules"
@@ -114,6 +115,8 @@ def test_deployment_runs_dwdp_operator_under_the_service_account(helm: str) -> N
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "Deployment",
     }
 
@@ -122,3 +125,24 @@ def test_chart_crd_is_the_generated_crd() -> None:
     files = list((CHART / "crds").glob("*.yaml"))
     assert [f.name for f in files] == ["dwdp.io_dwdpdeployments.yaml"]
     assert yaml.safe_load(files[0].read_text()) == crd_manifest()
+
+
+def test_leader_election_is_a_namespaced_role_on_leases_only(helm: str) -> None:
+    docs = render(helm)
+    role = next(d for d in docs if d["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "ops"
+    assert role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-elect" in args
+    single = render(helm, "leaderElection=false", "replicas=1")
+    assert not any(d["kind"] == "Role" for d in single)
+    deployment = next(d for d in single if d["kind"] == "Deployment")
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
