@@ -8,6 +8,9 @@ grants (derived from the apiserver's audit log: a grant it never used fails the 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -276,3 +279,95 @@ def operator_api_calls(cluster: TestCluster, ns: str) -> tuple[set[Grant], set[G
         if event["verb"] == "patch" and code == 201:
             used.add((grant[0], resource, "create"))
     return used, refused
+
+
+def _pods(cluster: TestCluster, ns: str, selector: str) -> list[dict]:
+    out = cluster.kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def test_two_replicas_hand_over_a_rollout_without_extra_pods(
+    cluster: TestCluster, namespace: str
+) -> None:
+    """The chart's defaults run 2 operator replicas; one holds the Lease. The leader is
+    killed (SIGKILL, no release) right after a rollout starts: the standby takes the Lease
+    within the lease duration plus a retry period, finishes the rollout, and no pod is
+    created twice (every pod creation in the audit log is a 201 of a distinct name)."""
+    ns = namespace
+    cluster.helm(
+        "install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        ns,
+        "--set",
+        f"workerCommand={RANKPROG_COMMAND}",
+        "--set",
+        f"watchNamespaces[0]={ns}",
+        *(a for v in INSTALL_SETS for a in ("--set", v)),
+        "--wait",
+        "--timeout",
+        "120s",
+    )
+    try:
+        lease_name = f"{RELEASE}-dwdp-operator"
+
+        def holder() -> str | None:
+            got = cluster.kubectl("get", "lease", lease_name, "-n", ns, "-o", "json", check=False)
+            if got.returncode != 0:
+                return None
+            return (json.loads(got.stdout).get("spec") or {}).get("holderIdentity") or None
+
+        first = cluster.wait_for(holder, timeout=60, interval=0.5, message="a leader")
+        operators = _pods(cluster, ns, f"app.kubernetes.io/instance={RELEASE}")
+        assert len(operators) == 2
+        cluster.apply(ns, yaml.safe_load((REPO / "examples" / "02-small.yaml").read_text()))
+
+        def status() -> dict:
+            return cluster.get("dwdp", "small", ns).get("status") or {}
+
+        cluster.wait_for(
+            lambda: status().get("phase") == "Ready", timeout=120, interval=0.5, message="Ready"
+        )
+        before = status()["revision"]
+        patch = {"spec": {"env": [{"name": "ROLLOUT", "value": "2"}]}}
+        cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+        leader = next(p for p in operators if first.startswith(p["metadata"]["name"] + "_"))
+        (cid,) = [c["containerID"] for c in leader["status"]["containerStatuses"]]
+        os.kill(int(cid.removeprefix("process://")), signal.SIGKILL)
+        killed = time.monotonic()
+        second = cluster.wait_for(
+            lambda: (h := holder()) not in (None, first) and h,
+            timeout=60,
+            interval=0.2,
+            message="a new leader",
+        )
+        handover = time.monotonic() - killed
+        print(f"leader killed -> {second} leads after {handover:.1f} s")
+        assert handover < 20, handover
+        cluster.wait_for(
+            lambda: (
+                status().get("revision") != before
+                and status().get("phase") == "Ready"
+                and [g["revision"] for g in status().get("groups") or ()] == [status()["revision"]]
+            ),
+            timeout=120,
+            interval=0.5,
+            message="the rollout finished by the new leader",
+        )
+        user = f"system:serviceaccount:{ns}:{SA}"
+        creates = [
+            e
+            for e in map(json.loads, cluster.cluster.audit_log.read_text().splitlines())
+            if e["user"].get("username") == user
+            and e.get("stage") == "ResponseComplete"
+            and e["verb"] == "create"
+            and (e.get("objectRef") or {}).get("resource") == "pods"
+            and (e.get("objectRef") or {}).get("namespace") == ns
+        ]
+        codes = [e["responseStatus"]["code"] for e in creates]
+        names = [e["objectRef"].get("name") for e in creates]
+        assert codes and set(codes) == {201}, codes
+        assert len(names) == len(set(names)) == 4, names  # 2 pods per group, 2 revisions
+    finally:
+        cluster.helm("uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "60s", check=False)
