@@ -220,7 +220,9 @@ class RoleDecision:
     outdated: int
     """Groups at an older revision."""
     next_index: int = 0
-    """The index the role's next new group gets (recorded in the status)."""
+    """The index past every group whose pods were seen (recorded in the status): an index
+    is spent once a pod of it existed, so a creation the apiserver refused retries under the
+    same name (and Secret) while a group that lived is never named again."""
 
 
 # ----------------------------------------------------------------------------- records
@@ -821,7 +823,7 @@ def rollout(
     actions = Actions(gates=tuple(gates), events=tuple(events))
     if step.create and not ctx.observed.create_blocked:
         used = {p.group_index for p in ctx.observed.pods if p.role is ctx.role}
-        used |= set(out)
+        used |= {i for i, d in out.items() if d.entry is not None or d.slot is not None}
         first = groups.next_index(used, ctx.next_index)
         for index in range(first, first + step.create):
             actions += create_incarnation(
@@ -867,7 +869,9 @@ def decide_role(ctx: RoleContext, records: Mapping[int, Mapping[str, Any]]) -> R
         replicas=ctx.shape.replicas,
         draining=sum(1 for d in ordered if d.draining and d.entry is not None),
         outdated=outdated,
-        next_index=groups.next_index([*indices, *after], ctx.next_index),
+        next_index=groups.next_index(
+            {p.group_index for p in ctx.observed.pods if p.role is ctx.role}, ctx.next_index
+        ),
     )
 
 

@@ -197,8 +197,17 @@ def test_two_groups_of_two_pods_exact_objects_and_ready(
         assert sorted(a for e in s["endpoints"] for a in e["addresses"]) == pod_ips
 
     table = cluster.kubectl("get", "dwdp", "-n", ns).stdout.splitlines()
-    assert table[0].split() == ["NAME", "READY", "GROUPS", "PHASE", "DWDP", "DENSE", "AGE"]
-    assert table[1].split()[:5] == ["two-groups", "2", "2", "Ready", "4"]
+    assert table[0].split() == [
+        "NAME",
+        "READY",
+        "GROUPS",
+        "UP-TO-DATE",
+        "PHASE",
+        "DWDP",
+        "DENSE",
+        "AGE",
+    ]
+    assert table[1].split()[:6] == ["two-groups", "2", "2", "2", "Ready", "4"]
     events = cluster.kubectl(
         "get",
         "events",

@@ -587,4 +587,14 @@ def test_group_names_are_never_reused_and_scale_down_takes_the_failing_group() -
     sim.body["spec"]["context"]["replicas"] = 3
     p = sim.step()
     assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g3-i0-p0", "demo-g3-i0-p1"]
-    assert p.status["nextGroupIndex"] == 4
+    assert sim.step().status["nextGroupIndex"] == 4  # spent once its pods exist
+
+
+def test_a_refused_creation_retries_under_the_same_group_name() -> None:
+    sim = Sim(body(replicas=2))
+    p = sim.step()
+    refused = [o for o in p.create_pods if o["metadata"]["name"].startswith("demo-g1")]
+    for pod in refused:  # the apiserver refused g1's pods (quota): they never existed
+        sim.objects.pop(("Pod", pod["metadata"]["name"]))
+    p = sim.step()
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
