@@ -68,10 +68,8 @@ def token_kubeconfig(cluster: TestCluster, token: str, folder: Path) -> Path:
     return path
 
 
-def test_helm_install_runs_the_operator_under_its_rbac(
-    cluster: TestCluster, namespace: str, tmp_path: Path
-) -> None:
-    ns = namespace
+def install_release(cluster: TestCluster, ns: str) -> None:
+    """``helm install`` of the chart watching ``ns``, ranks run by the test rank program."""
     cluster.helm(
         "install",
         RELEASE,
@@ -87,6 +85,13 @@ def test_helm_install_runs_the_operator_under_its_rbac(
         "--timeout",
         "120s",
     )
+
+
+def test_helm_install_runs_the_operator_under_its_rbac(
+    cluster: TestCluster, namespace: str, tmp_path: Path
+) -> None:
+    ns = namespace
+    install_release(cluster, ns)
     try:
         pod = cluster.wait_for(
             lambda: next(
@@ -294,21 +299,7 @@ def test_two_replicas_hand_over_a_rollout_without_extra_pods(
     within the lease duration plus a retry period, finishes the rollout, and no pod is
     created twice (every pod creation in the audit log is a 201 of a distinct name)."""
     ns = namespace
-    cluster.helm(
-        "install",
-        RELEASE,
-        str(CHART),
-        "-n",
-        ns,
-        "--set",
-        f"workerCommand={RANKPROG_COMMAND}",
-        "--set",
-        f"watchNamespaces[0]={ns}",
-        *(a for v in INSTALL_SETS for a in ("--set", v)),
-        "--wait",
-        "--timeout",
-        "120s",
-    )
+    install_release(cluster, ns)
     try:
         lease_name = f"{RELEASE}-dwdp-operator"
 
