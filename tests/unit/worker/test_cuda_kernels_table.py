@@ -158,3 +158,19 @@ def test_nvrtc_compiles_both_variants_when_available(monkeypatch, tmp_path):
         assert cubin[:4] == b"\x7fELF" and not cached and path.is_file()
         again, _, cached = compile_cubin(GatherConfig.default(variant), "sm_90")
         assert cached and again == cubin
+
+
+def test_kernel_cache_folder_follows_the_pod_environment(monkeypatch, tmp_path) -> None:
+    """An operator-made pod has a read-only home and XDG_CACHE_HOME under its /tmp volume;
+    DWDP_KERNEL_CACHE, when set, wins."""
+    from pathlib import Path
+
+    from dwdp.kernels.loader import cache_dir
+
+    monkeypatch.delenv("DWDP_KERNEL_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_dir() == Path.home() / ".cache" / "dwdp" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "dwdp" / "kernels"
+    monkeypatch.setenv("DWDP_KERNEL_CACHE", str(tmp_path / "k"))
+    assert cache_dir() == tmp_path / "k"
