@@ -198,6 +198,8 @@ def conditions(
         f"{ready}/{desired} context groups serving, "
         f"{generation_ready}/{generation_desired} generation servers serving"
     )
+    if failed:  # counts alone read as ready while a surge group fails
+        ready_msg += "; failed: " + ", ".join(sorted(failed))
     ready_cond = _cond(
         c.COND_READY,
         all_ready,

@@ -422,3 +422,20 @@ def test_the_rollout_comes_before_scaling_and_a_stuck_one_is_progressing_false()
         ("True", "ProgressDeadlineExceeded", "rollout stuck: group demo-g2 ..."),
     ]
     assert stuck[0]["status"] == "True"  # the old groups keep serving
+
+
+def test_ready_false_for_a_failed_group_says_which_one() -> None:
+    got = conditions(
+        desired=2,
+        ready=2,
+        existing=3,
+        failed=["demo-g4"],
+        outdated=2,
+        generation_desired=0,
+        generation_ready=0,
+        observed_generation=None,
+    )
+    assert got[0]["status"] == "False"
+    assert got[0]["message"] == (
+        "2/2 context groups serving, 0/0 generation servers serving; failed: demo-g4"
+    )
