@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--leader-elect-namespace",
-        default=os.environ.get("POD_NAMESPACE") or "default",
+        default=None,
         metavar="NS",
         help="namespace of the Lease (default: $POD_NAMESPACE, else default)",
     )
@@ -179,13 +179,12 @@ def _run(args: argparse.Namespace) -> int:
         kube = Kube.from_environment()
     except Exception as exc:  # kubernetes.config.ConfigException, unreadable kubeconfig
         raise UserError(f"no cluster credentials (service account or KUBECONFIG): {exc}") from exc
-    import os
-
+    pod_namespace = os.environ.get("POD_NAMESPACE") or None  # the chart sets it
     options = PlanOptions(
         command=command,
         gang=args.gang == "auto",
         compute_domains=args.compute_domains == "auto",
-        operator_namespace=os.environ.get("POD_NAMESPACE") or None,
+        operator_namespace=pod_namespace,
     )
     reconcilers = Reconcilers(kube, options)
     registry = build_registry(reconcilers, config)
@@ -209,9 +208,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from dwdp.operator.election import LeaderElector, LostLease, lead_then_run
 
-    elector = LeaderElector(
-        kube, args.leader_elect_namespace, args.leader_elect_name, _identity()
-    )
+    namespace = args.leader_elect_namespace or pod_namespace or "default"
+    elector = LeaderElector(kube, namespace, args.leader_elect_name, _identity())
     try:
         asyncio.run(lead_then_run(elector, run_operator, liveness=liveness))
     except LostLease as exc:

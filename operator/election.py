@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dwdp.operator.groups import parse_time
 from dwdp.operator.kube import ApiError, Kube
 
 __all__ = [
@@ -56,25 +57,16 @@ def _micro(t: dt.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _parse(text: Any) -> dt.datetime | None:
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
 def claim(spec: Mapping[str, Any] | None, identity: str, now: dt.datetime) -> dict[str, Any] | None:
     """The Lease ``spec`` to write for ``identity`` at ``now``, or None when another holder
     still holds it (renewed less than its ``leaseDurationSeconds`` ago). ``spec`` None: no
     Lease yet. Taking over from another holder counts a ``leaseTransitions``."""
     spec = spec or {}
     holder = spec.get("holderIdentity") or ""
-    renewed = _parse(spec.get("renewTime")) or _parse(spec.get("acquireTime"))
+    renewed = parse_time(spec.get("renewTime")) or parse_time(spec.get("acquireTime"))
     duration = spec.get("leaseDurationSeconds") or LEASE_DURATION_S
-    held = holder and holder != identity and renewed is not None
-    if held and (now - renewed).total_seconds() < duration:  # type: ignore[operator]
+    others = holder and holder != identity
+    if others and renewed is not None and (now - renewed).total_seconds() < duration:
         return None
     mine = holder == identity
     transitions = int(spec.get("leaseTransitions") or 0) + (0 if mine or not holder else 1)

@@ -857,15 +857,15 @@ def decide_role(ctx: RoleContext, records: Mapping[int, Mapping[str, Any]]) -> R
     }
     stepped = replace(stepped, gates=tuple(g for g in stepped.gates if g.pod not in drained))
     ordered = [after[i] for i in sorted(after)]
-    entries = [
-        _with_start(ctx, i, after[i].entry, records.get(i) or {})
+    entries = tuple(
+        _with_start(ctx, i, entry, records.get(i) or {})
         for i in sorted(after)
-        if after[i].entry is not None
-    ]
+        if (entry := after[i].entry) is not None
+    )
     return RoleDecision(
         actions=stepped + drain_actions,
         views=tuple(d.view for d in ordered if d.view is not None),
-        entries=tuple(e for e in entries if e is not None),
+        entries=entries,
         replicas=ctx.shape.replicas,
         draining=sum(1 for d in ordered if d.draining and d.entry is not None),
         outdated=outdated,
@@ -876,12 +876,12 @@ def decide_role(ctx: RoleContext, records: Mapping[int, Mapping[str, Any]]) -> R
 
 
 def _with_start(
-    ctx: RoleContext, index: int, entry: GroupStatus | None, record: Mapping[str, Any]
-) -> GroupStatus | None:
+    ctx: RoleContext, index: int, entry: GroupStatus, record: Mapping[str, Any]
+) -> GroupStatus:
     """``entry`` with ``startedAt``: the recorded one while the group stays at the same
     revision (restarts keep it), else the creation of its oldest pod at that revision, else
     now (created by this plan). Draining groups get none."""
-    if entry is None or entry.phase == GroupPhase.DRAINING:
+    if entry.phase == GroupPhase.DRAINING:
         return entry
     started = record.get("startedAt")
     if record.get("revision") != entry.revision or not isinstance(started, str):

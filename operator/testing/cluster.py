@@ -88,6 +88,14 @@ def pods(cluster: Any, ns: str, selector: str = "dwdp.io/deployment") -> list[di
     return json.loads(out.stdout)["items"]
 
 
+def event_messages(cluster: Any, ns: str, reason: str) -> list[str]:
+    """The messages of the Events of ``ns`` with ``reason`` (``GroupFailed``, ...)."""
+    out = cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", f"reason={reason}", "-o", "json"
+    )
+    return [e["message"] for e in json.loads(out.stdout)["items"]]
+
+
 def gated(pod: dict) -> bool:
     """True when the pod's ``dwdp.io/group-ready`` condition is True."""
     return any(

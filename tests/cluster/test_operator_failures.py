@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 
 from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import deployment, gated, pods, running_operator, status
+from dwdp.operator.testing.cluster import (
+    deployment,
+    event_messages,
+    gated,
+    pods,
+    running_operator,
+    status,
+)
 from dwdp.operator.testing.process import OperatorProcess
 
 
@@ -136,10 +143,7 @@ def test_rank_killed_while_serving_replaces_its_group_once_as_a_crash(
     )
     st = status(cluster, ns, name)
     assert groups(st)[g1]["restarts"] == 1 and groups(st)[g1]["incarnation"] == 1
-    events = cluster.kubectl(
-        "get", "events", "-n", ns, "--field-selector", "reason=GroupFailed", "-o", "json"
-    ).stdout
-    messages = [e["message"] for e in json.loads(events)["items"]]
+    messages = event_messages(cluster, ns, "GroupFailed")
     assert any(g1 in m for m in messages), messages
     assert not any(g0 in m for m in messages), messages
     cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
@@ -264,10 +268,7 @@ def test_ranks_restarted_in_place_behind_an_open_gate_fail_their_group(
     assert g["restarts"] == 1
     assert g["lastFailure"]["reason"] == "RestartedInPlace", g["lastFailure"]
     assert "no longer the process that committed" in g["lastFailure"]["message"]
-    events = cluster.kubectl(
-        "get", "events", "-n", ns, "--field-selector", "reason=GroupFailed", "-o", "json"
-    ).stdout
-    assert any("RestartedInPlace" in e["message"] for e in json.loads(events)["items"])
+    assert any("RestartedInPlace" in m for m in event_messages(cluster, ns, "GroupFailed"))
     cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
 
 
@@ -294,35 +295,18 @@ def test_scale_down_takes_the_failing_group_and_names_are_never_reused(
             for g in groups(status(cluster, ns, name)).values()
         }
 
-    cluster.wait_for(
-        lambda: (
-            phases()
-            == {
-                f"{name}-g0": ("Restarting", 0),
-                f"{name}-g1": ("Serving", 0),
-                f"{name}-g2": ("Serving", 0),
-            }
-        ),
-        timeout=90,
-        interval=0.5,
-        message="g0 failed, g1 and g2 serving",
-    )
+    def settle(want: dict[str, str], message: str, timeout: float = 60) -> None:
+        """Wait until the groups are exactly ``want`` (name suffix -> phase), incarnation 0."""
+        full = {f"{name}-{g}": (phase, 0) for g, phase in want.items()}
+        cluster.wait_for(lambda: phases() == full, timeout=timeout, interval=0.5, message=message)
+
+    serving = {"g1": "Serving", "g2": "Serving"}
+    settle({"g0": "Restarting", **serving}, "g0 failed, g1 and g2 serving", timeout=90)
     obj["spec"]["context"]["replicas"] = 2
     cluster.apply(ns, obj)
-    cluster.wait_for(
-        lambda: phases() == {f"{name}-g1": ("Serving", 0), f"{name}-g2": ("Serving", 0)},
-        timeout=60,
-        interval=0.5,
-        message="g0 removed, g1 and g2 untouched",
-    )
+    settle(serving, "g0 removed, g1 and g2 untouched")
     obj["spec"]["context"]["replicas"] = 3
     cluster.apply(ns, obj)
-    cluster.wait_for(
-        lambda: phases().get(f"{name}-g3") == ("Serving", 0),
-        timeout=60,
-        interval=0.5,
-        message="a new group g3",
-    )
-    assert sorted(phases()) == [f"{name}-g1", f"{name}-g2", f"{name}-g3"]
+    settle({**serving, "g3": "Serving"}, "a new group g3, g1 and g2 untouched")
     assert status(cluster, ns, name)["nextGroupIndex"] == 4
     cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")

@@ -15,7 +15,14 @@ from collections.abc import Iterator
 import pytest
 
 from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import deployment, gated, pods, running_operator, status
+from dwdp.operator.testing.cluster import (
+    deployment,
+    event_messages,
+    gated,
+    pods,
+    running_operator,
+    status,
+)
 from dwdp.operator.testing.process import OperatorProcess
 
 
@@ -94,10 +101,7 @@ def test_rank_failing_at_p3_restarts_its_group_only_with_growing_backoff(
     st = status(cluster, ns, name)
     g0 = next(g for g in st["groups"] if g["name"] == f"{name}-g0")
     assert g0["phase"] == "Serving" and g0.get("restarts", 0) == 0
-    events = cluster.kubectl(
-        "get", "events", "-n", ns, "--field-selector", "reason=GroupFailed", "-o", "json"
-    ).stdout
-    assert any("P3" in e["message"] for e in json.loads(events)["items"])
+    assert any("P3" in m for m in event_messages(cluster, ns, "GroupFailed"))
     cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
 
 

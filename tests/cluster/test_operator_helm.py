@@ -11,12 +11,14 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from dwdp.devcluster.testing import TestCluster
+from dwdp.operator.testing.cluster import pods
 from dwdp.operator.testing.process import RANKPROG_COMMAND
 
 REPO = Path(__file__).resolve().parents[2]
@@ -286,18 +288,14 @@ def operator_api_calls(cluster: TestCluster, ns: str) -> tuple[set[Grant], set[G
     return used, refused
 
 
-def _pods(cluster: TestCluster, ns: str, selector: str) -> list[dict]:
-    out = cluster.kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json").stdout
-    return json.loads(out)["items"]
-
-
 def test_two_replicas_hand_over_a_rollout_without_extra_pods(
     cluster: TestCluster, namespace: str
 ) -> None:
     """The chart's defaults run 2 operator replicas; one holds the Lease. The leader is
     killed (SIGKILL, no release) right after a rollout starts: the standby takes the Lease
     within the lease duration plus a retry period, finishes the rollout, and no pod is
-    created twice (every pod creation in the audit log is a 201 of a distinct name)."""
+    created twice (every pod creation in the audit log is a 201 of a distinct name). The
+    standby answers liveness; a leader deleted gracefully releases the Lease at once."""
     ns = namespace
     install_release(cluster, ns)
     try:
@@ -310,7 +308,7 @@ def test_two_replicas_hand_over_a_rollout_without_extra_pods(
             return (json.loads(got.stdout).get("spec") or {}).get("holderIdentity") or None
 
         first = cluster.wait_for(holder, timeout=60, interval=0.5, message="a leader")
-        operators = _pods(cluster, ns, f"app.kubernetes.io/instance={RELEASE}")
+        operators = pods(cluster, ns, f"app.kubernetes.io/instance={RELEASE}")
         assert len(operators) == 2
         cluster.apply(ns, yaml.safe_load((REPO / "examples" / "02-small.yaml").read_text()))
 
@@ -360,5 +358,28 @@ def test_two_replicas_hand_over_a_rollout_without_extra_pods(
         names = [e["objectRef"].get("name") for e in creates]
         assert codes and set(codes) == {201}, codes
         assert len(names) == len(set(names)) == 4, names  # 2 pods per group, 2 revisions
+        # The standby answers its liveness probe (kopf's endpoint is not up there).
+        standby = next(
+            p
+            for p in pods(cluster, ns, f"app.kubernetes.io/instance={RELEASE}")
+            if not second.startswith(p["metadata"]["name"] + "_")
+        )
+        url = f"http://{standby['status']['podIP']}:8080/healthz"
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            assert json.loads(answer.read()) == {"standby": True}
+        # A leader stopped gracefully (pod deleted: SIGTERM) releases the Lease: another
+        # replica leads well before the 15 s the Lease would take to expire.
+        leader = next(p for p in operators if second.startswith(p["metadata"]["name"] + "_"))
+        cluster.kubectl("delete", "pod", leader["metadata"]["name"], "-n", ns, "--wait=false")
+        deleted = time.monotonic()
+        third = cluster.wait_for(
+            lambda: (h := holder()) not in (None, second) and h,
+            timeout=60,
+            interval=0.2,
+            message="a leader after the graceful stop",
+        )
+        graceful = time.monotonic() - deleted
+        print(f"leader deleted (SIGTERM) -> {third} leads after {graceful:.1f} s")
+        assert graceful < 10, graceful  # the standby or the replacement pod, whichever asks first
     finally:
         cluster.helm("uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "60s", check=False)

@@ -62,6 +62,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -794,8 +795,6 @@ class PodWorker(threading.Thread):
     def _host_paths(self, mounts: list[tuple[Path, str, bool, bool]]) -> list[str]:
         """Host paths the pod still needs once its volumes are mounted: the volume sources,
         its own folder and the "image" (the kubelet's PATH folders and Python)."""
-        import sys
-
         return [
             str(self.dir),
             *(str(src) for src, _, _, _ in mounts),
