@@ -120,6 +120,12 @@ class KvCacheConfig(ApiModel):
         description="Upper bound on the KV cache pool, in tokens; unset means no bound. "
         "Must be at least maxModelLen.",
     )
+    block_size: PosInt = Field(
+        default=16,
+        le=256,
+        description="Tokens per block of the paged KV cache (vLLM's --block-size); the pool "
+        "is cut into capacity / blockSize blocks.",
+    )
 
 
 class LaunchModel(ApiModel):

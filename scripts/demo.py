@@ -294,13 +294,13 @@ def reference_answers(model_dir: Path) -> list[str]:
     import torch
     from fastapi.testclient import TestClient
 
-    from dwdp.worker.engine.batching import BatchingEngine
+    from dwdp.worker.engine.continuous import ContinuousEngine
     from dwdp.worker.engine.loader import load_checkpoint
     from dwdp.worker.server.app import build_app
 
     torch.set_num_threads(1)
     model, tok = load_checkpoint(str(model_dir))
-    engine = BatchingEngine(model, tok, model_name=MODEL_DIR).start()
+    engine = ContinuousEngine(model, tok, model_name=MODEL_DIR).start()
     try:
         app = build_app(engine, served_name=MODEL_DIR)
         with TestClient(app) as client:

@@ -316,7 +316,8 @@ def run_worker(opts: WorkerOptions) -> int:
         api_key = check_api_key(os.environ.get(Env.API_KEY), Env.API_KEY)
         _torch_threads(resolve_torch_threads(os.environ))
         from dwdp.worker.attach import setup_dwdp
-        from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
+        from dwdp.worker.engine.base import EngineConfig
+        from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.engine.load_vote import load_together
         from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
@@ -364,7 +365,7 @@ def run_worker(opts: WorkerOptions) -> int:
             if server is not None:
                 server.should_exit = True
 
-        engine = BatchingEngine(
+        engine = ContinuousEngine(
             model,
             tokenizer,
             model_name=cfg.model.served_name or Path(cfg.model.path).name,
@@ -373,6 +374,7 @@ def run_worker(opts: WorkerOptions) -> int:
                 max_num_tokens=cfg.max_num_tokens,
                 max_model_len=plan.max_model_len,
                 kv_capacity_tokens=pool.capacity_tokens,
+                block_size=cfg.kv_cache.block_size,
             ),
             on_fatal=on_fatal,
         )

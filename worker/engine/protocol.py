@@ -24,6 +24,9 @@ class RequestError(ValueError):
     """A request the engine refuses (prompt too long, bad parameter); the server answers 400."""
 
 
+MAX_LOGPROBS = 20
+"""The most alternatives per token ``logprobs`` may ask for (OpenAI's ``top_logprobs`` bound)."""
+
 GREEDY_BELOW = 1e-5
 """A temperature under this decodes greedily (as vLLM does): dividing the logits by a
 smaller one overflows them to infinities, whose softmax is not a distribution."""
@@ -49,6 +52,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +69,21 @@ class SamplingParams:
             raise RequestError(f"top_p: {self.top_p} outside (0, 1]")
         if self.top_k < 0:
             raise RequestError(f"top_k: {self.top_k} < 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs: {self.logprobs} outside [0, {MAX_LOGPROBS}]")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log probability of one generated token and of its most likely alternatives.
+
+    ``logprob``: natural log of the token's probability; ``top``: (token id, logprob) pairs,
+    most likely first, ``SamplingParams.logprobs`` of them.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -82,6 +101,8 @@ class RequestOutput:
     completion_tokens: int
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per token of ``token_ids`` when the request asked for logprobs."""
 
 
 @dataclass(slots=True)
@@ -98,6 +119,7 @@ class CompletedRequest:
     text: str
     finish_reason: str
     logits: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @runtime_checkable

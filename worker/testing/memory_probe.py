@@ -95,10 +95,10 @@ def kv_record(model: Any, dwdp: Any, watch: MemoryWatch, max_model_len: int) -> 
 
 def generate(model: Any, tok: Any, max_tokens: int) -> list[list[int]]:
     """Greedy tokens of ``PROMPTS`` (one batch, EOS ignored) through the serving engine."""
-    from dwdp.worker.engine.batching import BatchingEngine
+    from dwdp.worker.engine.continuous import ContinuousEngine
     from dwdp.worker.engine.protocol import SamplingParams
 
-    engine = BatchingEngine(model, tok, model_name="probe")
+    engine = ContinuousEngine(model, tok, model_name="probe")
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return [r.token_ids for r in engine.run_batch([tok(p)["input_ids"] for p in PROMPTS], params)]
 

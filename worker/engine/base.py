@@ -1,0 +1,349 @@
+"""What both engines share: limits, counters, the request lifecycle and the ``EngineClient`` API.
+
+An engine owns one background thread that runs the model (``_loop``, per engine); requests
+reach it through ``generate`` (async, streaming) or ``run_batch`` (the calling thread waits;
+tests and benches). Each request is a ``RequestState``; ``_deliver`` applies its chosen token
+(stop rules, streaming) and ``_finish`` ends it. A forward that raises kills the engine: every
+live request fails with ``EngineError``, ``check_health`` raises ``EngineDeadError`` and
+``on_fatal`` tells the worker (DWDP state may be inconsistent, the rank must exit).
+
+[Note: one forward at a time] Every forward runs under ``_forward_lock``: DWDP's hooks assume
+one pass at a time per model (the prefetch schedule is a cycle over the MoE layers of
+consecutive passes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dwdp.worker.engine.blocks import DEFAULT_BLOCK_SIZE
+from dwdp.worker.engine.protocol import (
+    CompletedRequest,
+    EngineDeadError,
+    EngineError,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
+from dwdp.worker.engine.requests import RequestState
+from dwdp.worker.engine.sampler import Choice
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Limits of an engine.
+
+    ``max_batch_size`` requests and ``max_num_tokens`` tokens per forward (the continuous
+    engine chunks longer prompts; the wave engine refuses them); ``max_model_len`` bounds
+    prompt + generated tokens (default: the model's ``max_position_embeddings``);
+    ``kv_capacity_tokens``: the KV cache pool (``dwdp.worker.engine.kv_pool``; ``None``: room
+    for ``max_batch_size`` requests of ``max_model_len`` tokens in the continuous engine, no
+    bound in the wave engine); ``block_size``: tokens per KV block (continuous engine).
+    """
+
+    max_batch_size: int = 8
+    max_num_tokens: int = 8192
+    max_model_len: int | None = None
+    kv_capacity_tokens: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start; read by the metrics collector at scrape time."""
+
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    forward_passes: int = 0
+    forward_seconds: float = 0.0
+    waves: int = 0
+    """Waves of the wave engine; steps of the continuous engine."""
+    preemptions: int = 0
+    kv_tokens_in_use: int = 0
+    """KV cache tokens held by running requests (a gauge, not a counter)."""
+
+
+class EngineBase:
+    """The shared half of an engine (implements ``EngineClient``); subclasses run ``_loop``.
+
+    Use as a context manager (``with engine:``) or call ``start()``/``stop()``; ``stop`` is safe
+    to call twice and fails every queued or running request with ``finish_reason`` abort.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        config: EngineConfig | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.model = model
+        self._tokenizer = tokenizer
+        self.model_name = model_name
+        self.config = config or EngineConfig()
+        text_config = model.config.get_text_config()
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_model_len = int(
+            self.config.max_model_len
+            or getattr(text_config, "max_position_embeddings", None)
+            or 2048
+        )
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else (sorted(self.eos_token_ids) or [0])[0])
+        self.stats = EngineStats()
+        # transformers renamed ``past_key_values`` to ``cache`` (the old name is deprecated
+        # where the new one exists); pass the KV cache under the name this version takes.
+        forward_params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._on_fatal = on_fatal
+        self._queue: queue.Queue[RequestState | None] = queue.Queue()
+        self._active: dict[str, RequestState] = {}
+        self._lock = threading.Lock()
+        self._forward_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._dead: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of the model."""
+        return self._tokenizer
+
+    def start(self) -> EngineBase:
+        """Start the engine thread (idempotent); returns self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dwdp-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current forward; fail what is left. Safe to repeat."""
+        self._stopping.set()
+        self._queue.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        with self._lock:
+            left = list(self._active.values())
+            self._active.clear()
+        for state in left:
+            self._finish(state, "abort")
+
+    def __enter__(self) -> EngineBase:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        """True while the engine thread serves."""
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    # -- the EngineClient interface ----------------------------------------------------------
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` when the loop died or was stopped."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if self._stopping.is_set() or not self.running:
+            raise EngineDeadError("engine is not running")
+
+    async def abort(self, request_id: str) -> None:
+        """Mark the request aborted; the loop drops it at the next step."""
+        with self._lock:
+            state = self._active.get(request_id)
+        if state is not None:
+            state.aborted = True
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` when the request cannot be served (names the field)."""
+        params.check()
+        if not prompt_token_ids:
+            raise RequestError("prompt: empty after tokenization")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt: {len(prompt_token_ids)} tokens, the model's context is "
+                f"{self.max_model_len}"
+            )
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                f"prompt: token id {bad} outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Queue the request and stream its updates (see ``EngineClient.generate``)."""
+        self.validate(prompt_token_ids, params)
+        await self.check_health()
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def emit(out: RequestOutput | BaseException) -> None:
+            loop.call_soon_threadsafe(updates.put_nowait, out)
+
+        state = RequestState(request_id, [int(t) for t in prompt_token_ids], params, emit=emit)
+        self._submit(state)
+        try:
+            while True:
+                out = await updates.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not state.finished:
+                state.aborted = True
+
+    # -- the batch API (tests, bench) ----------------------------------------------------------
+    def run_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        *,
+        keep_logits: bool = False,
+    ) -> list[CompletedRequest]:
+        """Run ``prompts`` to completion; returns them in order (``_run_states`` decides how).
+
+        With ``keep_logits`` each result holds the [vocab] float32 logits of every step.
+        Raises ``RequestError`` for a bad prompt or parameter, ``EngineError`` when the engine
+        fails meanwhile.
+        """
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        states = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            self.validate(prompt, p)
+            states.append(
+                RequestState(f"batch-{i}", [int(t) for t in prompt], p, keep_logits=keep_logits)
+            )
+        self._run_states(states)
+        return [
+            CompletedRequest(
+                s.request_id,
+                s.prompt,
+                s.tokens,
+                s.text,
+                s.finish_reason or "abort",
+                s.logits,
+                s.logprobs,
+            )
+            for s in states
+        ]
+
+    def _run_states(self, states: list[RequestState]) -> None:
+        raise NotImplementedError
+
+    def _submit(self, state: RequestState) -> None:
+        with self._lock:
+            if state.request_id in self._active:
+                raise RequestError(f"request id {state.request_id!r} is already running")
+            self._active[state.request_id] = state
+        state.arrival = time.monotonic()
+        self._queue.put(state)
+
+    # -- the loop --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the model or DWDP failed: the engine is dead
+            log.exception("engine forward failed; the engine stops")
+            self._die(exc)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def _die(self, exc: BaseException) -> None:
+        self._dead = exc
+        with self._lock:
+            live = list(self._active.values())
+            self._active.clear()
+        for state in live + self._live_states():
+            if state.finished:
+                continue
+            state.finished = True
+            if state.emit is not None:
+                state.emit(EngineError(f"engine forward failed: {exc!r}"))
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
+
+    def _live_states(self) -> list[RequestState]:
+        """Requests inside the loop that are not in ``_active`` (the batch API's)."""
+        return []
+
+    def _forward(self, **inputs: Any) -> Any:
+        """One model forward under the forward lock (the KV cache under its kwarg name)."""
+        import torch
+
+        cache = inputs.pop("cache", None)
+        if cache is not None:
+            inputs[self._cache_kwarg] = cache
+        start = time.perf_counter()
+        with self._forward_lock, torch.inference_mode():
+            out = self.model(**inputs, use_cache=True)
+        self.stats.forward_passes += 1
+        self.stats.forward_seconds += time.perf_counter() - start
+        return out
+
+    def _deliver(self, state: RequestState, choice: Choice) -> bool:
+        """Apply the chosen token; True when the request ended with it."""
+        self.stats.generation_tokens += 1
+        reason = state.accept(
+            choice.token,
+            eos_token_ids=self.eos_token_ids,
+            tokenizer=self._tokenizer,
+            max_model_len=self.max_model_len,
+            logprob=choice.logprob,
+        )
+        if reason is not None:
+            self._finish(state, reason)
+            return True
+        self._send(state)
+        return False
+
+    def _send(self, state: RequestState, *, final: bool = False) -> None:
+        if state.emit is None:
+            return
+        out = state.update(final=final)
+        if out is not None:
+            state.emit(out)
+
+    def _finish(self, state: RequestState, reason: str) -> None:
+        if state.finished:
+            return
+        state.finished = True
+        state.finish_reason = reason
+        if reason == "abort":
+            self.stats.requests_aborted += 1
+        else:
+            self.stats.requests_finished += 1
+        self._send(state, final=True)
+        with self._lock:
+            if self._active.get(state.request_id) is state:
+                del self._active[state.request_id]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return ids

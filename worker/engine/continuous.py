@@ -1,0 +1,188 @@
+"""The continuous-batching engine: requests join and leave at every step, on a paged KV cache.
+
+Three pieces, each in its own module: the scheduler (``scheduler``: who runs this step, how many
+tokens, preemption), the block allocator (``blocks``) and the model runner (``ModelRunner``
+here, over ``paged``: one packed forward per step). A step mixes decode tokens of running
+requests with chunks of new prompts (``max_num_tokens`` per step, ``max_batch_size`` requests);
+a request's first token comes from the step that prefilled its prompt's last chunk, its
+following ones from one decode token per step. Finished and aborted requests give their blocks
+back at once, so ``stats.kv_tokens_in_use`` is 0 at rest.
+
+A forward's failure kills the engine (``EngineBase``): DWDP's state after a failed forward is not
+known to be consistent, so the rank exits rather than serve from it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dwdp.worker.engine.base import EngineBase, EngineConfig
+from dwdp.worker.engine.blocks import BlockAllocator
+from dwdp.worker.engine.paged import Chunk, PagedKVCache, StepLayout, use_paged_attention
+from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
+from dwdp.worker.engine.requests import RequestState
+from dwdp.worker.engine.sampler import choose
+from dwdp.worker.engine.scheduler import Scheduler, Sequence as SchedSequence
+
+
+class ModelRunner:
+    """Runs one packed step of ``Chunk``s through the model and returns the logits of the
+    chunks that sample: [number of sampling chunks, vocab] on the model's device."""
+
+    def __init__(self, engine: ContinuousEngine, cache: PagedKVCache) -> None:
+        import torch
+
+        self._engine = engine
+        self.cache = cache
+        self.device = engine.model.device
+        # a prepared 4D mask makes transformers skip its own mask building: dwdp_paged needs none
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+
+    def execute(self, chunks: Sequence[Chunk]) -> Any:
+        layout = StepLayout.build(chunks, self.cache, self.device)
+        with self.cache.step(layout):
+            out = self._engine._forward(
+                input_ids=layout.input_ids,
+                position_ids=layout.position_ids,
+                attention_mask=self._no_mask,
+                cache=self.cache,
+                logits_to_keep=layout.logits_index,
+            )
+        return out.logits[0]
+
+
+class ContinuousEngine(EngineBase):
+    """The engine of one rank (implements ``EngineClient``; see ``EngineBase`` for the
+    lifecycle). ``config.kv_capacity_tokens`` becomes ``capacity // block_size`` blocks."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        config: EngineConfig | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        super().__init__(model, tokenizer, model_name=model_name, config=config, on_fatal=on_fatal)
+        cfg = self.config
+        capacity = cfg.kv_capacity_tokens or cfg.max_batch_size * self.max_model_len
+        self.allocator = BlockAllocator(max(1, capacity // cfg.block_size), cfg.block_size)
+        self.scheduler = Scheduler(
+            self.allocator, max_num_seqs=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens
+        )
+        use_paged_attention(model)
+        cache = PagedKVCache(
+            self.allocator.num_blocks, cfg.block_size, dtype=model.dtype, device=model.device
+        )
+        self.runner = ModelRunner(self, cache)
+        self._sequences: dict[int, SchedSequence] = {}
+        self._step_lock = threading.Lock()
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """``EngineBase.validate``, and the request must fit the KV cache pool alone: prompt
+        plus ``max_tokens`` (at most ``max_model_len``) within the pool's tokens."""
+        super().validate(prompt_token_ids, params)
+        need = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        blocks = self.allocator.blocks_for(need)
+        if blocks > self.allocator.num_blocks:
+            raise RequestError(
+                f"prompt + max_tokens: {need} tokens, more than the KV cache pool's "
+                f"{self.allocator.capacity_tokens} tokens ({self.allocator.num_blocks} blocks "
+                f"of {self.allocator.block_size}); lower max_tokens or shorten the prompt"
+            )
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._take_new(wait=not self.scheduler.has_work)
+            if self._stopping.is_set():
+                break
+            self._step()
+        self._abort_all()
+
+    def _run_states(self, states: list[RequestState]) -> None:
+        """With the engine thread running, queue them and wait; otherwise drive steps here."""
+        if self.running:
+            done = threading.Event()
+            left = [len(states)]
+
+            def emit(out: Any) -> None:
+                if isinstance(out, BaseException) or out.finished:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+            for state in states:
+                state.emit = emit
+                state.request_id = f"{state.request_id}-{id(state)}"
+                self._submit(state)
+            done.wait()
+            if self._dead is not None:
+                raise EngineError(f"engine forward failed: {self._dead!r}")
+            return
+        with self._step_lock:
+            for state in states:
+                self._add(state)
+            while any(not s.finished for s in states):
+                self._step()
+
+    def _take_new(self, *, wait: bool) -> None:
+        """Move queued requests into the scheduler (blocking for the first when idle)."""
+        import queue
+
+        while True:
+            try:
+                state = self._queue.get(timeout=None) if wait else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            wait = False
+            if state is not None:
+                self._add(state)
+
+    def _add(self, state: RequestState) -> None:
+        seq = SchedSequence(state)
+        self._sequences[id(state)] = seq
+        self.scheduler.add(seq)
+
+    def _step(self) -> None:
+        """Schedule, run one forward, deliver the chosen tokens."""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.state.aborted:
+                self._end(seq, "abort")
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        self.stats.waves += 1
+        self.stats.preemptions = self.scheduler.preemptions
+        self._count_kv()
+        logits = self.runner.execute([p.chunk for p in plan])
+        sampled = [p.seq for p in plan if p.chunk.sample]
+        for p in plan:
+            seq, n = p.seq, len(p.chunk.token_ids)
+            self.stats.prompt_tokens += max(0, min(seq.computed + n, len(seq.state.prompt)) - seq.computed)
+            seq.computed += n
+        for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
+            if self._deliver(seq.state, choice):
+                self._end(seq, None)
+        self._count_kv()
+
+    def _end(self, seq: SchedSequence, reason: str | None) -> None:
+        """Take a finished (``reason`` None: ``_deliver`` finished it) or aborted request out."""
+        if reason is not None:
+            self._finish(seq.state, reason)
+        self.scheduler.remove(seq)
+        self._sequences.pop(id(seq.state), None)
+
+    def _count_kv(self) -> None:
+        self.stats.kv_tokens_in_use = self.allocator.num_in_use * self.allocator.block_size
+
+    def _abort_all(self) -> None:
+        for seq in list(self._sequences.values()):
+            self._end(seq, "abort")
+        self._count_kv()
+
+    def _live_states(self) -> list[RequestState]:
+        return [seq.state for seq in self._sequences.values()]

@@ -1,0 +1,277 @@
+"""The paged KV cache and the attention that reads it, plugged into transformers' models.
+
+One forward of the continuous engine packs every scheduled request into one row: ``T`` new
+tokens (prefill chunks and single decode tokens side by side) with their own positions. The
+model runs unchanged; two of transformers' extension points carry the packing:
+
+- the cache: ``PagedKVCache.update(key, value, layer_idx)`` is what every attention layer calls
+  with the new tokens' cache entries ([1, heads, T, dim]: K and V, or for DeepSeek-V3's MLA the
+  compressed latent and the rotary key). It writes them to their slots (``StepLayout.slots``)
+  and returns the whole context of every request, packed in request order ([1, heads, S, dim],
+  ``S`` = the sum of the requests' lengths after this step);
+- the attention: ``dwdp_paged`` (registered with ``AttentionInterface``) attends each request's
+  queries to its own slice of that packing: the decode tokens in one batched SDPA call with a key
+  mask, each prefill chunk in its own SDPA call (causal; a chunk after earlier chunks gets the
+  bottom-right causal mask). Flash kernels serve the causal prefill on a GPU.
+
+Outside an engine step (no ``StepLayout`` active: a plain forward, ``generate``, the wave engine)
+``dwdp_paged`` is transformers' SDPA attention with SDPA's masks, so a model switched to it
+still serves every other caller unchanged.
+
+Slots: a layer's cache is a tensor [num_blocks x block_size, heads, dim]; token ``t`` of a
+request with block table ``b`` lives in slot ``b[t // block_size] * block_size + t % block_size``
+(``dwdp.worker.engine.blocks``). Tensors are allocated at a layer's first write, with the shape
+that layer writes, so the cache holds exactly what transformers' own cache would per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTENTION_NAME = "dwdp_paged"
+
+_STEP: contextvars.ContextVar[StepLayout | None] = contextvars.ContextVar(
+    "dwdp_paged_step", default=None
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One request's part of a step: tokens ``[start, start + len(token_ids))`` of the request,
+    ``blocks`` its block table, ``sample``: the step ends at the request's last known token, so
+    its logits choose the next one."""
+
+    token_ids: Sequence[int]
+    start: int
+    blocks: Sequence[int]
+    sample: bool
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """Where one step's tokens go and what each query attends to (all index tensors on the
+    model's device). Built by ``StepLayout.build``."""
+
+    input_ids: Any  # [1, T]
+    position_ids: Any  # [1, T]
+    slots: Any  # [T] cache slot of each new token
+    context_slots: Any | None  # [S] slots of every request's context; None: the new tokens
+    logits_index: Any  # [R] position in T of each sampled request's last token
+    prefills: list[tuple[int, int, int, int]]  # (q0, q1, k0, k1) of each multi-token chunk
+    decode_q: Any | None  # [B] positions in T of the single-token chunks
+    decode_k: Any | None  # [B, Kmax] positions in S of their contexts (padded with 0)
+    decode_len: list[int]  # context length of each decode chunk
+    cache: PagedKVCache
+    _masks: dict[Any, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, chunks: Sequence[Chunk], cache: PagedKVCache, device: Any) -> StepLayout:
+        """The layout of ``chunks`` (at least one), in their order."""
+        import torch
+
+        bs = cache.block_size
+        ids, pos, slots, ctx, sample_at = [], [], [], [], []
+        prefills, decode_q, decode_k, decode_len = [], [], [], []
+        q = k = 0
+        fresh = True
+        for c in chunks:
+            n = len(c.token_ids)
+            end = c.start + n
+            table = torch.tensor(list(c.blocks), dtype=torch.long)
+            every = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:end]
+            ids.extend(c.token_ids)
+            pos.append(torch.arange(c.start, end))
+            slots.append(every[c.start :])
+            ctx.append(every)
+            fresh = fresh and c.start == 0
+            if n == 1 and c.start > 0:
+                decode_q.append(q)
+                decode_k.append((k, k + end))
+                decode_len.append(end)
+            else:
+                prefills.append((q, q + n, k, k + end))
+            q += n
+            k += end
+            if c.sample:
+                sample_at.append(q - 1)
+        dq = dk = None
+        if decode_q:
+            width = max(decode_len)
+            dk_host = torch.zeros((len(decode_q), width), dtype=torch.long)
+            for row, (k0, k1) in enumerate(decode_k):
+                dk_host[row, : k1 - k0] = torch.arange(k0, k1)
+            dq = torch.tensor(decode_q, dtype=torch.long).to(device)
+            dk = dk_host.to(device)
+        return cls(
+            input_ids=torch.tensor([ids], dtype=torch.long).to(device),
+            position_ids=torch.cat(pos).unsqueeze(0).to(device),
+            slots=torch.cat(slots).to(device),
+            context_slots=None if fresh else torch.cat(ctx).to(device),
+            logits_index=torch.tensor(sample_at, dtype=torch.long).to(device),
+            prefills=prefills,
+            decode_q=dq,
+            decode_k=dk,
+            decode_len=decode_len,
+            cache=cache,
+        )
+
+    def decode_mask(self, window: int | None) -> Any:
+        """[B, 1, 1, Kmax] bool: key ``j`` of decode row ``b`` is inside its context (and its
+        sliding window)."""
+        key = ("decode", window)
+        if key not in self._masks:
+            import torch
+
+            assert self.decode_k is not None
+            lens = torch.tensor(self.decode_len, device=self.decode_k.device)[:, None]
+            j = torch.arange(self.decode_k.shape[1], device=self.decode_k.device)[None, :]
+            ok = j < lens
+            if window is not None:
+                ok &= j >= lens - window
+            self._masks[key] = ok[:, None, None, :]
+        return self._masks[key]
+
+    def chunk_mask(self, n: int, total: int, window: int | None, device: Any) -> Any:
+        """[n, total] bool, bottom-right causal: query ``i`` (position ``total - n + i``) sees
+        keys up to its own position (and inside its sliding window); ``None`` when plain
+        top-left causal attention is the same (``n == total``, no window in reach)."""
+        if n == total and (window is None or total <= window):
+            return None
+        key = (n, total, window)
+        if key not in self._masks:
+            import torch
+
+            i = torch.arange(n, device=device)[:, None] + (total - n)
+            j = torch.arange(total, device=device)[None, :]
+            ok = j <= i
+            if window is not None:
+                ok &= j > i - window
+            self._masks[key] = ok
+        return self._masks[key]
+
+
+class PagedKVCache:
+    """The KV cache of every layer in ``num_blocks`` blocks of ``block_size`` tokens.
+
+    transformers calls ``update`` (the ``Cache`` protocol's write-and-read); ``layers`` holds,
+    per layer, the pair of slot tensors ([num_blocks x block_size, heads, dim] each) once the
+    layer first wrote. ``step`` (a context manager) makes a ``StepLayout`` the active one for
+    the forward it wraps.
+    """
+
+    is_compileable = False
+
+    def __init__(self, num_blocks: int, block_size: int, *, dtype: Any, device: Any) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.layers: dict[int, tuple[Any, Any]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the allocated layers hold."""
+        return sum(t.numel() * t.element_size() for pair in self.layers.values() for t in pair)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0: a packed step has no single sequence length (positions come in explicitly)."""
+        return 0
+
+    @contextlib.contextmanager
+    def step(self, layout: StepLayout) -> Iterator[StepLayout]:
+        """Make ``layout`` the active step of this thread while the forward runs."""
+        token = _STEP.set(layout)
+        try:
+            yield layout
+        finally:
+            _STEP.reset(token)
+
+    def update(self, first: Any, second: Any, layer_idx: int, *_: Any, **__: Any) -> tuple[Any, Any]:
+        """Write the step's new entries ([1, heads, T, dim] each) and return every request's
+        context, packed ([1, heads, S, dim] each). Raises ``RuntimeError`` outside a step."""
+        layout = _STEP.get()
+        if layout is None or layout.cache is not self:
+            raise RuntimeError("PagedKVCache.update outside an engine step")
+        pair = self.layers.get(layer_idx)
+        if pair is None:
+            pair = tuple(self._allocate(t) for t in (first, second))
+            self.layers[layer_idx] = pair  # type: ignore[assignment]
+        out = []
+        for store, new in zip(pair, (first, second), strict=True):
+            rows = new[0].transpose(0, 1)  # [T, heads, dim]
+            store.index_copy_(0, layout.slots, rows.to(store.dtype))
+            if layout.context_slots is None:
+                out.append(new)  # every request starts here: its context is the new tokens
+            else:
+                out.append(store.index_select(0, layout.context_slots).transpose(0, 1)[None])
+        return out[0], out[1]
+
+    def _allocate(self, like: Any) -> Any:
+        import torch
+
+        heads, dim = like.shape[1], like.shape[3]
+        slots = self.num_blocks * self.block_size
+        return torch.zeros((slots, heads, dim), dtype=self.dtype, device=self.device)
+
+
+def paged_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' attention-function signature: ``query`` [1, Hq, T, D], ``key``/``value``
+    [1, Hkv, S, D] (the packing ``PagedKVCache.update`` returned); returns [1, T, Hq, Dv].
+    Outside a step: transformers' SDPA attention."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    layout = _STEP.get()
+    if layout is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    window = sliding_window
+    gqa = query.shape[1] != key.shape[1]
+    out = query.new_empty((query.shape[2], query.shape[1], value.shape[3]))  # [T, Hq, Dv]
+    for q0, q1, k0, k1 in layout.prefills:
+        mask = layout.chunk_mask(q1 - q0, k1 - k0, window, query.device)
+        o = sdpa(
+            query[:, :, q0:q1],
+            key[:, :, k0:k1],
+            value[:, :, k0:k1],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        out[q0:q1] = o[0].transpose(0, 1)
+    if layout.decode_q is not None:
+        idx = layout.decode_k
+        q = query[0].index_select(1, layout.decode_q).transpose(0, 1)[:, :, None]  # [B,Hq,1,D]
+        k = key[0][:, idx].transpose(0, 1)  # [B, Hkv, Kmax, D]
+        v = value[0][:, idx].transpose(0, 1)
+        o = sdpa(q, k, v, attn_mask=layout.decode_mask(window), scale=scaling, enable_gqa=gqa)
+        out.index_copy_(0, layout.decode_q, o[:, :, 0].to(out.dtype))
+    return out[None], None
+
+
+def use_paged_attention(model: Any) -> None:
+    """Register ``dwdp_paged`` with transformers (attention and, for the fallback, SDPA's mask)
+    and switch ``model`` to it. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)

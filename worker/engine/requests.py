@@ -1,0 +1,114 @@
+"""One request as an engine sees it: its tokens, its text, when it stops, what it streams.
+
+Both engines (``continuous`` and the ``batching`` wave engine) hold a ``RequestState`` per
+request and call ``accept`` once per chosen token and ``update`` to build what the client
+receives; the stop rules and the streaming rules live here only.
+
+Stop rules: the tokenizer's EOS (unless ``ignore_eos``) or one of ``stop_token_ids`` ends the
+request with ``"stop"`` and is not part of the output; a ``stop`` string ends it with
+``"stop"`` and the text is cut before it; ``max_tokens`` new tokens or the model's context
+(``max_model_len``) end it with ``"length"``.
+
+Streaming rules: text that ends in an incomplete UTF-8 sequence (U+FFFD) and text that may
+still become a stop string are held back until the next token decides them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dwdp.worker.engine.protocol import RequestOutput, SamplingParams, TokenLogprob
+
+
+@dataclass(eq=False, slots=True)
+class RequestState:
+    """The mutable state of one request inside an engine.
+
+    ``prompt``: token ids; ``tokens``: generated ids (stop tokens excluded); ``text``: their
+    detokenised text (cut at a stop string); ``emit``: where updates go (``None`` for the
+    batch API); ``keep_logits``: keep the [vocab] float32 logits of every step (tests).
+    ``logprobs``: one ``TokenLogprob`` per generated token when ``params.logprobs`` is set.
+    ``processors``/``generator``: the sampler's per-request state (``dwdp.worker.engine.sampler``).
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[RequestOutput | BaseException], None] | None = None
+    keep_logits: bool = False
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_text: int = 0
+    sent_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    aborted: bool = False
+    logits: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    processors: Any = None
+    generator: Any = None
+    arrival: float = 0.0
+
+    @property
+    def length(self) -> int:
+        """Prompt plus generated tokens (the KV cache this request fills)."""
+        return len(self.prompt) + len(self.tokens)
+
+    def accept(
+        self,
+        token: int,
+        *,
+        eos_token_ids: set[int],
+        tokenizer: Any,
+        max_model_len: int,
+        logprob: TokenLogprob | None = None,
+    ) -> str | None:
+        """Take one chosen token; returns the finish reason when the request ends with it
+        (``"stop"`` or ``"length"``), else ``None`` (module docstring gives the rules)."""
+        p = self.params
+        if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"  # the stop token is not part of the output
+        self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        self.text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        stable = self.text.rstrip("\ufffd")  # an incomplete UTF-8 tail may still change
+        for s in p.stop:
+            cut = stable.find(s)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                return "stop"
+        if len(self.tokens) >= p.max_tokens or self.length >= max_model_len:
+            return "length"
+        return None
+
+    def update(self, *, final: bool) -> RequestOutput | None:
+        """What the client has not yet received, or ``None`` when nothing new can be sent.
+
+        The final update (``final``) carries ``finish_reason`` and everything held back.
+        """
+        text = self.text
+        if not final:
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its rest
+            hold = max((len(s) for s in self.params.stop), default=1) - 1
+            if hold:  # text that may still become a stop string is not sent yet
+                text = text[: max(0, len(text) - hold)]
+        delta = text[self.sent_text :]
+        new_tokens = self.tokens[self.sent_tokens :]
+        if not delta and not new_tokens and not final:
+            return None
+        out = RequestOutput(
+            request_id=self.request_id,
+            token_ids=new_tokens,
+            text=delta,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=len(self.tokens),
+            finished=final,
+            finish_reason=self.finish_reason if final else None,
+            logprobs=self.logprobs[self.sent_tokens :] if self.params.logprobs is not None else None,
+        )
+        self.sent_text = max(self.sent_text, len(text))
+        self.sent_tokens = len(self.tokens)
+        return out

@@ -1,0 +1,92 @@
+"""Token choice for a batch of requests: greedy, sampled, with logprobs; one home for both engines.
+
+``choose(logits, states)`` takes the [batch, vocab] logits of one step (on the model's device)
+and the ``RequestState`` of each row. Greedy rows take the argmax (one batched op); sampled rows
+go through transformers' logits warpers (temperature, then top-k, then top-p) and draw from a
+per-request ``torch.Generator`` on the logits' device, seeded by ``seed`` when the request set
+one, so a seeded request draws the same tokens whatever else shares its batch. Rows that ask
+for ``logprobs`` get the log-softmax of the raw logits (float32) at the chosen token and the
+top ``logprobs`` alternatives. Results cross to the host once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dwdp.worker.engine.protocol import TokenLogprob
+from dwdp.worker.engine.requests import RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The token chosen for one row and, when asked for, its logprob entry."""
+
+    token: int
+    logprob: TokenLogprob | None = None
+
+
+def _prepare(state: RequestState, device: Any) -> None:
+    """Build the warpers and the seeded generator of a sampled request (once)."""
+    import torch
+    from transformers import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    p = state.params
+    procs = LogitsProcessorList([TemperatureLogitsWarper(p.temperature)])
+    if p.top_k > 0:
+        procs.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        procs.append(TopPLogitsWarper(p.top_p))
+    state.processors = procs
+    state.generator = torch.Generator(device=device)
+    if p.seed is not None:
+        state.generator.manual_seed(p.seed)
+    else:
+        state.generator.seed()
+
+
+def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
+    """The token of each row of ``logits`` ([len(states), vocab], any float dtype)."""
+    import torch
+
+    rows = logits.float()
+    tokens = torch.argmax(rows, dim=-1)
+    for i, state in enumerate(states):
+        if state.keep_logits:
+            state.logits.append(rows[i].cpu().clone())
+        if state.params.greedy:
+            continue
+        if state.generator is None:
+            _prepare(state, rows.device)
+        scores = state.processors(_NO_HISTORY, rows[i : i + 1])
+        probs = torch.softmax(scores, dim=-1)
+        tokens[i] = torch.multinomial(probs, 1, generator=state.generator)[0, 0]
+    want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if not want:
+        return [Choice(int(t)) for t in tokens.tolist()]
+    logp = torch.log_softmax(rows[want], dim=-1)
+    chosen = logp.gather(1, tokens[want].unsqueeze(1))[:, 0]
+    k = max(states[i].params.logprobs or 0 for i in want)
+    top = torch.topk(logp, k, dim=-1) if k else None
+    host_tokens = tokens.tolist()
+    host_chosen = chosen.tolist()
+    top_vals = top.values.tolist() if top is not None else [[] for _ in want]
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in want]
+    out = [Choice(t) for t in host_tokens]
+    for row, i in enumerate(want):
+        n = states[i].params.logprobs or 0
+        pairs = tuple(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
+        out[i] = Choice(host_tokens[i], TokenLogprob(host_tokens[i], host_chosen[row], pairs))
+    return out
+
+
+class _NoHistory:
+    """The warpers' ``input_ids`` argument: temperature, top-k and top-p never read it."""
+
+
+_NO_HISTORY: Any = _NoHistory()

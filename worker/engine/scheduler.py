@@ -1,0 +1,132 @@
+"""The continuous-batching scheduler: which requests run in the next step, and how many tokens.
+
+Every step (vLLM's policy, first come first served):
+
+1. each running request, oldest first, gets its pending tokens: one for a decoding request,
+   the rest of its prompt (chunked to what is left of ``max_num_tokens``) for one still in
+   prefill. A request that needs a new KV block when none is free preempts the newest running
+   request (its blocks are freed, it goes back to the front of the queue and later recomputes
+   its prompt and the tokens it already produced); if it is itself the newest, it waits;
+2. then waiting requests join, oldest first, while the step has tokens left, fewer than
+   ``max_num_seqs`` requests run and the blocks of their first chunk are free (beyond a
+   watermark of 1% of the pool, so a join does not force a preemption at once).
+
+A request never holds more than one request of ``max_model_len`` tokens of blocks, and the
+engine refuses one that could not fit the pool alone, so the oldest request always progresses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dwdp.worker.engine.blocks import BlockAllocator
+from dwdp.worker.engine.paged import Chunk
+from dwdp.worker.engine.requests import RequestState
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A request in the scheduler: its state, its block table and ``computed``, the tokens whose
+    KV is in the cache."""
+
+    state: RequestState
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Known tokens (prompt and generated) not yet in the cache."""
+        return self.state.length - self.computed
+
+    def chunk(self, n: int) -> Chunk:
+        """The next ``n`` pending tokens as a step chunk."""
+        known = self.state.prompt + self.state.tokens
+        end = self.computed + n
+        return Chunk(known[self.computed : end], self.computed, self.blocks, end == len(known))
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """One request's share of a step: ``n`` tokens as ``chunk``."""
+
+    seq: Sequence
+    chunk: Chunk
+
+
+class Scheduler:
+    """Waiting queue and running set over one ``BlockAllocator``."""
+
+    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int, max_num_tokens: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.watermark = allocator.num_blocks // 100
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        """True while a request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (it joins at a later step)."""
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted request and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+
+    def schedule(self) -> list[Scheduled]:
+        """The next step's chunks (empty when nothing can run); see the module docstring."""
+        budget = self.max_num_tokens
+        plan: list[Scheduled] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:
+                continue  # preempted by an older request in this step
+            n = min(seq.pending, budget)
+            if n and self._grow(seq, seq.computed + n):
+                plan.append(Scheduled(seq, seq.chunk(n)))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.pending, budget)
+            need = self.allocator.blocks_for(seq.computed + n) - len(seq.blocks)
+            if not self.allocator.can_allocate(need + (self.watermark if self.running else 0)):
+                break
+            seq.blocks.extend(self.allocator.allocate(need))
+            self.running.append(self.waiting.popleft())
+            plan.append(Scheduled(seq, seq.chunk(n)))
+            budget -= n
+        return plan
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Give ``seq`` the blocks for ``tokens`` tokens, preempting newer requests as needed;
+        False when ``seq`` itself had to be preempted."""
+        need = self.allocator.blocks_for(tokens) - len(seq.blocks)
+        while not self.allocator.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.blocks.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.computed = 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _free(self, seq: Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
