@@ -46,9 +46,9 @@ class EngineConfig:
     ``max_batch_size`` requests and ``max_num_tokens`` tokens per forward (the continuous
     engine chunks longer prompts; the wave engine refuses them); ``max_model_len`` bounds
     prompt + generated tokens (default: the model's ``max_position_embeddings``);
-    ``kv_capacity_tokens``: the KV cache pool (``dwdp.worker.engine.kv_pool``; ``None``: room
-    for ``max_batch_size`` requests of ``max_model_len`` tokens in the continuous engine, no
-    bound in the wave engine); ``block_size``: tokens per KV block (continuous engine).
+    ``kv_capacity_tokens``: the KV cache pool (``dwdp.worker.engine.kv_pool``; ``None``: see
+    ``continuous.DEFAULT_POOL_TOKENS``; no bound in the wave engine); ``block_size``: tokens
+    per KV block (continuous engine).
     """
 
     max_batch_size: int = 8

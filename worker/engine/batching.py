@@ -26,6 +26,8 @@ __all__ = ["BatchingEngine", "EngineConfig", "EngineStats"]
 class BatchingEngine(EngineBase):
     """The wave engine of one rank (implements ``EngineClient``; see ``EngineBase``)."""
 
+    _wave: tuple[RequestState, ...] = ()
+
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """``EngineBase.validate``, and a prompt must fit one forward (no chunked prefill)."""
         super().validate(prompt_token_ids, params)
@@ -48,12 +50,10 @@ class BatchingEngine(EngineBase):
             if not wave:
                 continue
             self.stats.kv_tokens_in_use = sum(self._kv_tokens(r) for r in wave)
-            self._wave = wave
+            self._wave = tuple(wave)
             self._run_wave(wave)
-            self._wave = []
+            self._wave = ()
             self.stats.kv_tokens_in_use = 0
-
-    _wave: list[RequestState] = []
 
     def _live_states(self) -> list[RequestState]:
         return list(self._wave)

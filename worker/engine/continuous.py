@@ -24,7 +24,12 @@ from dwdp.worker.engine.paged import Chunk, PagedKVCache, StepLayout, use_paged_
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
-from dwdp.worker.engine.scheduler import Scheduler, Sequence as SchedSequence
+from dwdp.worker.engine.scheduler import Scheduler
+from dwdp.worker.engine.scheduler import Sequence as SchedSequence
+
+DEFAULT_POOL_TOKENS = 65536
+"""The pool without ``kv_capacity_tokens`` (tests, benches): ``max_batch_size`` requests of
+``max_model_len`` tokens, at most this many tokens, at least one request of ``max_model_len``."""
 
 
 class ModelRunner:
@@ -68,7 +73,9 @@ class ContinuousEngine(EngineBase):
     ) -> None:
         super().__init__(model, tokenizer, model_name=model_name, config=config, on_fatal=on_fatal)
         cfg = self.config
-        capacity = cfg.kv_capacity_tokens or cfg.max_batch_size * self.max_model_len
+        capacity = cfg.kv_capacity_tokens or max(
+            self.max_model_len, min(cfg.max_batch_size * self.max_model_len, DEFAULT_POOL_TOKENS)
+        )
         self.allocator = BlockAllocator(max(1, capacity // cfg.block_size), cfg.block_size)
         self.scheduler = Scheduler(
             self.allocator, max_num_seqs=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens
@@ -162,7 +169,9 @@ class ContinuousEngine(EngineBase):
         sampled = [p.seq for p in plan if p.chunk.sample]
         for p in plan:
             seq, n = p.seq, len(p.chunk.token_ids)
-            self.stats.prompt_tokens += max(0, min(seq.computed + n, len(seq.state.prompt)) - seq.computed)
+            self.stats.prompt_tokens += max(
+                0, min(seq.computed + n, len(seq.state.prompt)) - seq.computed
+            )
             seq.computed += n
         for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
             if self._deliver(seq.state, choice):

@@ -190,7 +190,9 @@ class PagedKVCache:
         finally:
             _STEP.reset(token)
 
-    def update(self, first: Any, second: Any, layer_idx: int, *_: Any, **__: Any) -> tuple[Any, Any]:
+    def update(
+        self, first: Any, second: Any, layer_idx: int, *_: Any, **__: Any
+    ) -> tuple[Any, Any]:
         """Write the step's new entries ([1, heads, T, dim] each) and return every request's
         context, packed ([1, heads, S, dim] each). Raises ``RuntimeError`` outside a step."""
         layout = _STEP.get()

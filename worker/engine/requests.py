@@ -107,7 +107,9 @@ class RequestState:
             completion_tokens=len(self.tokens),
             finished=final,
             finish_reason=self.finish_reason if final else None,
-            logprobs=self.logprobs[self.sent_tokens :] if self.params.logprobs is not None else None,
+            logprobs=self.logprobs[self.sent_tokens :]
+            if self.params.logprobs is not None
+            else None,
         )
         self.sent_text = max(self.sent_text, len(text))
         self.sent_tokens = len(self.tokens)

@@ -2,8 +2,11 @@
 
 Out-of-range values are refused by the schemas themselves (the server answers 400 with the
 field's path), so every bound is visible in the OpenAPI document. Fields the OpenAI API has but
-this server does not implement are accepted and ignored when they are absent or null; ``n`` is
-limited to 1.
+this server does not implement are accepted and ignored; unknown fields are ignored too.
+``n`` choices run as ``n`` engine requests (choice ``i`` seeded ``seed + i`` when a seed is
+set). Logprobs follow OpenAI's two formats: ``logprobs: k`` on completions (``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``), ``logprobs: true`` with
+``top_logprobs: k`` on chat (``content`` entries with ``token``, ``logprob``, ``bytes``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,21 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dwdp.worker.engine.protocol import MAX_LOGPROBS
+
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4
+MAX_N = 16
 
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class StreamOptions(BaseModel):
+    """``stream_options`` of a streaming request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = Field(False, description="Send the usage in a last chunk.")
 
 
 class _Request(BaseModel):
@@ -37,7 +51,10 @@ class _Request(BaseModel):
     )
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
     stream: bool = Field(False, description="Stream server-sent events.")
-    n: int = Field(1, ge=1, le=1, description="Choices per request (only 1).")
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices per request.")
+    stream_options: StreamOptions | None = Field(
+        None, description="With stream: include_usage adds a last chunk with the usage."
+    )
     user: str | None = Field(None, max_length=256)
 
     def stop_list(self) -> tuple[str, ...]:
@@ -61,6 +78,16 @@ class CompletionRequest(_Request):
         ]
     ) = Field(description="The prompt: text, or token ids.")
     echo: bool = Field(False, description="Prepend the prompt to the returned text.")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Logprobs of each token and of the k most likely alternatives.",
+    )
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token asked for; ``None``: no logprobs."""
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -92,6 +119,22 @@ class ChatCompletionRequest(_Request):
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    logprobs: bool = Field(False, description="Return the logprob of each output token.")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Most likely alternatives per token (needs logprobs).",
+    )
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token asked for; ``None``: no logprobs. Raises ``ValueError`` for
+        ``top_logprobs`` without ``logprobs``."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs: needs logprobs true")
+            return None
+        return self.top_logprobs or 0
 
 
 class Usage(BaseModel):
@@ -102,11 +145,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs of a completion choice (one entry per token)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
     token_ids: list[int] | None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -125,11 +178,28 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's logprobs of a chat choice."""
+
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
     finish_reason: str | None
     token_ids: list[int] | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -6,10 +6,12 @@ Routers stay short and call into ``OpenAIServing``; it depends on the engine int
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dwdp.worker.engine.protocol import (
@@ -18,7 +20,9 @@ from dwdp.worker.engine.protocol import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
+from dwdp.worker.server.logprobs import chat_logprobs, completion_logprobs
 from dwdp.worker.server.metrics import ServerMetrics
 from dwdp.worker.server.protocol import (
     ChatChoice,
@@ -90,6 +94,7 @@ class OpenAIServing:
     def _params(self, req: Any, prompt_len: int, max_tokens: int | None) -> SamplingParams:
         try:
             stops = req.stop_list()
+            logprobs = req.logprobs_k()
         except ValueError as exc:
             raise ServingError(400, str(exc)) from exc
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS
@@ -109,6 +114,7 @@ class OpenAIServing:
             stop=stops,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
         )
 
     def _check_model(self, name: str | None) -> None:
@@ -122,7 +128,7 @@ class OpenAIServing:
         return list(ids)
 
     async def completion(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
-        """Run one completion; a response, or the SSE lines when ``req.stream``."""
+        """Run one completion (``n`` choices); a response, or the SSE lines when ``req.stream``."""
         self._check_model(req.model)
         if isinstance(req.prompt, str):
             prompt_ids = self._tokenize(req.prompt)
@@ -132,22 +138,35 @@ class OpenAIServing:
             prompt_text = None
         params = self._params(req, len(prompt_ids), req.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self._start(request_id, prompt_ids, params, "completions")
+        streams = self._start(request_id, prompt_ids, params, req.n, "completions")
         if req.stream:
-            return await self._sse(request_id, stream, chat=False)
-        text, tokens, reason, last = await self._collect(stream)
-        if req.echo:
-            text = (prompt_text or self.engine.tokenizer.decode(prompt_ids)) + text
+            return await self._sse(request_id, streams, len(prompt_ids), req, chat=False)
+        echo = (prompt_text or self.engine.tokenizer.decode(prompt_ids)) if req.echo else ""
+        results = await asyncio.gather(*(_collect(s) for s in streams))
+        tok = self.engine.tokenizer
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=echo + r.text,
+                finish_reason=r.reason,
+                token_ids=r.tokens,
+                logprobs=completion_logprobs(tok, r.logprobs, len(echo))
+                if params.logprobs is not None
+                else None,
+            )
+            for i, r in enumerate(results)
+        ]
         return CompletionResponse(
             id=request_id,
             created=int(time.time()),
             model=self.served_name,
-            choices=[CompletionChoice(text=text, finish_reason=reason, token_ids=tokens)],
-            usage=_usage(len(prompt_ids), last),
+            choices=choices,
+            usage=_usage(len(prompt_ids), results),
         )
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
-        """Run one chat completion; a response, or the SSE lines when ``req.stream``."""
+        """Run one chat completion (``n`` choices); a response, or the SSE lines when
+        ``req.stream``."""
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
@@ -161,29 +180,48 @@ class OpenAIServing:
             raise ServingError(400, "messages: empty after the chat template")
         params = self._params(req, len(prompt_ids), req.max_completion_tokens or req.max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._start(request_id, prompt_ids, params, "chat")
+        streams = self._start(request_id, prompt_ids, params, req.n, "chat")
         if req.stream:
-            return await self._sse(request_id, stream, chat=True)
-        text, tokens, reason, last = await self._collect(stream)
+            return await self._sse(request_id, streams, len(prompt_ids), req, chat=True)
+        results = await asyncio.gather(*(_collect(s) for s in streams))
+        tok = self.engine.tokenizer
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatResponseMessage(content=r.text),
+                finish_reason=r.reason,
+                token_ids=r.tokens,
+                logprobs=chat_logprobs(tok, r.logprobs) if params.logprobs is not None else None,
+            )
+            for i, r in enumerate(results)
+        ]
         return ChatCompletionResponse(
             id=request_id,
             created=int(time.time()),
             model=self.served_name,
-            choices=[
-                ChatChoice(
-                    message=ChatResponseMessage(content=text),
-                    finish_reason=reason,
-                    token_ids=tokens,
-                )
-            ],
-            usage=_usage(len(prompt_ids), last),
+            choices=choices,
+            usage=_usage(len(prompt_ids), results),
         )
 
     # -- plumbing ----------------------------------------------------------------------------
-    async def _start(
+    def _start(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int, endpoint: str
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """The engine streams of ``n`` choices (choice ``i`` seeded ``seed + i``)."""
+        return [
+            self._choice(
+                request_id if n == 1 else f"{request_id}-{i}",
+                prompt_ids,
+                params if params.seed is None else replace(params, seed=params.seed + i),
+                endpoint,
+            )
+            for i in range(n)
+        ]
+
+    async def _choice(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, endpoint: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's stream with latency and TTFT observed; engine errors mapped."""
+        """One engine stream with latency and TTFT observed; engine errors mapped."""
         start = time.perf_counter()
         first = True
         try:
@@ -198,63 +236,114 @@ class OpenAIServing:
             raise ServingError(503, str(exc), kind="service_unavailable") from exc
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
-    @staticmethod
-    async def _collect(
-        stream: AsyncGenerator[RequestOutput, None],
-    ) -> tuple[str, list[int], str | None, RequestOutput | None]:
-        text, tokens, reason, last = [], [], None, None
-        async for out in stream:
-            text.append(out.text)
-            tokens.extend(out.token_ids)
-            reason, last = out.finish_reason, out
-        return "".join(text), tokens, reason, last
-
     async def _sse(
-        self, request_id: str, stream: AsyncGenerator[RequestOutput, None], *, chat: bool
-    ) -> AsyncIterator[str]:
-        """The SSE lines of a streaming request. The engine's first update is awaited before
-        the first line, so a refusal is still a plain HTTP error (400/503), not a 200 stream."""
-        first = await anext(stream)
-        return self._sse_lines(request_id, first, stream, chat=chat)
-
-    async def _sse_lines(
         self,
         request_id: str,
-        first: RequestOutput,
-        stream: AsyncGenerator[RequestOutput, None],
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        prompt_tokens: int,
+        req: Any,
         *,
         chat: bool,
     ) -> AsyncIterator[str]:
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        model = self.served_name
-        if chat:  # the role comes first, as in the OpenAI API
-            yield _event(request_id, kind, created, model, {"role": "assistant"}, None)
-        out: RequestOutput | None = first
+        """The SSE lines of a streaming request. Every choice's first update is awaited before
+        the first line, so a refusal is still a plain HTTP error (400/503), not a 200 stream."""
         try:
-            while out is not None:
-                payload = {"content": out.text} if chat else out.text
-                yield _event(
-                    request_id,
-                    kind,
-                    created,
-                    model,
-                    payload,
-                    out.finish_reason,
-                    token_ids=out.token_ids,
-                    chat=chat,
-                )
-                out = None if out.finished else await anext(stream, None)
+            firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        options = req.stream_options
+        usage = bool(options and options.include_usage)
+        return self._sse_lines(
+            _SseFormat(request_id, self.served_name, chat, usage, self.engine.tokenizer),
+            firsts,
+            streams,
+            prompt_tokens,
+        )
+
+    async def _sse_lines(
+        self,
+        fmt: _SseFormat,
+        firsts: list[RequestOutput],
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        prompt_tokens: int,
+    ) -> AsyncIterator[str]:
+        last: list[RequestOutput] = list(firsts)
+        if fmt.chat:  # the role comes first, as in the OpenAI API
+            for i in range(len(streams)):
+                yield fmt.event(i, {"role": "assistant"}, None)
+        try:
+            async for i, out in _merge(firsts, streams):
+                last[i] = out
+                yield fmt.chunk(i, out)
         except ServingError as exc:  # the engine died mid-stream
             error = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status_code}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
-            await stream.aclose()
+            for s in streams:
+                await s.aclose()
+        if fmt.include_usage:
+            completion = sum(o.completion_tokens for o in last)
+            yield fmt.usage_event(
+                Usage(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion,
+                    total_tokens=prompt_tokens + completion,
+                )
+            )
         yield "data: [DONE]\n\n"
 
 
-def _usage(prompt_tokens: int, last: RequestOutput | None) -> Usage:
-    completion = last.completion_tokens if last is not None else 0
+@dataclass(slots=True)
+class _Result:
+    text: str
+    tokens: list[int]
+    reason: str | None
+    completion_tokens: int
+    logprobs: list[TokenLogprob]
+
+
+async def _collect(stream: AsyncGenerator[RequestOutput, None]) -> _Result:
+    text: list[str] = []
+    tokens: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    reason, completion = None, 0
+    async for out in stream:
+        text.append(out.text)
+        tokens.extend(out.token_ids)
+        logprobs.extend(out.logprobs or ())
+        reason, completion = out.finish_reason, out.completion_tokens
+    return _Result("".join(text), tokens, reason, completion, logprobs)
+
+
+async def _merge(
+    firsts: list[RequestOutput], streams: list[AsyncGenerator[RequestOutput, None]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, update) of every stream in arrival order, the ``firsts`` first."""
+    pending: dict[asyncio.Task[RequestOutput | None], int] = {}
+    for i, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
+        yield i, first
+        if not first.finished:
+            pending[asyncio.ensure_future(anext(stream, None))] = i
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()
+                if out is None:
+                    continue
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[i], None))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+def _usage(prompt_tokens: int, results: list[_Result]) -> Usage:
+    completion = sum(r.completion_tokens for r in results)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion,
@@ -262,24 +351,44 @@ def _usage(prompt_tokens: int, last: RequestOutput | None) -> Usage:
     )
 
 
-def _event(
-    request_id: str,
-    kind: str,
-    created: int,
-    model: str,
-    payload: Any,
-    finish_reason: str | None,
-    *,
-    token_ids: list[int] | None = None,
-    chat: bool = True,
-) -> str:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-    if chat:
-        choice["delta"] = payload
-    else:
-        choice["text"] = payload
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body = {"id": request_id, "object": kind, "created": created, "model": model}
-    body["choices"] = [choice]
-    return f"data: {json.dumps(body)}\n\n"
+@dataclass(frozen=True, slots=True)
+class _SseFormat:
+    """How one streaming request's chunks look (OpenAI's chunk objects)."""
+
+    request_id: str
+    model: str
+    chat: bool
+    include_usage: bool
+    tokenizer: Any
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def chunk(self, index: int, out: RequestOutput) -> str:
+        """The chunk of one engine update of choice ``index``."""
+        payload = {"content": out.text} if self.chat else out.text
+        extra: dict[str, Any] = {"token_ids": out.token_ids}
+        if out.logprobs is not None:
+            fmt = chat_logprobs if self.chat else completion_logprobs
+            extra["logprobs"] = fmt(self.tokenizer, out.logprobs).model_dump()
+        return self.event(index, payload, out.finish_reason, **extra)
+
+    def event(self, index: int, payload: Any, finish_reason: str | None, **extra: Any) -> str:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
+        choice["delta" if self.chat else "text"] = payload
+        choice.update(extra)
+        return self._line([choice], None)
+
+    def usage_event(self, usage: Usage) -> str:
+        return self._line([], usage.model_dump())
+
+    def _line(self, choices: list[dict[str, Any]], usage: Any) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"

@@ -1,4 +1,5 @@
-"""The batching engine: prefill/decode, greedy and sampled, stop conditions, async API."""
+"""Both engines (continuous and wave): prefill/decode, greedy and sampled, stop conditions,
+logprobs, the async API and a failing forward."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dwdp.worker.engine.batching import BatchingEngine, EngineConfig  # noqa: E402
+from dwdp.worker.engine.base import EngineConfig  # noqa: E402
+from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import (  # noqa: E402
     EngineClient,
@@ -29,10 +32,15 @@ def loaded(tmp_path_factory):
     return load_checkpoint(path)
 
 
+@pytest.fixture(params=[ContinuousEngine, BatchingEngine], ids=["continuous", "wave"])
+def engine_cls(request):
+    return request.param
+
+
 @pytest.fixture
-def engine(loaded):
+def engine(loaded, engine_cls):
     model, tok = loaded
-    return BatchingEngine(model, tok, model_name="tiny", config=EngineConfig(max_model_len=64))
+    return engine_cls(model, tok, model_name="tiny", config=EngineConfig(max_model_len=64))
 
 
 def _ids(engine, texts):
@@ -136,9 +144,9 @@ def test_stop_conditions(engine):
         engine.eos_token_ids.add(eos)
 
 
-def test_context_length_bound(loaded):
+def test_context_length_bound(loaded, engine_cls):
     model, tok = loaded
-    engine = BatchingEngine(model, tok, model_name="tiny", config=EngineConfig(max_model_len=12))
+    engine = engine_cls(model, tok, model_name="tiny", config=EngineConfig(max_model_len=12))
     prompt = tok("Hello world")["input_ids"]
     res = engine.run_batch([prompt], SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert len(prompt) + len(res.token_ids) == 12
@@ -187,7 +195,7 @@ def test_async_generate_stream_and_abort(engine):
             rest = [o async for o in gen]
             assert rest[-1].finish_reason == "abort"
 
-            # concurrent requests are served in one wave and each gets its own tokens
+            # concurrent requests are served together and each gets its own tokens
             async def one(i, p):
                 return [
                     t
@@ -214,10 +222,10 @@ def test_async_generate_stream_and_abort(engine):
     assert engine.stats.generation_tokens > 0
 
 
-def test_forward_failure_is_fatal(loaded):
+def test_forward_failure_is_fatal(loaded, engine_cls):
     model, tok = loaded
     fatal = []
-    engine = BatchingEngine(model, tok, model_name="tiny", on_fatal=fatal.append)
+    engine = engine_cls(model, tok, model_name="tiny", on_fatal=fatal.append)
 
     def boom(*_a, **_k):
         raise RuntimeError("device lost")
@@ -253,3 +261,21 @@ def test_greedy_matches_transformers_generate(engine):
                 do_sample=False,
             )
         assert ours.token_ids == ref[0, len(ids) :].tolist()
+
+
+def test_logprobs_are_the_log_softmax_of_the_logits(engine):
+    """Each generated token's logprob is the raw logits' log-softmax at it, and the top
+    alternatives are the most likely tokens in order (greedy: the token is the first)."""
+    prompt = _ids(engine, ["Hello world, the"])[0]
+    res = engine.run_batch(
+        [prompt], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3), keep_logits=True
+    )[0]
+    assert len(res.logprobs) == 4
+    for token, entry, logits in zip(res.token_ids, res.logprobs, res.logits, strict=True):
+        logp = torch.log_softmax(logits, -1)
+        assert entry.token_id == token
+        assert entry.logprob == pytest.approx(float(logp[token]), abs=1e-5)
+        assert [t for t, _ in entry.top] == torch.topk(logp, 3).indices.tolist()
+        assert entry.top[0][0] == token
+    plain = engine.run_batch([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert plain.logprobs == [] and plain.token_ids == res.token_ids

@@ -16,13 +16,15 @@ from _http_helpers import UvicornThread, schemathesis_run  # noqa: E402
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-from dwdp.worker.engine.batching import BatchingEngine, EngineConfig  # noqa: E402
+from dwdp.worker.engine.base import EngineConfig  # noqa: E402
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.server.app import build_app  # noqa: E402
 from dwdp.worker.server.status import NoDwdp  # noqa: E402
 from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
 
 MAX_LEN = 96
+POOL = 80  # KV cache tokens: a request of prompt + max_tokens over it is refused
 
 
 class FakeDwdp:
@@ -51,8 +53,11 @@ def served(tmp_path_factory):
     torch.set_num_threads(1)
     path = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ck") / "ds", num_experts=5)
     model, tok = load_checkpoint(path)
-    engine = BatchingEngine(
-        model, tok, model_name="tiny-ds", config=EngineConfig(max_model_len=MAX_LEN)
+    engine = ContinuousEngine(
+        model,
+        tok,
+        model_name="tiny-ds",
+        config=EngineConfig(max_model_len=MAX_LEN, kv_capacity_tokens=POOL),
     ).start()
     dwdp = FakeDwdp()
     stopped = []
@@ -197,7 +202,11 @@ def test_chat_content_parts_and_stop(served):
     [
         ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 85}, 400, "KV cache pool's 80"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
@@ -258,7 +267,7 @@ def test_metrics_and_dwdp_status(served):
 def test_client_disconnect_aborts(served):
     client, engine, *_ = served
     before = engine.stats.requests_aborted
-    body = {"prompt": "Hello", "max_tokens": 80, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Hello", "max_tokens": 70, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -307,3 +316,44 @@ def test_schemathesis_finds_no_server_error(served):
     }
     assert not failures, failures[:5]
     assert client.get("/health").status_code == 200
+
+
+def test_n_choices_logprobs_and_stream_usage(served):
+    """``n`` choices (seeded ``seed + i``), logprobs in OpenAI's two formats (the chosen token is
+    the top alternative when greedy) and ``stream_options.include_usage``."""
+    client, engine, *_ = served
+    many = _complete(client, n=3, temperature=1.0, seed=11, max_tokens=5)
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    assert many["usage"]["completion_tokens"] == 15
+    one = _complete(client, temperature=1.0, seed=12, max_tokens=5)
+    assert many["choices"][1]["token_ids"] == one["choices"][0]["token_ids"]
+
+    out = _complete(client, logprobs=2, max_tokens=4)["choices"][0]
+    lp = out["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert "".join(lp["tokens"]) == out["text"]
+    assert lp["text_offset"][0] == 0 and all(v <= 0 for v in lp["token_logprobs"])
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                 strict=True):
+        assert len(top) <= 2 and top[token] == pytest.approx(value)
+        assert max(top.values()) == pytest.approx(value)
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 3}
+    answer = client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    content = answer["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    assert content[0]["top_logprobs"][0]["token"] == content[0]["token"]
+
+    chunks = _sse(client, "/v1/chat/completions",
+                  {**chat, "stream": True, "n": 2, "stream_options": {"include_usage": True}})
+    *body, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+    assert all(c["usage"] is None for c in body)
+    for i in (0, 1):
+        streamed = [e for c in body for ch in c["choices"] if ch["index"] == i
+                    for e in (ch.get("logprobs") or {}).get("content", [])]
+        assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    plain = _sse(client, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True})
+    assert all("usage" not in c for c in plain)
