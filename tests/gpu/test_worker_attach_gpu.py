@@ -38,7 +38,7 @@ CHILD = textwrap.dedent(
     from pathlib import Path
     from dwdp.api.enums import CopyMode, GatherKernel, HandleType
     from dwdp.api.partition import expert_partition
-    from dwdp.worker.engine.batching import BatchingEngine
+    from dwdp.worker.engine.continuous import ContinuousEngine
     from dwdp.worker.engine.loader import load_checkpoint
     from dwdp.worker.engine.protocol import SamplingParams
 
@@ -50,7 +50,7 @@ CHILD = textwrap.dedent(
     torch.cuda.set_device(0)
 
     def run(model, tok):
-        engine = BatchingEngine(model, tok, model_name="x")
+        engine = ContinuousEngine(model, tok, model_name="x")
         ids = [tok(p)["input_ids"] for p in prompts]
         res = engine.run_batch(ids, params, keep_logits=True)
         return [(r.token_ids, torch.stack(r.logits)) for r in res]

@@ -74,8 +74,15 @@ class StepLayout:
         import torch
 
         bs = cache.block_size
-        ids, pos, slots, ctx, sample_at = [], [], [], [], []
-        prefills, decode_q, decode_k, decode_len = [], [], [], []
+        ids: list[int] = []
+        pos: list[Any] = []
+        slots: list[Any] = []
+        ctx: list[Any] = []
+        sample_at: list[int] = []
+        prefills: list[tuple[int, int, int, int]] = []
+        decode_q: list[int] = []
+        decode_k: list[tuple[int, int]] = []
+        decode_len: list[int] = []
         q = k = 0
         fresh = True
         for c in chunks:
@@ -201,7 +208,7 @@ class PagedKVCache:
         pair = self.layers.get(layer_idx)
         if pair is None:
             pair = tuple(self._allocate(t) for t in (first, second))
-            self.layers[layer_idx] = pair  # type: ignore[assignment]
+            self.layers[layer_idx] = pair
         out = []
         for store, new in zip(pair, (first, second), strict=True):
             rows = new[0].transpose(0, 1)  # [T, heads, dim]

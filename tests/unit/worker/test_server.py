@@ -321,7 +321,7 @@ def test_schemathesis_finds_no_server_error(served):
 def test_n_choices_logprobs_and_stream_usage(served):
     """``n`` choices (seeded ``seed + i``), logprobs in OpenAI's two formats (the chosen token is
     the top alternative when greedy) and ``stream_options.include_usage``."""
-    client, engine, *_ = served
+    client, *_ = served
     many = _complete(client, n=3, temperature=1.0, seed=11, max_tokens=5)
     assert [c["index"] for c in many["choices"]] == [0, 1, 2]
     assert many["usage"]["completion_tokens"] == 15
