@@ -1,0 +1,250 @@
+"""Prefill forward time and model FLOP utilisation on one GPU: replicated weights against DWDP.
+
+One run: it writes a seeded Qwen3-MoE checkpoint (``write_qwen3_moe_checkpoint``: hidden 2048,
+128 experts of width 768, top-8, bf16, ``--layers`` layers), measures the GPU's bf16 matmul
+peak (8192^3 GEMMs), then starts ``--world`` rank processes sharing the GPU through POSIX fds.
+For every configuration (replicated; expert DWDP; expert + dense DWDP with 2 and 3 slots, each
+copy mode and gather kernel) every rank loads the model and attaches DWDP; rank 0 alone times
+prefill forwards of 2K, 8K and 16K tokens (one sequence, CUDA events, median of ``--repeats``
+after warm-ups) while the others wait at a barrier. FLOPs are counted from the shapes
+(projections, causal attention, router, top-k experts; no output head: one logit row), so
+``mfu = flops / time / peak``. One forward at 8K tokens of one dense configuration is profiled
+(``torch.profiler``): busy time per CUDA stream (compute, DWDP's copies) and their overlap.
+
+Usage: python bench/gpu_forward.py [--layers 8] [--world 4] [--tokens 2048,8192,16384]
+                                   [--repeats 5] [--out bench/results] [--workdir DIR]
+Writes OUT/gpu_forward.json and OUT/gpu_forward.txt (the printed table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import group_transport, load, spawn_ranks
+
+CONFIGS = [
+    # name, expert DWDP, dense DWDP, slots, copy mode, gather kernel
+    ("replicated", False, False, 0, None, None),
+    ("expert/2/gather-register", True, False, 2, "gather", "register"),
+    ("dense/2/per_slice", True, True, 2, "per_slice", None),
+    ("dense/2/batched", True, True, 2, "batched", None),
+    ("dense/2/gather-register", True, True, 2, "gather", "register"),
+    ("dense/2/gather-tma", True, True, 2, "gather", "tma"),
+    ("dense/3/gather-register", True, True, 3, "gather", "register"),
+    ("dense/3/batched", True, True, 3, "batched", None),
+]
+PROFILED = "dense/2/gather-register"
+
+
+def forward_flops(shape, tokens: int) -> float:
+    """FLOPs of one prefill forward of ``tokens`` tokens (one sequence), 2 per multiply-add."""
+    h, layers = shape.hidden_size, shape.num_layers
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    proj = 2 * tokens * h * (2 * q + 2 * kv)  # q, k, v, o
+    attn = 2 * 2 * shape.num_attention_heads * shape.head_dim * tokens * tokens / 2  # causal
+    router = 2 * tokens * h * shape.num_experts
+    experts = 2 * tokens * shape.num_experts_per_tok * 3 * h * shape.moe_intermediate_size
+    return layers * (proj + attn + router + experts)
+
+
+def matmul_peak() -> float:
+    """Measured bf16 GEMM throughput (FLOP/s) of this GPU: best of 20 8192^3 products."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / best
+
+
+def _time(model, ids, repeats: int) -> float:
+    import torch
+
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 2):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            end.record()
+            end.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _stream_profile(model, ids) -> dict:
+    """Busy seconds per CUDA stream of one forward, and the copy streams' overlap with the
+    compute stream (the stream with the most busy time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize()
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e:
+            stream = int(e.get("args", {}).get("stream", -1))
+            spans.setdefault(stream, []).append((e["ts"], e["ts"] + e["dur"]))
+    busy = {s: sum(b - a for a, b in v) / 1e6 for s, v in spans.items()}
+    compute = max(busy, key=busy.get) if busy else -1
+    first = min((a for v in spans.values() for a, _ in v), default=0.0)
+    last = max((b for v in spans.values() for _, b in v), default=0.0)
+    overlap = 0.0
+    for s, v in spans.items():
+        if s == compute:
+            continue
+        for a, b in v:
+            overlap += sum(max(0.0, min(b, d) - max(a, c)) for c, d in spans[compute]) / 1e6
+    copy = sum(t for s, t in busy.items() if s != compute)
+    return {
+        "wall_s": (last - first) / 1e6,
+        "compute_stream": compute,
+        "compute_busy_s": busy.get(compute, 0.0),
+        "copy_busy_s": copy,
+        "copy_overlapped_s": overlap,
+        "copy_overlap_fraction": overlap / copy if copy else None,
+        "busy_per_stream_s": {str(s): t for s, t in busy.items()},
+    }
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank process: every configuration in turn (see the module docstring)."""
+    import torch
+
+    from dwdp.api.enums import HandleType
+    from dwdp.worker.backend.cuda import CudaBackend
+
+    torch.cuda.set_device(0)
+    rank, world = args.rank, args.world
+    tokens = [int(t) for t in args.tokens.split(",")]
+    backend = CudaBackend(device=0, handle_type=HandleType.POSIX_FD)
+    results = []
+    with group_transport(rank, world, args.group, args.port) as transport:
+        for name, expert, dense, slots, mode, kernel in CONFIGS:
+            if not expert and rank != 0:
+                transport.barrier(label=f"{name}.done")
+                continue
+            model, _tok, att = load(args.ckpt, backend=backend if expert else None,
+                                    transport=transport, world=world, dense=dense, slots=slots,
+                                    mode=mode, kernel=kernel)
+            if rank == 0:
+                row = {"config": name, "experts_implementation":
+                       model.config._experts_implementation, "times_s": {}}
+                for t in tokens:
+                    ids = torch.randint(0, model.config.vocab_size, (1, t), device="cuda")
+                    row["times_s"][str(t)] = _time(model, ids, args.repeats)
+                    if name == PROFILED and t == 8192:
+                        row["profile_8192"] = _stream_profile(model, ids)
+                if att is not None:
+                    status = att.status()
+                    row["slot_waits"] = status.get("slot_waits")
+                    row["bytes_moved"] = status.get("bytes_moved")
+                results.append(row)
+                print(f"rank 0: {name} {row['times_s']}", flush=True)
+            torch.cuda.synchronize()
+            transport.barrier(label=f"{name}.done")
+            if att is not None:
+                att.close()
+            del model
+            torch.cuda.empty_cache()
+    backend.close()
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(results))
+
+
+def _report(rows: list[dict], shape, peak: float, tokens: list[int]) -> str:
+    base = next(r for r in rows if r["config"] == "replicated")["times_s"]
+    head = (f"Qwen3-MoE {shape.num_layers} layers x {shape.num_experts} experts (hidden "
+            f"{shape.hidden_size}, width {shape.moe_intermediate_size}, top-"
+            f"{shape.num_experts_per_tok}, bf16); measured bf16 matmul peak {peak / 1e12:.0f} "
+            f"TFLOP/s")
+    lines = [head, f"{'config':>26} " + " ".join(
+        f"{f'{t} ms':>9} {'ratio':>6} {'mfu':>5}" for t in tokens)]
+    for r in rows:
+        cells = []
+        for t in tokens:
+            s = r["times_s"][str(t)]
+            r.setdefault("ratio", {})[str(t)] = s / base[str(t)]
+            r.setdefault("mfu", {})[str(t)] = forward_flops(shape, t) / s / peak
+            cells.append(f"{s * 1e3:>9.2f} {s / base[str(t)]:>6.3f} {r['mfu'][str(t)]:>5.1%}")
+        lines.append(f"{r['config']:>26} " + " ".join(cells))
+    prof = next((r.get("profile_8192") for r in rows if r.get("profile_8192")), None)
+    if prof:
+        lines.append(
+            f"profile {PROFILED} at 8192 tokens: wall {prof['wall_s'] * 1e3:.2f} ms, compute "
+            f"stream busy {prof['compute_busy_s'] * 1e3:.2f} ms, copy streams busy "
+            f"{prof['copy_busy_s'] * 1e3:.2f} ms, of which overlapped with compute "
+            f"{(prof['copy_overlap_fraction'] or 0):.1%}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--tokens", default="2048,8192,16384")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    for hidden in ("--group", "--ckpt", "--result"):
+        ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rank is not None:
+        rank_main(args)
+        return 0
+
+    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
+
+    shape = Qwen3MoeShape(num_layers=args.layers)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="dwdp-gpu-forward-"))
+    try:
+        ckpt = write_qwen3_moe_checkpoint(work / "ck", shape, seed=3, device="cuda:0")
+        peak = matmul_peak()
+        extra = ["--tokens", args.tokens, "--repeats", str(args.repeats), "--ckpt", str(ckpt),
+                 "--result", str(work / "rows.json")]
+        codes = spawn_ranks(__file__, args.world, work, extra)
+        if any(codes):
+            print(f"rank exit codes {codes}", file=sys.stderr)
+            return 1
+        rows = json.loads((work / "rows.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    text = _report(rows, shape, peak, tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_forward.txt").write_text(text + "\n")
+    (out / "gpu_forward.json").write_text(json.dumps(
+        {"bench": "gpu_forward", "host": platform.node(), "args": vars(args),
+         "peak_flops": peak, "shape": vars(shape), "rows": rows}, indent=1) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Serving through HTTP on one GPU: the continuous engine against the wave engine and
+transformers' ``generate``, replicated and as a DWDP rank.
+
+One run: it writes a seeded Qwen3-MoE checkpoint (``--layers`` layers of 128 experts, hidden
+2048, bf16) and starts ``--world`` rank processes sharing the GPU. Rank 0 serves the OpenAI API
+(uvicorn on 127.0.0.1) with, in turn: the continuous engine on replicated weights, the wave
+engine on replicated weights, then (after every rank attached expert + dense DWDP, 2 slots,
+gather copies) the continuous engine as a DWDP rank; the other ranks wait. Each is driven at
+concurrency 1, 8 and 32 by streaming clients (aiohttp) sending mixed requests: prompts of 32 to
+2048 token ids and 16 to 512 output tokens (EOS ignored), drawn from one seed, so every engine
+serves the same work. Reported per engine and concurrency: requests/s, time to first token
+(p50/p99), inter-token latency (p50) and output tokens/s. transformers' ``generate`` (batches of
+``concurrency`` left-padded prompts, no HTTP) gives the in-library output tokens/s.
+
+Usage: python bench/gpu_serve.py [--layers 4] [--world 4] [--requests-per-slot 2]
+                                 [--out bench/results] [--workdir DIR]
+Writes OUT/gpu_serve.json and OUT/gpu_serve.txt (the printed table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import group_transport, load, spawn_ranks
+
+LEVELS = (1, 8, 32)
+
+
+def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """``n`` (prompt ids, output tokens) pairs: prompts of 32-2048 tokens, outputs of 16-512."""
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in range(rng.randint(32, 2048))], rng.randint(16, 512))
+            for _ in range(n)]
+
+
+async def _one(session, base: str, prompt: list[int], n: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    stamps = []
+    async with session.post(base + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0].get("token_ids"):
+                stamps.extend([time.perf_counter()] * len(chunk["choices"][0]["token_ids"]))
+    ttft = stamps[0] - start
+    itl = [(b - a) for a, b in itertools.pairwise(stamps) if b > a]
+    return {"ttft": ttft, "itl": itl, "tokens": len(stamps), "end": time.perf_counter()}
+
+
+async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """Send ``work`` keeping ``concurrency`` requests in flight; the level's figures."""
+    import aiohttp
+
+    queue = list(work)
+    results = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        start = time.perf_counter()
+
+        async def worker():
+            while queue:
+                prompt, n = queue.pop(0)
+                results.append(await _one(session, base, prompt, n))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    ttfts = sorted(r["ttft"] for r in results)
+    itls = [x for r in results for x in r["itl"]]
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "wall_s": wall,
+        "requests_per_s": len(results) / wall,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "itl_p50_s": statistics.median(itls) if itls else None,
+        "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+    }
+
+
+def serve_and_drive(engine, per_slot: int, vocab: int) -> list[dict]:
+    """The engine behind the OpenAI app on a free loopback port, at every level."""
+    import uvicorn
+
+    from dwdp.worker.server.app import build_app
+
+    app = build_app(engine, served_name="bench")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        asyncio.run(drive(base, workload(2, vocab, 99), 2))  # warm-up
+        return [asyncio.run(drive(base, workload(max(4, c * per_slot), vocab, c), c))
+                for c in LEVELS]
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def generate_baseline(model, per_slot: int, vocab: int) -> list[dict]:
+    """transformers' ``generate`` over the same work: batches of ``c`` left-padded prompts."""
+    import torch
+
+    rows = []
+    for c in LEVELS:
+        work = workload(max(4, c * per_slot), vocab, c)
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(work), c):
+            batch = work[i : i + c]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, (p, _) in enumerate(batch):
+                ids[j, width - len(p):] = torch.tensor(p)
+                mask[j, width - len(p):] = 1
+            n = max(n for _, n in batch)
+            with torch.inference_mode():
+                model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False)
+            tokens += sum(n for _, n in batch)  # what the requests asked for
+        wall = time.perf_counter() - start
+        rows.append({"concurrency": c, "requests": len(work), "wall_s": wall,
+                     "requests_per_s": len(work) / wall, "output_tokens_per_s": tokens / wall})
+    return rows
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+
+    from dwdp.api.enums import HandleType
+    from dwdp.worker.backend.cuda import CudaBackend
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.batching import BatchingEngine
+    from dwdp.worker.engine.continuous import ContinuousEngine
+
+    torch.cuda.set_device(0)
+    config = EngineConfig(max_batch_size=32, max_num_tokens=8192, max_model_len=4096,
+                          kv_capacity_tokens=32 * 4096)
+    results: dict[str, list[dict]] = {}
+    backend = CudaBackend(device=0, handle_type=HandleType.POSIX_FD)
+    with group_transport(args.rank, args.world, args.group, args.port) as transport:
+        if args.rank == 0:
+            model, tok, _ = load(args.ckpt)
+            vocab = model.config.vocab_size
+            results["generate"] = generate_baseline(model, args.requests_per_slot, vocab)
+            print("generate", results["generate"], flush=True)
+            for name, cls in (("wave", BatchingEngine), ("continuous", ContinuousEngine)):
+                engine = cls(model, tok, model_name="bench", config=config).start()
+                results[name] = serve_and_drive(engine, args.requests_per_slot, vocab)
+                engine.stop()
+                print(name, results[name], flush=True)
+            del model, engine
+            torch.cuda.empty_cache()
+        transport.barrier(label="replicated.done")
+        model, tok, att = load(args.ckpt, backend=backend, transport=transport,
+                               world=args.world, dense=True, slots=2, mode="gather")
+        if args.rank == 0:
+            engine = ContinuousEngine(model, tok, model_name="bench", config=config).start()
+            results["continuous+dwdp"] = serve_and_drive(
+                engine, args.requests_per_slot, model.config.vocab_size)
+            engine.stop()
+            print("continuous+dwdp", results["continuous+dwdp"], flush=True)
+            Path(args.result).write_text(json.dumps(results))
+        torch.cuda.synchronize()
+        transport.barrier(label="dwdp.done")
+        att.close()
+    backend.close()
+
+
+def _ms(row: dict, key: str) -> str:
+    return f"{row[key] * 1e3:.1f}ms" if row.get(key) is not None else "-"
+
+
+def _report(results: dict[str, list[dict]], layers: int) -> str:
+    lines = [f"Qwen3-MoE {layers} layers x 128 experts (hidden 2048, bf16), one H200; mixed "
+             "prompts 32-2048 tokens, outputs 16-512",
+             f"{'engine':>16} {'conc':>4} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+             f"{'ITL p50':>8} {'out tok/s':>10}"]
+    for name, rows in results.items():
+        for r in rows:
+            lines.append(f"{name:>16} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} "
+                         f"{_ms(r, 'ttft_p50_s'):>9} {_ms(r, 'ttft_p99_s'):>9} "
+                         f"{_ms(r, 'itl_p50_s'):>8} "
+                         f"{r['output_tokens_per_s']:>10.1f}")
+    wave = {r["concurrency"]: r for r in results.get("wave", [])}
+    cont = {r["concurrency"]: r for r in results.get("continuous", [])}
+    if 32 in wave and 32 in cont:
+        lines.append(
+            f"at concurrency 32: output tokens/s continuous / wave = "
+            f"{cont[32]['output_tokens_per_s'] / wave[32]['output_tokens_per_s']:.2f}; "
+            f"TTFT p99 continuous / wave = {cont[32]['ttft_p99_s'] / wave[32]['ttft_p99_s']:.2f}")
+    dw = {r["concurrency"]: r for r in results.get("continuous+dwdp", [])}
+    if 32 in dw and 32 in cont:
+        lines.append(
+            f"at concurrency 32: output tokens/s DWDP / replicated = "
+            f"{dw[32]['output_tokens_per_s'] / cont[32]['output_tokens_per_s']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    for hidden in ("--group", "--ckpt", "--result"):
+        ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rank is not None:
+        rank_main(args)
+        return 0
+
+    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="dwdp-gpu-serve-"))
+    try:
+        ckpt = write_qwen3_moe_checkpoint(work / "ck", Qwen3MoeShape(num_layers=args.layers),
+                                          seed=3, device="cuda:0")
+        extra = ["--requests-per-slot", str(args.requests_per_slot), "--ckpt", str(ckpt),
+                 "--result", str(work / "results.json")]
+        codes = spawn_ranks(__file__, args.world, work, extra)
+        if any(codes):
+            print(f"rank exit codes {codes}", file=sys.stderr)
+            return 1
+        results = json.loads((work / "results.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = _report(results, args.layers)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_serve.txt").write_text(text + "\n")
+    (out / "gpu_serve.json").write_text(json.dumps(
+        {"bench": "gpu_serve", "host": platform.node(), "args": vars(args), "results": results},
+        indent=1) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
