@@ -12,7 +12,7 @@ serves the same work. Reported per engine and concurrency: requests/s, time to f
 (p50/p99), inter-token latency (p50) and output tokens/s. transformers' ``generate`` (batches of
 ``concurrency`` left-padded prompts, no HTTP) gives the in-library output tokens/s.
 
-Usage: python bench/gpu_serve.py [--layers 4] [--world 4] [--requests-per-slot 2]
+Usage: python bench/gpu_serve.py [--layers 4] [--world 4] [--requests-per-slot 2] [--max-output 512]
                                  [--out bench/results] [--workdir DIR]
 Writes OUT/gpu_serve.json and OUT/gpu_serve.txt (the printed table).
 """
@@ -39,11 +39,15 @@ from gpu_common import group_transport, load, spawn_ranks
 LEVELS = (1, 8, 32)
 
 
+MAX_OUTPUT = [512]  # --max-output sets it once, before any workload is drawn
+
+
 def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    """``n`` (prompt ids, output tokens) pairs: prompts of 32-2048 tokens, outputs of 16-512."""
+    """``n`` (prompt ids, output tokens) pairs: prompts of 32-2048 tokens, outputs of 16 to
+    ``--max-output`` (512)."""
     rng = random.Random(seed)
-    return [([rng.randrange(vocab) for _ in range(rng.randint(32, 2048))], rng.randint(16, 512))
-            for _ in range(n)]
+    return [([rng.randrange(vocab) for _ in range(rng.randint(32, 2048))],
+             rng.randint(16, MAX_OUTPUT[0])) for _ in range(n)]
 
 
 async def _one(session, base: str, prompt: list[int], n: int) -> dict:
@@ -221,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--max-output", type=int, default=512, help="longest output, tokens")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -228,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    MAX_OUTPUT[0] = args.max_output
     if args.rank is not None:
         rank_main(args)
         return 0
@@ -239,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = write_qwen3_moe_checkpoint(work / "ck", Qwen3MoeShape(num_layers=args.layers),
                                           seed=3, device="cuda:0")
         extra = ["--requests-per-slot", str(args.requests_per_slot), "--ckpt", str(ckpt),
+                 "--max-output", str(args.max_output),
                  "--result", str(work / "results.json")]
         codes = spawn_ranks(__file__, args.world, work, extra)
         if any(codes):
