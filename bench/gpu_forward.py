@@ -12,7 +12,8 @@ after warm-ups) while the others wait at a barrier. FLOPs are counted from the s
 (``torch.profiler``): busy time per CUDA stream (compute, DWDP's copies) and their overlap.
 
 Usage: python bench/gpu_forward.py [--layers 8] [--world 4] [--tokens 2048,8192,16384]
-                                   [--repeats 5] [--out bench/results] [--workdir DIR]
+                                   [--repeats 5] [--configs NAMES] [--out bench/results]
+                                   [--workdir DIR]
 Writes OUT/gpu_forward.json and OUT/gpu_forward.txt (the printed table).
 """
 
@@ -142,7 +143,8 @@ def rank_main(args: argparse.Namespace) -> None:
     backend = CudaBackend(device=0, handle_type=HandleType.POSIX_FD)
     results = []
     with group_transport(rank, world, args.group, args.port) as transport:
-        for name, expert, dense, slots, mode, kernel in CONFIGS:
+        chosen = args.configs.split(",")
+        for name, expert, dense, slots, mode, kernel in (c for c in CONFIGS if c[0] in chosen):
             if not expert and rank != 0:
                 transport.barrier(label=f"{name}.done")
                 continue
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--tokens", default="2048,8192,16384")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS),
+                    help="comma-separated configuration names (default: all)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -226,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = write_qwen3_moe_checkpoint(work / "ck", shape, seed=3, device="cuda:0")
         peak = matmul_peak()
         extra = ["--tokens", args.tokens, "--repeats", str(args.repeats), "--ckpt", str(ckpt),
+                 "--configs", args.configs,
                  "--result", str(work / "rows.json")]
         codes = spawn_ranks(__file__, args.world, work, extra)
         if any(codes):

@@ -196,7 +196,7 @@ def _ms(row: dict, key: str) -> str:
 
 def _report(results: dict[str, list[dict]], layers: int) -> str:
     lines = [f"Qwen3-MoE {layers} layers x 128 experts (hidden 2048, bf16), one H200; mixed "
-             "prompts 32-2048 tokens, outputs 16-512",
+             f"prompts 32-2048 tokens, outputs 16-{MAX_OUTPUT[0]}",
              f"{'engine':>16} {'conc':>4} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
              f"{'ITL p50':>8} {'out tok/s':>10}"]
     for name, rows in results.items():
