@@ -224,7 +224,9 @@ class PagedKVCache:
 
         heads, dim = like.shape[1], like.shape[3]
         slots = self.num_blocks * self.block_size
-        return torch.zeros((slots, heads, dim), dtype=self.dtype, device=self.device)
+        # empty, not zeros: a slot is always written before it is read, and on the host the
+        # pages of blocks never used stay uncommitted (the pool is a budget there)
+        return torch.empty((slots, heads, dim), dtype=self.dtype, device=self.device)
 
 
 def paged_attention(
