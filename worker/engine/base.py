@@ -73,6 +73,10 @@ class EngineStats:
     preemptions: int = 0
     kv_tokens_in_use: int = 0
     """KV cache tokens held by running requests (a gauge, not a counter)."""
+    requests_running: int = 0
+    """Requests in the running set (a gauge; the continuous engine)."""
+    requests_waiting: int = 0
+    """Requests queued for a step (a gauge; the continuous engine)."""
 
 
 class EngineBase:

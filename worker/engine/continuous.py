@@ -186,7 +186,10 @@ class ContinuousEngine(EngineBase):
         self._sequences.pop(id(seq.state), None)
 
     def _count_kv(self) -> None:
+        """The gauges: KV tokens held, requests running and waiting."""
         self.stats.kv_tokens_in_use = self.allocator.num_in_use * self.allocator.block_size
+        self.stats.requests_running = len(self.scheduler.running)
+        self.stats.requests_waiting = len(self.scheduler.waiting) + self._queue.qsize()
 
     def _abort_all(self) -> None:
         for seq in list(self._sequences.values()):

@@ -66,8 +66,17 @@ class _ScrapeCollector:
                 ("dwdp_generation_tokens", "Tokens generated.", stats.generation_tokens),
                 ("dwdp_forward_passes", "Model forward passes.", stats.forward_passes),
                 ("dwdp_forward_seconds", "Seconds in model forwards.", stats.forward_seconds),
+                ("dwdp_num_preemptions", "Requests preempted for KV blocks (recomputed "
+                 "later), as vLLM's num_preemptions.", stats.preemptions),
             ):
                 yield CounterMetricFamily(name, doc, value=value)
+            for name, doc, value in (
+                ("dwdp_num_requests_running", "Requests in the engine's running set, as "
+                 "vLLM's num_requests_running.", stats.requests_running),
+                ("dwdp_num_requests_waiting", "Requests waiting for a step, as vLLM's "
+                 "num_requests_waiting.", stats.requests_waiting),
+            ):
+                yield GaugeMetricFamily(name, doc, value=value)
         status = self.dwdp.status()
         yield CounterMetricFamily(
             "dwdp_bytes_moved",
@@ -118,6 +127,14 @@ class ServerMetrics:
         self.ttft = Histogram(
             "dwdp_time_to_first_token_seconds",
             "Seconds from arrival to the first generated token.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "dwdp_inter_token_latency_seconds",
+            "Seconds between consecutive output updates of a request, per token, as vLLM's "
+            "inter_token_latency_seconds.",
             ["endpoint"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,

@@ -223,12 +223,18 @@ class OpenAIServing:
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine stream with latency and TTFT observed; engine errors mapped."""
         start = time.perf_counter()
-        first = True
+        last: float | None = None
         try:
             async for out in self.engine.generate(request_id, prompt_ids, params):
-                if first and (out.token_ids or out.finished):
-                    self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - start)
-                    first = False
+                now = time.perf_counter()
+                if last is None and (out.token_ids or out.finished):
+                    self.metrics.ttft.labels(endpoint).observe(now - start)
+                    last = now
+                elif last is not None and out.token_ids:
+                    per_token = (now - last) / len(out.token_ids)
+                    for _ in out.token_ids:
+                        self.metrics.itl.labels(endpoint).observe(per_token)
+                    last = now
                 yield out
         except RequestError as exc:
             raise ServingError(400, str(exc)) from exc

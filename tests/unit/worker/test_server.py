@@ -254,8 +254,21 @@ def test_metrics_and_dwdp_status(served):
         "dwdp_bytes_moved_total 123456.0",
         "dwdp_slot_waits_total 7.0",
         "dwdp_bytes_stored 1000.0",
+        "dwdp_num_requests_running 0.0",  # at rest
+        "dwdp_num_requests_waiting 0.0",
+        "dwdp_num_preemptions_total 0.0",
     ):
         assert name in text, name
+    from prometheus_client.parser import text_string_to_metric_families
+
+    itl = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "dwdp_inter_token_latency_seconds_count"
+        and s.labels.get("endpoint") == "completions"
+    }
+    assert itl["dwdp_inter_token_latency_seconds_count"] >= 5  # 6 tokens: 5 gaps at least
     assert 'dwdp_requests_total{endpoint="/v1/completions",status="200"}' in text
     status = client.get("/dwdp/status").json()
     assert status["layout_digest"] == "abc123"
