@@ -9,7 +9,8 @@ prefill forwards of 2K, 8K and 16K tokens (one sequence, CUDA events, median of 
 after warm-ups) while the others wait at a barrier. FLOPs are counted from the shapes
 (projections, causal attention, router, top-k experts; no output head: one logit row), so
 ``mfu = flops / time / peak``. One forward at 8K tokens of one dense configuration is profiled
-(``torch.profiler``): busy time per CUDA stream (compute, DWDP's copies) and their overlap.
+(``torch.profiler``): busy time per CUDA stream (compute, DWDP's copies), their overlap and
+the kernels that take the most time.
 
 Usage: python bench/gpu_forward.py [--layers 8] [--world 4] [--tokens 2048,8192,16384]
                                    [--repeats 5] [--configs NAMES] [--out bench/results]
@@ -104,10 +105,13 @@ def _stream_profile(model, ids) -> dict:
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
     spans: dict[int, list[tuple[float, float]]] = {}
+    by_kernel: dict[str, float] = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e:
             stream = int(e.get("args", {}).get("stream", -1))
             spans.setdefault(stream, []).append((e["ts"], e["ts"] + e["dur"]))
+            name = str(e.get("name", "?"))[:80]
+            by_kernel[name] = by_kernel.get(name, 0.0) + e["dur"] / 1e6
     busy = {s: sum(b - a for a, b in v) / 1e6 for s, v in spans.items()}
     compute = max(busy, key=busy.get) if busy else -1
     first = min((a for v in spans.values() for a, _ in v), default=0.0)
@@ -127,6 +131,7 @@ def _stream_profile(model, ids) -> dict:
         "copy_overlapped_s": overlap,
         "copy_overlap_fraction": overlap / copy if copy else None,
         "busy_per_stream_s": {str(s): t for s, t in busy.items()},
+        "top_kernels_s": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]),
     }
 
 
