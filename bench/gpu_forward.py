@@ -110,7 +110,7 @@ def _stream_profile(model, ids) -> dict:
         if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e:
             stream = int(e.get("args", {}).get("stream", -1))
             spans.setdefault(stream, []).append((e["ts"], e["ts"] + e["dur"]))
-            name = str(e.get("name", "?"))[:80]
+            name = str(e.get("name", "?"))[:200]
             by_kernel[name] = by_kernel.get(name, 0.0) + e["dur"] / 1e6
     busy = {s: sum(b - a for a, b in v) / 1e6 for s, v in spans.items()}
     compute = max(busy, key=busy.get) if busy else -1
