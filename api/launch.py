@@ -120,6 +120,13 @@ class KvCacheConfig(ApiModel):
         description="Upper bound on the KV cache pool, in tokens; unset means no bound. "
         "Must be at least maxModelLen.",
     )
+    transfer_lease_seconds: PosInt = Field(
+        default=30,
+        le=3600,
+        description="Disaggregated serving: how long a context rank holds a prefilled "
+        "request's KV blocks for its generation server to read (vLLM's lease; released at "
+        "once when the read is done).",
+    )
     block_size: PosInt = Field(
         default=16,
         le=256,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dwdp.api.contract import Env, Stage
+from dwdp.api.enums import Role
 from dwdp.worker.memory import MemoryWatch, RankMemory, size_rank_memory
 from dwdp.worker.server.guard import check_api_key
 from dwdp.worker.server.status import rank_identity
@@ -58,8 +59,6 @@ def warn_once(message: str) -> bool:
         _warned.add(message)
     log.warning("%s", message)
     return True
-
-
 
 
 def phased(stage: str, exc: BaseException) -> str:
@@ -298,6 +297,33 @@ def load_model(
     return model, tokenizer, None
 
 
+def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: str | None) -> None:
+    """Give a context or generation rank its NIXL KV transfer; it advertises the pod's address
+    (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod)."""
+    from dwdp.worker.disagg.agent import KvAgent
+    from dwdp.worker.disagg.transfer import KvTransfer
+
+    advertise = os.environ.get(Env.POD_IP) or (
+        host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    )
+    layers = int(engine.model.config.get_text_config().num_hidden_layers)
+    engine.attach_kv_transfer(
+        lambda cache: KvTransfer(
+            KvAgent(cache, model=engine.model_name, num_layers=layers),
+            host=advertise,
+            port=port,
+            api_key=api_key,
+            lease_s=float(cfg.kv_cache.transfer_lease_seconds),
+        )
+    )
+    log.info(
+        "KV transfer ready: NIXL agent %s, side channel %s:%d",
+        engine.kv.agent.engine_id,
+        advertise,
+        port,
+    )
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
@@ -378,6 +404,9 @@ def run_worker(opts: WorkerOptions) -> int:
             ),
             on_fatal=on_fatal,
         )
+        if cfg.role in (Role.CONTEXT, Role.GENERATION):
+            stage["now"] = Stage.ENGINE
+            attach_kv_transfer(engine, cfg, opts.host, port, api_key)
         stop_engine = engine.stop
         engine.start()
         app = build_app(

@@ -77,6 +77,10 @@ class EngineStats:
     """Requests in the running set (a gauge; the continuous engine)."""
     requests_waiting: int = 0
     """Requests queued for a step (a gauge; the continuous engine)."""
+    kv_leases: int = 0
+    """Remote-decode prefills whose blocks wait for the generation side (a gauge)."""
+    remote_prefill_tokens: int = 0
+    """Prompt tokens whose KV was read from a context server (a counter)."""
 
 
 class EngineBase:
@@ -191,10 +195,15 @@ class EngineBase:
             )
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_transfer: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue the request and stream its updates (see ``EngineClient.generate``)."""
         self.validate(prompt_token_ids, params)
+        self.validate_kv_transfer(prompt_token_ids, kv_transfer)
         await self.check_health()
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -203,6 +212,8 @@ class EngineBase:
             loop.call_soon_threadsafe(updates.put_nowait, out)
 
         state = RequestState(request_id, [int(t) for t in prompt_token_ids], params, emit=emit)
+        state.kv_transfer = kv_transfer
+        await self._prepare(state)
         self._submit(state)
         try:
             while True:
@@ -215,6 +226,17 @@ class EngineBase:
         finally:
             if not state.finished:
                 state.aborted = True
+
+    def validate_kv_transfer(self, prompt_token_ids: Sequence[int], kv_transfer: Any) -> None:
+        """Raise ``RequestError`` for a KV transfer this engine cannot do (here: any)."""
+        if kv_transfer is not None and (
+            kv_transfer.do_remote_decode or kv_transfer.do_remote_prefill
+        ):
+            raise RequestError("kv_transfer_params: this server does no KV transfer")
+
+    async def _prepare(self, state: RequestState) -> None:
+        """Work a request needs before it is queued (the continuous engine connects to a
+        remote KV cache here)."""
 
     # -- the batch API (tests, bench) ----------------------------------------------------------
     def run_batch(

@@ -61,3 +61,8 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         """Take ``blocks`` back (the caller forgets them)."""
         self._free.extend(reversed(blocks))
+
+    def free_many(self, tables: list[list[int]]) -> None:
+        """Take back every block table of ``tables``."""
+        for blocks in tables:
+            self.free(blocks)

@@ -14,6 +14,7 @@ known to be consistent, so the rank exits rather than serve from it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,8 @@ from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
 from dwdp.worker.engine.scheduler import Scheduler
 from dwdp.worker.engine.scheduler import Sequence as SchedSequence
+
+log = logging.getLogger(__name__)
 
 DEFAULT_POOL_TOKENS = 65536
 """The pool without ``kv_capacity_tokens`` (tests, benches): ``max_batch_size`` requests of
@@ -87,6 +90,7 @@ class ContinuousEngine(EngineBase):
         self.runner = ModelRunner(self, cache)
         self._sequences: dict[int, SchedSequence] = {}
         self._step_lock = threading.Lock()
+        self.kv: Any = None  # the KvTransfer of a disaggregated server (attach_kv_transfer)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """``EngineBase.validate``, and the request must fit the KV cache pool alone: prompt
@@ -101,12 +105,88 @@ class ContinuousEngine(EngineBase):
                 f"of {self.allocator.block_size}); lower max_tokens or shorten the prompt"
             )
 
+    # -- disaggregation -------------------------------------------------------------------------
+    def attach_kv_transfer(self, make: Callable[[PagedKVCache], Any]) -> Any:
+        """Run one warm-up step (it allocates every layer's cache), then build the server's
+        ``KvTransfer`` over the cache with ``make``; call before ``start``. Returns it."""
+        self.run_batch([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
+        self.stats = type(self.stats)()  # the warm-up is no served request
+        self.kv = make(self.runner.cache)
+        return self.kv
+
+    def validate_kv_transfer(self, prompt_token_ids: Sequence[int], kv_transfer: Any) -> None:
+        """Refuse contradictory params, a transfer without ``attach_kv_transfer``, and remote
+        blocks that do not fit the prompt (``RequestError`` naming the field)."""
+        if kv_transfer is None or not (
+            kv_transfer.do_remote_decode or kv_transfer.do_remote_prefill
+        ):
+            return
+        problem = kv_transfer.problem()
+        if problem is not None:
+            raise RequestError(problem)
+        if self.kv is None:
+            raise RequestError(
+                "kv_transfer_params: this server does no KV transfer "
+                "(not a context or generation role)"
+            )
+        if kv_transfer.do_remote_prefill:
+            want = self.allocator.blocks_for(len(prompt_token_ids))
+            got = len(kv_transfer.remote_block_ids)
+            if got != want:
+                raise RequestError(
+                    f"kv_transfer_params.remote_block_ids: {got} blocks, the prompt of "
+                    f"{len(prompt_token_ids)} tokens fills {want} of {self.allocator.block_size}"
+                )
+
+    async def _prepare(self, state: RequestState) -> None:
+        """A remote prefill: connect to the context server before the request is queued."""
+        kv = state.kv_transfer
+        if kv is not None and kv.do_remote_prefill:
+            remote = await self.kv.connect(kv)
+            state.kv_transfer = (kv, remote)
+
+    def _pull(self, seq: SchedSequence) -> bool:
+        """Read the remote prompt KV of a joining request; False (request failed) on error."""
+        kv, remote = seq.pull
+        seq.pull = None
+        try:
+            self.kv.pull(remote, kv, seq.blocks[: len(kv.remote_block_ids)])
+        except Exception as exc:
+            log.warning("request %s: %s", seq.state.request_id, exc)
+            self._fail(seq, exc)
+            return False
+        self.stats.remote_prefill_tokens += len(seq.state.prompt)
+        return True
+
+    def _fail(self, seq: SchedSequence, exc: BaseException) -> None:
+        state = seq.state
+        state.finished, state.finish_reason = True, "error"
+        if state.emit is not None:
+            state.emit(exc)
+        with self._lock:
+            if self._active.get(state.request_id) is state:
+                del self._active[state.request_id]
+        self.scheduler.remove(seq)
+        self._sequences.pop(id(state), None)
+
+    def _lease_or_end(self, seq: SchedSequence) -> None:
+        """A finished request: a remote-decode prefill keeps its blocks under a lease."""
+        if seq.state.kv_transfer_out is None:
+            self._end(seq, None)
+            return
+        self.scheduler.detach(seq)
+        self._sequences.pop(id(seq.state), None)
+        self.kv.lease(seq.state.request_id, seq.blocks)
+
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            self._take_new(wait=not self.scheduler.has_work)
+            idle = not self.scheduler.has_work
+            self._take_new(wait=idle, timeout=0.2 if self.kv is not None else None)
             if self._stopping.is_set():
                 break
+            if self.kv is not None:
+                self.allocator.free_many(self.kv.expired_or_released())
             self._step()
         self._abort_all()
 
@@ -136,13 +216,14 @@ class ContinuousEngine(EngineBase):
             while any(not s.finished for s in states):
                 self._step()
 
-    def _take_new(self, *, wait: bool) -> None:
-        """Move queued requests into the scheduler (blocking for the first when idle)."""
+    def _take_new(self, *, wait: bool, timeout: float | None = None) -> None:
+        """Move queued requests into the scheduler (blocking for the first when idle, at most
+        ``timeout`` seconds)."""
         import queue
 
         while True:
             try:
-                state = self._queue.get(timeout=None) if wait else self._queue.get_nowait()
+                state = self._queue.get(timeout=timeout) if wait else self._queue.get_nowait()
             except queue.Empty:
                 return
             wait = False
@@ -151,6 +232,9 @@ class ContinuousEngine(EngineBase):
 
     def _add(self, state: RequestState) -> None:
         seq = SchedSequence(state)
+        if isinstance(state.kv_transfer, tuple):  # a remote prefill, connected (_prepare)
+            seq.pull = state.kv_transfer
+            state.kv_transfer = state.kv_transfer[0]
         self._sequences[id(state)] = seq
         self.scheduler.add(seq)
 
@@ -159,7 +243,7 @@ class ContinuousEngine(EngineBase):
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.state.aborted:
                 self._end(seq, "abort")
-        plan = self.scheduler.schedule()
+        plan = [p for p in self.scheduler.schedule() if p.seq.pull is None or self._pull(p.seq)]
         if not plan:
             return
         self.stats.waves += 1
@@ -174,8 +258,11 @@ class ContinuousEngine(EngineBase):
             )
             seq.computed += n
         for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
+            kv = seq.state.kv_transfer
+            if kv is not None and kv.do_remote_decode:
+                seq.state.kv_transfer_out = self.kv.prefilled(seq.state.request_id, seq.blocks)
             if self._deliver(seq.state, choice):
-                self._end(seq, None)
+                self._lease_or_end(seq)
         self._count_kv()
 
     def _end(self, seq: SchedSequence, reason: str | None) -> None:
@@ -186,7 +273,9 @@ class ContinuousEngine(EngineBase):
         self._sequences.pop(id(seq.state), None)
 
     def _count_kv(self) -> None:
-        """The gauges: KV tokens held, requests running and waiting."""
+        """The gauges: KV tokens held, requests running and waiting, leases."""
+        if self.kv is not None:
+            self.stats.kv_leases = self.kv.leases
         self.stats.kv_tokens_in_use = self.allocator.num_in_use * self.allocator.block_size
         self.stats.requests_running = len(self.scheduler.running)
         self.stats.requests_waiting = len(self.scheduler.waiting) + self._queue.qsize()

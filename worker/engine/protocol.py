@@ -103,6 +103,9 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     """One entry per token of ``token_ids`` when the request asked for logprobs."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """On the last update of a remote-decode prefill: where its KV blocks wait
+    (``dwdp.worker.disagg.params.prefilled``)."""
 
 
 @dataclass(slots=True)
@@ -134,11 +137,16 @@ class EngineClient(Protocol):
         """The Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
 
     def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_transfer: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's updates; the last one has ``finished``. Raises
-        ``RequestError`` (bad request) or ``EngineError`` (cannot serve). Closing the
-        iterator early aborts the request."""
+        """Stream the request's updates; the last one has ``finished``. ``kv_transfer``: the
+        request's ``KvTransferParams`` (prefill/decode disaggregation), if any. Raises
+        ``RequestError`` (bad request), ``TransferError`` (the KV transfer failed) or
+        ``EngineError`` (cannot serve). Closing the iterator early aborts the request."""
 
     async def abort(self, request_id: str) -> None:
         """Stop the request if it is queued or running; unknown ids are ignored."""

@@ -50,6 +50,10 @@ class RequestState:
     processors: Any = None
     generator: Any = None
     arrival: float = 0.0
+    kv_transfer: Any = None
+    """The request's ``KvTransferParams`` (disaggregation), or ``None``."""
+    kv_transfer_out: dict[str, Any] | None = None
+    """What the last update answers as ``kv_transfer_params`` (a remote-decode prefill)."""
 
     @property
     def length(self) -> int:
@@ -110,6 +114,7 @@ class RequestState:
             logprobs=self.logprobs[self.sent_tokens :]
             if self.params.logprobs is not None
             else None,
+            kv_transfer_params=self.kv_transfer_out if final else None,
         )
         self.sent_text = max(self.sent_text, len(text))
         self.sent_tokens = len(self.tokens)

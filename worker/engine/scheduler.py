@@ -11,6 +11,10 @@ Every step (vLLM's policy, first come first served):
    ``max_num_seqs`` requests run and the blocks of their first chunk are free (beyond a
    watermark of 1% of the pool, so a join does not force a preemption at once).
 
+A request whose prompt's KV comes from a context server (``Sequence.pull``) joins with every
+prompt token but the last counted as computed: its first step recomputes that token, which gives
+the logits of its first output token (vLLM's NIXL connector does the same).
+
 A request never holds more than one request of ``max_model_len`` tokens of blocks, and the
 engine refuses one that could not fit the pool alone, so the oldest request always progresses.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from dwdp.worker.engine.blocks import BlockAllocator
 from dwdp.worker.engine.paged import Chunk
@@ -33,6 +38,9 @@ class Sequence:
     state: RequestState
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
+    pull: Any = None
+    """Remote KV to read before its first step (disaggregation): the engine's business; the
+    scheduler only treats every prompt token but the last as computed when it joins."""
 
     @property
     def pending(self) -> int:
@@ -83,6 +91,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free(seq)
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running request out of the schedule, its blocks still held (a lease)."""
+        self.running.remove(seq)
+
     def schedule(self) -> list[Scheduled]:
         """The next step's chunks (empty when nothing can run); see the module docstring."""
         budget = self.max_num_tokens
@@ -98,6 +110,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.pull is not None:  # its prompt's KV arrives; only the last token runs
+                seq.computed = max(0, len(seq.state.prompt) - 1)
             n = min(seq.pending, budget)
             need = self.allocator.blocks_for(seq.computed + n) - len(seq.blocks)
             if not self.allocator.can_allocate(need + (self.watermark if self.running else 0)):

@@ -6,6 +6,7 @@ a streaming response or an error. Validation failures answer 400 with the field'
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dwdp.worker.disagg.agent import KV_AGENT_PATH
 from dwdp.worker.engine.protocol import EngineClient
 from dwdp.worker.server.guard import RequestGuard
 from dwdp.worker.server.metrics import ServerMetrics
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request."},
     404: {"model": ErrorResponse, "description": "Unknown model."},
+    502: {"model": ErrorResponse, "description": "The KV transfer from the context server failed."},
     503: {"model": ErrorResponse, "description": "The engine cannot serve."},
 }
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
@@ -168,6 +171,18 @@ def build_app(
     async def prometheus(request: Request) -> Response:
         data = generate_latest(request.app.state.metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(KV_AGENT_PATH, responses={404: _ERRORS[404]})
+    async def kv_agent(request: Request, claim: str | None = None) -> dict[str, Any]:
+        """The NIXL side channel of a disaggregated server (behind the API key); ``claim``:
+        a request id whose KV lease the caller is about to read (410 when it is not held)."""
+        kv = getattr(_serving(request).engine, "kv", None)
+        if kv is None:
+            raise ServingError(404, "no KV transfer on this server", kind="not_found_error")
+        described = await asyncio.to_thread(kv.describe, claim)  # the agent's lock may wait
+        if described is None:
+            raise ServingError(410, f"claim: no KV lease held for {claim!r}", kind="gone")
+        return dict(described)
 
     @app.get("/dwdp/status")
     async def dwdp_status(request: Request) -> dict[str, Any]:

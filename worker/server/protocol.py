@@ -11,10 +11,11 @@ set). Logprobs follow OpenAI's two formats: ``logprobs: k`` on completions (``to
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dwdp.worker.disagg.params import KvTransferParams
 from dwdp.worker.engine.protocol import MAX_LOGPROBS
 
 MAX_SEED = 2**63 - 1
@@ -56,6 +57,9 @@ class _Request(BaseModel):
         None, description="With stream: include_usage adds a last chunk with the usage."
     )
     user: str | None = Field(None, max_length=256)
+    kv_transfer_params: KvTransferParams | None = Field(
+        None, description="Prefill/decode disaggregation (vLLM's NIXL connector contract)."
+    )
 
     def stop_list(self) -> tuple[str, ...]:
         """``stop`` as a tuple; raises ``ValueError`` for more than 4 strings."""
@@ -171,6 +175,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -211,6 +216,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ModelCard(BaseModel):

@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dwdp.worker.disagg.agent import TransferError
 from dwdp.worker.engine.protocol import (
     EngineClient,
     EngineError,
@@ -97,6 +98,13 @@ class OpenAIServing:
             logprobs = req.logprobs_k()
         except ValueError as exc:
             raise ServingError(400, str(exc)) from exc
+        kv = req.kv_transfer_params
+        if kv is not None and kv.do_remote_decode:
+            if req.stream or req.n != 1:
+                raise ServingError(
+                    400, "kv_transfer_params.do_remote_decode: needs stream false and n 1"
+                )
+            max_tokens = 1  # prefill only: the generation server decodes (as vLLM does)
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         limit = self.engine.max_model_len
         if prompt_len + max_tokens > limit:
@@ -138,7 +146,7 @@ class OpenAIServing:
             prompt_text = None
         params = self._params(req, len(prompt_ids), req.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompt_ids, params, req.n, "completions")
+        streams = self._start(request_id, prompt_ids, params, req, "completions")
         if req.stream:
             return await self._sse(request_id, streams, len(prompt_ids), req, chat=False)
         echo = (prompt_text or self.engine.tokenizer.decode(prompt_ids)) if req.echo else ""
@@ -162,6 +170,7 @@ class OpenAIServing:
             model=self.served_name,
             choices=choices,
             usage=_usage(len(prompt_ids), results),
+            kv_transfer_params=results[0].kv_transfer_params,
         )
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -180,7 +189,7 @@ class OpenAIServing:
             raise ServingError(400, "messages: empty after the chat template")
         params = self._params(req, len(prompt_ids), req.max_completion_tokens or req.max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompt_ids, params, req.n, "chat")
+        streams = self._start(request_id, prompt_ids, params, req, "chat")
         if req.stream:
             return await self._sse(request_id, streams, len(prompt_ids), req, chat=True)
         results = await asyncio.gather(*(_collect(s) for s in streams))
@@ -201,31 +210,44 @@ class OpenAIServing:
             model=self.served_name,
             choices=choices,
             usage=_usage(len(prompt_ids), results),
+            kv_transfer_params=results[0].kv_transfer_params,
         )
 
     # -- plumbing ----------------------------------------------------------------------------
     def _start(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int, endpoint: str
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        req: Any,
+        endpoint: str,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
-        """The engine streams of ``n`` choices (choice ``i`` seeded ``seed + i``)."""
+        """The engine streams of ``req.n`` choices (choice ``i`` seeded ``seed + i``)."""
+        n = req.n
         return [
             self._choice(
                 request_id if n == 1 else f"{request_id}-{i}",
                 prompt_ids,
                 params if params.seed is None else replace(params, seed=params.seed + i),
                 endpoint,
+                req.kv_transfer_params,
             )
             for i in range(n)
         ]
 
     async def _choice(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, endpoint: str
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        endpoint: str,
+        kv_transfer: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine stream with latency and TTFT observed; engine errors mapped."""
         start = time.perf_counter()
         last: float | None = None
         try:
-            async for out in self.engine.generate(request_id, prompt_ids, params):
+            async for out in self.engine.generate(request_id, prompt_ids, params, kv_transfer):
                 now = time.perf_counter()
                 if last is None and (out.token_ids or out.finished):
                     self.metrics.ttft.labels(endpoint).observe(now - start)
@@ -238,6 +260,8 @@ class OpenAIServing:
                 yield out
         except RequestError as exc:
             raise ServingError(400, str(exc)) from exc
+        except TransferError as exc:
+            raise ServingError(502, str(exc), kind="kv_transfer_error") from exc
         except EngineError as exc:
             raise ServingError(503, str(exc), kind="service_unavailable") from exc
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
@@ -308,19 +332,21 @@ class _Result:
     reason: str | None
     completion_tokens: int
     logprobs: list[TokenLogprob]
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 async def _collect(stream: AsyncGenerator[RequestOutput, None]) -> _Result:
     text: list[str] = []
     tokens: list[int] = []
     logprobs: list[TokenLogprob] = []
-    reason, completion = None, 0
+    reason, completion, kv = None, 0, None
     async for out in stream:
         text.append(out.text)
         tokens.extend(out.token_ids)
         logprobs.extend(out.logprobs or ())
         reason, completion = out.finish_reason, out.completion_tokens
-    return _Result("".join(text), tokens, reason, completion, logprobs)
+        kv = out.kv_transfer_params or kv
+    return _Result("".join(text), tokens, reason, completion, logprobs, kv)
 
 
 async def _merge(

@@ -40,7 +40,7 @@ SERVER = textwrap.dedent(
         async def abort(self, request_id):
             return None
 
-        async def generate(self, request_id, prompt, params):
+        async def generate(self, request_id, prompt, params, kv_transfer=None):
             (out / "in-handler").write_text("1")
             await asyncio.Event().wait()  # a final response that never comes
             yield None

@@ -1,0 +1,265 @@
+"""Prefill/decode disaggregation between two real servers (uvicorn on 127.0.0.1) whose KV
+caches move with real NIXL READs (UCX over TCP), speaking vLLM's ``kv_transfer_params``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+httpx = pytest.importorskip("httpx")
+sys.path.insert(0, str(Path(__file__).parent))
+from _http_helpers import UvicornThread  # noqa: E402
+
+from dwdp.worker.disagg.agent import KvAgent  # noqa: E402
+from dwdp.worker.disagg.transfer import KvTransfer  # noqa: E402
+from dwdp.worker.engine.base import EngineConfig  # noqa: E402
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
+from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
+from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+from dwdp.worker.server.app import build_app  # noqa: E402
+from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+
+KEY = "disagg-test-key"
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class Server:
+    """A model, its continuous engine with a KV transfer, and its app on a free port."""
+
+    def __init__(self, path: Path, lease_s: float = 30.0, **limits) -> None:
+        model, tok = load_checkpoint(path)
+        self.engine = ContinuousEngine(
+            model,
+            tok,
+            model_name="m",
+            config=EngineConfig(max_model_len=128, block_size=4, **limits),
+        )
+        self.port_holder: dict[str, int] = {}
+        self.lease_s = lease_s
+        self.thread = UvicornThread(
+            build_app(self.engine, api_key=KEY), graceful_shutdown_timeout_s=None
+        )
+
+    def __enter__(self) -> Server:
+        self.base = self.thread.__enter__()
+        port = int(self.base.rsplit(":", 1)[1])
+        layers = self.engine.model.config.get_text_config().num_hidden_layers
+        self.engine.attach_kv_transfer(
+            lambda cache: KvTransfer(
+                KvAgent(cache, model="m", num_layers=layers),
+                host="127.0.0.1",
+                port=port,
+                api_key=KEY,
+                lease_s=self.lease_s,
+            )
+        )
+        self.engine.start()
+        self.client = httpx.Client(
+            base_url=self.base, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+        )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+        self.thread.__exit__(*exc)
+        self.engine.stop()
+        self.engine.kv.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "q", num_experts=5)
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint):
+    with Server(checkpoint) as ctx, Server(checkpoint) as gen:
+        yield ctx, gen
+
+
+def _wait(predicate, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _routed(ctx, gen, path: str, body: dict) -> tuple[dict, httpx.Response]:
+    """What a PD router does: prefill on ctx (max_tokens 1, no stream), decode on gen."""
+    pre = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+    pre.pop("stream_options", None)
+    r = ctx.client.post(path, json={**pre, "no_stop_trim": True, "min_tokens": 1})
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    return params, gen.client.post(path, json={**body, "kv_transfer_params": params})
+
+
+def test_routed_requests_decode_from_the_context_servers_kv(pair):
+    """Completions and chat through prefill-on-ctx, decode-on-gen return the tokens the
+    generation server produces alone; gen prefilled nothing but each prompt's last token; the
+    context side's leases are all released."""
+    ctx, gen = pair
+    prompt = list(range(3, 40))
+    body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+    params, r = _routed(ctx, gen, "/v1/completions", body)
+    assert params["do_remote_prefill"] and not params["do_remote_decode"]
+    assert params["remote_engine_id"] == ctx.engine.kv.agent.engine_id
+    assert len(params["remote_block_ids"]) == 10  # 37 tokens in blocks of 4
+    assert (params["remote_host"], params["remote_port"], params["tp_size"]) == (
+        "127.0.0.1",
+        int(ctx.base.rsplit(":", 1)[1]),
+        1,
+    )
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["token_ids"]
+    alone = gen.engine.run_batch([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert got == alone.token_ids
+    before = gen.engine.stats.prompt_tokens
+    chat = {
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 5,
+        "ignore_eos": True,
+    }
+    _, rc = _routed(ctx, gen, "/v1/chat/completions", chat)
+    assert rc.status_code == 200, rc.text
+    local = gen.client.post("/v1/chat/completions", json=chat).json()
+    assert rc.json()["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
+    assert gen.engine.stats.prompt_tokens - before == 1 + local["usage"]["prompt_tokens"]
+    assert gen.engine.stats.remote_prefill_tokens > 0 and gen.engine.kv.blocks_received > 0
+    _wait(lambda: ctx.engine.kv.leases == 0, "the context side's leases were not released")
+    _wait(lambda: ctx.engine.allocator.num_in_use == 0, "context blocks still held")
+    assert gen.engine.allocator.num_in_use == 0
+
+
+def test_a_routed_stream_decodes_and_streams(pair):
+    ctx, gen = pair
+    body = {"prompt": "The quick brown fox", "max_tokens": 6, "ignore_eos": True}
+    pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+    params = ctx.client.post("/v1/completions", json=pre).json()["kv_transfer_params"]
+    events = []
+    with gen.client.stream(
+        "POST", "/v1/completions", json={**body, "stream": True, "kv_transfer_params": params}
+    ) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    tokens = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+    assert tokens == gen.client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ({"do_remote_prefill": True}, "kv_transfer_params.remote_engine_id: required"),
+        ({"do_remote_prefill": True, "do_remote_decode": True}, "cannot be true"),
+        (
+            {
+                "do_remote_prefill": True,
+                "remote_engine_id": "e",
+                "remote_request_id": "r",
+                "remote_block_ids": [0],
+                "remote_host": "127.0.0.1",
+                "remote_port": 1,
+            },
+            "remote_block_ids: 1 blocks, the prompt of",
+        ),
+        ({"remote_port": 0}, "kv_transfer_params.remote_port"),
+        ({"remote_block_ids": [-1]}, "kv_transfer_params.remote_block_ids"),
+        ({"tp_size": 2}, "kv_transfer_params.tp_size"),
+    ],
+)
+def test_malformed_kv_transfer_params_are_a_400_naming_the_field(pair, params, needle):
+    _ctx, gen = pair
+    r = gen.client.post(
+        "/v1/completions",
+        json={"prompt": list(range(3, 20)), "max_tokens": 2, "kv_transfer_params": params},
+    )
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    assert gen.engine.allocator.num_in_use == 0
+
+
+def test_remote_decode_needs_no_stream(pair):
+    ctx, _gen = pair
+    r = ctx.client.post(
+        "/v1/completions",
+        json={"prompt": "hi", "stream": True, "kv_transfer_params": REMOTE_DECODE},
+    )
+    assert r.status_code == 400 and "do_remote_decode" in r.json()["error"]["message"]
+
+
+def test_foreign_engine_and_released_lease_are_clear_errors(pair):
+    """A second read of released blocks is refused (410 from the side channel: 502 here),
+    as are params naming another engine; nothing is leaked either way."""
+    ctx, gen = pair
+    body = {"prompt": list(range(5, 30)), "max_tokens": 3, "ignore_eos": True}
+    params, r = _routed(ctx, gen, "/v1/completions", body)
+    assert r.status_code == 200
+    _wait(lambda: ctx.engine.kv.leases == 0, "lease not released")
+    again = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": params})
+    assert again.status_code == 502
+    assert "lease expired or was released" in again.json()["error"]["message"]
+    pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+    fresh = ctx.client.post("/v1/completions", json=pre).json()["kv_transfer_params"]
+    foreign = {**fresh, "remote_engine_id": "dwdp-someone-else"}
+    r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": foreign})
+    assert r.status_code == 502 and "dwdp-someone-else" in r.json()["error"]["message"]
+    assert (
+        gen.client.post("/v1/completions", json={**body, "kv_transfer_params": fresh}).status_code
+        == 200
+    )
+    _wait(lambda: ctx.engine.allocator.num_in_use == 0, "context blocks still held")
+    assert gen.engine.allocator.num_in_use == 0
+
+
+def test_an_expired_lease_frees_the_blocks_and_the_late_reader_gets_an_error(checkpoint):
+    with Server(checkpoint, lease_s=2.0) as ctx, Server(checkpoint) as gen:
+        body = {"prompt": list(range(3, 25)), "max_tokens": 3, "ignore_eos": True}
+        pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+        params = ctx.client.post("/v1/completions", json=pre).json()["kv_transfer_params"]
+        assert ctx.engine.kv.leases == 1
+        _wait(lambda: ctx.engine.kv.leases == 0, "the lease never expired", timeout=10)
+        assert ctx.engine.allocator.num_in_use == 0 and ctx.engine.kv.leases_expired == 1
+        r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": params})
+        assert r.status_code == 502 and "lease expired" in r.json()["error"]["message"]
+        assert gen.engine.allocator.num_in_use == 0
+
+
+def test_a_context_server_gone_before_the_decode_is_a_clear_error(checkpoint):
+    """The context server stops between prefill and decode: the generation server answers
+    502 naming the side channel it could not reach, within its fetch timeout."""
+    with Server(checkpoint) as gen:
+        ctx = Server(checkpoint)
+        with ctx:
+            body = {"prompt": list(range(3, 25)), "max_tokens": 3, "ignore_eos": True}
+            pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+            params = ctx.client.post("/v1/completions", json=pre).json()["kv_transfer_params"]
+        start = time.monotonic()
+        r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": params})
+        assert r.status_code == 502, r.text
+        assert "KV side channel" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 15
+        assert gen.engine.allocator.num_in_use == 0
+
+
+def test_the_side_channel_needs_the_api_key(pair):
+    ctx, _gen = pair
+    r = httpx.get(ctx.base + "/v1/dwdp/kv_agent")
+    assert r.status_code == 401
+    ok = ctx.client.get("/v1/dwdp/kv_agent")
+    assert ok.status_code == 200 and ok.json()["layout"]["block_size"] == 4
+    assert ctx.client.get("/v1/dwdp/kv_agent", params={"claim": "nope"}).status_code == 410

@@ -1,0 +1,166 @@
+"""The disaggregation side of one engine: the NIXL agent, the leases of prefilled requests, and
+the side-channel fetch of a context server's agent.
+
+Context role: a request with ``do_remote_decode`` is prefilled, answers ``prefilled(...)`` as its
+``kv_transfer_params`` and its blocks stay under a lease of ``lease_s`` seconds (vLLM: 30 s by
+default); the lease ends when the generation side's release notification arrives or it expires
+(a WARNING), and the blocks go back to the pool. Generation role: ``connect`` fetches the context
+server's ``describe()`` from its side channel (``GET /v1/dwdp/kv_agent`` on the
+``remote_host:remote_port`` of the params, with this server's API key: both sides of one
+deployment share it), claiming the request's lease there (which extends it, or answers 410
+when it is gone, so a late reader gets a clear error instead of blocks reused by another
+request), and ``pull`` reads the blocks.
+
+Thread use: ``connect`` runs on the server's event loop (the fetch) and a worker thread (the
+NIXL call); every other method runs on the engine thread. Agent calls are serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+from dwdp.worker.disagg.agent import KV_AGENT_PATH, KvAgent, RemoteEngine, TransferError
+from dwdp.worker.disagg.params import KvTransferParams, prefilled
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 30.0
+FETCH_TIMEOUT_S = 10.0
+
+
+class KvTransfer:
+    """One engine's KV transfer (see the module docstring).
+
+    ``agent``: its ``KvAgent``; ``host``/``port``: where generation servers reach this server's
+    side channel (its HTTP address); ``api_key``: sent on side-channel fetches.
+    """
+
+    def __init__(
+        self,
+        agent: KvAgent,
+        *,
+        host: str,
+        port: int,
+        api_key: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
+        self.agent = agent
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self.lease_s = lease_s
+        self._lock = threading.Lock()  # the agent's calls
+        self._lease_lock = threading.Lock()  # the lease table (engine thread and side channel)
+        self._leases: dict[str, tuple[list[int], float]] = {}
+        self.blocks_received = 0
+        self.leases_expired = 0
+
+    @property
+    def leases(self) -> int:
+        """Prefilled requests whose blocks wait for their generation side."""
+        return len(self._leases)
+
+    # -- context side --------------------------------------------------------------------------
+    def prefilled(self, request_id: str, blocks: list[int]) -> dict[str, Any]:
+        """The ``kv_transfer_params`` of a request prefilled here for remote decode."""
+        return prefilled(
+            engine_id=self.agent.engine_id,
+            request_id=request_id,
+            block_ids=blocks,
+            host=self.host,
+            port=self.port,
+        )
+
+    def lease(self, request_id: str, blocks: list[int]) -> None:
+        """Hold ``blocks`` until the generation side releases them or ``lease_s`` passes."""
+        with self._lease_lock:
+            self._leases[request_id] = (blocks, time.monotonic() + self.lease_s)
+
+    def claim(self, request_id: str) -> bool:
+        """Extend a held lease by ``lease_s`` (the generation side is about to read it);
+        False when no lease of that request is held (expired, released or unknown)."""
+        with self._lease_lock:
+            held = self._leases.get(request_id)
+            if held is None:
+                return False
+            self._leases[request_id] = (held[0], time.monotonic() + self.lease_s)
+            return True
+
+    def expired_or_released(self) -> list[list[int]]:
+        """Block tables whose lease ended since the last call (the engine frees them)."""
+        with self._lock:
+            released = self.agent.released()
+        now = time.monotonic()
+        with self._lease_lock:
+            out = [self._leases.pop(rid)[0] for rid in released if rid in self._leases]
+            for rid in [r for r, (_, deadline) in self._leases.items() if deadline < now]:
+                log.warning("KV lease of request %s expired after %.0f s unread", rid, self.lease_s)
+                self.leases_expired += 1
+                out.append(self._leases.pop(rid)[0])
+        return out
+
+    def describe(self, claim: str | None = None) -> dict[str, Any] | None:
+        """The side channel's answer (``KvAgent.describe``); with ``claim``, ``None`` unless
+        that request's lease is held (and then extended)."""
+        if claim is not None and not self.claim(claim):
+            return None
+        with self._lock:
+            return self.agent.describe()
+
+    # -- generation side -----------------------------------------------------------------------
+    async def connect(self, params: KvTransferParams) -> RemoteEngine:
+        """The context server of ``params``, connected (fetched once per engine id). Raises
+        ``TransferError`` naming the server when it cannot be reached or does not match."""
+        import httpx
+
+        engine_id = str(params.remote_engine_id)
+        url = f"http://{_host_for_url(str(params.remote_host))}:{params.remote_port}{KV_AGENT_PATH}"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:  # every request claims its lease; the answer also carries the agent
+            async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S) as client:
+                r = await client.get(
+                    url, headers=headers, params={"claim": str(params.remote_request_id)}
+                )
+        except httpx.HTTPError as exc:
+            raise TransferError(f"KV side channel {url}: {exc!r}") from exc
+        if r.status_code == 410:
+            raise TransferError(
+                f"KV blocks of request {params.remote_request_id} on {engine_id}: the lease "
+                "expired or was released before this server read them"
+            )
+        if r.status_code != 200:
+            raise TransferError(f"KV side channel {url}: HTTP {r.status_code}")
+        known = self.agent.known(engine_id)
+        if known is not None:
+            return known
+        described = r.json()
+        if described.get("engine_id") != engine_id:
+            raise TransferError(
+                f"KV side channel {url}: engine {described.get('engine_id')!r}, the params "
+                f"name {engine_id!r} (the context server restarted?)"
+            )
+        return await asyncio.to_thread(self._connect, described)
+
+    def _connect(self, described: dict[str, Any]) -> RemoteEngine:
+        with self._lock:
+            return self.agent.connect(described)
+
+    def pull(self, remote: RemoteEngine, params: KvTransferParams, local: list[int]) -> None:
+        """Read the params' blocks into ``local`` and release them there (``TransferError``)."""
+        assert params.remote_block_ids is not None and params.remote_request_id is not None
+        with self._lock:
+            self.agent.pull(remote, params.remote_block_ids, local, params.remote_request_id)
+        self.blocks_received += len(local)
+
+    def close(self) -> None:
+        """Deregister the cache from NIXL."""
+        with self._lock:
+            self.agent.close()
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
