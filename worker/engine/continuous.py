@@ -245,6 +245,7 @@ class ContinuousEngine(EngineBase):
                 self._end(seq, "abort")
         plan = [p for p in self.scheduler.schedule() if p.seq.pull is None or self._pull(p.seq)]
         if not plan:
+            self._count_kv()  # aborts and releases may have emptied the engine
             return
         self.stats.waves += 1
         self.stats.preemptions = self.scheduler.preemptions

@@ -63,9 +63,39 @@ def _serving(request: Request) -> OpenAIServing:
 
 
 def _respond(result: Any) -> Response:
+    if isinstance(result, Response):
+        return result
     if hasattr(result, "__aiter__"):
         return StreamingResponse(result, media_type="text/event-stream")
     return JSONResponse(result.model_dump(exclude_none=True))
+
+
+def _field_path(loc: Any) -> list[str]:
+    """A validation error's location without ``body`` and pydantic's union-branch tags
+    (``constrained-str``, ``list[...]``, ``function-after[...]``)."""
+    return [str(p) for p in loc if p != "body" and not ("[" in str(p) or "-" in str(p))]
+
+
+async def _unless_gone(request: Request, work: Any) -> Any:
+    """Await ``work`` (a response, or the SSE lines' iterator), cancelling it when the client
+    disconnects first: its engine requests are then aborted, not computed for nobody."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return _error(499, "client closed the request", "client_closed")
+    return task.result()
 
 
 def build_app(
@@ -118,8 +148,9 @@ def build_app(
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if errors:
-            first = errors[0]
-            where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+            first = max(errors, key=lambda e: len(e.get("loc", ())))  # the branch that got
+            # furthest into a union (a token-id list's bad element, not "not a string")
+            where = ".".join(_field_path(first.get("loc", ()))) or "body"
             message = f"{where}: {first.get('msg', 'invalid')}"
         else:
             message = "invalid request"
@@ -143,7 +174,7 @@ def build_app(
         responses={**_ERRORS, 200: {"content": _SSE}},
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return _respond(await _serving(request).completion(body))
+        return _respond(await _unless_gone(request, _serving(request).completion(body)))
 
     @app.post(
         "/v1/chat/completions",
@@ -151,7 +182,7 @@ def build_app(
         responses={**_ERRORS, 200: {"content": _SSE}},
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return _respond(await _serving(request).chat(body))
+        return _respond(await _unless_gone(request, _serving(request).chat(body)))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> ModelList:

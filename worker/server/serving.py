@@ -92,12 +92,16 @@ class OpenAIServing:
         await self.health()
 
     # -- generation --------------------------------------------------------------------------
-    def _params(self, req: Any, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def _params(
+        self, req: Any, prompt_len: int, max_tokens: int | None, field: str = "max_tokens"
+    ) -> SamplingParams:
         try:
             stops = req.stop_list()
             logprobs = req.logprobs_k()
         except ValueError as exc:
             raise ServingError(400, str(exc)) from exc
+        if req.stream_options is not None and not req.stream:
+            raise ServingError(400, "stream_options: only with stream true")
         kv = req.kv_transfer_params
         if kv is not None and kv.do_remote_decode:
             if req.stream or req.n != 1:
@@ -105,12 +109,14 @@ class OpenAIServing:
                     400, "kv_transfer_params.do_remote_decode: needs stream false and n 1"
                 )
             max_tokens = 1  # prefill only: the generation server decodes (as vLLM does)
-        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         limit = self.engine.max_model_len
+        if max_tokens is None:  # the default shrinks to what the context leaves
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
         if prompt_len + max_tokens > limit:
+            what = "prompt" if prompt_len >= limit else field
             raise ServingError(
                 400,
-                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"{what}: prompt ({prompt_len} tokens) + {field} ({max_tokens}) exceeds "
                 f"the model's context ({limit})",
             )
         return SamplingParams(
@@ -187,7 +193,10 @@ class OpenAIServing:
         prompt_ids = list(self.engine.tokenizer(rendered, add_special_tokens=False)["input_ids"])
         if not prompt_ids:
             raise ServingError(400, "messages: empty after the chat template")
-        params = self._params(req, len(prompt_ids), req.max_completion_tokens or req.max_tokens)
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        params = self._params(
+            req, len(prompt_ids), req.max_completion_tokens or req.max_tokens, field
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._start(request_id, prompt_ids, params, req, "chat")
         if req.stream:
@@ -369,9 +378,11 @@ async def _merge(
                 yield i, out
                 if not out.finished:
                     pending[asyncio.ensure_future(anext(streams[i], None))] = i
-    finally:
+    finally:  # the client went away: stop the reads before the streams are closed
         for task in pending:
             task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _usage(prompt_tokens: int, results: list[_Result]) -> Usage:
