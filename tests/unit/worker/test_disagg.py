@@ -4,6 +4,10 @@ caches move with real NIXL READs (UCX over TCP), speaking vLLM's ``kv_transfer_p
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -263,3 +267,79 @@ def test_the_side_channel_needs_the_api_key(pair):
     ok = ctx.client.get("/v1/dwdp/kv_agent")
     assert ok.status_code == 200 and ok.json()["layout"]["block_size"] == 4
     assert ctx.client.get("/v1/dwdp/kv_agent", params={"claim": "nope"}).status_code == 410
+
+
+@pytest.fixture
+def router(pair):
+    """The real vllm-router (PD mode, static URLs) in front of the pair. It calls the workers
+    with the key of ``OPENAI_API_KEY`` (its ``--api-key`` does not reach the PD calls)."""
+    binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    ctx, gen = pair
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            ctx.base,
+            "--decode",
+            gen.base,
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "OPENAI_API_KEY": KEY},
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, "vllm-router exited"
+        try:
+            return httpx.get(base + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        _wait(up, "vllm-router did not come up", timeout=60)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_through_vllm_router_every_request_decodes_from_remote_kv(pair, router):
+    """Completions, chat and a stream sent to vllm-router: the tokens are the generation
+    server's own, its prompt KV came over NIXL, and the context side's leases end at 0."""
+    ctx, gen = pair
+    before = gen.engine.stats.remote_prefill_tokens
+    prompt = list(range(7, 40))
+    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
+    r = httpx.post(router + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    alone = gen.engine.run_batch([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert r.json()["choices"][0]["token_ids"] == alone.token_ids
+    assert gen.engine.stats.remote_prefill_tokens - before == len(prompt)
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+    }
+    want = gen.client.post("/v1/chat/completions", json=chat).json()["choices"][0]["token_ids"]
+    r = httpx.post(router + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+    with httpx.stream(
+        "POST", router + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60
+    ) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert [
+        t for e in events[:-1] for t in json.loads(e)["choices"][0].get("token_ids", [])
+    ] == want
+    _wait(lambda: ctx.engine.kv.leases == 0, "leases not released")
+    assert ctx.engine.allocator.num_in_use == 0 and gen.engine.allocator.num_in_use == 0
