@@ -337,6 +337,18 @@ def serving_policy(
     return _ingress_policy(owner, naming.serving_policy(owner.name), _worker_selector(owner), rule)
 
 
+def kv_transfer_policy(owner: Owner) -> dict[str, Any]:
+    """The NetworkPolicy of disaggregated serving: the deployment's generation pods reach its
+    context pods on every port (NIXL's UCX endpoints listen on ephemeral ports; the side
+    channel is the serving port, which :func:`serving_policy` may restrict to other peers)."""
+    context = _worker_selector(owner)
+    context["matchLabels"][c.LABEL_ROLE] = Role.CONTEXT.value
+    generation = _worker_selector(owner)
+    generation["matchLabels"][c.LABEL_ROLE] = Role.GENERATION.value
+    rule = {"from": [{"podSelector": generation}]}
+    return _ingress_policy(owner, naming.kv_transfer_policy(owner.name), context, rule)
+
+
 def group_policy(owner: Owner, group: str) -> dict[str, Any]:
     """The NetworkPolicy of one group (every incarnation of it): its pods reach each other
     on every port (the rendezvous store on pod 0, and NCCL, MPI or UCX, which pick
@@ -472,16 +484,8 @@ def worker_pod(
     shape = role_shapes(spec)[role]
     group = naming.group_name(owner.name, role, group_index)
     name = naming.pod_name(group, incarnation, pod_index)
-    labels = _labels(owner, c.Component.WORKER, role)
-    labels.update(
-        {
-            c.LABEL_GROUP: group,
-            c.LABEL_GROUP_INDEX: str(group_index),
-            c.LABEL_POD_INDEX: str(pod_index),
-            c.LABEL_REVISION: revision,
-            c.LABEL_INCARNATION: str(incarnation),
-        }
-    )
+    labels = _incarnation_labels(owner, role, group_index, incarnation)
+    labels.update({c.LABEL_POD_INDEX: str(pod_index), c.LABEL_REVISION: revision})
     rendezvous = naming.rendezvous_address(
         group=group,
         incarnation=incarnation,
@@ -601,6 +605,7 @@ def _incarnation_labels(owner: Owner, role: Role, group_index: int, incarnation:
     labels = _labels(owner, c.Component.WORKER, role)
     labels.update(
         {
+            c.LABEL_LLMD_ROLE: c.LLMD_ROLES[role.value],
             c.LABEL_GROUP: naming.group_name(owner.name, role, group_index),
             c.LABEL_GROUP_INDEX: str(group_index),
             c.LABEL_INCARNATION: str(incarnation),

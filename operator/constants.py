@@ -38,6 +38,10 @@ LABEL_DEPLOYMENT = "dwdp.io/deployment"
 """Name of the owning DwdpDeployment; on every child."""
 LABEL_ROLE = "dwdp.io/role"
 """``context`` or ``generation``; on every child that belongs to one role."""
+LABEL_LLMD_ROLE = "llm-d.ai/role"
+"""llm-d's serving role on every worker pod: ``prefill`` (context) or ``decode`` (generation),
+so an llm-d scheduler or gateway routes to them unchanged."""
+LLMD_ROLES = {"context": "prefill", "generation": "decode"}
 LABEL_GROUP = "dwdp.io/group"
 """Name of the DWDP group (context) or server (generation) a pod belongs to."""
 LABEL_GROUP_INDEX = "dwdp.io/group-index"

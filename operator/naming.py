@@ -55,6 +55,11 @@ def serving_policy(deployment: str) -> str:
     return f"{deployment}-serving"
 
 
+def kv_transfer_policy(deployment: str) -> str:
+    """The NetworkPolicy letting generation pods read context pods' KV (``demo-kv-transfer``)."""
+    return f"{deployment}-kv-transfer"
+
+
 def group_policy(group: str) -> str:
     """The NetworkPolicy letting a group's pods reach each other (``demo-g0-group``)."""
     return f"{group}-group"

@@ -355,7 +355,8 @@ def _network_policies(
     actions: Actions,
     options: PlanOptions,
 ) -> list[dict[str, Any]]:
-    """The serving NetworkPolicy and one per group that has or gets pods (none when
+    """The serving NetworkPolicy, the KV-transfer one (with generation servers) and one per
+    group that has or gets pods (none when
     ``spec.networkPolicy.enabled`` is false). They are applied before this plan's pods
     are created, so a new group's ranks reach each other from their first packet."""
     if not spec.network_policy.enabled:
@@ -364,7 +365,8 @@ def _network_policies(
     names |= {v.name for d in roles.values() for v in d.views}
     names |= {pod["metadata"]["labels"][c.LABEL_GROUP] for pod in actions.pods}
     serving = builders.serving_policy(spec, owner, operator_namespace=options.operator_namespace)
-    return [serving, *(builders.group_policy(owner, g) for g in sorted(names))]
+    kv = [builders.kv_transfer_policy(owner)] if spec.generation is not None else []
+    return [serving, *kv, *(builders.group_policy(owner, g) for g in sorted(names))]
 
 
 def _progress(

@@ -178,8 +178,17 @@ def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) 
         "demo-g0-group",
         "demo-g1-group",
         "demo-gen0-group",
+        "demo-kv-transfer",
         "demo-serving",
     ]
+    kv = policies["demo-kv-transfer"]  # generation pods reach context pods (NIXL)
+    context = sorted(n for n, p in workers.items() if p["metadata"]["labels"]["dwdp.io/role"]
+                     == "context")
+    assert _selected(tc, kv["podSelector"]) == context
+    assert _selected(tc, kv["ingress"][0]["from"][0]["podSelector"]) == sorted(
+        set(workers) - set(context))
+    assert {p["metadata"]["labels"]["llm-d.ai/role"] for n, p in workers.items()
+            if n in context} == {"prefill"}
     serving = policies["demo-serving"]
     assert _selected(tc, serving["podSelector"]) == sorted(workers)
     assert serving["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000, "endPort": 8003}]}]

@@ -99,6 +99,7 @@ def test_context_pod_of_second_group_second_pod() -> None:
             "labels": {
                 "dwdp.io/deployment": "demo",
                 "dwdp.io/role": "context",
+                "llm-d.ai/role": "prefill",
                 "dwdp.io/group": "demo-g1",
                 "dwdp.io/group-index": "1",
                 "dwdp.io/pod-index": "1",
@@ -425,6 +426,26 @@ def test_serving_policy_opens_the_serving_ports_of_the_widest_role_only() -> Non
         # no `from`: any source (servingFrom unset), so no operator peer is needed either
         "ingress": [{"ports": [{"protocol": "TCP", "port": 8000, "endPort": 8003}]}],
     }
+
+
+def test_kv_transfer_policy_admits_generation_pods_to_context_pods_on_every_port() -> None:
+    policy = without_hash(builders.kv_transfer_policy(OWNER))
+    worker = {"dwdp.io/deployment": "demo", "app.kubernetes.io/component": "worker"}
+    assert policy["metadata"]["name"] == "demo-kv-transfer"
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": {**worker, "dwdp.io/role": "context"}},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": {"matchLabels": {
+            **worker, "dwdp.io/role": "generation"}}}]}],
+    }
+
+
+def test_worker_pods_carry_llm_d_roles() -> None:
+    spec = parse_deployment(doc(generation={"replicas": 1})).spec
+    for role, want in ((Role.CONTEXT, "prefill"), (Role.GENERATION, "decode")):
+        pod = builders.worker_pod(spec, OWNER, role=role, group_index=0, incarnation=0,
+                                  pod_index=0, revision="r1")
+        assert pod["metadata"]["labels"]["llm-d.ai/role"] == want
 
 
 def test_group_policy_admits_only_the_group_itself_on_every_port() -> None:

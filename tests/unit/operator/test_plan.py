@@ -449,6 +449,13 @@ def test_generation_servers_get_no_secret() -> None:
     assert gen and all(_secret_volume(pod) is None for pod in gen)
 
 
+def test_the_kv_transfer_policy_comes_with_generation_servers() -> None:
+    names = [o["metadata"]["name"] for o in plan(
+        body(replicas=1, generation={"replicas": 1}), Observed(), options=OPTIONS, now="T"
+    ).apply if o["kind"] == "NetworkPolicy"]
+    assert names == ["demo-serving", "demo-kv-transfer", "demo-g0-group", "demo-gen0-group"]
+
+
 def test_a_group_policy_lives_as_long_as_its_group_and_the_setting() -> None:
     sim = Sim(body(replicas=2))
     first = sim.step()
