@@ -68,6 +68,8 @@ class _ScrapeCollector:
                 ("dwdp_forward_seconds", "Seconds in model forwards.", stats.forward_seconds),
                 ("dwdp_num_preemptions", "Requests preempted for KV blocks (recomputed "
                  "later), as vLLM's num_preemptions.", stats.preemptions),
+                ("dwdp_remote_prefill_tokens", "Prompt tokens whose KV was read from a context "
+                 "server (disaggregated serving).", stats.remote_prefill_tokens),
             ):
                 yield CounterMetricFamily(name, doc, value=value)
             for name, doc, value in (
@@ -75,6 +77,8 @@ class _ScrapeCollector:
                  "vLLM's num_requests_running.", stats.requests_running),
                 ("dwdp_num_requests_waiting", "Requests waiting for a step, as vLLM's "
                  "num_requests_waiting.", stats.requests_waiting),
+                ("dwdp_kv_leases", "Prefilled requests whose KV blocks wait for their "
+                 "generation server.", stats.kv_leases),
             ):
                 yield GaugeMetricFamily(name, doc, value=value)
         status = self.dwdp.status()

@@ -147,6 +147,10 @@ def test_routed_requests_decode_from_the_context_servers_kv(pair):
     _wait(lambda: ctx.engine.kv.leases == 0, "the context side's leases were not released")
     _wait(lambda: ctx.engine.allocator.num_in_use == 0, "context blocks still held")
     assert gen.engine.allocator.num_in_use == 0
+    metrics = gen.client.get("/metrics").text
+    assert "dwdp_remote_prefill_tokens_total 0.0" not in metrics
+    assert "dwdp_remote_prefill_tokens_total" in metrics
+    _wait(lambda: "dwdp_kv_leases 0.0" in ctx.client.get("/metrics").text, "lease gauge")
 
 
 def test_a_routed_stream_decodes_and_streams(pair):
