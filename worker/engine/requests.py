@@ -54,6 +54,8 @@ class RequestState:
     """The request's ``KvTransferParams`` (disaggregation), or ``None``."""
     kv_transfer_out: dict[str, Any] | None = None
     """What the last update answers as ``kv_transfer_params`` (a remote-decode prefill)."""
+    detok: Any = None
+    """The incremental detokeniser (``tokenizers.decoders.DecodeStream``) of a fast tokenizer."""
 
     @property
     def length(self) -> int:
@@ -77,7 +79,7 @@ class RequestState:
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
-        self.text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.text = self._detokenize(tokenizer, token)
         stable = self.text.rstrip("\ufffd")  # an incomplete UTF-8 tail may still change
         for s in p.stop:
             cut = stable.find(s)
@@ -87,6 +89,18 @@ class RequestState:
         if len(self.tokens) >= p.max_tokens or self.length >= max_model_len:
             return "length"
         return None
+
+    def _detokenize(self, tokenizer: Any, token: int) -> str:
+        """The text of ``tokens`` after ``token`` joined: incrementally with a fast tokenizer
+        (O(1) per token, held back while a UTF-8 sequence is incomplete), else decoded whole."""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is None:
+            return str(tokenizer.decode(self.tokens, skip_special_tokens=True))
+        if self.detok is None:
+            from tokenizers.decoders import DecodeStream
+
+            self.detok = DecodeStream(skip_special_tokens=True)
+        return self.text + (self.detok.step(backend, token) or "")
 
     def update(self, *, final: bool) -> RequestOutput | None:
         """What the client has not yet received, or ``None`` when nothing new can be sent.
