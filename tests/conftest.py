@@ -7,6 +7,8 @@ without each module repeating its marker.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,3 +25,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if folder in _FOLDER_MARKERS:
             item.add_marker(getattr(pytest.mark, folder))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """NIXL 1.5.1 crashes (SIGSEGV) in its native teardown at process exit once a UCX backend
+    was created, after Python has finished (``python -c`` creating one agent exits 139); the
+    disaggregation tests create agents in this process. When NIXL was loaded, leave without
+    that teardown, with pytest's own exit status. (The worker already leaves with
+    ``os._exit``.)"""
+    if any(name in sys.modules for name in ("nixl_cu12", "nixl_cu13")):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash.get(_EXIT, 0))
+
+
+_EXIT = pytest.StashKey[int]()

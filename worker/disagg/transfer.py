@@ -80,6 +80,11 @@ class KvTransfer:
         with self._lease_lock:
             self._leases[request_id] = (blocks, time.monotonic() + self.lease_s)
 
+    def unlease(self, request_id: str) -> None:
+        """Forget a lease without freeing its blocks (the request still runs and holds them)."""
+        with self._lease_lock:
+            self._leases.pop(request_id, None)
+
     def claim(self, request_id: str) -> bool:
         """Extend a held lease by ``lease_s`` (the generation side is about to read it);
         False when no lease of that request is held (expired, released or unknown)."""

@@ -174,9 +174,8 @@ class ContinuousEngine(EngineBase):
         if seq.state.kv_transfer_out is None:
             self._end(seq, None)
             return
-        self.scheduler.detach(seq)
+        self.scheduler.detach(seq)  # its blocks now belong to the lease (made in _step)
         self._sequences.pop(id(seq.state), None)
-        self.kv.lease(seq.state.request_id, seq.blocks)
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -259,11 +258,15 @@ class ContinuousEngine(EngineBase):
             )
             seq.computed += n
         for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
-            kv = seq.state.kv_transfer
-            if kv is not None and kv.do_remote_decode:
-                seq.state.kv_transfer_out = self.kv.prefilled(seq.state.request_id, seq.blocks)
+            kv, rid = seq.state.kv_transfer, seq.state.request_id
+            if kv is not None and kv.do_remote_decode:  # the lease exists before the answer
+                seq.state.kv_transfer_out = self.kv.prefilled(rid, seq.blocks)  # leaves, so a
+                self.kv.lease(rid, seq.blocks)  # fast generation server always finds it
             if self._deliver(seq.state, choice):
                 self._lease_or_end(seq)
+            elif seq.state.kv_transfer_out is not None:  # it goes on (max_tokens > 1): no lease
+                self.kv.unlease(rid)
+                seq.state.kv_transfer_out = None
         self._count_kv()
 
     def _end(self, seq: SchedSequence, reason: str | None) -> None:
