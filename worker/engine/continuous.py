@@ -30,6 +30,11 @@ from dwdp.worker.engine.scheduler import Sequence as SchedSequence
 
 log = logging.getLogger(__name__)
 
+KV_POLL_S = 0.001
+"""Idle wait of an engine holding KV leases: NIXL progresses only when the engine polls it."""
+LEASE_TICK_S = 0.2
+"""Idle wait of a disaggregated engine without leases (a released notification may come)."""
+
 DEFAULT_POOL_TOKENS = 65536
 """The pool without ``kv_capacity_tokens`` (tests, benches): ``max_batch_size`` requests of
 ``max_model_len`` tokens, at most this many tokens, at least one request of ``max_model_len``."""
@@ -181,7 +186,7 @@ class ContinuousEngine(EngineBase):
     def _loop(self) -> None:
         while not self._stopping.is_set():
             idle = not self.scheduler.has_work
-            self._take_new(wait=idle, timeout=0.2 if self.kv is not None else None)
+            self._take_new(wait=idle, timeout=self._idle_poll_s())
             if self._stopping.is_set():
                 break
             if self.kv is not None:
@@ -214,6 +219,14 @@ class ContinuousEngine(EngineBase):
                 self._add(state)
             while any(not s.finished for s in states):
                 self._step()
+
+    def _idle_poll_s(self) -> float | None:
+        """How long an idle loop waits for a request: briefly while KV leases are held (the
+        agent must progress for the generation side's READ and its release), a lease tick
+        otherwise with a KV transfer, forever without one."""
+        if self.kv is None:
+            return None
+        return KV_POLL_S if self.kv.leases else LEASE_TICK_S
 
     def _take_new(self, *, wait: bool, timeout: float | None = None) -> None:
         """Move queued requests into the scheduler (blocking for the first when idle, at most

@@ -88,14 +88,14 @@ async def _unless_gone(request: Request, work: Any) -> Any:
     watch = asyncio.ensure_future(gone())
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done and watch.exception() is None:  # the client left first
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return _error(499, "client closed the request", "client_closed")
+        return await task  # done, or the watch failed: the answer decides
     finally:
         watch.cancel()
-    if task not in done:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return _error(499, "client closed the request", "client_closed")
-    return task.result()
 
 
 def build_app(
