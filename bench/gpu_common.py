@@ -67,3 +67,59 @@ def load(ckpt: str, *, backend: Any = None, transport: Any = None, world: int = 
                  partition=expert_partition(experts, world), enable_dense=dense,
                  num_slots=slots, settings=settings)
     return model, tok, att
+
+
+def add_group_arguments(ap: Any, *, layers: int) -> None:
+    """The arguments every GPU bench takes (``--layers``, ``--world``, ``--out``,
+    ``--workdir``) and the hidden ones its rank processes get from ``run_group``."""
+    import argparse
+
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    for hidden in ("--group", "--ckpt", "--result"):
+        ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run_group(script: str, args: Any, extra: list[str], before: Any = None) -> tuple[Any, Any]:
+    """Write the seeded Qwen3-MoE checkpoint of ``args.layers`` layers (drawn on cuda:0), call
+    ``before()`` (a measurement of the parent process, or ``None``), run ``args.world`` rank
+    processes of ``script`` with ``extra`` and read what rank 0 wrote; the work folder goes
+    either way. Returns ``(result, before's value)``; raises ``RuntimeError`` when a rank
+    failed (naming the exit codes)."""
+    import json
+    import shutil
+    import tempfile
+
+    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="dwdp-gpu-bench-"))
+    try:
+        ckpt = write_qwen3_moe_checkpoint(
+            work / "ck", Qwen3MoeShape(num_layers=args.layers), seed=3, device="cuda:0"
+        )
+        measured = before() if before is not None else None
+        extra = [*extra, "--ckpt", str(ckpt), "--result", str(work / "result.json")]
+        codes = spawn_ranks(script, args.world, work, extra)
+        if any(codes):
+            raise RuntimeError(f"rank exit codes {codes}")
+        return json.loads((work / "result.json").read_text()), measured
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def write_result(args: Any, name: str, text: str, payload: dict[str, Any]) -> None:
+    """Print ``text`` and write it to ``OUT/name.txt``, ``payload`` (with the bench's name,
+    host and arguments) to ``OUT/name.json``."""
+    import json
+    import platform
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.txt").write_text(text + "\n")
+    body = {"bench": name, "host": platform.node(), "args": vars(args), **payload}
+    (out / f"{name}.json").write_text(json.dumps(body, indent=1) + "\n")
+    print(text)

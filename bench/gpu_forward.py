@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import group_transport, load, spawn_ranks
+from gpu_common import add_group_arguments, group_transport, load, run_group, write_result
 
 CONFIGS = [
     # name, expert DWDP, dense DWDP, slots, copy mode, gather kernel
@@ -212,50 +210,31 @@ def _report(rows: list[dict], shape, peak: float, tokens: list[int], profiled: s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--world", type=int, default=4)
+    add_group_arguments(ap, layers=8)
     ap.add_argument("--tokens", default="2048,8192,16384")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", default=PROFILED, help="configuration profiled at 8192 tokens")
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS),
                     help="comma-separated configuration names (default: all)")
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    for hidden in ("--group", "--ckpt", "--result"):
-        ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank is not None:
         rank_main(args)
         return 0
 
-    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
+    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape
 
-    shape = Qwen3MoeShape(num_layers=args.layers)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="dwdp-gpu-forward-"))
+    extra = ["--tokens", args.tokens, "--repeats", str(args.repeats), "--configs", args.configs,
+             "--profile", args.profile]
     try:
-        ckpt = write_qwen3_moe_checkpoint(work / "ck", shape, seed=3, device="cuda:0")
-        peak = matmul_peak()
-        extra = ["--tokens", args.tokens, "--repeats", str(args.repeats), "--ckpt", str(ckpt),
-                 "--configs", args.configs, "--profile", args.profile,
-                 "--result", str(work / "rows.json")]
-        codes = spawn_ranks(__file__, args.world, work, extra)
-        if any(codes):
-            print(f"rank exit codes {codes}", file=sys.stderr)
-            return 1
-        rows = json.loads((work / "rows.json").read_text())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        rows, peak = run_group(__file__, args, extra, before=matmul_peak)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    shape = Qwen3MoeShape(num_layers=args.layers)
     tokens = [int(t) for t in args.tokens.split(",")]
     text = _report(rows, shape, peak, tokens, args.profile)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_forward.txt").write_text(text + "\n")
-    (out / "gpu_forward.json").write_text(json.dumps(
-        {"bench": "gpu_forward", "host": platform.node(), "args": vars(args),
-         "peak_flops": peak, "shape": vars(shape), "rows": rows}, indent=1) + "\n")
-    print(text)
+    write_result(args, "gpu_forward", text,
+                 {"peak_flops": peak, "shape": vars(shape), "rows": rows})
     return 0
 
 

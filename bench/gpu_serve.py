@@ -23,18 +23,15 @@ import argparse
 import asyncio
 import itertools
 import json
-import platform
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import group_transport, load, spawn_ranks
+from gpu_common import add_group_arguments, group_transport, load, run_group, write_result
 
 LEVELS = (1, 8, 32)
 
@@ -222,46 +219,22 @@ def _report(results: dict[str, list[dict]], layers: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--world", type=int, default=4)
+    add_group_arguments(ap, layers=4)
     ap.add_argument("--requests-per-slot", type=int, default=2)
     ap.add_argument("--max-output", type=int, default=512, help="longest output, tokens")
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    for hidden in ("--group", "--ckpt", "--result"):
-        ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     MAX_OUTPUT[0] = args.max_output
     if args.rank is not None:
         rank_main(args)
         return 0
-
-    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
-
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="dwdp-gpu-serve-"))
+    extra = ["--requests-per-slot", str(args.requests_per_slot),
+             "--max-output", str(args.max_output)]
     try:
-        ckpt = write_qwen3_moe_checkpoint(work / "ck", Qwen3MoeShape(num_layers=args.layers),
-                                          seed=3, device="cuda:0")
-        extra = ["--requests-per-slot", str(args.requests_per_slot), "--ckpt", str(ckpt),
-                 "--max-output", str(args.max_output),
-                 "--result", str(work / "results.json")]
-        codes = spawn_ranks(__file__, args.world, work, extra)
-        if any(codes):
-            print(f"rank exit codes {codes}", file=sys.stderr)
-            return 1
-        results = json.loads((work / "results.json").read_text())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    text = _report(results, args.layers)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_serve.txt").write_text(text + "\n")
-    (out / "gpu_serve.json").write_text(json.dumps(
-        {"bench": "gpu_serve", "host": platform.node(), "args": vars(args), "results": results},
-        indent=1) + "\n")
-    print(text)
+        results, _ = run_group(__file__, args, extra)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    write_result(args, "gpu_serve", _report(results, args.layers), {"results": results})
     return 0
 
 

@@ -126,6 +126,10 @@ class EngineBase:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._dead: BaseException | None = None
+        self._setup()
+
+    def _setup(self) -> None:
+        """What a subclass builds once the shared state exists (its constructor's rest)."""
 
     # -- lifecycle -------------------------------------------------------------------------
     @property

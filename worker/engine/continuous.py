@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dwdp.worker.engine.base import EngineBase, EngineConfig
+from dwdp.worker.engine.base import EngineBase
 from dwdp.worker.engine.blocks import BlockAllocator
 from dwdp.worker.engine.paged import Chunk, PagedKVCache, StepLayout, use_paged_attention
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
@@ -70,17 +70,9 @@ class ContinuousEngine(EngineBase):
     """The engine of one rank (implements ``EngineClient``; see ``EngineBase`` for the
     lifecycle). ``config.kv_capacity_tokens`` becomes ``capacity // block_size`` blocks."""
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        model_name: str,
-        config: EngineConfig | None = None,
-        on_fatal: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        super().__init__(model, tokenizer, model_name=model_name, config=config, on_fatal=on_fatal)
-        cfg = self.config
+    def _setup(self) -> None:
+        """The pool's blocks, the scheduler, the paged cache and the runner."""
+        cfg, model = self.config, self.model
         capacity = cfg.kv_capacity_tokens or max(
             self.max_model_len, min(cfg.max_batch_size * self.max_model_len, DEFAULT_POOL_TOKENS)
         )
@@ -147,8 +139,7 @@ class ContinuousEngine(EngineBase):
         """A remote prefill: connect to the context server before the request is queued."""
         kv = state.kv_transfer
         if kv is not None and kv.do_remote_prefill:
-            remote = await self.kv.connect(kv)
-            state.kv_transfer = (kv, remote)
+            state.kv_remote = await self.kv.connect(kv)
 
     def _pull(self, seq: SchedSequence) -> bool:
         """Read the remote prompt KV of a joining request; False (request failed) on error."""
@@ -244,9 +235,8 @@ class ContinuousEngine(EngineBase):
 
     def _add(self, state: RequestState) -> None:
         seq = SchedSequence(state)
-        if isinstance(state.kv_transfer, tuple):  # a remote prefill, connected (_prepare)
-            seq.pull = state.kv_transfer
-            state.kv_transfer = state.kv_transfer[0]
+        if state.kv_remote is not None:  # a remote prefill, connected (_prepare)
+            seq.pull = (state.kv_transfer, state.kv_remote)
         self._sequences[id(state)] = seq
         self.scheduler.add(seq)
 

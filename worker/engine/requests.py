@@ -52,6 +52,8 @@ class RequestState:
     arrival: float = 0.0
     kv_transfer: Any = None
     """The request's ``KvTransferParams`` (disaggregation), or ``None``."""
+    kv_remote: Any = None
+    """The connected context server of a remote prefill (``RemoteEngine``), or ``None``."""
     kv_transfer_out: dict[str, Any] | None = None
     """What the last update answers as ``kv_transfer_params`` (a remote-decode prefill)."""
     detok: Any = None
