@@ -45,18 +45,26 @@ def group_transport(rank: int, world: int, group: str, port: int) -> Any:
 
 def load(ckpt: str, *, backend: Any = None, transport: Any = None, world: int = 1,
          dense: bool = False, slots: int = 2, mode: str | None = None,
-         kernel: str | None = None) -> tuple[Any, Any, Any]:
-    """``(model, tokenizer, attachment)``: the checkpoint on cuda:0, with DWDP attached when a
-    ``backend`` is given (expert DWDP, dense too when ``dense``); attachment ``None`` else."""
+         kernel: str | None = None, kernels: str = "fused") -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, attachment)``: the checkpoint on cuda:0 with the worker's GPU
+    kernels and attention (``use_cuda_kernels``, ``use_paged_attention``; ``kernels``:
+    ``fused``, ``eager`` = without the compiled ones, ``transformers`` = its own), with DWDP
+    attached when a ``backend`` is given (expert DWDP, dense too when ``dense``); attachment
+    ``None`` else."""
     from dwdp.api.enums import CopyMode, GatherKernel
     from dwdp.api.partition import expert_partition
     from dwdp.worker.attach import attach
+    from dwdp.worker.engine.cuda_path import use_cuda_kernels
     from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.engine.paged import use_paged_attention
     from dwdp.worker.models import adapter_for
     from dwdp.worker.settings import CopySettings
 
     model, tok = load_checkpoint(ckpt)
     model.to("cuda:0")
+    if kernels != "transformers":
+        use_cuda_kernels(model, fuse=kernels == "fused")
+        use_paged_attention(model)
     if backend is None:
         return model, tok, None
     adapter = adapter_for(model)

@@ -10,7 +10,8 @@ concurrency 1, 8 and 32 by streaming clients (aiohttp) sending mixed requests: p
 2048 token ids and 16 to 512 output tokens (EOS ignored), drawn from one seed, so every engine
 serves the same work. Reported per engine and concurrency: requests/s, time to first token
 (p50/p99), inter-token latency (p50) and output tokens/s. transformers' ``generate`` (batches of
-``concurrency`` left-padded prompts, no HTTP) gives the in-library output tokens/s.
+``concurrency`` left-padded prompts, no HTTP) gives the in-library output tokens/s. Every engine
+runs the same model with the worker's GPU kernels and attention (``bench/gpu_common.load``).
 
 Usage: python bench/gpu_serve.py [--layers 4] [--world 4] [--requests-per-slot 2] [--max-output 512]
                                  [--out bench/results] [--workdir DIR]
@@ -164,11 +165,14 @@ def rank_main(args: argparse.Namespace) -> None:
             vocab = model.config.vocab_size
             results["generate"] = generate_baseline(model, args.requests_per_slot, vocab)
             print("generate", results["generate"], flush=True)
-            for name, cls in (("wave", BatchingEngine), ("continuous", ContinuousEngine)):
-                engine = cls(model, tok, model_name="bench", config=config).start()
-                results[name] = serve_and_drive(engine, args.requests_per_slot, vocab)
-                engine.stop()
-                print(name, results[name], flush=True)
+            engine = BatchingEngine(model, tok, model_name="bench", config=config).start()
+            results["wave"] = serve_and_drive(engine, args.requests_per_slot, vocab)
+            engine.stop()
+            print("wave", results["wave"], flush=True)
+            engine = ContinuousEngine(model, tok, model_name="bench", config=config).start()
+            results["continuous"] = serve_and_drive(engine, args.requests_per_slot, vocab)
+            engine.stop()
+            print("continuous", results["continuous"], flush=True)
             del model, engine
             torch.cuda.empty_cache()
         transport.barrier(label="replicated.done")

@@ -344,6 +344,7 @@ def run_worker(opts: WorkerOptions) -> int:
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
+        from dwdp.worker.engine.cuda_path import use_cuda_kernels
         from dwdp.worker.engine.load_vote import load_together
         from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
@@ -360,6 +361,8 @@ def run_worker(opts: WorkerOptions) -> int:
             )
         finally:
             watch.end()  # a failed load's peak goes into the termination message too
+        for change in use_cuda_kernels(model):
+            log.info("GPU path: %s", change)
         stage["now"] = Stage.SETUP
         dwdp = setup_dwdp(
             model,

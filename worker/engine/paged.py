@@ -12,7 +12,7 @@ model runs unchanged; two of transformers' extension points carry the packing:
 - the attention: ``dwdp_paged`` (registered with ``AttentionInterface``) attends each request's
   queries to its own slice of that packing: the decode tokens in one batched SDPA call with a key
   mask, each prefill chunk in its own SDPA call (causal; a chunk after earlier chunks gets the
-  bottom-right causal mask). Flash kernels serve the causal prefill on a GPU.
+  bottom-right causal mask). On a GPU ``cuda_path.sdpa_backends`` picks the kernels per call.
 
 Outside an engine step (no ``StepLayout`` active: a plain forward, ``generate``, the wave engine)
 ``dwdp_paged`` is transformers' SDPA attention with SDPA's masks, so a model switched to it
@@ -245,34 +245,35 @@ def paged_attention(
     Outside a step: transformers' SDPA attention."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+    from dwdp.worker.engine.cuda_path import sdpa_backends
+
     layout = _STEP.get()
     if layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        with sdpa_backends(query):
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                **kwargs,
+            )
     window = sliding_window
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty((query.shape[2], query.shape[1], value.shape[3]))  # [T, Hq, Dv]
     for q0, q1, k0, k1 in layout.prefills:
         mask = layout.chunk_mask(q1 - q0, k1 - k0, window, query.device)
-        o = sdpa(
-            query[:, :, q0:q1],
-            key[:, :, k0:k1],
-            value[:, :, k0:k1],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
+        q = query[:, :, q0:q1]
+        with sdpa_backends(q):
+            o = sdpa(q, key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=mask,
+                     is_causal=mask is None, scale=scaling, enable_gqa=gqa)
         out[q0:q1] = o[0].transpose(0, 1)
     if layout.decode_q is not None:
         idx = layout.decode_k
         q = query[0].index_select(1, layout.decode_q).transpose(0, 1)[:, :, None]  # [B,Hq,1,D]
         k = key[0][:, idx].transpose(0, 1)  # [B, Hkv, Kmax, D]
         v = value[0][:, idx].transpose(0, 1)
-        o = sdpa(q, k, v, attn_mask=layout.decode_mask(window), scale=scaling, enable_gqa=gqa)
+        with sdpa_backends(q):
+            o = sdpa(q, k, v, attn_mask=layout.decode_mask(window), scale=scaling,
+                     enable_gqa=gqa)
         out.index_copy_(0, layout.decode_q, o[:, :, 0].to(out.dtype))
     return out[None], None
 

@@ -1,0 +1,195 @@
+"""What a model is switched to before it serves on a GPU: experts through two grouped GEMMs with
+nothing else of size [tokens x top-k, hidden] in between, fused normalisation and rotary
+embedding, and SDPA kernels chosen per call.
+
+``use_cuda_kernels(model)`` is called once per model on a CUDA device (the worker after its
+load, the GPU benches likewise); it changes nothing on the CPU path. Measured on an H200 with
+``bench/gpu_profile.py`` (Qwen3-MoE shape, 4 layers, one 8192-token prefill, replicated).
+
+- **Experts**: ``dwdp_grouped_mm`` is registered with transformers' ``ExpertsInterface`` and
+  selected when it can serve every experts module (gated experts, weights [E, 2I, H] and
+  [E, H, I], no biases). Per MoE layer of ``T`` tokens and top-``K`` routing (``S = T x K``
+  rows): sort the routed (token, expert) pairs by expert, gather the hidden rows [S, H],
+  ``grouped_mm`` with the gate/up weights [S, 2I], SiLU(gate) x up x routing weight [S, I] (one
+  fused kernel), ``grouped_mm`` with the down weights [S, H], then each token's K rows gathered
+  and summed (one fused kernel, fp32 accumulation). transformers' own ``grouped_mm`` path
+  (5.17) also masks [S, H] rows for expert parallelism and multiplies the weights in a
+  broadcast over [S, H]: those elementwise passes took 5.3 ms of a 27 ms forward. The weights
+  are read from the module at each call (``gate_up_proj``, ``down_proj``), so DWDP's hooks,
+  which repoint them to the prefetched slot before the layer runs, work unchanged.
+- **RMSNorm and rotary embedding** (the decoder's, the attention's q/k norms): one
+  ``torch.compile``-d function each (dynamic shapes, no CUDA graphs: DWDP's hooks run eagerly
+  around them) instead of 6 to 8 elementwise kernels per call.
+- **Attention**: cuDNN's SDPA builds an execution plan for every new shape, and in decode the
+  key length changes at every step: each SDPA call then spent 11 ms on the host (a 4-layer
+  decode step: 45 ms on the host for 1.7 ms of GPU work). ``sdpa_backends(tokens)`` lets
+  cuDNN (twice PyTorch's flash kernel at 8K tokens: 3.5 against 6.9 ms) take only prefill
+  chunks of ``CUDNN_MIN_TOKENS`` queries or more, where a plan build is repaid; decode and
+  short chunks use PyTorch's flash and memory-efficient kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import types
+from typing import Any
+
+EXPERTS_NAME = "dwdp_grouped_mm"
+CUDNN_MIN_TOKENS = 4096
+_NORMS = ("Qwen3MoeRMSNorm", "MixtralRMSNorm", "DeepseekV3RMSNorm")
+
+
+def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
+                            top_k_weights: Any) -> Any:
+    """The experts of one MoE layer for ``hidden_states`` [T, H] routed to ``top_k_index``
+    [T, K] (expert ids) with ``top_k_weights`` [T, K]; returns [T, H] in the hidden dtype.
+    ``self`` is the experts module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], SiLU
+    ``act_fn``; ``dwdp_fused``: the gate and the combine through ``torch.compile``). Raises what
+    ``torch.nn.functional.grouped_mm`` raises (CUDA sm80+, bf16)."""
+    import torch
+
+    tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [S] routed pairs, grouped by expert
+    counts = torch.bincount(flat, minlength=self.num_experts)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert
+    rows = hidden_states.index_select(0, order // top_k)  # [S, H]
+    gate_up = _grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets)  # [S, 2I]
+    weights = top_k_weights.reshape(-1).index_select(0, order).to(gate_up.dtype)
+    fused = getattr(self, "dwdp_fused", False)
+    act = (_compiled("gate", _gate) if fused else _gate)(gate_up, weights)  # [S, I]
+    down = _grouped_mm(act, self.down_proj.transpose(-2, -1), offsets)  # [S, H]
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)  # (token, k) -> sorted row
+    combine = _compiled("combine", _combine) if fused else _combine
+    return combine(down, back, tokens, top_k).to(hidden_states.dtype)
+
+
+def _grouped_mm(a: Any, b: Any, offsets: Any) -> Any:
+    import torch
+
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(a, b, offs=offsets)
+
+
+def _gate(gate_up: Any, weights: Any) -> Any:
+    """SiLU(gate) x up x routing weight: [S, 2I], [S] -> [S, I]."""
+    from torch.nn.functional import silu
+
+    width = gate_up.shape[-1] // 2
+    return silu(gate_up[:, :width]) * gate_up[:, width:] * weights[:, None]
+
+
+def _combine(down: Any, back: Any, tokens: int, top_k: int) -> Any:
+    import torch
+
+    """Each token's ``top_k`` rows of ``down`` [S, H] (row ``back[t * top_k + k]``) summed in
+    fp32: [T, H]."""
+    rows = down.index_select(0, back).view(tokens, top_k, down.shape[-1])
+    return rows.sum(dim=1, dtype=torch.float32)
+
+
+@functools.cache
+def _compiled(name: str, fn: Any) -> Any:
+    """``fn`` through ``torch.compile`` (dynamic shapes, default mode: no CUDA graphs), made
+    once per process."""
+    import torch
+
+    return torch.compile(fn, dynamic=True)
+
+
+def _rms_norm(weight: Any, eps: float, hidden_states: Any) -> Any:
+    """Llama-style RMSNorm (what the norms of ``_NORMS`` compute): x / rms(x) in fp32, cast
+    back, times ``weight``."""
+    import torch
+
+    dtype = hidden_states.dtype
+    x = hidden_states.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _fuse_norms(model: Any) -> int:
+    fused = _compiled("rms_norm", _rms_norm)
+    count = 0
+    for m in model.modules():
+        if type(m).__name__ in _NORMS and hasattr(m, "variance_epsilon"):
+            m.forward = types.MethodType(
+                lambda self, x, _f=fused: _f(self.weight, self.variance_epsilon, x), m
+            )
+            count += 1
+    return count
+
+
+def _fuse_rotary(model: Any) -> bool:
+    """The model's modeling module's ``apply_rotary_pos_emb`` through ``torch.compile`` (the
+    attention layers look it up there at each call)."""
+    module = sys.modules.get(type(model).__module__)
+    fn = getattr(module, "apply_rotary_pos_emb", None)
+    if fn is None or getattr(fn, "_dwdp_compiled", False):
+        return fn is not None
+    compiled = _compiled(f"rotary:{module.__name__}", fn)
+    compiled._dwdp_compiled = True
+    module.apply_rotary_pos_emb = compiled
+    return True
+
+
+def sdpa_backends(query: Any) -> Any:
+    """A context manager choosing SDPA's kernels for an attention call of ``query``
+    [B, H, T, D]: on a GPU cuDNN first for ``T >= CUDNN_MIN_TOKENS``, else flash and
+    memory-efficient (then math); nothing changes on the CPU."""
+    if not query.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tail = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if query.shape[-2] >= CUDNN_MIN_TOKENS:
+        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *tail], set_priority=True)
+    return sdpa_kernel(tail, set_priority=True)
+
+
+def _servable(module: Any) -> bool:
+    """Whether ``dwdp_grouped_mm`` computes what this experts module computes."""
+    if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
+        return False
+    if any(getattr(module, flag, False) for flag in
+           ("has_bias", "is_transposed", "has_post_expert_norm")):
+        return False
+    if getattr(module, "has_gate", True) is False:
+        return False
+    if type(getattr(module, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return False
+    e, two_i, h = module.gate_up_proj.shape
+    return tuple(module.down_proj.shape) == (e, h, two_i // 2)
+
+
+def use_cuda_kernels(model: Any, *, fuse: bool = True) -> list[str]:
+    """Switch ``model`` (on a CUDA device) to the kernels above; ``fuse=False`` leaves out the
+    ``torch.compile``-d ones (norms, rotary, the experts' gate and combine). Returns what
+    changed, one phrase each (for the worker's log); a model on the CPU is left as it is."""
+    if next(model.parameters()).device.type != "cuda":
+        return []
+    changed = []
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")
+               and hasattr(m, "gate_up_proj")]
+    if experts and all(_servable(m) for m in experts) and _register():
+        model.set_experts_implementation(EXPERTS_NAME)
+        for m in experts:
+            m.dwdp_fused = fuse
+        changed.append(f"experts: {EXPERTS_NAME} ({len(experts)} layers)")
+    if fuse:
+        changed.append(f"RMSNorm: torch.compile ({_fuse_norms(model)} modules)")
+        if _fuse_rotary(model):
+            changed.append("rotary embedding: torch.compile")
+    return changed
+
+
+def _register() -> bool:
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without the experts interface: keep its experts
+        return False
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, grouped_experts_forward)
+    return True
