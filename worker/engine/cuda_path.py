@@ -126,7 +126,7 @@ def _fuse_norms(model: Any) -> int:
 def _fuse_rotary(model: Any) -> bool:
     """The model's modeling module's ``apply_rotary_pos_emb`` through ``torch.compile`` (the
     attention layers look it up there at each call)."""
-    module = sys.modules.get(type(model).__module__)
+    module: Any = sys.modules.get(type(model).__module__)
     fn = getattr(module, "apply_rotary_pos_emb", None)
     if fn is None or getattr(fn, "_dwdp_compiled", False):
         return fn is not None
