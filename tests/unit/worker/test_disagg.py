@@ -4,11 +4,6 @@ caches move with real NIXL READs (UCX over TCP), speaking vLLM's ``kv_transfer_p
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,17 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 httpx = pytest.importorskip("httpx")
-sys.path.insert(0, str(Path(__file__).parent))
-from _http_helpers import UvicornThread  # noqa: E402
 
-from dwdp.worker.disagg.agent import KvAgent  # noqa: E402
-from dwdp.worker.disagg.transfer import KvTransfer  # noqa: E402
-from dwdp.worker.engine.base import EngineConfig  # noqa: E402
-from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
-from dwdp.worker.server.app import build_app  # noqa: E402
 from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+from dwdp.worker.testing.servers import EngineServer, VllmRouter, wait_for  # noqa: E402
 
 KEY = "disagg-test-key"
 REMOTE_DECODE = {
@@ -40,47 +28,9 @@ REMOTE_DECODE = {
 }
 
 
-class Server:
-    """A model, its continuous engine with a KV transfer, and its app on a free port."""
-
-    def __init__(self, path: Path, lease_s: float = 30.0, **limits) -> None:
-        model, tok = load_checkpoint(path)
-        self.engine = ContinuousEngine(
-            model,
-            tok,
-            model_name="m",
-            config=EngineConfig(max_model_len=128, block_size=4, **limits),
-        )
-        self.port_holder: dict[str, int] = {}
-        self.lease_s = lease_s
-        self.thread = UvicornThread(
-            build_app(self.engine, api_key=KEY), graceful_shutdown_timeout_s=None
-        )
-
-    def __enter__(self) -> Server:
-        self.base = self.thread.__enter__()
-        port = int(self.base.rsplit(":", 1)[1])
-        layers = self.engine.model.config.get_text_config().num_hidden_layers
-        self.engine.attach_kv_transfer(
-            lambda cache: KvTransfer(
-                KvAgent(cache, model="m", num_layers=layers),
-                host="127.0.0.1",
-                port=port,
-                api_key=KEY,
-                lease_s=self.lease_s,
-            )
-        )
-        self.engine.start()
-        self.client = httpx.Client(
-            base_url=self.base, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
-        )
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.client.close()
-        self.thread.__exit__(*exc)
-        self.engine.stop()
-        self.engine.kv.close()
+def _server(path: Path, lease_s: float = 30.0) -> EngineServer:
+    """A context or generation server of the tests (blocks of 4, 128 tokens, the test key)."""
+    return EngineServer(path, api_key=KEY, lease_s=lease_s, max_model_len=128, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +41,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(checkpoint):
-    with Server(checkpoint) as ctx, Server(checkpoint) as gen:
+    with _server(checkpoint) as ctx, _server(checkpoint) as gen:
         yield ctx, gen
 
 
 def _wait(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+    wait_for(predicate, what, timeout)
 
 
 def _routed(ctx, gen, path: str, body: dict) -> tuple[dict, httpx.Response]:
@@ -235,7 +182,7 @@ def test_foreign_engine_and_released_lease_are_clear_errors(pair):
 
 
 def test_an_expired_lease_frees_the_blocks_and_the_late_reader_gets_an_error(checkpoint):
-    with Server(checkpoint, lease_s=2.0) as ctx, Server(checkpoint) as gen:
+    with _server(checkpoint, lease_s=2.0) as ctx, _server(checkpoint) as gen:
         body = {"prompt": list(range(3, 25)), "max_tokens": 3, "ignore_eos": True}
         pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
         params = ctx.client.post("/v1/completions", json=pre).json()["kv_transfer_params"]
@@ -250,8 +197,8 @@ def test_an_expired_lease_frees_the_blocks_and_the_late_reader_gets_an_error(che
 def test_a_context_server_gone_before_the_decode_is_a_clear_error(checkpoint):
     """The context server stops between prefill and decode: the generation server answers
     502 naming the side channel it could not reach, within its fetch timeout."""
-    with Server(checkpoint) as gen:
-        ctx = Server(checkpoint)
+    with _server(checkpoint) as gen:
+        ctx = _server(checkpoint)
         with ctx:
             body = {"prompt": list(range(3, 25)), "max_tokens": 3, "ignore_eos": True}
             pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
@@ -277,43 +224,9 @@ def test_the_side_channel_needs_the_api_key(pair):
 def router(pair):
     """The real vllm-router (PD mode, static URLs) in front of the pair. It calls the workers
     with the key of ``OPENAI_API_KEY`` (its ``--api-key`` does not reach the PD calls)."""
-    binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     ctx, gen = pair
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--vllm-pd-disaggregation",
-            "--prefill",
-            ctx.base,
-            "--decode",
-            gen.base,
-            "--log-level",
-            "warning",
-        ],
-        env={**os.environ, "OPENAI_API_KEY": KEY},
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert proc.poll() is None, "vllm-router exited"
-        try:
-            return httpx.get(base + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        _wait(up, "vllm-router did not come up", timeout=60)
+    with VllmRouter([ctx.base], [gen.base], api_key=KEY) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_through_vllm_router_every_request_decodes_from_remote_kv(pair, router):

@@ -1,0 +1,162 @@
+"""Real servers on loopback for tests and benches: an engine behind the OpenAI app (uvicorn in a
+thread), optionally with its NIXL KV transfer, and vllm-router's binary in front of them.
+
+``EngineServer`` is one worker as ``dwdp.worker.main`` runs it (continuous engine, API key, KV
+transfer for a context or generation role), without the rest of a pod; ``VllmRouter`` runs
+the ``vllm-router`` binary that the PyPI package installs next to the interpreter, in PD mode
+(``--vllm-pd-disaggregation`` with static ``--prefill``/``--decode`` URLs) or plain
+(``--worker-urls``), and waits for its ``/health``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``predicate`` every 20 ms; raises ``TimeoutError(what)`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class UvicornThread:
+    """uvicorn in a thread on 127.0.0.1 and an OS-chosen free port; ``__enter__`` returns
+    its base URL. Raises ``TimeoutError`` when it does not start within 30 s."""
+
+    def __init__(self, app: Any, **kwargs: Any) -> None:
+        import uvicorn
+
+        from dwdp.worker.server.run import uvicorn_kwargs
+
+        config = uvicorn.Config(app, **uvicorn_kwargs(host="127.0.0.1", port=0, **kwargs))
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        wait_for(lambda: self.server.started, "uvicorn did not start", timeout=30)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+class EngineServer:
+    """A checkpoint's continuous engine behind the OpenAI app (``api_key`` required), with a
+    NIXL KV transfer (``kv=True``: the context and generation roles) whose leases last
+    ``lease_s`` seconds. ``engine`` limits go to ``EngineConfig``. A context manager:
+    ``base`` is its URL and ``client`` an ``httpx.Client`` carrying the key once entered."""
+
+    def __init__(self, path: Path, *, api_key: str, kv: bool = True, lease_s: float = 30.0,
+                 model_name: str = "m", **limits: Any) -> None:
+        from dwdp.worker.engine.base import EngineConfig
+        from dwdp.worker.engine.continuous import ContinuousEngine
+        from dwdp.worker.engine.loader import load_checkpoint
+        from dwdp.worker.server.app import build_app
+
+        model, tok = load_checkpoint(path)
+        self.engine = ContinuousEngine(model, tok, model_name=model_name,
+                                       config=EngineConfig(**limits))
+        self.api_key, self.kv, self.lease_s, self.model_name = api_key, kv, lease_s, model_name
+        self.thread = UvicornThread(build_app(self.engine, api_key=api_key),
+                                    graceful_shutdown_timeout_s=None)
+
+    def __enter__(self) -> EngineServer:
+        import httpx
+
+        self.base = self.thread.__enter__()
+        if self.kv:
+            self._attach_kv(int(self.base.rsplit(":", 1)[1]))
+        self.engine.start()
+        self.client = httpx.Client(base_url=self.base, timeout=60,
+                                   headers={"Authorization": f"Bearer {self.api_key}"})
+        return self
+
+    def _attach_kv(self, port: int) -> None:
+        from dwdp.worker.disagg.agent import KvAgent
+        from dwdp.worker.disagg.transfer import KvTransfer
+
+        layers = self.engine.model.config.get_text_config().num_hidden_layers
+        self.engine.attach_kv_transfer(
+            lambda cache: KvTransfer(
+                KvAgent(cache, model=self.model_name, num_layers=layers),
+                host="127.0.0.1", port=port, api_key=self.api_key, lease_s=self.lease_s,
+            )
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        self.client.close()
+        self.thread.__exit__(*exc)
+        self.engine.stop()
+        if self.engine.kv is not None:
+            self.engine.kv.close()
+
+
+class VllmRouter:
+    """vllm-router on a free loopback port: PD mode when ``decode`` URLs are given (every
+    ``prefill`` URL a prefill worker, ``prefill_policy`` among them), else plain over
+    ``prefill`` as its workers. Workers are called with ``OPENAI_API_KEY=api_key``.
+    ``__enter__`` returns its base URL; raises ``RuntimeError`` when the binary exits and
+    ``TimeoutError`` when ``/health`` does not answer within ``timeout`` s."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str] = (), *, api_key: str,
+                 prefill_policy: str = "round_robin", timeout: float = 60.0) -> None:
+        self.port = free_port()
+        binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        args = [binary, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        if decode:
+            args += ["--vllm-pd-disaggregation", "--prefill-policy", prefill_policy]
+            args += [a for url in prefill for a in ("--prefill", url)]
+            args += [a for url in decode for a in ("--decode", url)]
+        else:
+            args += ["--worker-urls", *prefill]
+        self.args, self.api_key, self.timeout = args, api_key, timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> str:
+        import httpx
+
+        self.proc = subprocess.Popen(self.args, env={**os.environ, "OPENAI_API_KEY": self.api_key})
+        base = f"http://127.0.0.1:{self.port}"
+
+        def up() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}")
+            try:
+                return httpx.get(base + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_for(up, "vllm-router did not come up", timeout=self.timeout)
+        except BaseException:
+            self.__exit__()
+            raise
+        return base
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
