@@ -623,7 +623,9 @@ class RouterSpec(ApiModel):
     )
     replicas: PosInt = Field(default=1, description="Router pods.")
     port: Port = Field(default=8000, description="Port of the router's OpenAI API (the Service's).")
-    metrics_port: Port = Field(default=29000, description="Port of the router's Prometheus metrics.")
+    metrics_port: Port = Field(
+        default=29000, description="Port of the router's Prometheus metrics."
+    )
     image: str | None = Field(
         default=None,
         min_length=1,

@@ -179,6 +179,7 @@ def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) 
         "demo-g1-group",
         "demo-gen0-group",
         "demo-kv-transfer",
+        "demo-router",
         "demo-serving",
     ]
     kv = policies["demo-kv-transfer"]  # generation pods reach context pods (NIXL)
