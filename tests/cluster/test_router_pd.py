@@ -15,11 +15,9 @@ temporary state folder, as test_e2e_demo.py does.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +25,8 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from dwdp.devcluster.testing import demo_driver
+
 NS = "pd"
 NAME = "pd"
 RANKS = 4
@@ -36,17 +35,7 @@ pytestmark = pytest.mark.timeout(1800)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def _demo():
-    path = REPO / "scripts" / "demo.py"
-    spec = importlib.util.spec_from_file_location("dwdp_demo_driver_pd", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _demo()
+demo = demo_driver()
 
 
 def _reference(model_dir: Path) -> list[dict[str, Any]]:

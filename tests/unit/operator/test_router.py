@@ -8,10 +8,9 @@ import json
 import pytest
 
 from dwdp.api.deployment import parse_deployment
-from dwdp.api.enums import Role
 from dwdp.operator import builders, router
 from dwdp.operator import constants as c
-from dwdp.operator.observe import ObservedPod, RouterPod
+from dwdp.operator.observe import ObservedPod, RouterPod, pod_from_object
 
 OWNER = builders.Owner("demo", "ns1", "uid-1")
 SERVERS = router.RouterServers(
@@ -37,22 +36,24 @@ def spec(**patch):
 
 
 def _pod(name: str, ip: str | None, ranks: int) -> ObservedPod:
-    return ObservedPod(
-        name=name,
-        role=Role.CONTEXT,
-        group_index=0,
-        incarnation=0,
-        pod_index=0,
-        revision="r",
-        phase="Running",
-        scheduled=True,
-        started=True,
-        deleting=False,
-        ip=ip,
-        gate=True,
-        ready=True,
-        ranks=ranks,
+    """A listed context pod of ``ranks`` local ranks at ``ip``."""
+    labels = {
+        c.LABEL_ROLE: "context",
+        c.LABEL_GROUP_INDEX: "0",
+        c.LABEL_INCARNATION: "0",
+        c.LABEL_POD_INDEX: "0",
+        c.LABEL_REVISION: "r",
+    }
+    ports = [{"name": f"rank-{k}", "containerPort": 8000 + k} for k in range(ranks)]
+    pod = pod_from_object(
+        {
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"containers": [{"ports": ports}]},
+            "status": {"phase": "Running", "podIP": ip},
+        }
     )
+    assert pod is not None
+    return pod
 
 
 def test_rank_urls_list_every_local_rank_of_every_pod() -> None:
