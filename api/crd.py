@@ -222,6 +222,12 @@ def crd_manifest() -> dict[str, Any]:
                             "jsonPath": ".spec.context.dwdp.enableDense",
                         },
                         {
+                            "name": "Router",
+                            "type": "string",
+                            "description": "The router's URL (vllm-router, PD mode).",
+                            "jsonPath": ".status.router.endpoint",
+                        },
+                        {
                             "name": "Age",
                             "type": "date",
                             "jsonPath": ".metadata.creationTimestamp",

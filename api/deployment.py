@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from dwdp.api.base import ApiModel, NonNegInt, PosInt, cel_rule, cel_rules
+from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
 from dwdp.api.contract import USER_ENV
 from dwdp.api.enums import HandleType, Role, Transport
@@ -70,6 +70,9 @@ __all__ = [
     "RendezvousSpec",
     "ResourceRequirements",
     "RolloutSpec",
+    "RouterPolicy",
+    "RouterSpec",
+    "RouterStatus",
     "ServerSpec",
     "Toleration",
     "deployment_problems",
@@ -582,6 +585,77 @@ class ServerSpec(ApiModel):
     )
 
 
+class RouterPolicy(enum.StrEnum):
+    """How vllm-router picks a server among the context ranks (prefill) or the generation
+    servers (decode): the policies of vllm-router that need nothing but the URLs."""
+
+    ROUND_ROBIN = "round_robin"
+    """Each server in turn (every committed rank gets prefill traffic)."""
+    RANDOM = "random"
+    """A server chosen at random."""
+    CACHE_AWARE = "cache_aware"
+    """The server whose prefix tree matches the prompt best, balanced by load."""
+    POWER_OF_TWO = "power_of_two"
+    """The less loaded of two servers chosen at random."""
+    CONSISTENT_HASH = "consistent_hash"
+    """A hash of the request (session affinity)."""
+
+
+_ROUTER_PORTS = "metricsPort must differ from port: both listen on the router pod's address"
+
+
+class RouterSpec(ApiModel):
+    """The request router of disaggregated serving: vllm-router in PD mode
+    (``--vllm-pd-disaggregation``), one Deployment and Service ``NAME-router``. It sends each
+    request's prefill to a context rank of a committed group and its decode to a ready
+    generation server; the operator lists every committed rank's URL in its arguments."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel_rules(
+            [cel_rule("self.port != self.metricsPort", _ROUTER_PORTS, field_path=".metricsPort")]
+        )
+    )
+
+    enabled: Bool | None = Field(
+        default=None,
+        description="Run the router; unset: on when the spec has generation servers "
+        "(generation.replicas > 0). True needs generation servers.",
+    )
+    replicas: PosInt = Field(default=1, description="Router pods.")
+    port: Port = Field(default=8000, description="Port of the router's OpenAI API (the Service's).")
+    metrics_port: Port = Field(
+        default=29000, description="Port of the router's Prometheus metrics."
+    )
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="Router image (it runs the vllm-router console script); unset: the worker "
+        "image, which ships it.",
+    )
+    resources: ResourceRequirements | None = Field(
+        default=None, description="Resources of the router container."
+    )
+    prefill_policy: RouterPolicy = Field(
+        default=RouterPolicy.ROUND_ROBIN,
+        description="How a context rank is picked for a prefill: round_robin, random, "
+        "cache_aware, power_of_two or consistent_hash.",
+    )
+    decode_policy: RouterPolicy = Field(
+        default=RouterPolicy.ROUND_ROBIN,
+        description="How a generation server is picked for a decode (same values).",
+    )
+    request_timeout_seconds: PosInt = Field(
+        default=1800, description="Bound on one request through the router, in seconds."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterSpec:
+        if self.port == self.metrics_port:
+            raise RuleViolations([Problem(("metricsPort",), self.metrics_port, _ROUTER_PORTS)])
+        return self
+
+
 class RolloutSpec(ApiModel):
     """How a new revision replaces the groups, counted in whole DWDP groups."""
 
@@ -672,6 +746,12 @@ class FailurePolicy(ApiModel):
         return self
 
 
+_ROUTER_NEEDS_GENERATION = (
+    "router.enabled needs generation servers (generation.replicas > 0): the router sends "
+    "every decode to one; leave router.enabled unset to run the router only when there are some"
+)
+
+
 def _rules_spec() -> list[dict[str, str]]:
     return [
         cel_rule(
@@ -680,7 +760,13 @@ def _rules_spec() -> list[dict[str, str]]:
             "rendezvous.port must not be one of the server ports (server.port up to "
             "server.port + context.ranksPerPod - 1)",
             field_path=".rendezvous.port",
-        )
+        ),
+        cel_rule(
+            "!has(self.router) || !has(self.router.enabled) || !self.router.enabled || "
+            "(has(self.generation) && self.generation.replicas > 0)",
+            _ROUTER_NEEDS_GENERATION,
+            field_path=".router.enabled",
+        ),
     ]
 
 
@@ -730,6 +816,11 @@ class DwdpDeploymentSpec(ApiModel):
         default_factory=RendezvousSpec, json_schema_extra=_EMPTY_DEFAULT
     )
     server: ServerSpec = Field(default_factory=ServerSpec, json_schema_extra=_EMPTY_DEFAULT)
+    router: RouterSpec = Field(
+        default_factory=RouterSpec,
+        json_schema_extra=_EMPTY_DEFAULT,
+        description="The vllm-router in front of the context and generation servers.",
+    )
     graceful_shutdown_timeout_seconds: PosInt | None = Field(
         default=None,
         description="Bound on a server's graceful stop, in seconds (a positive integer); "
@@ -740,21 +831,33 @@ class DwdpDeploymentSpec(ApiModel):
         default_factory=FailurePolicy, json_schema_extra=_EMPTY_DEFAULT
     )
 
+    @property
+    def router_enabled(self) -> bool:
+        """The operator runs the router: ``router.enabled``, or when unset, generation
+        servers exist (``generation.replicas > 0``)."""
+        if self.router.enabled is not None:
+            return self.router.enabled
+        return self.generation is not None and self.generation.replicas > 0
+
     @model_validator(mode="after")
     def _check(self) -> DwdpDeploymentSpec:
+        problems = []
         rdv, first = self.rendezvous.port, self.server.port
         last = first + self.context.ranks_per_pod - 1
         if first <= rdv <= last:
-            raise RuleViolations(
-                [
-                    Problem(
-                        ("rendezvous", "port"),
-                        rdv,
-                        f"must not be one of the server ports {first}..{last} (server.port "
-                        "up to server.port + context.ranksPerPod - 1)",
-                    )
-                ]
+            problems.append(
+                Problem(
+                    ("rendezvous", "port"),
+                    rdv,
+                    f"must not be one of the server ports {first}..{last} (server.port "
+                    "up to server.port + context.ranksPerPod - 1)",
+                )
             )
+        generation = self.generation is not None and self.generation.replicas > 0
+        if self.router.enabled and not generation:
+            problems.append(Problem(("router", "enabled"), True, _ROUTER_NEEDS_GENERATION))
+        if problems:
+            raise RuleViolations(problems)
         return self
 
 
@@ -865,6 +968,25 @@ class GenerationStatus(_StatusModel):
     )
 
 
+class RouterStatus(_StatusModel):
+    """The router (vllm-router) as the operator last saw it."""
+
+    replicas: int = Field(
+        default=0, description="Router pods wanted (0 until a group commits and a generation "
+        "server is ready: the router starts only with servers to route to)."
+    )
+    ready_replicas: int = Field(default=0, description="Router pods Ready.")
+    prefill_servers: int = Field(
+        default=0, description="Context rank URLs the router sends prefills to."
+    )
+    decode_servers: int = Field(
+        default=0, description="Generation server URLs the router sends decodes to."
+    )
+    endpoint: str | None = Field(
+        default=None, max_length=1024, description="The router's URL (its Service)."
+    )
+
+
 class DwdpDeploymentStatus(_StatusModel):
     """What the operator observed; written through the status subresource only."""
 
@@ -892,6 +1014,9 @@ class DwdpDeploymentStatus(_StatusModel):
     groups: list[GroupStatus] | None = Field(default=None, max_length=1024)
     generation: GenerationStatus | None = None
     endpoint: str | None = Field(default=None, max_length=1024, description="Client-facing URL.")
+    router: RouterStatus | None = Field(
+        default=None, description="The router, when the operator runs one."
+    )
 
 
 # --------------------------------------------------------------------------- object

@@ -45,6 +45,7 @@ __all__ = [
     "rendezvous_secret_needed",
     "role_shapes",
     "role_template",
+    "router_selector",
     "serving_policy",
     "with_secret_value",
     "worker_pod",
@@ -298,6 +299,16 @@ def _worker_selector(owner: Owner) -> dict[str, Any]:
     }
 
 
+def router_selector(owner: Owner) -> dict[str, Any]:
+    """The label selector of the deployment's router pods."""
+    return {
+        "matchLabels": {
+            c.LABEL_DEPLOYMENT: owner.name,
+            c.LABEL_COMPONENT: c.Component.ROUTER.value,
+        }
+    }
+
+
 def _ingress_policy(
     owner: Owner, name: str, selector: dict[str, Any], rule: dict[str, Any]
 ) -> dict[str, Any]:
@@ -319,9 +330,10 @@ def serving_policy(
 ) -> dict[str, Any]:
     """The NetworkPolicy of every worker pod of the deployment: ingress only on the
     serving ports (``server.port`` up to the widest role's last local-rank port), from
-    ``spec.networkPolicy.servingFrom`` (unset: any source; set: those peers and every pod
-    of ``operator_namespace``, whose operator reads ``/dwdp/status``). Other ports are
-    reached only under :func:`group_policy`; egress is not restricted."""
+    ``spec.networkPolicy.servingFrom`` (unset: any source; set: those peers, every pod
+    of ``operator_namespace``, whose operator reads ``/dwdp/status``, and the deployment's
+    router pods when it runs one). Other ports are reached only under :func:`group_policy`;
+    egress is not restricted."""
     first = spec.server.port
     width = max(s.ranks_per_pod for s in role_shapes(spec).values())
     port: dict[str, Any] = {"protocol": "TCP", "port": first}
@@ -334,6 +346,8 @@ def serving_policy(
         if operator_namespace is not None:
             ns = {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
             rule["from"].append({"namespaceSelector": ns})
+        if spec.router_enabled:
+            rule["from"].append({"podSelector": router_selector(owner)})
     return _ingress_policy(owner, naming.serving_policy(owner.name), _worker_selector(owner), rule)
 
 

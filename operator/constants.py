@@ -68,6 +68,10 @@ SLICE_MANAGED_BY = "dwdp-operator.dwdp.io"
 ANNOTATION_APPLIED_HASH = "dwdp.io/applied-hash"
 """Hash of the object as the operator last applied it; equal hash: no write."""
 
+ANNOTATION_ROUTER_SERVERS = "dwdp.io/router-servers"
+"""On the router's pod template: a hash of the prefill and decode URL lists in its arguments,
+so a changed set of committed ranks rolls the router (and its pods say which list they run)."""
+
 # ----------------------------------------------------------------------------- pods
 GATE_CONDITION = "dwdp.io/group-ready"
 """Pod readiness gate: True when every rank of the incarnation committed with one revision
@@ -109,11 +113,27 @@ of a pod whose root filesystem is read-only; a name the spec's ``env`` sets wins
 DEFAULT_WORKER_COMMAND = ("dwdp", "launch", "--host", f"$({Env.POD_IP.value})")
 """Container command of a worker pod (``dwdp launch`` binds the pod's own address)."""
 
+# ----------------------------------------------------------------------------- router
+ROUTER_COMMAND = ("vllm-router",)
+"""Container command of a router pod: the console script of the ``vllm-router`` package (in
+the worker image, and in the local control plane's virtual environment)."""
+ROUTER_CONTAINER = "router"
+"""Name of the one container of a router pod."""
+ROUTER_API_KEY_ENV = "OPENAI_API_KEY"
+"""The variable vllm-router reads the bearer token of its calls to the workers from (its
+``--api-key`` flag does not reach the PD calls)."""
+ROUTER_POD_IP_ENV = "POD_IP"
+"""The router pod's own address (a fieldRef), which it binds."""
+ROUTER_GRACE_S = 30
+"""Termination grace period of a router pod, in seconds (in-flight requests finish)."""
+
 # ----------------------------------------------------------------------------- conditions
 COND_READY = "Ready"
 COND_PROGRESSING = "Progressing"
 COND_DEGRADED = "Degraded"
 COND_INVALID = "Invalid"
+COND_ROUTER_READY = "RouterReady"
+"""True while the router's pods that route to the current server list are all Ready."""
 COND_REPLICA_FAILURE = "ReplicaFailure"
 """True while the apiserver refuses to create a child (quota, admission); its message is
 the API's."""
@@ -151,6 +171,10 @@ class Reason(enum.StrEnum):
     FORCE_DELETED = "ForceDeleted"
     FAILED_CREATE = "FailedCreate"
     COMPUTE_DOMAIN_UNAVAILABLE = "ComputeDomainUnavailable"
+    # RouterReady
+    ROUTER_AVAILABLE = "RouterAvailable"
+    ROUTER_NOT_READY = "RouterNotReady"
+    NO_SERVERS = "NoServers"
 
 
 class Component(enum.StrEnum):
@@ -161,3 +185,4 @@ class Component(enum.StrEnum):
     SERVICE = "service"
     ENDPOINTS = "endpoints"
     NETWORK_POLICY = "network-policy"
+    ROUTER = "router"

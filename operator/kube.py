@@ -37,11 +37,12 @@ _PATHS = {
     "Event": ("/api/v1", "events"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
     KIND: (f"/apis/{API_VERSION}", c.RESOURCE_PLURAL),
     "PodGroup": (f"/apis/{c.PODGROUP_API}", "podgroups"),
     "ComputeDomain": (f"/apis/{c.COMPUTE_DOMAIN_API}", "computedomains"),
 }
-CHILD_KINDS = ("ConfigMap", "Service", "EndpointSlice", "NetworkPolicy")
+CHILD_KINDS = ("ConfigMap", "Service", "EndpointSlice", "NetworkPolicy", "Deployment")
 """Kinds of the non-pod children the operator lists and may delete. Never Secrets: the
 operator creates and deletes the rendezvous Secrets by name and cannot read any Secret."""
 OPTIONAL_KINDS = {"PodGroup": c.PODGROUP_API, "ComputeDomain": c.COMPUTE_DOMAIN_API}

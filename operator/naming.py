@@ -21,6 +21,7 @@ __all__ = [
     "pod_name",
     "rendezvous_address",
     "rendezvous_secret",
+    "router",
     "serving_policy",
 ]
 
@@ -58,6 +59,11 @@ def serving_policy(deployment: str) -> str:
 def kv_transfer_policy(deployment: str) -> str:
     """The NetworkPolicy letting generation pods read context pods' KV (``demo-kv-transfer``)."""
     return f"{deployment}-kv-transfer"
+
+
+def router(deployment: str) -> str:
+    """The router's Deployment, Service and NetworkPolicy (``demo-router``)."""
+    return f"{deployment}-router"
 
 
 def group_policy(group: str) -> str:

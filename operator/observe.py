@@ -22,6 +22,7 @@ __all__ = [
     "Observed",
     "ObservedPod",
     "RankReport",
+    "RouterPod",
     "pod_from_object",
     "rank_report_from_json",
 ]
@@ -206,6 +207,30 @@ def pod_from_object(obj: Mapping[str, Any]) -> ObservedPod | None:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterPod:
+    """One router pod as listed (the router Deployment's pods carry the deployment label)."""
+
+    name: str
+    ready: bool
+    deleting: bool
+    servers: str | None
+    """The server-list hash of its template (``dwdp.io/router-servers``)."""
+
+
+def router_pod_from_object(obj: Mapping[str, Any]) -> RouterPod | None:
+    """Summarize a router pod; None for any other pod."""
+    meta = obj.get("metadata") or {}
+    if (meta.get("labels") or {}).get(c.LABEL_COMPONENT) != c.Component.ROUTER.value:
+        return None
+    return RouterPod(
+        name=meta["name"],
+        ready=_condition(obj.get("status") or {}, "Ready"),
+        deleting=bool(meta.get("deletionTimestamp")),
+        servers=(meta.get("annotations") or {}).get(c.ANNOTATION_ROUTER_SERVERS),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ChildKey:
     """Kind and name of a child other than a pod."""
 
@@ -246,6 +271,8 @@ class Observed:
     attempt failed; the plan reports it as a condition."""
     create_blocked: bool = False
     """A refused creation is in its retry backoff: plan no creation this cycle."""
+    router_pods: tuple[RouterPod, ...] = ()
+    """The pods of the router Deployment (any ReplicaSet)."""
 
     @classmethod
     def from_objects(
@@ -256,7 +283,9 @@ class Observed:
         ranks: Mapping[str, tuple[RankReport | None, ...]] | None = None,
         **extra: Any,
     ) -> Observed:
-        """Build the summary from listed objects and the ranks' reports."""
+        """Build the summary from listed objects (worker and router pods) and the ranks'
+        reports."""
+        pods = list(pods)
         summaries = tuple(
             sorted(
                 (p for p in (pod_from_object(o) for o in pods) if p is not None),
@@ -268,7 +297,15 @@ class Observed:
             for o in children
             if _ours(o)
         }
-        return cls(pods=summaries, children=kids, ranks=dict(ranks or {}), **extra)
+        routers = tuple(
+            sorted(
+                (r for r in map(router_pod_from_object, pods) if r is not None),
+                key=lambda r: r.name,
+            )
+        )
+        return cls(
+            pods=summaries, children=kids, ranks=dict(ranks or {}), router_pods=routers, **extra
+        )
 
     def group_pods(self, role: Role, index: int) -> list[ObservedPod]:
         """Every pod of one group (all incarnations, deleting ones included)."""

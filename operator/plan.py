@@ -28,12 +28,13 @@ from dwdp.api.deployment import (
     DwdpDeploymentSpec,
     DwdpDeploymentStatus,
     GenerationStatus,
+    RouterStatus,
     deployment_problems,
     parse_deployment,
 )
 from dwdp.api.enums import HandleType, Role
 from dwdp.api.errors import Problem
-from dwdp.operator import builders, naming
+from dwdp.operator import builders, naming, router
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
 from dwdp.operator.observe import ChildKey, Observed, ObservedPod
@@ -235,11 +236,15 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     )
     actions += Actions(delete=orphans)
     actions += Actions(delete=_secret_deletes(observed, actions.delete))
-    apply, slices, stale = _children(spec, owner, observed, roles, actions, revisions, options)
+    servers = _router_servers(spec, observed, roles)
+    apply, slices, stale = _children(
+        spec, owner, observed, roles, actions, revisions, options, servers
+    )
     actions += Actions(delete=stale)
     stuck, left = _progress(spec, roles, revisions, now)
     actions += Actions(requeue_s=tuple(left))
     status = _status(spec, owner, body, observed, roles, actions, revisions, now, stuck)
+    status = _with_router(status, spec, owner, observed, servers, body, now)
     all_ready = status["conditions"][0]["status"] == "True"
     return Plan(
         apply=apply,
@@ -283,6 +288,39 @@ def _secret_deletes(observed: Observed, deletes: Sequence[Delete]) -> tuple[Dele
     )
 
 
+def _committed_pods(
+    observed: Observed, decision: RoleDecision | None, role: Role
+) -> list[ObservedPod]:
+    """The live pods, with an address, of the committed incarnation of every committed
+    group (context) or server (generation) of ``role``: the ones that take traffic."""
+    if decision is None:
+        return []
+    return [
+        p
+        for view in decision.views
+        if view.committed
+        for p in observed.group_pods(role, view.index)
+        if p.live and p.incarnation == view.incarnation and p.ip is not None
+    ]
+
+
+def _router_servers(
+    spec: DwdpDeploymentSpec, observed: Observed, roles: Mapping[Role, RoleDecision]
+) -> router.RouterServers:
+    """Every rank URL of the committed context groups and the ready generation servers
+    ([Note: static router URLs] in :mod:`dwdp.operator.router`)."""
+    port = spec.server.port
+    return router.RouterServers(
+        prefill=router.rank_urls(
+            _committed_pods(observed, roles.get(Role.CONTEXT), Role.CONTEXT), base_port=port
+        ),
+        decode=router.rank_urls(
+            _committed_pods(observed, roles.get(Role.GENERATION), Role.GENERATION),
+            base_port=port,
+        ),
+    )
+
+
 def _children(
     spec: DwdpDeploymentSpec,
     owner: builders.Owner,
@@ -291,10 +329,11 @@ def _children(
     actions: Actions,
     revisions: Mapping[Role, str],
     options: PlanOptions,
+    servers: router.RouterServers,
 ) -> tuple[tuple[dict[str, Any], ...], tuple[dict[str, Any], ...], tuple[Delete, ...]]:
     """The static children: ``(apply, slices, deletes)``: the configs of the revisions in
-    use, the services, the NetworkPolicies and the endpoint slices whose applied-hash
-    differs, and every child nothing needs any more."""
+    use, the services, the NetworkPolicies, the router (routing to ``servers``) and the
+    endpoint slices whose applied-hash differs, and every child nothing needs any more."""
     in_use = {(p.role, p.revision) for p in observed.pods if p.live}
     in_use |= {(role, revisions[role]) for role in roles}
     in_use |= {
@@ -309,12 +348,11 @@ def _children(
     wanted += [builders.headless_service(spec, owner, role) for role in roles]
     wanted.append(builders.client_service(spec, owner))
     wanted += _network_policies(spec, owner, observed, roles, actions, options)
+    wanted += router.router_objects(spec, owner, servers)
     serving = [
         builders.Endpoint(p.name, p.ip)
-        for view in roles[Role.CONTEXT].views
-        if view.committed
-        for p in observed.group_pods(Role.CONTEXT, view.index)
-        if p.live and p.incarnation == view.incarnation and p.ip is not None
+        for p in _committed_pods(observed, roles[Role.CONTEXT], Role.CONTEXT)
+        if p.ip is not None
     ]
     slices = builders.endpoint_slices(spec, owner, serving)
     keep = {ChildKey(o["kind"], o["metadata"]["name"]) for o in wanted + slices}
@@ -470,6 +508,41 @@ def _status(
         ),
     )
     return status.to_yaml_dict()
+
+
+def _with_router(
+    status: dict[str, Any],
+    spec: DwdpDeploymentSpec,
+    owner: builders.Owner,
+    observed: Observed,
+    servers: router.RouterServers,
+    body: Mapping[str, Any],
+    now: str,
+) -> dict[str, Any]:
+    """``status`` with ``router`` and the ``RouterReady`` condition when the spec runs the
+    router (unchanged otherwise: the entries go with it)."""
+    if not spec.router_enabled:
+        return status
+    wanted = spec.router.replicas if servers.complete else 0
+    ready = router.ready_router_pods(observed.router_pods, servers)
+    generation = (body.get("metadata") or {}).get("generation")
+    cond = router.router_condition(
+        servers=servers, wanted=wanted, ready=ready, observed_generation=generation
+    )
+    old = (body.get("status") or {}).get("conditions")
+    (cond,) = carry_transition_times([cond], old, now)
+    entry = RouterStatus(
+        replicas=wanted,
+        ready_replicas=min(ready, wanted),
+        prefill_servers=len(servers.prefill),
+        decode_servers=len(servers.decode),
+        endpoint=router.router_endpoint(spec, owner),
+    )
+    return {
+        **status,
+        "conditions": [*status["conditions"], Condition.model_validate(cond).to_yaml_dict()],
+        "router": entry.to_yaml_dict(),
+    }
 
 
 def _requeue_after(actions: Actions, all_ready: bool) -> float:

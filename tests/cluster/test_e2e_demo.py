@@ -14,12 +14,10 @@ the generation server; the shared session cluster has 8), in a temporary state f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -29,21 +27,10 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from dwdp.devcluster.testing import demo_driver
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-def _demo():
-    spec = importlib.util.spec_from_file_location("dwdp_demo_driver", REPO / "scripts" / "demo.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _demo()
+demo = demo_driver()
 NS = "e2e"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
@@ -179,6 +166,7 @@ def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) 
         "demo-g1-group",
         "demo-gen0-group",
         "demo-kv-transfer",
+        "demo-router",
         "demo-serving",
     ]
     kv = policies["demo-kv-transfer"]  # generation pods reach context pods (NIXL)

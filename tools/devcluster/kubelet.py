@@ -22,7 +22,9 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
 - Each container is ``command + args`` (the image is ignored) with its env resolved
   (value, fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef, envFrom, ``$(VAR)``), in
   its own process group, stdout+stderr to a log file (``kubectl logs`` works through the
-  kubelet's HTTPS port). PATH starts with ``--path-prepend`` (the repo's .venv/bin).
+  kubelet's HTTPS port). PATH starts with ``--path-prepend`` (the repo's .venv/bin), so a
+  console script of the environment is a container command as it is in the worker image
+  (``dwdp launch`` of worker pods, ``vllm-router`` of the operator's router pods).
 - Init containers, startup/readiness/liveness probes (httpGet, tcpSocket, exec), readiness
   gates, restartPolicy with back-off, terminationMessagePath/Policy, phase, podIP and
   container states with exit codes.

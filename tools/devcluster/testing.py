@@ -17,22 +17,26 @@ and ``pod_log()``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
 
 from dwdp.devcluster import build, tools
 from dwdp.devcluster.cluster import Cluster
+from dwdp.devcluster.paths import REPO_ROOT
 
 T = TypeVar("T")
 
@@ -184,6 +188,30 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
         c.down(timeout_s=5)
         raise
     return TestCluster(c, tools_bin), True
+
+
+DEMO_MODULE = "dwdp_demo_driver"
+"""Module name under which :func:`demo_driver` loads ``scripts/demo.py``."""
+
+
+def demo_driver() -> ModuleType:
+    """``scripts/demo.py`` of this checkout as a module (its steps: start a cluster, install
+    the operator, make the demo model, wait for Ready, ask), loaded once per process; the
+    end-to-end cluster tests drive the demo's own steps with it.
+
+    Raises:
+        FileNotFoundError: outside a source checkout (no scripts/demo.py).
+    """
+    if DEMO_MODULE in sys.modules:
+        return sys.modules[DEMO_MODULE]
+    if REPO_ROOT is None:
+        raise FileNotFoundError("scripts/demo.py: not a source checkout")
+    spec = importlib.util.spec_from_file_location(DEMO_MODULE, REPO_ROOT / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[DEMO_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -57,12 +57,24 @@ class KvTransfer:
         self._lease_lock = threading.Lock()  # the lease table (engine thread and side channel)
         self._leases: dict[str, tuple[list[int], float]] = {}
         self.blocks_received = 0
+        self.leases_granted = 0
         self.leases_expired = 0
 
     @property
     def leases(self) -> int:
         """Prefilled requests whose blocks wait for their generation side."""
         return len(self._leases)
+
+    def status(self) -> dict[str, int]:
+        """The counters of ``/dwdp/status``'s ``kv_transfer``: ``leases`` (held now),
+        ``leases_granted`` (requests prefilled here for a remote decode), ``leases_expired``
+        (never read), ``blocks_received`` (KV blocks this server read from context servers)."""
+        return {
+            "leases": self.leases,
+            "leases_granted": self.leases_granted,
+            "leases_expired": self.leases_expired,
+            "blocks_received": self.blocks_received,
+        }
 
     # -- context side --------------------------------------------------------------------------
     def prefilled(self, request_id: str, blocks: list[int]) -> dict[str, Any]:
@@ -79,6 +91,7 @@ class KvTransfer:
         """Hold ``blocks`` until the generation side releases them or ``lease_s`` passes."""
         with self._lease_lock:
             self._leases[request_id] = (blocks, time.monotonic() + self.lease_s)
+            self.leases_granted += 1
 
     def unlease(self, request_id: str) -> None:
         """Forget a lease without freeing its blocks (the request still runs and holds them)."""

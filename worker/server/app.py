@@ -221,6 +221,13 @@ def build_app(
         status = serving.dwdp.status()
         if memory is not None:
             status.update(memory.status(kv_tokens_in_use(serving.engine)))
+        kv = getattr(serving.engine, "kv", None)
+        if kv is not None:  # a disaggregated server: its KV transfer counters
+            stats = getattr(serving.engine, "stats", None)
+            status["kv_transfer"] = {
+                **kv.status(),
+                "remote_prefill_tokens": getattr(stats, "remote_prefill_tokens", 0),
+            }
         return with_identity(status, identity, engine_failure(serving.engine))
 
     return app

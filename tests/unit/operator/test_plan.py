@@ -49,6 +49,8 @@ class Sim:
         ranks = {}
         for p in pods:
             labels = p["metadata"]["labels"]
+            if c.LABEL_ROLE not in labels:  # a router pod: no ranks
+                continue
             first = int(
                 next(
                     e["value"]
@@ -453,7 +455,9 @@ def test_the_kv_transfer_policy_comes_with_generation_servers() -> None:
     names = [o["metadata"]["name"] for o in plan(
         body(replicas=1, generation={"replicas": 1}), Observed(), options=OPTIONS, now="T"
     ).apply if o["kind"] == "NetworkPolicy"]
-    assert names == ["demo-serving", "demo-kv-transfer", "demo-g0-group", "demo-gen0-group"]
+    assert names == [
+        "demo-serving", "demo-kv-transfer", "demo-g0-group", "demo-gen0-group", "demo-router"
+    ]
 
 
 def test_a_group_policy_lives_as_long_as_its_group_and_the_setting() -> None:
@@ -605,3 +609,119 @@ def test_a_refused_creation_retries_under_the_same_group_name() -> None:
         sim.objects.pop(("Pod", pod["metadata"]["name"]))
     p = sim.step()
     assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g1-i0-p0", "demo-g1-i0-p1"]
+
+
+# ----------------------------------------------------------------------------- the router
+
+
+def _router(p) -> dict | None:
+    return next((o for o in p.apply if o["kind"] == "Deployment"), None)
+
+
+def _router_urls(dep: dict) -> tuple[list[str], list[str]]:
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    pick = lambda flag: [args[i + 1] for i, a in enumerate(args) if a == flag]  # noqa: E731
+    return pick("--prefill"), pick("--decode")
+
+
+def _router_pod(sim: Sim, dep: dict, name: str = "demo-router-x") -> None:
+    """A Ready pod of the router Deployment's current template (what its ReplicaSet makes)."""
+    tmpl = dep["spec"]["template"]
+    sim.objects[("Pod", name)] = {
+        "kind": "Pod",
+        "metadata": {"name": name, **copy.deepcopy(tmpl["metadata"])},
+        "spec": copy.deepcopy(tmpl["spec"]),
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def test_the_router_lists_every_committed_rank_and_each_generation_server() -> None:
+    sim = Sim(body(replicas=2, generation={"replicas": 1}))
+    first = sim.step("T0")
+    dep = _router(first)
+    assert dep is not None and dep["spec"]["replicas"] == 0  # nothing committed yet
+    assert _router_urls(dep) == ([], [])
+    cond = {x["type"]: x for x in first.status["conditions"]}["RouterReady"]
+    assert (cond["status"], cond["reason"]) == ("False", "NoServers")
+    p = sim.step("T1")  # every rank commits: gates open, the router gets every rank's URL
+    dep = _router(p)
+    assert dep is not None and dep["spec"]["replicas"] == 1
+    prefill, decode = _router_urls(dep)
+    ips = {n: o["status"]["podIP"] for (k, n), o in sim.objects.items() if k == "Pod"}
+    assert prefill == sorted(
+        f"http://{ips[pod]}:{8000 + k}"
+        for pod in ("demo-g0-i0-p0", "demo-g0-i0-p1", "demo-g1-i0-p0", "demo-g1-i0-p1")
+        for k in range(2)
+    )
+    assert decode == [f"http://{ips['demo-gen0-i0-p0']}:8000"]
+    assert p.status["router"] == {
+        "replicas": 1,
+        "readyReplicas": 0,
+        "prefillServers": 8,
+        "decodeServers": 1,
+        "endpoint": "http://demo-router.ns1.svc:8000",
+    }
+    cond = {x["type"]: x for x in p.status["conditions"]}["RouterReady"]
+    assert (cond["status"], cond["reason"]) == ("False", "RouterNotReady")
+    _router_pod(sim, dep)
+    p = sim.step("T2")
+    assert _router(p) is None and p.create_pods == () and p.delete == ()
+    assert p.status["router"]["readyReplicas"] == 1
+    cond = {x["type"]: x for x in p.status["conditions"]}["RouterReady"]
+    assert (cond["status"], cond["reason"], cond["lastTransitionTime"]) == (
+        "True",
+        "RouterAvailable",
+        "T2",
+    )
+    assert sim.step("T3").writes == 0  # at rest
+
+
+def test_a_failed_group_leaves_the_router_and_rolls_it() -> None:
+    sim = Sim(body(replicas=2, generation={"replicas": 1}))
+    sim.step()
+    dep = _router(sim.step())
+    assert dep is not None
+    _router_pod(sim, dep)
+    sim.step()
+    failed = sim.objects[("Pod", "demo-g1-i0-p1")]
+    failed["status"]["phase"] = "Failed"
+    p = sim.step()
+    rolled = _router(p)
+    assert rolled is not None
+    prefill, _ = _router_urls(rolled)
+    g0 = {sim.objects[("Pod", f"demo-g0-i0-p{i}")]["status"]["podIP"] for i in (0, 1)}
+    assert len(prefill) == 4 and {u.split("//")[1].split(":")[0] for u in prefill} == g0
+    annotation = c.ANNOTATION_ROUTER_SERVERS
+    assert (
+        rolled["spec"]["template"]["metadata"]["annotations"][annotation]
+        != dep["spec"]["template"]["metadata"]["annotations"][annotation]
+    )
+    cond = {x["type"]: x for x in p.status["conditions"]}["RouterReady"]
+    assert cond["status"] == "False"  # the ready pod runs the old list
+
+
+def test_no_router_without_generation_servers_or_when_turned_off() -> None:
+    for spec_patch in ({}, {"generation": {"replicas": 1}, "router": {"enabled": False}}):
+        sim = Sim(body(replicas=1, **spec_patch))
+        sim.step()
+        p = sim.step()
+        assert "Deployment" not in {k for k, _ in sim.objects}
+        assert "demo-router" not in sim.names("NetworkPolicy") + sim.names("Service")
+        assert "router" not in p.status
+        assert "RouterReady" not in {x["type"] for x in p.status["conditions"]}
+    sim = Sim(body(replicas=1, generation={"replicas": 1}))
+    sim.step()
+    assert sim.names("Deployment") == ["demo-router"]
+    sim.body["spec"]["router"] = {"enabled": False}
+    p = sim.step()
+    assert {Delete(k, "demo-router") for k in ("Deployment", "NetworkPolicy", "Service")} <= set(
+        p.delete
+    )
+
+
+def test_router_enabled_without_generation_is_refused_before_any_pod() -> None:
+    p = plan(body(replicas=1, router={"enabled": True}), Observed(), options=OPTIONS, now="T")
+    assert p.apply == () and p.create_pods == ()
+    invalid = {x["type"]: x for x in p.status["conditions"]}["Invalid"]
+    assert "spec.router.enabled" in invalid["message"]
+    assert "needs generation servers" in invalid["message"]

@@ -263,3 +263,8 @@ def test_through_vllm_router_every_request_decodes_from_remote_kv(pair, router):
         lambda: ctx.engine.allocator.num_in_use == 0 == gen.engine.allocator.num_in_use,
         "blocks still held",
     )
+    # /dwdp/status carries the counters (what the cluster test reads through the pods)
+    got = gen.client.get("/dwdp/status").json()["kv_transfer"]
+    assert got["blocks_received"] > 0 and got["remote_prefill_tokens"] >= len(prompt)
+    sent = ctx.client.get("/dwdp/status").json()["kv_transfer"]
+    assert sent["leases_granted"] >= 3 and sent["leases"] == 0 == sent["leases_expired"]

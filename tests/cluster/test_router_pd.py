@@ -1,0 +1,192 @@
+"""Disaggregated serving through the operator's router on a real local control plane (issue 16).
+
+The operator (installed by its Helm chart) runs examples/04-demo.yaml with one context DWDP
+group of 4 ranks (expert + dense DWDP, cpu backend) and one generation server; ``spec.router``
+is left unset, so the router is on (there are generation servers). Its pod runs the real
+vllm-router (``.venv/bin/vllm-router``, a process pod of the process kubelet) with a
+``--prefill`` URL per committed rank and the generation server's ``--decode`` URL. Completions,
+chat and a stream sent to the router answer exactly the replicated reference's tokens; every
+context rank prefilled some of them; the generation server read every prompt's KV over NIXL
+(blocks received > 0, remote prefill tokens = the prompts' tokens); the leases end at 0.
+
+The test runs its own cluster (5 ``nvidia.com/gpu``: 4 ranks and the generation server), in a
+temporary state folder, as test_e2e_demo.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dwdp.devcluster.testing import demo_driver
+
+NS = "pd"
+NAME = "pd"
+RANKS = 4
+
+pytestmark = pytest.mark.timeout(1800)
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+demo = demo_driver()
+
+
+def _reference(model_dir: Path) -> list[dict[str, Any]]:
+    """The demo's requests answered by one process with replicated weights (no DWDP, no
+    disaggregation): each answer's choice (text or message, token ids)."""
+    import torch
+    from fastapi.testclient import TestClient
+
+    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.server.app import build_app
+
+    torch.set_num_threads(1)
+    model, tok = load_checkpoint(str(model_dir))
+    engine = ContinuousEngine(model, tok, model_name=demo.MODEL_DIR).start()
+    try:
+        with TestClient(build_app(engine, served_name=demo.MODEL_DIR)) as client:
+            out = []
+            for path, req in demo.requests_of():
+                r = client.post(path, json=req)
+                assert r.status_code == 200, r.text
+                out.append(r.json()["choices"][0])
+            return out
+    finally:
+        engine.stop()
+
+
+def _pods(tc: Any, selector: str) -> list[dict[str, Any]]:
+    out = tc.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json").stdout
+    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def _router_ready(tc: Any) -> dict[str, Any] | None:
+    st = tc.get("dwdp", NAME, NS).get("status") or {}
+    cond = {c["type"]: c for c in st.get("conditions") or ()}.get("RouterReady") or {}
+    router = st.get("router") or {}
+    if cond.get("status") == "True" and router.get("readyReplicas") == 1:
+        return st
+    return None
+
+
+@pytest.fixture(scope="module")
+def deployed() -> Iterator[tuple[Any, list[dict[str, Any]], dict[str, Any]]]:
+    """A cluster with the operator, the deployment Ready and its router Ready; yields
+    (cluster, reference choices, status)."""
+    state = Path(tempfile.mkdtemp(prefix="dwdp-pd-"))
+    try:
+        tc = demo.start_cluster(state, gpus=8)
+    except Exception as exc:
+        shutil.rmtree(state, ignore_errors=True)
+        pytest.fail(f"local cluster did not start: {exc}", pytrace=False)
+    try:
+        tc.kubectl("create", "namespace", NS)
+        demo.install_operator(tc, watch=NS)
+        models = state / "models"
+        model_dir = demo.make_model(models)
+        doc = demo.manifest(models, name=NAME)
+        doc["spec"]["context"]["replicas"] = 1
+        assert doc["spec"]["generation"]["replicas"] == 1 and "router" not in doc["spec"]
+        tc.apply(NS, demo.api_key_secret(), doc)
+        took = demo.wait_ready(tc, NS, NAME, groups=1, timeout=900)
+        st = tc.wait_for(lambda: _router_ready(tc), timeout=300, interval=1.0,
+                         message="RouterReady")
+        print(f"apply -> Ready: {took:.1f} s; router {st['router']}")
+        yield tc, _reference(model_dir), st
+    finally:
+        print(tc.kubectl("get", "dwdp,deployments,pods", "-n", NS, "-o", "wide",
+                         check=False).stdout)
+        for pod in _pods(tc, "app.kubernetes.io/component=router"):
+            print(tc.pod_log(NS, pod["metadata"]["name"])[-3000:])
+        tc.kubectl("delete", "dwdp", NAME, "-n", NS, "--wait=true", "--timeout=60s",
+                   check=False, timeout=90)
+        tc.cluster.down(timeout_s=20)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _status(url: str) -> dict[str, Any]:
+    import httpx
+
+    return httpx.get(url + "/dwdp/status", timeout=10).json()
+
+
+def _stream_tokens(url: str, path: str, req: dict[str, Any]) -> list[int]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {demo.API_KEY}"}
+    body = {**req, "stream": True}
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=120) as s:
+        assert s.status_code == 200, s.read()
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [t for e in events[:-1] for t in json.loads(e)["choices"][0].get("token_ids") or ()]
+
+
+def test_requests_through_the_router_decode_from_remote_kv_of_every_rank(deployed) -> None:
+    import httpx
+
+    tc, want, st = deployed
+    assert st["router"]["endpoint"] == f"http://{NAME}-router.{NS}.svc:8000"
+    assert st["router"]["prefillServers"] == RANKS and st["router"]["decodeServers"] == 1
+    (router_pod,) = _pods(tc, "app.kubernetes.io/component=router")
+    ctr = router_pod["spec"]["containers"][0]
+    assert ctr["command"] == ["vllm-router"] and "--vllm-pd-disaggregation" in ctr["args"]
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["OPENAI_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == demo.API_KEY_SECRET
+    assert demo.API_KEY not in json.dumps(router_pod)
+    url = f"http://{router_pod['status']['podIP']}:8000"
+    (ctx_pod,) = _pods(tc, "dwdp.io/role=context")
+    ranks = [f"http://{ctx_pod['status']['podIP']}:{8000 + k}" for k in range(RANKS)]
+    prefill = [ctr["args"][i + 1] for i, a in enumerate(ctr["args"]) if a == "--prefill"]
+    assert prefill == ranks  # every committed rank, one URL per local-rank port
+    (gen_pod,) = _pods(tc, "dwdp.io/role=generation")
+    gen = f"http://{gen_pod['status']['podIP']}:8000"
+    headers = {"Authorization": f"Bearer {demo.API_KEY}"}
+    prompt_tokens = 0
+    for _ in range(2):  # round robin over 4 ranks: every rank prefills at least one
+        for (path, req), ref in zip(demo.requests_of(), want, strict=True):
+            r = httpx.post(url + path, json=req, headers=headers, timeout=120)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["choices"][0]["token_ids"] == ref["token_ids"], (path, got, ref)
+            assert got["choices"][0].get("text") == ref.get("text")
+            assert got["choices"][0].get("message") == ref.get("message")
+            prompt_tokens += got["usage"]["prompt_tokens"]
+    path, req = demo.requests_of()[-1]  # the chat, streamed
+    assert _stream_tokens(url, path, req) == want[-1]["token_ids"]
+    prompt_tokens += got["usage"]["prompt_tokens"]  # the stream's prompt: the same chat
+    kv = _status(gen)["kv_transfer"]
+    assert kv["blocks_received"] > 0
+    assert kv["remote_prefill_tokens"] == prompt_tokens  # every routed prompt's KV was read
+    granted = [_status(r)["kv_transfer"]["leases_granted"] for r in ranks]
+    assert all(n >= 1 for n in granted), granted
+    assert sum(granted) == 2 * len(want) + 1
+
+    def at_rest() -> bool:
+        return all(_status(r)["kv_transfer"]["leases"] == 0 for r in ranks)
+
+    tc.wait_for(at_rest, timeout=60, interval=0.5, message="context leases back to 0")
+    assert all(_status(r)["kv_transfer"]["leases_expired"] == 0 for r in ranks)
+
+
+def test_kubectl_shows_the_router_and_its_service_and_policy(deployed) -> None:
+    tc, _want, _st = deployed
+    table = tc.kubectl("get", "dwdp", "-n", NS).stdout.splitlines()
+    head = table[0].split()
+    assert "ROUTER" in head
+    assert table[1].split()[head.index("ROUTER")] == f"http://{NAME}-router.{NS}.svc:8000"
+    policies = json.loads(tc.kubectl("get", "networkpolicy", "-n", NS, "-o", "json").stdout)
+    by_name = {p["metadata"]["name"]: p["spec"] for p in policies["items"]}
+    router = by_name[f"{NAME}-router"]
+    assert router["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert [p["port"] for p in router["ingress"][0]["ports"]] == [8000, 29000]
+    svc = tc.get("service", f"{NAME}-router", NS)
+    assert [p["port"] for p in svc["spec"]["ports"]] == [8000, 29000]
