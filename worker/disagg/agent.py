@@ -86,7 +86,7 @@ class KvAgent:
         self._agent = nixl_agent(self.engine_id, config)
         self._tensors = [t for i in range(num_layers) for t in cache.layers[i]]
         self._registered = self._agent.register_memory(self._tensors)
-        self._mem = "DRAM" if cache.device.type == "cpu" else "VRAM"
+        self.memory_type = "DRAM" if cache.device.type == "cpu" else "VRAM"  # NIXL's name
         self._dev = 0 if cache.device.type == "cpu" else (cache.device.index or 0)
         self._remotes: dict[str, RemoteEngine] = {}
 
@@ -164,8 +164,8 @@ class KvAgent:
                     far.append((base + rb * size, size, 0))
                     local.append((t.data_ptr() + lb * size, size, self._dev))
         total = sum(n for _, n, _ in local)
-        src = self._agent.get_xfer_descs(far, self._mem)
-        dst = self._agent.get_xfer_descs(local, self._mem)
+        src = self._agent.get_xfer_descs(far, self.memory_type)
+        dst = self._agent.get_xfer_descs(local, self.memory_type)
         try:
             handle = self._agent.initialize_xfer(
                 "READ", dst, src, remote.name, release_message(request_id)

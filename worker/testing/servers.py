@@ -65,17 +65,23 @@ class UvicornThread:
 class EngineServer:
     """A checkpoint's continuous engine behind the OpenAI app (``api_key`` required), with a
     NIXL KV transfer (``kv=True``: the context and generation roles) whose leases last
-    ``lease_s`` seconds. ``engine`` limits go to ``EngineConfig``. A context manager:
+    ``lease_s`` seconds, on ``device`` (``cuda:N``: the worker's GPU kernels too, as
+    ``dwdp.worker.main`` sets them). ``limits`` go to ``EngineConfig``. A context manager:
     ``base`` is its URL and ``client`` an ``httpx.Client`` carrying the key once entered."""
 
     def __init__(self, path: Path, *, api_key: str, kv: bool = True, lease_s: float = 30.0,
-                 model_name: str = "m", **limits: Any) -> None:
+                 model_name: str = "m", device: str = "cpu", **limits: Any) -> None:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.engine.loader import load_checkpoint
         from dwdp.worker.server.app import build_app
 
         model, tok = load_checkpoint(path)
+        if device != "cpu":
+            from dwdp.worker.engine.cuda_path import use_cuda_kernels
+
+            model.to(device)
+            use_cuda_kernels(model)
         self.engine = ContinuousEngine(model, tok, model_name=model_name,
                                        config=EngineConfig(**limits))
         self.api_key, self.kv, self.lease_s, self.model_name = api_key, kv, lease_s, model_name
