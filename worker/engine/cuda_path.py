@@ -38,6 +38,10 @@ from typing import Any
 
 EXPERTS_NAME = "dwdp_grouped_mm"
 CUDNN_MIN_TOKENS = 4096
+FUSE_MIN_TOKENS = 256
+"""Calls of fewer tokens (decode steps) run the eager kernels: a compiled function's guards
+cost more host time than its fusion saves there (a 4-layer decode step: 12.5 ms compiled,
+8.5 ms eager, on an H200)."""
 _NORMS = ("Qwen3MoeRMSNorm", "MixtralRMSNorm", "DeepseekV3RMSNorm")
 
 
@@ -53,12 +57,15 @@ def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [S] routed pairs, grouped by expert
-    counts = torch.bincount(flat, minlength=self.num_experts)
+    # counted with index_add_, not bincount: bincount reads its input's max on the host, a
+    # device sync per layer that stalls the launches DWDP's prefetches overlap with
+    counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert
     rows = hidden_states.index_select(0, order // top_k)  # [S, H]
     gate_up = _grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets)  # [S, 2I]
     weights = top_k_weights.reshape(-1).index_select(0, order).to(gate_up.dtype)
-    fused = getattr(self, "dwdp_fused", False)
+    fused = getattr(self, "dwdp_fused", False) and tokens >= FUSE_MIN_TOKENS
     act = (_compiled("gate", _gate) if fused else _gate)(gate_up, weights)  # [S, I]
     down = _grouped_mm(act, self.down_proj.transpose(-2, -1), offsets)  # [S, H]
     back = torch.empty_like(order)
@@ -111,14 +118,21 @@ def _rms_norm(weight: Any, eps: float, hidden_states: Any) -> Any:
     return weight * x.to(dtype)
 
 
+def _fused_norm_forward(self: Any, hidden_states: Any) -> Any:
+    fn = _compiled("rms_norm", _rms_norm) if _rows(hidden_states) >= FUSE_MIN_TOKENS else _rms_norm
+    return fn(self.weight, self.variance_epsilon, hidden_states)
+
+
+def _rows(x: Any) -> int:
+    """Rows of a [..., features] activation: its tokens (times heads for per-head norms)."""
+    return int(x.numel() // x.shape[-1])
+
+
 def _fuse_norms(model: Any) -> int:
-    fused = _compiled("rms_norm", _rms_norm)
     count = 0
     for m in model.modules():
         if type(m).__name__ in _NORMS and hasattr(m, "variance_epsilon"):
-            m.forward = types.MethodType(
-                lambda self, x, _f=fused: _f(self.weight, self.variance_epsilon, x), m
-            )
+            m.forward = types.MethodType(_fused_norm_forward, m)
             count += 1
     return count
 
@@ -131,8 +145,13 @@ def _fuse_rotary(model: Any) -> bool:
     if fn is None or getattr(fn, "_dwdp_compiled", False):
         return fn is not None
     compiled = _compiled(f"rotary:{module.__name__}", fn)
-    compiled._dwdp_compiled = True
-    module.apply_rotary_pos_emb = compiled
+
+    def rotary(q: Any, k: Any, *args: Any, **kwargs: Any) -> Any:
+        use = compiled if q.shape[-2] >= FUSE_MIN_TOKENS else fn  # [B, H, T, D]
+        return use(q, k, *args, **kwargs)
+
+    rotary._dwdp_compiled = True  # type: ignore[attr-defined]
+    module.apply_rotary_pos_emb = rotary
     return True
 
 
