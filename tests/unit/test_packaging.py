@@ -16,6 +16,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import yaml
+
+import dwdp
+
 REPO = Path(__file__).resolve().parents[2]
 BUILD_INPUTS = ("pyproject.toml", "README.md", "src", "api", "operator", "worker", "kernels")
 """What the build reads (src/dwdp links to the sub-package folders), plus tools/devcluster."""
@@ -67,6 +71,7 @@ def test_build_is_quiet_and_ships_the_data_files(tmp_path: Path) -> None:
     ]
     assert warnings == [], "\n".join(warnings)
     (wheel,) = (p for p in out.glob("dwdp-*.whl") if "editable" not in p.name)
+    assert wheel.name.startswith(f"dwdp-{dwdp.__version__}-"), wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
     for data in (
         "dwdp/py.typed",
@@ -78,3 +83,16 @@ def test_build_is_quiet_and_ships_the_data_files(tmp_path: Path) -> None:
     ):
         assert data in names, data
     assert not any(n.endswith(".pyc") for n in names)
+
+
+def test_one_version_for_the_package_the_command_the_chart_and_the_images() -> None:
+    """``dwdp --version`` prints ``dwdp.__version__``, which the wheel's metadata reads
+    (pyproject's dynamic version), the chart's appVersion repeats (the operator image's
+    default tag) and scripts/build-images.sh stamps on the images (their version label)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "dwdp", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == f"dwdp {dwdp.__version__}"
+    chart = yaml.safe_load((REPO / "charts" / "dwdp-operator" / "Chart.yaml").read_text())
+    assert chart["appVersion"] == dwdp.__version__
+    assert 'dynamic = ["version"]' in (REPO / "pyproject.toml").read_text()
