@@ -137,3 +137,22 @@ def test_build_script_labels_the_images_with_the_version_and_revision() -> None:
         assert build_args["REVISION"].removesuffix("-dirty") == (revision or "unknown")
         assert build_args["SOURCE"] and build_args["CREATED"]
         assert c[-1] == "."
+
+
+def test_install_doc_deployment_passes_the_models() -> None:
+    """The first DwdpDeployment of docs/install.md (the one a newcomer copies) is valid and
+    asks for the GPUs and the worker image the page describes."""
+    import yaml
+
+    from dwdp.api.deployment import DwdpDeploymentSpec
+    from dwdp.api.enums import Role
+    from dwdp.operator import constants as c
+    from dwdp.operator.builders import role_template
+
+    text = (REPO / "docs" / "install.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "DwdpDeployment" in b]
+    spec = DwdpDeploymentSpec.model_validate(yaml.safe_load(block)["spec"])
+    template = role_template(spec, Role.CONTEXT)
+    assert template["resources"]["requests"][c.GPU_RESOURCE] == 4
+    assert template["resources"]["limits"][c.GPU_RESOURCE] == 4
+    assert template["image"].endswith(f"/dwdp-worker:{dwdp.__version__}")
