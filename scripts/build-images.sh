@@ -10,8 +10,11 @@
 # (default: the package version, dwdp.__version__, which is also the chart's appVersion),
 # ENGINE (docker, podman or buildah; default: the first that works), PLATFORM (default
 # linux/amd64: the CUDA wheels are x86_64), SOURCE (the OCI source label; default the git
-# remote). Labels: org.opencontainers.image.version (the version), .revision (git commit,
-# "-dirty" with uncommitted changes), .source, .created.
+# remote), BUILD_OPTS (more words for the build command, e.g. "--build-arg
+# PYTHON_IMAGE=python:3.12.11-slim-bookworm@sha256:..." or buildah's "-v" mounts). Buildah in
+# a container without overlayfs or user namespaces: STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot.
+# Labels: org.opencontainers.image.version (the version), .revision (git commit, "-dirty"
+# with uncommitted changes), .source, .created.
 # --dry-run prints the commands instead of running them (needs no engine);
 # --refresh-constraints rewrites images/constraints.txt from the tested .venv first.
 set -euo pipefail
@@ -25,7 +28,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry=1 ;;
     --refresh-constraints) refresh=1 ;;
     --only) shift; only+=("${1:?--only needs a name: ${ALL[*]}}") ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build-images: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -94,6 +97,7 @@ for name in "${only[@]}"; do
     --build-arg "REVISION=$revision" \
     --build-arg "SOURCE=$source" \
     --build-arg "CREATED=$created" \
+    ${BUILD_OPTS:-} \
     .
   [ "$dry" = 1 ] || echo "   built in $(( $(date +%s) - start )) s" >&2
   if [ "$push" = 1 ]; then
