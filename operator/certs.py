@@ -4,17 +4,25 @@ needs oscrypto, which fails on OpenSSL 3).
 :func:`make_webhook_certs` writes a CA and a server certificate signed by it, valid for the
 given DNS names and IP addresses, as ``ca.crt``, ``tls.crt`` and ``tls.key`` (the layout of
 a ``kubernetes.io/tls`` Secret plus the CA, which the Helm chart also uses).
+:func:`temporary_webhook_certs` does the same in a fresh temporary folder and removes that
+folder (it holds a private key) when its ``with`` block ends, however it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CertFiles", "make_webhook_certs"]
+__all__ = ["CertFiles", "make_webhook_certs", "temporary_webhook_certs"]
+
+TEMP_PREFIX = "dwdp-webhook-"
+"""Name prefix of the temporary folders of :func:`temporary_webhook_certs`."""
 
 VALIDITY_DAYS = 365
 """Lifetime of both certificates, in days."""
@@ -111,3 +119,15 @@ def make_webhook_certs(folder: Path, hosts: Sequence[str]) -> CertFiles:
     )
     files.key.chmod(0o600)
     return files
+
+
+@contextlib.contextmanager
+def temporary_webhook_certs(hosts: Sequence[str]) -> Iterator[CertFiles]:
+    """:func:`make_webhook_certs` into a new private folder of the temporary directory
+    (``$TMPDIR``), removed with its private key when the block ends (a normal exit, an
+    exception, SIGTERM turned into one); only a killed process leaves it behind."""
+    folder = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+    try:
+        yield make_webhook_certs(folder, hosts)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -3,13 +3,18 @@
 Top-level imports stay light (argparse only); kopf and the kubernetes client are imported
 when the command runs. Credentials: in a pod, the service account; elsewhere
 ``$KUBECONFIG``. Exit status 0 after SIGINT/SIGTERM, 1 on a bad option.
+Webhook certificates made at start live in a temporary folder that is removed when the
+command ends (SIGTERM included, also while a standby waits for the Lease).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
+from types import FrameType
 from typing import Any
 
 __all__ = ["register"]
@@ -116,15 +121,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=_run)
 
 
-def _webhook(args: argparse.Namespace) -> Any:
+def _webhook(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
+    """The webhook's settings (None without ``--webhook-listen``); certificates made here
+    are removed when ``stack`` closes."""
     from dwdp.cli import UserError
 
     if not args.webhook_listen:
         return None
-    import tempfile
     from pathlib import Path
 
-    from dwdp.operator.certs import CertFiles, make_webhook_certs
+    from dwdp.operator.certs import CertFiles, temporary_webhook_certs
     from dwdp.operator.handlers import WebhookConfig
 
     host, sep, port = args.webhook_listen.rpartition(":")
@@ -137,8 +143,7 @@ def _webhook(args: argparse.Namespace) -> Any:
             if not f.is_file():
                 raise UserError(f"--webhook-cert-dir: {f} is missing")
     else:
-        folder = Path(tempfile.mkdtemp(prefix="dwdp-webhook-"))
-        certs = make_webhook_certs(folder, [url_host])
+        certs = stack.enter_context(temporary_webhook_certs([url_host]))
     return WebhookConfig(
         listen_host=host,
         port=int(port),
@@ -148,7 +153,19 @@ def _webhook(args: argparse.Namespace) -> Any:
     )
 
 
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM before kopf installs its own handler (a standby waiting for the Lease):
+    leave through ``SystemExit`` so that cleanups run, instead of dying in place."""
+    raise SystemExit(0)
+
+
 def _run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with contextlib.ExitStack() as stack:
+        return _run_in(args, stack)
+
+
+def _run_in(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     import asyncio
 
     import kopf
@@ -174,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per event
-    config = OperatorConfig(peering=args.peering, webhook=_webhook(args))
+    config = OperatorConfig(peering=args.peering, webhook=_webhook(args, stack))
     try:
         kube = Kube.from_environment()
     except Exception as exc:  # kubernetes.config.ConfigException, unreadable kubeconfig

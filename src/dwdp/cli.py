@@ -14,6 +14,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from dwdp import __version__
+
 # Modules that contribute sub-commands, in help order.
 COMMAND_MODULES: tuple[str, ...] = (
     "dwdp.api.cli",
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="DWDP for mixture-of-experts inference: operator, worker and tools.",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

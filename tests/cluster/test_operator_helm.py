@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dwdp.devcluster.testing import TestCluster
@@ -28,29 +29,44 @@ RELEASE = "dwdp"
 SA = f"{RELEASE}-dwdp-operator"
 
 
-def test_helm_template_passes_server_dry_run(cluster: TestCluster, namespace: str) -> None:
+GPU_VALUES = CHART / "ci" / "gpu-cluster-values.yaml"
+_BASE_KINDS = {
+    "customresourcedefinition.apiextensions.k8s.io",
+    "serviceaccount",
+    "clusterrole.rbac.authorization.k8s.io",
+    "clusterrolebinding.rbac.authorization.k8s.io",
+    "role.rbac.authorization.k8s.io",
+    "rolebinding.rbac.authorization.k8s.io",
+    "deployment.apps",
+}
+_WEBHOOK_KINDS = {
+    "secret",
+    "service",
+    "validatingwebhookconfiguration.admissionregistration.k8s.io",
+}
+
+
+@pytest.mark.parametrize(
+    ("options", "kinds"),
+    [
+        ((), _BASE_KINDS),
+        (("--set", "webhook.enabled=true"), _BASE_KINDS | _WEBHOOK_KINDS),
+        (("-f", str(GPU_VALUES)), _BASE_KINDS | _WEBHOOK_KINDS),
+    ],
+    ids=["defaults", "webhook", "gpu-cluster"],
+)
+def test_helm_template_passes_server_dry_run(
+    cluster: TestCluster, namespace: str, options: tuple[str, ...], kinds: set[str]
+) -> None:
+    """Every object the chart renders (CRD included), with the default values, with the
+    webhook, and with the values of a GPU cluster (private registry, pull secret, placement),
+    is accepted by the apiserver's server-side dry-run."""
     rendered = cluster.helm(
-        "template",
-        RELEASE,
-        str(CHART),
-        "-n",
-        namespace,
-        "--include-crds",
-        "--set",
-        "webhook.enabled=true",
+        "template", RELEASE, str(CHART), "-n", namespace, "--include-crds", *options
     ).stdout
     out = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=rendered)
-    kinds = {line.split("/")[0] for line in out.stdout.splitlines()}
-    assert {
-        "customresourcedefinition.apiextensions.k8s.io",
-        "serviceaccount",
-        "clusterrole.rbac.authorization.k8s.io",
-        "clusterrolebinding.rbac.authorization.k8s.io",
-        "deployment.apps",
-        "secret",
-        "service",
-        "validatingwebhookconfiguration.admissionregistration.k8s.io",
-    } <= kinds
+    got = {line.split("/")[0] for line in out.stdout.splitlines()}
+    assert got == kinds, out.stdout
 
 
 def token_kubeconfig(cluster: TestCluster, token: str, folder: Path) -> Path:

@@ -1,5 +1,7 @@
 """The Helm chart: lints clean (strict), renders the least-privilege RBAC the README
-explains, and carries the same CRD as the generator."""
+explains, carries the same CRD as the generator, renders the placement and image values of
+a real cluster (ci/gpu-cluster-values.yaml), and its values schema refuses wrong types
+naming the field."""
 
 from __future__ import annotations
 
@@ -24,20 +26,32 @@ def helm() -> str:
         pytest.skip(f"helm is not available: {exc}")
 
 
-def render(helm: str, *sets: str) -> list[dict]:
+GPU_VALUES = CHART / "ci" / "gpu-cluster-values.yaml"
+
+
+def render(helm: str, *sets: str, values: Path | None = None) -> list[dict]:
     args = [helm, "template", "t", str(CHART), "--namespace", "ops"]
+    if values is not None:
+        args += ["-f", str(values)]
     for s in sets:
         args += ["--set", s]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-@pytest.mark.parametrize("sets", [(), ("webhook.enabled=true", "watchNamespaces[0]=a")])
-def test_lint_strict(helm: str, sets: tuple[str, ...]) -> None:
-    args = [helm, "lint", "--strict", str(CHART)]
-    for s in sets:
-        args += ["--set", s]
-    proc = subprocess.run(args, capture_output=True, text=True)
+@pytest.mark.parametrize(
+    "options",
+    [
+        (),
+        ("--set", "webhook.enabled=true", "--set", "watchNamespaces[0]=a"),
+        ("-f", str(GPU_VALUES)),
+    ],
+    ids=["defaults", "webhook", "gpu-cluster"],
+)
+def test_lint_strict(helm: str, options: tuple[str, ...]) -> None:
+    proc = subprocess.run(
+        [helm, "lint", "--strict", str(CHART), *options], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -49,6 +63,73 @@ def test_values_schema_refuses_unknown_values(helm: str) -> None:
     )
     assert proc.returncode != 0
     assert "failurePolicy" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ("image.tag=3", "/image/tag"),  # a number: --set-string is needed for such tags
+        ("image.digest=latest", "/image/digest"),
+        ("image.repository=reg.io/op:1.0", "/image/repository"),  # the tag has its own value
+        ("imagePullSecrets[0]=regcred", "/imagePullSecrets/0"),
+        ("imagePullSecrets[0].secret=regcred", "/imagePullSecrets/0"),
+        ("replicas=two", "/replicas"),
+        ("nodeSelector.gpu=true", "/nodeSelector/gpu"),
+        ("tolerations[0].operator=Maybe", "/tolerations/0/operator"),
+        ("tolerations[0].effect=NoRun", "/tolerations/0/effect"),
+        ("tolerations[0].tolerationSeconds=soon", "/tolerations/0/tolerationSeconds"),
+        ("affinity.nodeSelector.a=b", "/affinity"),
+        ("resources.requests.cpu=true", "/resources/requests/cpu"),
+        ("resources.limit.cpu=1", "/resources"),
+        ("podSecurityContext.runAsUser=root", "/podSecurityContext/runAsUser"),
+        ("securityContext.readOnlyRootFilesystem=yes", "/securityContext/readOnlyRootFilesystem"),
+        ("priorityClassName[0]=high", "/priorityClassName"),
+        ("leaderElection=maybe", "/leaderElection"),
+    ],
+)
+def test_values_schema_refuses_wrong_types_naming_the_field(
+    helm: str, value: str, field: str
+) -> None:
+    proc = subprocess.run(
+        [helm, "template", "t", str(CHART), "--set", value],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0, proc.stdout[:400]
+    assert field in proc.stderr, proc.stderr
+
+
+def test_image_defaults_to_the_app_version_and_a_digest_wins(helm: str) -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+    def image(*sets: str) -> str:
+        dep = next(d for d in render(helm, *sets) if d["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    assert image() == f"ghcr.io/dwdp/dwdp-operator:{chart['appVersion']}"
+    assert image("image.repository=reg.io:5000/ml/op", "image.tag=v1") == "reg.io:5000/ml/op:v1"
+    digest = "sha256:" + "ab" * 32
+    assert image("image.tag=v1", f"image.digest={digest}") == f"ghcr.io/dwdp/dwdp-operator@{digest}"
+
+
+def test_gpu_cluster_values_reach_the_operator_pod(helm: str) -> None:
+    values = yaml.safe_load(GPU_VALUES.read_text())
+    dep = next(d for d in render(helm, values=GPU_VALUES) if d["kind"] == "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    ctr = pod["containers"][0]
+    assert ctr["image"] == "registry.example.com/ml/dwdp-operator:0.1.0"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["nodeSelector"] == values["nodeSelector"]
+    assert pod["tolerations"] == values["tolerations"]
+    assert pod["affinity"] == values["affinity"]
+    assert ctr["resources"] == values["resources"]
+    defaults = render(helm)
+    pod = next(d for d in defaults if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert "imagePullSecrets" not in pod and "priorityClassName" not in pod
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 1000
+    sc = pod["containers"][0]["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
 
 
 def test_rbac_is_exactly_the_documented_set(helm: str) -> None:

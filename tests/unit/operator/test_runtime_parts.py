@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dwdp.api.enums import Role
 from dwdp.operator import constants as c
@@ -35,6 +36,111 @@ def test_webhook_certificates_chain_and_names(tmp_path: Path) -> None:
     assert oct(files.key.stat().st_mode & 0o777) == "0o600"
     with pytest.raises(ValueError):
         make_webhook_certs(tmp_path, [])
+
+
+def test_temporary_webhook_certs_are_removed_on_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from dwdp.operator.certs import TEMP_PREFIX, temporary_webhook_certs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with temporary_webhook_certs(["127.0.0.1"]) as files:
+        assert files.key.is_file() and files.key.parent.name.startswith(TEMP_PREFIX)
+    with pytest.raises(RuntimeError), temporary_webhook_certs(["127.0.0.1"]):
+        raise RuntimeError("the operator failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _operator_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a ``dwdp operator`` whose apiserver (127.0.0.1, a closed port)
+    never answers, with its own temporary directory ``tmp_path/tmp``."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{_free_port()}"}}
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "TMPDIR": str(tmp_path / "tmp")}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    return env
+
+
+def _dwdp() -> str:
+    return str(Path(sys.executable).with_name("dwdp"))
+
+
+def test_operator_removes_its_webhook_certificates_when_it_fails(tmp_path: Path) -> None:
+    env = _operator_env(tmp_path)
+    env["KUBECONFIG"] = str(tmp_path / "missing")  # no credentials: exit 1 after the certs
+    out = subprocess.run(
+        [_dwdp(), "operator", "--webhook-listen", "127.0.0.1:9443"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "no cluster credentials" in out.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("standby", [False, True], ids=["kopf", "standby"])
+def test_operator_removes_its_webhook_certificates_on_sigterm(
+    tmp_path: Path, standby: bool
+) -> None:
+    """Stopped by SIGTERM, in kopf (which handles the signal) or as a standby waiting for
+    the Lease (before kopf runs), the operator exits 0 and leaves no certificate folder."""
+    import signal
+
+    env = _operator_env(tmp_path)
+    live = _free_port()
+    args = [
+        _dwdp(),
+        "operator",
+        "--liveness",
+        f"http://127.0.0.1:{live}/healthz",
+        "--webhook-listen",
+        f"127.0.0.1:{_free_port()}",
+    ]
+    if standby:
+        args.append("--leader-elect")
+    tmp = tmp_path / "tmp"
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not any((d / "tls.key").is_file() for d in tmp.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        if standby:  # the standby's liveness answers while it waits for the Lease
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", live), timeout=1).close()
+                    break
+                except OSError:
+                    assert proc.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.1)
+        else:
+            time.sleep(1.0)  # let kopf start and take SIGTERM over
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0].decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    assert list(tmp.iterdir()) == [], output[-3000:]
 
 
 def test_kopf_settings() -> None:

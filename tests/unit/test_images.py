@@ -1,0 +1,158 @@
+"""The container build files keep the rules a cluster operator expects of an image.
+
+Each of images/{operator,worker,router}/Dockerfile: several stages; every base image an
+exact tag (a patch version, never ``latest``); Debian packages pinned to a version; pip
+bound to images/constraints.txt, which pins every package exactly; the final stage runs as
+a numeric non-root user, installs no compiler or headers, and carries the OCI labels
+version, revision and source from build arguments. scripts/build-images.sh passes those
+arguments (checked through its --dry-run, which needs no engine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import dwdp
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES = ("operator", "worker", "router")
+EXACT_BASE = re.compile(r"^[a-z0-9./-]+:\d+\.\d+\.\d+-[a-z0-9-]+(@sha256:[0-9a-f]{64})?$")
+BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|clang|make|build-essential|[a-z0-9.+-]+-dev)\b")
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments out."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pending = f"{pending} {line}" if pending else line
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip()
+            continue
+        word, _, rest = pending.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        pending = ""
+    return out
+
+
+def _stages(steps: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for step in steps:
+        if step[0] == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append(step)
+    return stages
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_dockerfile_rules(name: str) -> None:
+    steps = _instructions(REPO / "images" / name / "Dockerfile")
+    args = {
+        k: v
+        for word, rest in steps
+        if word == "ARG" and "=" in rest
+        for k, v in [rest.split("=", 1)]
+    }
+    stages = _stages(steps)
+    assert len(stages) >= 2, "multi-stage: a build stage and a final stage"
+    for stage in stages:
+        base = stage[0][1].split()[0]
+        base = args.get(base.strip("${}"), base) if base.startswith("$") else base
+        assert EXACT_BASE.match(base), f"base image {base!r} is not an exact tag"
+    for word, rest in steps:
+        if word == "RUN" and "apt-get install" in rest:
+            packages = [
+                p
+                for p in rest.split("apt-get install", 1)[1].split("&&")[0].split()
+                if not p.startswith("-")
+            ]
+            assert packages and all("=" in p for p in packages), f"unpinned: {packages}"
+        if word == "RUN" and "pip" in rest and "install" in rest:
+            assert any(w == "ENV" and "PIP_CONSTRAINT=" in r for w, r in steps), rest
+    final = stages[-1]
+    users = [rest for word, rest in final if word == "USER"]
+    assert users and re.fullmatch(r"[1-9]\d*:[1-9]\d*", users[-1]), users
+    for word, rest in final:
+        if word == "RUN" and "apt-get install" in rest:
+            assert not BUILD_TOOLS.search(rest), f"build tools in the final stage: {rest}"
+    labels = " ".join(rest for word, rest in final if word == "LABEL")
+    for key, arg in (("version", "VERSION"), ("revision", "REVISION"), ("source", "SOURCE")):
+        assert f'org.opencontainers.image.{key}="${{{arg}}}"' in labels, key
+        assert any(w == "ARG" and r.split("=")[0] == arg for w, r in final), arg
+    assert any(word == "COPY" and "--from=build" in rest for word, rest in final)
+
+
+def test_constraints_pin_every_package_exactly() -> None:
+    lines = [
+        line.strip()
+        for line in (REPO / "images" / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert lines
+    bad = [line for line in lines if not re.fullmatch(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+!-]+", line)]
+    assert bad == []
+    names = {line.split("==")[0].lower().replace("_", "-") for line in lines}
+    for needed in ("pip", "setuptools", "torch", "cuda-bindings", "nixl", "kopf", "vllm-router"):
+        assert needed in names, needed
+
+
+def test_build_script_labels_the_images_with_the_version_and_revision() -> None:
+    env = {**os.environ, "REGISTRY": "reg.example/ml", "ENGINE": "buildah"}
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "build-images.sh"), "--dry-run", "--push"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    commands = [line.split() for line in proc.stdout.splitlines() if line.strip()]
+    builds = [c for c in commands if c[:2] == ["buildah", "build"]]
+    pushes = [c for c in commands if c[:2] == ["buildah", "push"]]
+    version = dwdp.__version__
+    assert [c[c.index("--tag") + 1] for c in builds] == [
+        f"reg.example/ml/dwdp-{name}:{version}" for name in IMAGES
+    ]
+    assert [c[2] for c in pushes] == [f"reg.example/ml/dwdp-{name}:{version}" for name in IMAGES]
+    revision = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    for c in builds:
+        build_args = {
+            c[i + 1].split("=")[0]: c[i + 1].split("=", 1)[1]
+            for i, w in enumerate(c)
+            if w == "--build-arg"
+        }
+        assert build_args["VERSION"] == version
+        assert build_args["REVISION"].removesuffix("-dirty") == (revision or "unknown")
+        assert build_args["SOURCE"] and build_args["CREATED"]
+        assert c[-1] == "."
+
+
+def test_install_doc_deployment_passes_the_models() -> None:
+    """The first DwdpDeployment of docs/install.md (the one a newcomer copies) is valid and
+    asks for the GPUs and the worker image the page describes."""
+    import yaml
+
+    from dwdp.api.deployment import DwdpDeploymentSpec
+    from dwdp.api.enums import Role
+    from dwdp.operator import constants as c
+    from dwdp.operator.builders import role_template
+
+    text = (REPO / "docs" / "install.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "DwdpDeployment" in b]
+    spec = DwdpDeploymentSpec.model_validate(yaml.safe_load(block)["spec"])
+    template = role_template(spec, Role.CONTEXT)
+    assert template["resources"]["requests"][c.GPU_RESOURCE] == 4
+    assert template["resources"]["limits"][c.GPU_RESOURCE] == 4
+    assert template["image"].endswith(f"/dwdp-worker:{dwdp.__version__}")
