@@ -622,12 +622,16 @@ def main(argv: list[str] | None = None) -> int:
         locked = without_key(ctx[0].url)
         say(f"   a rank asked without the API key (Secret {API_KEY_SECRET}): HTTP {locked}")
         tp = routed_throughput(at.url, want[0], count=args.requests)
-        spread = ", ".join(f"{k} {v}" for k, v in tp.prefill.items())
+        spread = (
+            f"{len(tp.prefill)} ranks, {next(iter(tp.prefill.values()))} each"
+            if len(set(tp.prefill.values())) == 1
+            else ", ".join(f"{k}: {v}" for k, v in tp.prefill.items())
+        )
         say(
             f"   throughput through the router: {args.requests} completions (up to "
             f"{MAX_TOKENS} tokens each), 8 clients at a time: {tp.rps:.2f} requests/s, "
             f"{tp.failed} failed or different; prefilled by {spread}; decoded by "
-            + ", ".join(f"{k} {v}" for k, v in tp.decode.items())
+            + ", ".join(f"{k} ({v})" for k, v in tp.decode.items())
         )
         say("== 7/7 summary")
         say(tc.kubectl("get", "dwdp", "-n", NAMESPACE, "-o", "wide").stdout.rstrip())

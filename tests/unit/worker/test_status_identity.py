@@ -41,14 +41,14 @@ def test_server_identity_names_the_role_group_rank_and_pod() -> None:
         "DWDP_GROUP": "demo-g1",
         "DWDP_RANK": "3",
         "DWDP_INCARNATION": "i2",
-        "HOSTNAME": "demo-g1-i2-0",
+        "HOSTNAME": "demo-g1-i2-p0",
     }
     assert server_identity(environ=env) == {
         "role": "context",
         "group": "demo-g1",
         "rank": 3,
         "incarnation": 2,
-        "pod": "demo-g1-i2-0",
+        "pod": "demo-g1-i2-p0",
     }
     assert server_identity("generation", {"HOSTNAME": "laptop"}) == {"role": "generation"}
     assert server_identity(environ={}) == {}
