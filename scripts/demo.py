@@ -4,12 +4,15 @@ From a built local control plane to answers: start the embedded cluster in its o
 folder, ``helm install`` the operator, train (or take from the cache) the tiny
 DeepSeek-V3-family demo model that knows a few facts (capitals, small sums, what DWDP does),
 apply ``examples/04-demo.yaml`` (2 context DWDP groups of 4 ranks, expert + dense DWDP on the cpu
-backend, and one generation server), wait for Ready while printing the group phases, send
-completion and chat requests through the client Service (its EndpointSlice addresses: the
-local cluster has no kube-proxy) to every rank of every group and to the generation server,
-compare every answer with a single-process run of the same checkpoint with replicated
-weights (greedy), print ``kubectl get dwdp -o wide``, the time from apply to Ready and the
-requests per second served, and tear everything down (``--keep`` leaves it running).
+backend, and one generation server; the operator puts vllm-router in front of them), wait for
+Ready and for the router while printing the group phases, send completion and chat requests
+through the router (``status.router.endpoint``, reached at its Service's EndpointSlice address:
+the local cluster has no kube-proxy), which prefills each on a context rank and decodes it on
+the generation server, print for each answer which group and rank prefilled it and which
+generation server decoded it (the answers' ``dwdp`` field), compare every answer with a
+single-process run of the same checkpoint with replicated weights (greedy), print ``kubectl
+get dwdp -o wide``, the time from apply to Ready and the requests per second served through
+the router, and tear everything down (``--keep`` leaves it running).
 
 The end-to-end cluster test (tests/cluster/test_e2e_demo.py) imports the steps from here.
 Exit status: 0 when every answer equals the reference, 1 otherwise.
@@ -270,15 +273,21 @@ def answer_of(path: str, body: dict[str, Any]) -> str:
     return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
 
 
-def ask(url: str, path: str, req: dict[str, Any], timeout: float = 120.0) -> str:
-    """POST one request; returns the answer text. Raises on an HTTP error."""
+def ask_json(url: str, path: str, req: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    """POST one request with the API key; returns the answer's body. Raises on an HTTP error."""
     import httpx
 
     headers = {"Authorization": f"Bearer {API_KEY}"}
     r = httpx.post(url + path, json=req, headers=headers, timeout=timeout)
     if r.status_code != 200:
         raise RuntimeError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
-    return answer_of(path, r.json())
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def ask(url: str, path: str, req: dict[str, Any], timeout: float = 120.0) -> str:
+    """POST one request; returns the answer text. Raises on an HTTP error."""
+    return answer_of(path, ask_json(url, path, req, timeout))
 
 
 def without_key(url: str) -> int:
@@ -358,6 +367,137 @@ def throughput(endpoints: list[Endpoint], *, count: int, workers: int = 8) -> tu
     return count / took, oks.count(False)
 
 
+# ----------------------------------------------------------------------------- the router
+
+
+def router_ready(tc: Any, ns: str, name: str, *, prefill: int, decode: int) -> dict | None:
+    """``status.router`` once the router is Ready (condition RouterReady and a Ready pod)
+    routing to ``prefill`` context ranks and ``decode`` generation servers, else None."""
+    obj = tc.get("dwdp", name, ns)
+    st = obj.get("status") or {}
+    cond = {c["type"]: c for c in st.get("conditions") or ()}.get("RouterReady") or {}
+    router = st.get("router") or {}
+    if (
+        cond.get("status") == "True"
+        and cond.get("observedGeneration") == obj["metadata"].get("generation")
+        and router.get("readyReplicas", 0) >= 1
+        and (router.get("prefillServers"), router.get("decodeServers")) == (prefill, decode)
+    ):
+        return dict(router)
+    return None
+
+
+def wait_router(
+    tc: Any, ns: str, name: str, *, prefill: int, decode: int, timeout: float = 300.0
+) -> tuple[dict[str, Any], float]:
+    """Wait for ``router_ready``; returns (``status.router``, seconds waited)."""
+    start = time.monotonic()
+    st = tc.wait_for(
+        lambda: router_ready(tc, ns, name, prefill=prefill, decode=decode),
+        timeout=timeout,
+        interval=1.0,
+        message=f"router of {name} Ready with {prefill} context ranks and {decode} decode",
+    )
+    return st, time.monotonic() - start
+
+
+def router_address(tc: Any, ns: str, endpoint: str) -> Endpoint:
+    """Where to reach the router Service of ``endpoint`` (``http://NAME.NS.svc:PORT``) from
+    this host: a ready address of its EndpointSlices, at the Service port's target port (what
+    kube-proxy would pick; the local cluster has none)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint)
+    service = (parts.hostname or "").split(".")[0]
+    svc = tc.get("service", service, ns)
+    port = next(p for p in svc["spec"]["ports"] if p["port"] == parts.port)
+    target = int(port.get("targetPort") or port["port"])
+    found = [e for e in service_endpoints(tc, ns, service) if e.port == target]
+    if not found:
+        raise AssertionError(f"router Service {service}: no ready endpoint on port {target}")
+    return Endpoint("router", found[0].address, target)
+
+
+def server_name(ref: dict[str, Any] | None) -> str:
+    """A ``ServerRef`` of the ``dwdp`` answer field, short: ``demo-g0 rank 2``, ``demo-gen0``."""
+    if not ref:
+        return "?"
+    name = str(ref.get("group") or ref.get("pod") or ref.get("engine_id") or "?")
+    if ref.get("role") == "context" and ref.get("rank") is not None:
+        name += f" rank {ref['rank']}"
+    return name
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One answer through the router: what was asked and got, who prefilled and decoded."""
+
+    path: str
+    got: str
+    same: bool
+    prefill: str
+    decode: str
+
+
+def ask_routed(url: str, path: str, req: dict[str, Any], want: str) -> Routed:
+    """One request through the router, compared with ``want`` (errors are mismatches)."""
+    try:
+        body = ask_json(url, path, req)
+    except Exception as exc:  # reported as a mismatch, with the cause
+        return Routed(path, f"<error: {exc}>", False, "?", "?")
+    got = answer_of(path, body)
+    served = body.get("dwdp") or {}
+    prefill, decode = server_name(served.get("prefill")), server_name(served.get("decode"))
+    return Routed(path, got, got == want, prefill, decode)
+
+
+def ask_router(url: str, want: list[str], *, rounds: int) -> list[Routed]:
+    """Every request of the demo ``rounds`` times through the router, one at a time (with
+    round robin over the context ranks, ``rounds`` x 4 requests reach that many ranks)."""
+    return [
+        ask_routed(url, path, req, expected)
+        for _ in range(rounds)
+        for (path, req), expected in zip(requests_of(), want, strict=True)
+    ]
+
+
+@dataclass
+class Throughput:
+    """A concurrent round through the router: requests/s, failures (errors or answers that
+    differ from the reference), and how many answers each server prefilled and decoded."""
+
+    rps: float
+    failed: int
+    prefill: dict[str, int]
+    decode: dict[str, int]
+
+
+def routed_throughput(url: str, want: str, *, count: int, workers: int = 8) -> Throughput:
+    """``count`` copies of the demo's first completion sent through the router by ``workers``
+    concurrent clients; the clock covers every answer, and each is checked against ``want``."""
+    from collections import Counter
+
+    path, req = requests_of()[0]
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        rows = list(pool.map(lambda _: ask_routed(url, path, req, want), range(count)))
+    took = time.monotonic() - start
+    return Throughput(
+        count / took,
+        sum(not r.same for r in rows),
+        dict(sorted(Counter(r.prefill for r in rows).items())),
+        dict(sorted(Counter(r.decode for r in rows).items())),
+    )
+
+
+def kv_transfer_of(url: str) -> dict[str, Any]:
+    """``/dwdp/status``'s ``kv_transfer`` of one server (empty without one)."""
+    import httpx
+
+    got: dict[str, Any] = httpx.get(url + "/dwdp/status", timeout=10).json()
+    return dict(got.get("kv_transfer") or {})
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -434,6 +574,15 @@ def main(argv: list[str] | None = None) -> int:
         tc.apply(NAMESPACE, api_key_secret(), doc)
         ready_s = wait_ready(tc, NAMESPACE, NAME, groups=spec["replicas"])
         say(f"   Ready {ready_s:.1f} s after apply")
+        gens = doc["spec"]["generation"]["replicas"]
+        router, router_s = wait_router(
+            tc, NAMESPACE, NAME, prefill=spec["replicas"] * ranks, decode=gens
+        )
+        say(
+            f"   router Ready {ready_s + router_s:.1f} s after apply: "
+            f"{router['prefillServers']} context ranks prefill, "
+            f"{router['decodeServers']} generation server(s) decode"
+        )
         say(tc.kubectl("get", "dwdp", "-n", NAMESPACE, "-o", "wide").stdout.rstrip())
         say("== 5/7 reference: one process, replicated weights, same checkpoint, greedy")
         want = reference_answers(model_dir)
@@ -441,33 +590,65 @@ def main(argv: list[str] | None = None) -> int:
             q = req.get("prompt") or req["messages"][-1]["content"]
             say(f"   {path:22} {q!r} -> {text!r}")
         say(
-            "== 6/7 asking every rank of every group through the client Service, and the "
-            "generation server"
+            "== 6/7 asking through the router: a context rank prefills, the generation server "
+            "decodes"
         )
         ctx = service_endpoints(tc, NAMESPACE, NAME)
         gen = generation_endpoints(tc, NAMESPACE)
         groups = sorted({e.group for e in ctx})
+        at = router_address(tc, NAMESPACE, router["endpoint"])
         say(
-            f"   client Service {NAME}: {len(ctx)} endpoints in {len(groups)} groups "
-            f"({', '.join(groups)}); {ranks} ranks each"
+            f"   router {router['endpoint']} (at {at.address}:{at.port}, its EndpointSlice) "
+            f"in front of {len(ctx)} ranks in {len(groups)} groups ({', '.join(groups)}) "
+            f"and {len(gen)} generation server(s)"
         )
-        res = ask_everyone(ctx + gen, want)
-        for ep, path, got, same in res.rows:
-            mark = "==" if same else "!="
-            say(f"   {ep.group:14} {ep.address}:{ep.port} {path:22} {got!r} {mark} reference")
-        locked = without_key(ctx[0].url)
-        say(f"   without the API key (Secret {API_KEY_SECRET}): HTTP {locked}")
-        rps, failed = throughput(ctx, count=args.requests)
+        rounds = max(1, -(-len(ctx) // len(want)))  # round robin: every rank prefills once
+        rows = ask_router(at.url, want, rounds=rounds)
+        say(f"   {'prefilled by':16} {'decoded by':12} {'request':22} answer")
+        for r in rows:
+            mark = "==" if r.same else "!="
+            say(f"   {r.prefill:16} {r.decode:12} {r.path:22} {r.got!r} {mark} reference")
+        ranks_seen = sorted({r.prefill for r in rows})
+        everyone = {f"{g} rank {k}" for g in groups for k in range(ranks)}
         say(
-            f"   throughput: {args.requests} completions (up to {MAX_TOKENS} tokens each) over "
-            f"{len(ctx)} ranks: {rps:.2f} requests/s, {failed} failed"
+            f"   context ranks that prefilled: {len(ranks_seen)}/{len(everyone)}; "
+            + "; ".join(
+                f"generation server {g.group} read {kv.get('blocks_received', 0)} KV blocks "
+                f"over NIXL ({kv.get('remote_prefill_tokens', 0)} prompt tokens prefilled "
+                "remotely)"
+                for g, kv in ((g, kv_transfer_of(g.url)) for g in gen)
+            )
+        )
+        locked = without_key(ctx[0].url)
+        say(f"   a rank asked without the API key (Secret {API_KEY_SECRET}): HTTP {locked}")
+        tp = routed_throughput(at.url, want[0], count=args.requests)
+        spread = (
+            f"{len(tp.prefill)} ranks, {next(iter(tp.prefill.values()))} each"
+            if len(set(tp.prefill.values())) == 1
+            else ", ".join(f"{k}: {v}" for k, v in tp.prefill.items())
+        )
+        say(
+            f"   throughput through the router: {args.requests} completions (up to "
+            f"{MAX_TOKENS} tokens each), 8 clients at a time: {tp.rps:.2f} requests/s, "
+            f"{tp.failed} failed or different; prefilled by {spread}; decoded by "
+            + ", ".join(f"{k} ({v})" for k, v in tp.decode.items())
         )
         say("== 7/7 summary")
         say(tc.kubectl("get", "dwdp", "-n", NAMESPACE, "-o", "wide").stdout.rstrip())
-        ok = res.ok and failed == 0 and len(groups) == spec["replicas"] and locked == 401
-        say(f"   answers equal to the reference: {sum(r[3] for r in res.rows)}/{len(res.rows)}")
-        say(f"   time from apply to Ready: {ready_s:.1f} s")
-        say(f"   requests/s served: {rps:.2f}")
+        ok = (
+            bool(rows)
+            and all(r.same for r in rows)
+            and set(ranks_seen) == everyone
+            and tp.failed == 0
+            and len(groups) == spec["replicas"]
+            and locked == 401
+        )
+        say(f"   answers equal to the reference: {sum(r.same for r in rows)}/{len(rows)}")
+        say(
+            f"   time from apply to Ready: {ready_s:.1f} s "
+            f"(router Ready: {ready_s + router_s:.1f} s)"
+        )
+        say(f"   requests/s served through the router: {tp.rps:.2f}")
         say(f"   total {time.monotonic() - t0:.1f} s (apply at +{t_apply - t0:.1f} s)")
         say("DEMO OK" if ok else "DEMO FAILED: some answers differ from the reference")
     except Exception as exc:
@@ -480,10 +661,15 @@ def main(argv: list[str] | None = None) -> int:
             say(f'  eval "$(.venv/bin/dwdp dev env --state-dir {state})"  # or:')
             say(f"  export KUBECONFIG={tc.kubeconfig} PATH={tc.tools_bin}:$PATH")
             say(f"  kubectl get dwdp -n {NAMESPACE} -o wide")
-            say(f"  kubectl get endpointslices -n {NAMESPACE} -l kubernetes.io/service-name={NAME}")
+            say(
+                f"  kubectl get endpointslices -n {NAMESPACE} "
+                f"-l kubernetes.io/service-name={NAME}-router"
+            )
             say(
                 "  curl http://<address>:<port>/v1/completions -H 'content-type: "
-                'application/json\' -d \'{"prompt": "Hello", "max_tokens": 8}\''
+                "application/json' -H 'authorization: Bearer <the key of Secret "
+                f"{API_KEY_SECRET}>' "
+                '-d \'{"prompt": "Hello", "max_tokens": 8}\''
             )
             say("Stop it with:")
             say(f"  .venv/bin/dwdp dev down --state-dir {state} && rm -rf {state}")

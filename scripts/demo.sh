@@ -3,8 +3,9 @@
 # .venv with every Python package, builds the local control plane (cached), then runs the
 # driver scripts/demo.py: the embedded cluster, the operator installed by its Helm chart, a
 # tiny DeepSeek-V3-family checkpoint, examples/04-demo.yaml applied (2 DWDP groups of 4 ranks
-# and a generation server), answers from every group checked against a single-process
-# reference, time to Ready and requests/s, teardown.
+# and a generation server, with vllm-router in front), requests through the router (a context
+# rank prefills, the generation server decodes; each answer says which) checked against a
+# single-process reference, time to Ready and requests/s through the router, teardown.
 # Options go to the driver: --keep (leave it running; prints how to reach and stop it),
 # --state-dir DIR, --requests N.
 set -euo pipefail

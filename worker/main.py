@@ -26,7 +26,7 @@ from dwdp.api.contract import Env, Stage
 from dwdp.api.enums import Role
 from dwdp.worker.memory import MemoryWatch, RankMemory, size_rank_memory
 from dwdp.worker.server.guard import check_api_key
-from dwdp.worker.server.status import rank_identity
+from dwdp.worker.server.status import rank_identity, server_identity
 from dwdp.worker.settings import (
     CopySettings,
     resolve_dense_min_bytes,
@@ -420,6 +420,7 @@ def run_worker(opts: WorkerOptions) -> int:
             identity=rank_identity(),
             memory=RankMemory(ledger, pool),
             api_key=api_key,
+            server=server_identity(cfg.role.value if cfg.role else None),
         )
         stage["now"] = Stage.SERVE
         log.info(

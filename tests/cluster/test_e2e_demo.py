@@ -4,7 +4,9 @@ The steps come from scripts/demo.py (README command 1): the operator installed b
 chart, a tiny DeepSeek-V3-family checkpoint, examples/04-demo.yaml (2 context DWDP groups of
 4 ranks with expert + dense DWDP on the cpu backend, one generation server). Every rank of
 every group, reached through the client Service's EndpointSlice addresses, and the generation
-server must answer exactly as a single process with replicated weights. Then one rank process
+server must answer exactly as a single process with replicated weights, and so must the demo's
+requests sent through the router, each naming (its ``dwdp`` field) the group and rank that
+prefilled it and the generation server that decoded it. Then one rank process
 of group g0 is killed: the group must fail together, be replaced by incarnation 1 and serve
 the same answers again, while group g1 answers every request throughout.
 
@@ -114,6 +116,28 @@ def test_every_group_and_the_generation_server_answer_like_the_reference(deploye
     table = tc.kubectl("get", "dwdp", "-n", NS, "-o", "wide").stdout.splitlines()
     assert table[0].split()[:5] == ["NAME", "READY", "GROUPS", "UP-TO-DATE", "PHASE"]
     assert table[1].split()[:5] == ["demo", "2", "2", "2", "Ready"]
+
+
+def test_through_the_router_every_rank_prefills_and_the_generation_server_decodes(
+    deployed,
+) -> None:
+    """The demo's requests through the router (vllm-router, PD mode) answer like the
+    reference; each answer's ``dwdp`` field names the context group and rank that prefilled
+    it and the generation server that decoded it: every rank of both groups prefilled some,
+    the generation server decoded all and read their KV over NIXL."""
+    tc, _model, want = deployed
+    router, _took = demo.wait_router(tc, NS, demo.NAME, prefill=8, decode=1)
+    assert router["endpoint"] == f"http://{demo.NAME}-router.{NS}.svc:8000"
+    at = demo.router_address(tc, NS, router["endpoint"])
+    rows = demo.ask_router(at.url, want, rounds=2)
+    assert [r.got for r in rows] == want * 2 and all(r.same for r in rows)
+    assert {r.prefill for r in rows} == {f"demo-g{g} rank {k}" for g in (0, 1) for k in range(4)}
+    assert {r.decode for r in rows} == {"demo-gen0"}
+    (gen,) = demo.generation_endpoints(tc, NS)
+    kv = demo.kv_transfer_of(gen.url)
+    assert kv["blocks_received"] > 0 and kv["remote_prefill_tokens"] > 0
+    tp = demo.routed_throughput(at.url, want[0], count=8, workers=4)
+    assert tp.failed == 0 and tp.rps > 0 and sum(tp.prefill.values()) == 8
 
 
 def _selected(tc: Any, selector: dict[str, Any]) -> list[str]:

@@ -59,6 +59,7 @@ class KvTransfer:
         self.blocks_received = 0
         self.leases_granted = 0
         self.leases_expired = 0
+        self._servers: dict[str, dict[str, Any]] = {}  # engine id -> its "server" identity
 
     @property
     def leases(self) -> int:
@@ -161,7 +162,14 @@ class KvTransfer:
                 f"KV side channel {url}: engine {described.get('engine_id')!r}, the params "
                 f"name {engine_id!r} (the context server restarted?)"
             )
-        return await asyncio.to_thread(self._connect, described)
+        remote = await asyncio.to_thread(self._connect, described)
+        self._servers[engine_id] = _identity(described.get("server"))
+        return remote
+
+    def server_of(self, engine_id: str) -> dict[str, Any]:
+        """The identity a connected context server gave in its side channel's ``server``
+        (``role``, ``group``, ``rank``, ``incarnation``, ``pod``; empty when it gave none)."""
+        return dict(self._servers.get(engine_id) or {})
 
     def _connect(self, described: dict[str, Any]) -> RemoteEngine:
         with self._lock:
@@ -178,6 +186,20 @@ class KvTransfer:
         """Deregister the cache from NIXL."""
         with self._lock:
             self.agent.close()
+
+
+IDENTITY_KEYS = ("role", "group", "rank", "incarnation", "pod")
+
+
+def _identity(server: Any) -> dict[str, Any]:
+    """The known scalar parts of a side channel's ``server`` (anything else dropped)."""
+    if not isinstance(server, dict):
+        return {}
+    return {
+        k: server[k]
+        for k in IDENTITY_KEYS
+        if isinstance(server.get(k), str | int) and not isinstance(server.get(k), bool)
+    }
 
 
 def _host_for_url(host: str) -> str:

@@ -107,6 +107,7 @@ def build_app(
     identity: dict[str, Any] | None = None,
     memory: RankMemory | None = None,
     api_key: str | None = None,
+    server: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app of one rank.
 
@@ -117,7 +118,9 @@ def build_app(
     ``memory`` (the rank's memory ledger and KV pool) adds ``memory`` and ``kv_cache`` to
     ``/dwdp/status`` and their gauges to ``/metrics``. With ``api_key`` every ``/v1/*``
     request needs ``Authorization: Bearer <api_key>`` (401 otherwise); request bodies are
-    bounded either way (``dwdp.worker.server.guard``).
+    bounded either way (``dwdp.worker.server.guard``). ``server`` (``role``, ``group``,
+    ``rank``, ..., see :func:`dwdp.worker.server.status.server_identity`) names this server in
+    the ``dwdp`` field of every completion and chat answer and in the KV side channel's answer.
 
     ``on_shutdown`` (a callable) runs in the lifespan shutdown, after uvicorn stopped
     accepting and its graceful-shutdown bound (if any) cancelled the remaining handlers; the
@@ -136,7 +139,9 @@ def build_app(
 
     app = FastAPI(title="dwdp worker", version="0.1.0", lifespan=lifespan)
     metrics = ServerMetrics(engine, dwdp, memory)
-    app.state.serving = OpenAIServing(engine, dwdp, metrics, served_name=served_name)
+    app.state.serving = OpenAIServing(
+        engine, dwdp, metrics, served_name=served_name, server=server
+    )
     app.state.metrics = metrics
     app.add_middleware(RequestGuard, api_key=api_key)
 
@@ -213,7 +218,7 @@ def build_app(
         described = await asyncio.to_thread(kv.describe, claim)  # the agent's lock may wait
         if described is None:
             raise ServingError(410, f"claim: no KV lease held for {claim!r}", kind="gone")
-        return dict(described)
+        return {**described, "server": _serving(request).server}
 
     @app.get("/dwdp/status")
     async def dwdp_status(request: Request) -> dict[str, Any]:

@@ -166,6 +166,31 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
+class ServerRef(BaseModel):
+    """One server of the deployment as the ``dwdp`` response field names it (absent parts are
+    unknown: a server outside the operator has no group or rank)."""
+
+    role: str | None = Field(None, description="context or generation (the launch's role).")
+    group: str | None = Field(None, description="The DWDP group or generation server name.")
+    rank: int | None = Field(None, description="Rank within the group (DWDP_RANK).")
+    incarnation: int | str | None = Field(None, description="The group's incarnation.")
+    pod: str | None = Field(None, description="The pod's name (its hostname).")
+    engine_id: str | None = Field(None, description="The NIXL engine id (remote_engine_id).")
+    host: str | None = Field(None, description="The server's advertised address.")
+    port: int | None = Field(None, description="The server's HTTP port.")
+
+
+class ServedBy(BaseModel):
+    """The extension field ``dwdp`` of a completion or chat answer (the first event of a
+    stream): which server computed the prompt's KV cache (``prefill``: the context rank that
+    leased the blocks for a remote prefill, else this server) and which one generated the
+    tokens (``decode``: this server; absent on a prefill-only answer, ``do_remote_decode``).
+    OpenAI clients ignore it."""
+
+    prefill: ServerRef | None = None
+    decode: ServerRef | None = None
+
+
 class CompletionResponse(BaseModel):
     """The answer of ``/v1/completions`` (non-streaming)."""
 
@@ -176,6 +201,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage
     kv_transfer_params: dict[str, Any] | None = None
+    dwdp: ServedBy | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -217,6 +243,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     kv_transfer_params: dict[str, Any] | None = None
+    dwdp: ServedBy | None = None
 
 
 class ModelCard(BaseModel):

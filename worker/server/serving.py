@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dwdp.worker.disagg.agent import TransferError
+from dwdp.worker.disagg.params import KvTransferParams
 from dwdp.worker.engine.protocol import (
     EngineClient,
     EngineError,
@@ -35,6 +36,8 @@ from dwdp.worker.server.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    ServedBy,
+    ServerRef,
     Usage,
 )
 from dwdp.worker.server.status import DwdpStatusSource
@@ -62,12 +65,44 @@ class OpenAIServing:
         metrics: ServerMetrics,
         *,
         served_name: str | None = None,
+        server: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.dwdp = dwdp
         self.metrics = metrics
         self.served_name = served_name or engine.model_name
+        self.server = dict(server or {})
+        """This server's identity (``status.server_identity``): the ``dwdp`` field's parts."""
         self.created = int(time.time())
+
+    def me(self) -> dict[str, Any]:
+        """This server as a ``ServerRef``: its identity, and with a KV transfer its NIXL
+        engine id and the advertised address of its side channel."""
+        kv = getattr(self.engine, "kv", None)
+        if kv is None:
+            return dict(self.server)
+        return {**self.server, "engine_id": kv.agent.engine_id, "host": kv.host, "port": kv.port}
+
+    def served_by(self, kv: KvTransferParams | None) -> ServedBy:
+        """The ``dwdp`` field of an answer to a request with these ``kv_transfer_params``: a
+        remote prefill names the context server of the params (the engine id the side channel
+        confirmed, and its identity as that server described itself); a prefill-only answer
+        names no decode server."""
+        me = ServerRef(**self.me())
+        prefill = me
+        if kv is not None and kv.do_remote_prefill:
+            transfer = getattr(self.engine, "kv", None)
+            told = transfer.server_of(str(kv.remote_engine_id)) if transfer is not None else {}
+            prefill = ServerRef(
+                **{
+                    **(told or {}),
+                    "engine_id": kv.remote_engine_id,
+                    "host": kv.remote_host,
+                    "port": kv.remote_port,
+                }
+            )
+        decode = None if kv is not None and kv.do_remote_decode else me
+        return ServedBy(prefill=prefill, decode=decode)
 
     # -- plain endpoints ---------------------------------------------------------------------
     def models(self) -> ModelList:
@@ -177,6 +212,7 @@ class OpenAIServing:
             choices=choices,
             usage=_usage(len(prompt_ids), results),
             kv_transfer_params=results[0].kv_transfer_params,
+            dwdp=self.served_by(req.kv_transfer_params),
         )
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -220,6 +256,7 @@ class OpenAIServing:
             choices=choices,
             usage=_usage(len(prompt_ids), results),
             kv_transfer_params=results[0].kv_transfer_params,
+            dwdp=self.served_by(req.kv_transfer_params),
         )
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -295,7 +332,14 @@ class OpenAIServing:
         options = req.stream_options
         usage = bool(options and options.include_usage)
         return self._sse_lines(
-            _SseFormat(request_id, self.served_name, chat, usage, self.engine.tokenizer),
+            _SseFormat(
+                request_id,
+                self.served_name,
+                chat,
+                usage,
+                self.engine.tokenizer,
+                self.served_by(req.kv_transfer_params).model_dump(exclude_none=True),
+            ),
             firsts,
             streams,
             prompt_tokens,
@@ -394,15 +438,17 @@ def _usage(prompt_tokens: int, results: list[_Result]) -> Usage:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _SseFormat:
-    """How one streaming request's chunks look (OpenAI's chunk objects)."""
+    """How one streaming request's chunks look (OpenAI's chunk objects); the first carries
+    ``served_by`` as its ``dwdp`` field."""
 
     request_id: str
     model: str
     chat: bool
     include_usage: bool
     tokenizer: Any
+    served_by: dict[str, Any] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def chunk(self, index: int, out: RequestOutput) -> str:
@@ -434,4 +480,6 @@ class _SseFormat:
         }
         if self.include_usage:
             body["usage"] = usage
+        if self.served_by is not None:  # the first event only
+            body["dwdp"], self.served_by = self.served_by, None
         return f"data: {json.dumps(body)}\n\n"

@@ -33,6 +33,30 @@ def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
+def server_identity(
+    role: str | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Who this server is for the ``dwdp`` response field and the KV side channel: ``role``
+    (the argument, else ``DWDP_ROLE``), and under the operator (``DWDP_GROUP`` set) ``group``,
+    ``rank`` (``DWDP_RANK``: the launcher gives each local rank its own), ``incarnation`` and
+    ``pod`` (the pod's hostname). Absent ones are left out."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    if role or env.get(Env.ROLE):
+        out["role"] = role or env[Env.ROLE]
+    if env.get(Env.GROUP):
+        out["group"] = env[Env.GROUP]
+        rank = env.get(Env.RANK, "")
+        if rank.isdigit():
+            out["rank"] = int(rank)
+        ident = rank_identity(env)
+        if "incarnation" in ident:
+            out["incarnation"] = ident["incarnation"]
+        if env.get("HOSTNAME"):
+            out["pod"] = env["HOSTNAME"]
+    return out
+
+
 def engine_failure(engine: Any) -> str | None:
     """The engine's fatal error as text, or None while it can serve (or cannot say)."""
     dead = getattr(engine, "_dead", None)

@@ -66,11 +66,13 @@ class EngineServer:
     """A checkpoint's continuous engine behind the OpenAI app (``api_key`` required), with a
     NIXL KV transfer (``kv=True``: the context and generation roles) whose leases last
     ``lease_s`` seconds, on ``device`` (``cuda:N``: the worker's GPU kernels too, as
-    ``dwdp.worker.main`` sets them). ``limits`` go to ``EngineConfig``. A context manager:
+    ``dwdp.worker.main`` sets them). ``server``: its identity in the ``dwdp`` response field
+    (``status.server_identity``). ``limits`` go to ``EngineConfig``. A context manager:
     ``base`` is its URL and ``client`` an ``httpx.Client`` carrying the key once entered."""
 
     def __init__(self, path: Path, *, api_key: str, kv: bool = True, lease_s: float = 30.0,
-                 model_name: str = "m", device: str = "cpu", **limits: Any) -> None:
+                 model_name: str = "m", device: str = "cpu",
+                 server: dict[str, Any] | None = None, **limits: Any) -> None:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.engine.loader import load_checkpoint
@@ -85,7 +87,7 @@ class EngineServer:
         self.engine = ContinuousEngine(model, tok, model_name=model_name,
                                        config=EngineConfig(**limits))
         self.api_key, self.kv, self.lease_s, self.model_name = api_key, kv, lease_s, model_name
-        self.thread = UvicornThread(build_app(self.engine, api_key=api_key),
+        self.thread = UvicornThread(build_app(self.engine, api_key=api_key, server=server),
                                     graceful_shutdown_timeout_s=None)
 
     def __enter__(self) -> EngineServer:

@@ -28,9 +28,15 @@ REMOTE_DECODE = {
 }
 
 
-def _server(path: Path, lease_s: float = 30.0) -> EngineServer:
+CTX = {"role": "context", "group": "t-g0", "rank": 2, "incarnation": 1, "pod": "t-g0-0"}
+GEN = {"role": "generation", "group": "t-gen-0", "rank": 0}
+
+
+def _server(path: Path, lease_s: float = 30.0, server: dict | None = None) -> EngineServer:
     """A context or generation server of the tests (blocks of 4, 128 tokens, the test key)."""
-    return EngineServer(path, api_key=KEY, lease_s=lease_s, max_model_len=128, block_size=4)
+    return EngineServer(
+        path, api_key=KEY, lease_s=lease_s, max_model_len=128, block_size=4, server=server
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +47,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(checkpoint):
-    with _server(checkpoint) as ctx, _server(checkpoint) as gen:
+    with _server(checkpoint, server=CTX) as ctx, _server(checkpoint, server=GEN) as gen:
         yield ctx, gen
 
 
@@ -268,3 +274,38 @@ def test_through_vllm_router_every_request_decodes_from_remote_kv(pair, router):
     assert got["blocks_received"] > 0 and got["remote_prefill_tokens"] >= len(prompt)
     sent = ctx.client.get("/dwdp/status").json()["kv_transfer"]
     assert sent["leases_granted"] >= 3 and sent["leases"] == 0 == sent["leases_expired"]
+
+
+def _where(server: EngineServer, identity: dict) -> dict:
+    """The ``dwdp`` field's ``ServerRef`` of ``server``: its identity, engine id and address."""
+    kv = server.engine.kv
+    return {**identity, "engine_id": kv.agent.engine_id, "host": "127.0.0.1", "port": kv.port}
+
+
+def test_the_dwdp_field_survives_vllm_router_and_names_prefill_and_decode(pair, router):
+    """The extension field ``dwdp`` of an answer through the real vllm-router (completion,
+    chat, and a stream's first event) names the context server that leased the blocks and the
+    generation server that decoded; a prefill-only answer names no decode server and a local
+    request names the server itself twice."""
+    ctx, gen = pair
+    want = {"prefill": _where(ctx, CTX), "decode": _where(gen, GEN)}
+    body = {"model": "m", "prompt": "The quick brown fox", "max_tokens": 3}
+    r = httpx.post(router + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["dwdp"] == want
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    r = httpx.post(router + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200 and r.json()["dwdp"] == want
+    for path, req in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        with httpx.stream("POST", router + path, json={**req, "stream": True}, timeout=60) as s:
+            events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+        assert events[0]["dwdp"] == want, path
+        assert all("dwdp" not in e for e in events[1:])
+    pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+    prefilled = ctx.client.post("/v1/completions", json=pre).json()
+    assert prefilled["dwdp"] == {"prefill": _where(ctx, CTX)}
+    params = {"kv_transfer_params": prefilled["kv_transfer_params"]}
+    assert gen.client.post("/v1/completions", json={**body, **params}).json()["dwdp"] == want
+    alone = gen.client.post("/v1/completions", json=body).json()["dwdp"]
+    assert alone == {"prefill": _where(gen, GEN), "decode": _where(gen, GEN)}
+    _wait(lambda: ctx.engine.kv.leases == 0, "leases not released")

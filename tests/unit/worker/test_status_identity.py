@@ -14,6 +14,7 @@ from dwdp.worker.server.status import (
     NoDwdp,
     engine_failure,
     rank_identity,
+    server_identity,
     with_identity,
 )
 
@@ -31,6 +32,26 @@ def test_identity_from_the_operator_environment() -> None:
     }
     assert rank_identity({"DWDP_INCARNATION": "i2"}) == {**start, "incarnation": 2}
     assert rank_identity({}) == start
+
+
+def test_server_identity_names_the_role_group_rank_and_pod() -> None:
+    """What the ``dwdp`` response field and the KV side channel say about a server."""
+    env = {
+        "DWDP_ROLE": "context",
+        "DWDP_GROUP": "demo-g1",
+        "DWDP_RANK": "3",
+        "DWDP_INCARNATION": "i2",
+        "HOSTNAME": "demo-g1-i2-p0",
+    }
+    assert server_identity(environ=env) == {
+        "role": "context",
+        "group": "demo-g1",
+        "rank": 3,
+        "incarnation": 2,
+        "pod": "demo-g1-i2-p0",
+    }
+    assert server_identity("generation", {"HOSTNAME": "laptop"}) == {"role": "generation"}
+    assert server_identity(environ={}) == {}
 
 
 def test_every_rank_process_draws_its_own_start_id() -> None:
