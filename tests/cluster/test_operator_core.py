@@ -205,6 +205,7 @@ def test_two_groups_of_two_pods_exact_objects_and_ready(
         "PHASE",
         "DWDP",
         "DENSE",
+        "ROUTER",  # empty here: no generation servers, no router
         "AGE",
     ]
     assert table[1].split()[:6] == ["two-groups", "2", "2", "2", "Ready", "4"]
