@@ -23,7 +23,8 @@ MAX_BLOCKS = 1 << 20
 class KvTransferParams(BaseModel):
     """The ``kv_transfer_params`` object of a request (vLLM's field names and meanings)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # strict: "yes" is no bool, "8001" no port, true no block id (a 400 naming the field)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     do_remote_decode: bool = Field(False, description="Prefill only; another server decodes.")
     do_remote_prefill: bool = Field(False, description="The KV cache comes from remote blocks.")

@@ -99,15 +99,16 @@ class KvTransfer:
         with self._lease_lock:
             self._leases.pop(request_id, None)
 
-    def claim(self, request_id: str) -> bool:
-        """Extend a held lease by ``lease_s`` (the generation side is about to read it);
-        False when no lease of that request is held (expired, released or unknown)."""
+    def claim(self, request_id: str) -> list[int] | None:
+        """Extend a held lease by ``lease_s`` (the generation side is about to read it) and
+        return its block ids; ``None`` when no lease of that request is held (expired,
+        released or unknown)."""
         with self._lease_lock:
             held = self._leases.get(request_id)
             if held is None:
-                return False
+                return None
             self._leases[request_id] = (held[0], time.monotonic() + self.lease_s)
-            return True
+            return list(held[0])
 
     def expired_or_released(self) -> list[list[int]]:
         """Block tables whose lease ended since the last call (the engine frees them)."""
@@ -124,11 +125,14 @@ class KvTransfer:
 
     def describe(self, claim: str | None = None) -> dict[str, Any] | None:
         """The side channel's answer (``KvAgent.describe``); with ``claim``, ``None`` unless
-        that request's lease is held (and then extended)."""
-        if claim is not None and not self.claim(claim):
+        that request's lease is held (and then extended), and ``lease_block_ids``: the blocks
+        of that lease, the only ones its reader may read."""
+        blocks = self.claim(claim) if claim is not None else []
+        if blocks is None:
             return None
         with self._lock:
-            return self.agent.describe()
+            described = self.agent.describe()
+        return {**described, "lease_block_ids": blocks} if claim is not None else described
 
     # -- generation side -----------------------------------------------------------------------
     async def connect(self, params: KvTransferParams) -> RemoteEngine:
@@ -153,10 +157,16 @@ class KvTransfer:
             )
         if r.status_code != 200:
             raise TransferError(f"KV side channel {url}: HTTP {r.status_code}")
+        described = r.json()
+        if described.get("lease_block_ids") != params.remote_block_ids:
+            # only the blocks leased to this request: other ids are other requests' KV
+            raise TransferError(
+                f"kv_transfer_params.remote_block_ids: not the blocks of request "
+                f"{params.remote_request_id}'s lease on {engine_id}"
+            )
         known = self.agent.known(engine_id)
         if known is not None:
             return known
-        described = r.json()
         if described.get("engine_id") != engine_id:
             raise TransferError(
                 f"KV side channel {url}: engine {described.get('engine_id')!r}, the params "

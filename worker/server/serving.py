@@ -139,9 +139,15 @@ class OpenAIServing:
             raise ServingError(400, "stream_options: only with stream true")
         kv = req.kv_transfer_params
         if kv is not None and kv.do_remote_decode:
-            if req.stream or req.n != 1:
+            if req.n != 1:
                 raise ServingError(
-                    400, "kv_transfer_params.do_remote_decode: needs stream false and n 1"
+                    400, f"n: {req.n} with kv_transfer_params.do_remote_decode (disaggregated "
+                    "serving): a remote decode continues one sequence; send n 1",
+                )
+            if req.stream:
+                raise ServingError(
+                    400, "stream: true with kv_transfer_params.do_remote_decode: the prefill "
+                    "for a remote decode answers once; send stream false",
                 )
             max_tokens = 1  # prefill only: the generation server decodes (as vLLM does)
         limit = self.engine.max_model_len

@@ -141,6 +141,9 @@ def test_a_routed_stream_decodes_and_streams(pair):
         ({"remote_port": 0}, "kv_transfer_params.remote_port"),
         ({"remote_block_ids": [-1]}, "kv_transfer_params.remote_block_ids"),
         ({"tp_size": 2}, "kv_transfer_params.tp_size"),
+        ({"do_remote_prefill": "yes"}, "kv_transfer_params.do_remote_prefill"),  # strict
+        ({"remote_port": "8001"}, "kv_transfer_params.remote_port"),
+        ({"remote_block_ids": [True]}, "kv_transfer_params.remote_block_ids"),
     ],
 )
 def test_malformed_kv_transfer_params_are_a_400_naming_the_field(pair, params, needle):
@@ -154,13 +157,42 @@ def test_malformed_kv_transfer_params_are_a_400_naming_the_field(pair, params, n
     _wait(lambda: gen.engine.allocator.num_in_use == 0, "generation blocks still held")
 
 
-def test_remote_decode_needs_no_stream(pair):
+def test_remote_decode_needs_no_stream_and_one_sequence(pair):
     ctx, _gen = pair
-    r = ctx.client.post(
-        "/v1/completions",
-        json={"prompt": "hi", "stream": True, "kv_transfer_params": REMOTE_DECODE},
-    )
-    assert r.status_code == 400 and "do_remote_decode" in r.json()["error"]["message"]
+    for extra, field in (({"stream": True}, "stream: true"), ({"n": 2}, "n: 2")):
+        r = ctx.client.post(
+            "/v1/completions",
+            json={"prompt": "hi", **extra, "kv_transfer_params": REMOTE_DECODE},
+        )
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and message.startswith(field) and "do_remote_decode" in message
+
+
+def test_only_the_leased_blocks_can_be_read(pair):
+    """Params naming blocks other than their request's lease (another request's KV) are
+    refused before any read; the lease stays for its real reader, who then decodes."""
+    ctx, gen = pair
+    body = {"prompt": list(range(3, 30)), "max_tokens": 3, "ignore_eos": True}
+    pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+    victim = ctx.client.post("/v1/completions", json=pre).json()["kv_transfer_params"]
+    other_prompt = list(range(40, 67))
+    other = ctx.client.post(
+        "/v1/completions", json={**pre, "prompt": other_prompt}
+    ).json()["kv_transfer_params"]
+    before = gen.engine.kv.blocks_received
+    for blocks in (victim["remote_block_ids"], [2**31 - 1] * len(victim["remote_block_ids"])):
+        forged = {**other, "remote_block_ids": blocks}
+        r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": forged})
+        assert r.status_code == 502, r.text
+        assert "remote_block_ids: not the blocks of request" in r.json()["error"]["message"]
+    assert gen.engine.kv.blocks_received == before  # nothing was read
+    for params, prompt in ((victim, body["prompt"]), (other, other_prompt)):
+        r = gen.client.post(
+            "/v1/completions", json={**body, "prompt": prompt, "kv_transfer_params": params}
+        )
+        assert r.status_code == 200, r.text
+    _wait(lambda: ctx.engine.kv.leases == 0, "leases not released")
+    _wait(lambda: gen.engine.allocator.num_in_use == 0, "generation blocks still held")
 
 
 def test_foreign_engine_and_released_lease_are_clear_errors(pair):
