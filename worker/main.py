@@ -438,10 +438,11 @@ def run_worker(opts: WorkerOptions) -> int:
             stop_engine=engine.stop,
             server_holder=server_holder,
         )
-        for resource in (dwdp, group):  # the DWDP state, then the group transport
-            close = getattr(resource, "close", None)
-            if close is not None:
-                close()
+        close = getattr(dwdp, "close", None)  # the DWDP state, then the group transport
+        if close is not None:
+            close()
+        if group is not None:  # served: no collective follows, rank 0 need not linger
+            group.close(linger=False)
         if fatal:
             return 1
         return 0

@@ -100,3 +100,31 @@ def test_a_loopback_rendezvous_across_hosts_is_refused_on_every_rank(ranks, grou
     for rec in _records(ranks.out, [0, 1]).values():
         assert rec["error"].startswith("LoopbackAcrossHosts")
         assert "loopback" in rec["error"] and "2 hosts" in rec["error"]
+
+
+def test_after_serving_rank_0_leaves_without_waiting_for_a_killed_peer(ranks, group):
+    """Rank 1 dies without leaving (as under SIGKILL); rank 0, done serving, closes with
+    ``linger=False`` and exits at once instead of hosting the store for min(timeout, 60 s)
+    (which held a context pod's rank 0, and the router's traffic to its group, for 15 s)."""
+    import os
+
+    from conftest import free_port
+
+    port = free_port()
+
+    def run(rank: int, out: Path) -> None:
+        env = {"DWDP_GROUP": group, "DWDP_INCARNATION": "i1", "DWDP_RANK": str(rank),
+               "DWDP_WORLD_SIZE": "2", "DWDP_RENDEZVOUS": f"127.0.0.1:{port}",
+               "DWDP_RENDEZVOUS_TIMEOUT_S": "300",
+               "DWDP_RENDEZVOUS_SECRET_FILE": str(write_secret(out, f"secret.{rank}"))}
+        t = TcpStoreTransport(RendezvousConfig.from_env(env))
+        t.allgather(rank, label="served")
+        if rank == 1:
+            os._exit(0)  # killed: never says it left
+        time.sleep(0.5)
+        t.close(linger=False)
+        (out / "closed.json").write_text("true")
+
+    ranks.start([0, 1], run)
+    assert ranks.wait(30) == {0: 0, 1: 0}  # a lingering rank 0 would wait out 60 s here
+    assert json.loads((ranks.out / "closed.json").read_text())

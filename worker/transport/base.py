@@ -312,8 +312,10 @@ class GroupTransport(ABC):
         """Return once every rank reached this barrier (no payload)."""
         self.exchange(None, label=label).raise_if_failed()
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Leave the group; safe to call twice."""
+    def close(self, *, linger: bool = True) -> None:  # noqa: B027 - optional hook
+        """Leave the group; safe to call twice. ``linger``: a collective may still be in
+        flight on the peers (setup, a failure), so a rank that hosts what they read keeps
+        it until they left; ``False`` once no collective can follow (after serving)."""
 
     def __enter__(self) -> Self:
         return self

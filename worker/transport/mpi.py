@@ -115,8 +115,8 @@ class MpiTransport(GroupTransport):
         MPI.Request.waitall(sends)
         return [received[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
-        """Free the sub-communicator; safe to call twice."""
+    def close(self, *, linger: bool = True) -> None:
+        """Free the sub-communicator; safe to call twice (``linger``: nothing to keep)."""
         if self._closed:
             return
         self._closed = True

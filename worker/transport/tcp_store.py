@@ -193,9 +193,11 @@ class TcpStoreTransport(GroupTransport):
             store.delete(self._key(seq - 1, self.rank))
         return [v if v is not None else b"" for v in values]
 
-    def close(self) -> None:
-        """Leave the group. Rank 0 keeps hosting the store until every peer left (at most
-        min(timeout, 60) seconds), so no peer loses the store in its last collective."""
+    def close(self, *, linger: bool = True) -> None:
+        """Leave the group. With ``linger`` rank 0 keeps hosting the store until every peer
+        left (at most min(timeout, 60) seconds), so no peer loses the store in its last
+        collective; without (after serving: no collective follows) it stops at once, so a
+        peer killed without leaving does not hold rank 0's exit (and its pod) for a minute."""
         if self._closed:
             return
         self._closed = True
@@ -203,7 +205,7 @@ class TcpStoreTransport(GroupTransport):
         try:
             if self.rank != 0:
                 self._store.set(f"{ns}/left/{self.rank}", b"1")
-            else:
+            elif linger:
                 keys = [f"{ns}/left/{r}" for r in range(1, self.world_size)]
                 if self._aborted_at is not None:  # wait only for the ranks that are present
                     keys = [k for r, k in enumerate(keys, 1)
