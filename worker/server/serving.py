@@ -456,14 +456,19 @@ class _SseFormat:
     tokenizer: Any
     served_by: dict[str, Any] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    text_at: dict[int, int] = field(default_factory=dict)  # choice -> its next text_offset
 
     def chunk(self, index: int, out: RequestOutput) -> str:
-        """The chunk of one engine update of choice ``index``."""
+        """The chunk of one engine update of choice ``index``; a completion's ``text_offset``
+        counts from the choice's first chunk on, as in the whole answer."""
         payload = {"content": out.text} if self.chat else out.text
         extra: dict[str, Any] = {"token_ids": out.token_ids}
-        if out.logprobs is not None:
-            fmt = chat_logprobs if self.chat else completion_logprobs
-            extra["logprobs"] = fmt(self.tokenizer, out.logprobs).model_dump()
+        if out.logprobs is not None and self.chat:
+            extra["logprobs"] = chat_logprobs(self.tokenizer, out.logprobs).model_dump()
+        elif out.logprobs is not None:
+            lp = completion_logprobs(self.tokenizer, out.logprobs, self.text_at.get(index, 0))
+            self.text_at[index] = self.text_at.get(index, 0) + sum(len(t) for t in lp.tokens)
+            extra["logprobs"] = lp.model_dump()
         return self.event(index, payload, out.finish_reason, **extra)
 
     def event(self, index: int, payload: Any, finish_reason: str | None, **extra: Any) -> str:

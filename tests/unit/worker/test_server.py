@@ -407,5 +407,11 @@ def test_n_choices_logprobs_and_stream_usage(served):
         streamed = [e for c in body for ch in c["choices"] if ch["index"] == i
                     for e in (ch.get("logprobs") or {}).get("content", [])]
         assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    streamed = [ch["logprobs"] for c in _sse(client, "/v1/completions",
+                                             {"prompt": "hi", "logprobs": 2, "max_tokens": 4,
+                                              "ignore_eos": True, "stream": True})
+                for ch in c["choices"] if ch.get("logprobs")]
+    whole = _complete(client, prompt="hi", logprobs=2, max_tokens=4)["choices"][0]["logprobs"]
+    assert [o for lp in streamed for o in lp["text_offset"]] == whole["text_offset"]
     plain = _sse(client, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True})
     assert all("usage" not in c for c in plain)
