@@ -4,8 +4,9 @@ small immutable decision.
 One group (a role's group index) is in exactly one case, checked in this order:
 
 - **draining**: some live pod carries the draining gate reason: delete its pods;
-- **vanished**: no live pod, and the recorded phase says pods existed: a failure (counted
-  once), after which the group waits to restart;
+- **vanished**: no live pod, and the operator removed none: the recorded phase says pods
+  existed, or pods the operator never deleted are terminating (``kubectl delete pod``,
+  eviction): a failure (counted once), after which the same group waits to restart;
 - **waiting to restart**: no live pod, the recorded group failed: restart it after its
   backoff (or keep it failed past the restart limit);
 - **terminating**: no live pod, some still terminating: list it as draining until gone;
@@ -462,22 +463,52 @@ def draining(ctx: RoleContext, g: GroupState) -> GroupDecision:
     )
 
 
+def lost_pods(g: GroupState) -> bool:
+    """No live pod, and the operator deleted none of them: the recorded phase says the
+    incarnation's pods existed (Scheduling to Serving), or it is Pending and pods of it are
+    terminating. Pods the operator deletes are recorded first (Restarting or Failed) or carry
+    the draining gate reason, so a pod deleted by someone else, gone or still terminating in
+    its grace period, is a failure of its group (never a drained group whose index goes)."""
+    if g.live or g.recorded_phase in _DOWN_PHASES or any(p.draining for p in g.terminating):
+        return False
+    if g.recorded_phase in _RUNNING_PHASES:
+        return True
+    return g.recorded_phase == GroupPhase.PENDING.value and any(
+        p.incarnation == g.recorded_incarnation for p in g.terminating
+    )
+
+
+def _lost_message(g: GroupState) -> str:
+    inc = g.recorded_incarnation
+    deleted = sorted(p.name for p in g.terminating if p.incarnation == inc)
+    if deleted:
+        return f"pods {deleted} of incarnation {inc} were deleted, not by the operator"
+    return f"every pod of incarnation {inc} is gone"
+
+
 def vanished(ctx: RoleContext, g: GroupState) -> tuple[GroupState, Actions]:
-    """Every pod of a running incarnation is gone: a failure; the group then waits to
-    restart (the returned state records it). Its rendezvous Secret goes too (its pods
-    vanished without the operator deleting them, so no step deleted it)."""
+    """The pods of a running incarnation are gone or terminating, not deleted by the
+    operator (:func:`lost_pods`): a failure; the same group then waits to restart (the
+    returned state records it). Its rendezvous Secret goes too (no step deleted its pods,
+    so none deleted it)."""
     failure = failure_of(
         groups.EXIT_WORD,
-        f"every pod of incarnation {g.recorded_incarnation} is gone",
+        _lost_message(g),
         groups.FailureClass.POD_MISSING,
         time=ctx.now,
         incarnation=g.recorded_incarnation,
     )
     restarts = g.restarts + 1
+    limit = ctx.spec.failure_policy.restart_limit
+    then = (
+        f"restart limit {limit} reached, it stays failed"
+        if limit is not None and restarts > limit
+        else f"restart {restarts} follows its backoff"
+    )
     event = Event(
         Reason.GROUP_FAILED,
-        f"{ctx.role.value} group {g.name}: {failure.message}; "
-        f"restart {restarts} follows its backoff",
+        f"{ctx.role.value} group {g.name} incarnation {g.recorded_incarnation} failed "
+        f"({failure.reason}): {failure.message}; {then}",
         "Warning",
     )
     state = replace(
@@ -529,7 +560,7 @@ def waiting_to_restart(ctx: RoleContext, g: GroupState) -> GroupDecision:
 def without_live_pods(ctx: RoleContext, g: GroupState) -> GroupDecision:
     """No live pod: vanished, waiting to restart, still terminating, or gone."""
     actions = NO_ACTIONS
-    if g.recorded_phase in _RUNNING_PHASES and not g.terminating:
+    if lost_pods(g):
         g, actions = vanished(ctx, g)
     if g.recorded_phase in _DOWN_PHASES and g.last_failure is not None:
         decision = waiting_to_restart(ctx, g)

@@ -310,3 +310,72 @@ def test_scale_down_takes_the_failing_group_and_names_are_never_reused(
     settle({**serving, "g3": "Serving"}, "a new group g3, g1 and g2 untouched")
     assert status(cluster, ns, name)["nextGroupIndex"] == 4
     cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+def test_a_deleted_pod_fails_its_group_which_restarts_under_its_own_index(
+    cluster: TestCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """``kubectl delete pod`` of a serving group of one pod (the demo's shape): the same group
+    fails (PodMissing: Event and lastFailure) while its pod still terminates, and comes back
+    as incarnation 1 of the same index with restarts 1, never as a new group index. A
+    finalizer holds the pod terminating for a few seconds (a worker's graceful shutdown)."""
+    ns, name = namespace, "delpod"
+    obj = deployment(
+        name,
+        replicas=2,
+        ranks_per_pod=2,
+        dwdp_size=2,  # 1 pod of 2 ranks per group
+        failurePolicy={"backoffInitialSeconds": 1, "backoffMaxSeconds": 4},
+    )
+    cluster.apply(ns, obj)
+    g0, g1 = f"{name}-g0", f"{name}-g1"
+
+    def serving(incarnation: int) -> dict | None:
+        st = status(cluster, ns, name)
+        gs = groups(st)
+        ok = st.get("readyGroups") == 2 and all(
+            gs.get(g, {}).get("phase") == "Serving" for g in (g0, g1)
+        )
+        return st if ok and gs[g1]["incarnation"] == incarnation else None
+
+    cluster.wait_for(lambda: serving(0), timeout=90, interval=0.5, message=f"{name} Ready")
+    (victim,) = [p["metadata"]["name"] for p in pods(cluster, ns) if group_of(p) == g1]
+    hold = '{"metadata":{"finalizers":["test.dwdp.io/hold"]}}'
+    cluster.kubectl("patch", "pod", victim, "-n", ns, "--type=merge", "-p", hold)
+    try:
+        cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+
+        def failed() -> dict | None:
+            g = groups(status(cluster, ns, name)).get(g1) or {}
+            return g if g.get("restarts") == 1 else None
+
+        g = cluster.wait_for(failed, timeout=30, interval=0.25, message=f"{g1} failed")
+        assert g["lastFailure"]["reason"] == "PodMissing", g
+        assert victim in g["lastFailure"]["message"], g
+        assert g["phase"] in ("Restarting", "Pending", "Scheduling"), g
+        assert cluster.get("pod", victim, ns)["metadata"].get("deletionTimestamp")
+    finally:
+        cluster.kubectl(
+            "patch",
+            "pod",
+            victim,
+            "-n",
+            ns,
+            "--type=merge",
+            "-p",
+            '{"metadata":{"finalizers":null}}',
+            check=False,
+        )
+    st = cluster.wait_for(lambda: serving(1), timeout=90, interval=0.5, message=f"{g1} i1")
+    g = groups(st)[g1]
+    assert (g["incarnation"], g["restarts"]) == (1, 1), g
+    assert g["lastFailure"]["reason"] == "PodMissing", g
+    assert sorted(groups(st)) == [g0, g1] and st["nextGroupIndex"] == 2, st
+    assert groups(st)[g0]["incarnation"] == 0 and groups(st)[g0].get("restarts", 0) == 0
+    failures = event_messages(cluster, ns, "GroupFailed")
+    assert len([m for m in failures if g1 in m]) == 1, failures
+    assert all("PodMissing" in m for m in failures), failures
+    created = event_messages(cluster, ns, "CreatedGroup")
+    assert not any(f"{name}-g2 " in m for m in created), created
+    assert any(f"{g1} incarnation 1" in m for m in created), created
+    cluster.kubectl("delete", "dwdp", name, "-n", ns, "--wait=true", "--timeout=60s")

@@ -284,6 +284,83 @@ def test_old_incarnation_pods_are_deleted_and_next_incarnation_follows_the_recor
     assert Delete("Pod", "demo-g0-i0-p0") in sim.step().delete
 
 
+def _one_pod_groups(replicas: int = 2, **spec_patch) -> dict:
+    """The demo's shape: groups of 4 ranks in one pod each."""
+    context = {"replicas": replicas, "ranksPerPod": 4, "dwdp": {"dwdpSize": 4}}
+    return body(context=context, **spec_patch)
+
+
+def _delete_gracefully(sim: Sim, name: str, when: str) -> None:
+    """``kubectl delete pod``: the pod stays, terminating, through its grace period."""
+    sim.objects[("Pod", name)]["metadata"]["deletionTimestamp"] = when
+
+
+def test_a_pod_deleted_by_someone_fails_its_group_which_restarts_under_its_index() -> None:
+    sim = Sim(_one_pod_groups())
+    sim.step()
+    sim.step()
+    assert sim.body["status"]["readyGroups"] == 2
+    _delete_gracefully(sim, "demo-g1-i0-p0", "2026-01-01T00:00:00Z")
+    p = sim.step("2026-01-01T00:00:01Z")
+    # The same group failed (PodMissing), counted once; no new group index instead.
+    assert p.create_pods == ()
+    failed = [e for e in p.events if e.reason is Reason.GROUP_FAILED]
+    assert len(failed) == 1 and "demo-g1 incarnation 0" in failed[0].message
+    assert "PodMissing" in failed[0].message
+    assert not any(e.reason is Reason.CREATED_GROUP for e in p.events)
+    groups = {g["name"]: g for g in p.status["groups"]}
+    assert sorted(groups) == ["demo-g0", "demo-g1"]
+    assert groups["demo-g1"]["phase"] == "Restarting"
+    assert groups["demo-g1"]["restarts"] == 1
+    assert groups["demo-g1"]["lastFailure"]["reason"] == "PodMissing"
+    assert "demo-g1-i0-p0" in groups["demo-g1"]["lastFailure"]["message"]
+    assert p.status["nextGroupIndex"] == 2
+    assert Delete("Secret", "demo-g1-i0-rdzv") in p.delete
+    # Still terminating: waits, no second count, no pod.
+    p = sim.step("2026-01-01T00:00:05Z")
+    assert p.create_pods == () and not p.events
+    assert p.status is None or p.status["groups"][1]["restarts"] == 1
+    # Gone, backoff over: incarnation 1 of the same group.
+    del sim.objects[("Pod", "demo-g1-i0-p0")]
+    p = sim.step("2026-01-01T00:00:11Z")
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-g1-i1-p0"]
+    assert [e.reason for e in p.events] == [Reason.CREATED_GROUP, Reason.RESTARTED_GROUP]
+    assert p.status["groups"][1]["incarnation"] == 1
+    assert p.status["groups"][1]["restarts"] == 1
+
+
+def test_deleting_pods_does_not_get_round_the_restart_limit() -> None:
+    sim = Sim(_one_pod_groups(replicas=1, failurePolicy={"restartLimit": 0}))
+    sim.step()
+    sim.step()
+    _delete_gracefully(sim, "demo-g0-i0-p0", "2026-01-01T00:00:00Z")
+    p = sim.step("2026-01-01T00:00:01Z")
+    assert "restart limit 0 reached" in next(
+        e.message for e in p.events if e.reason is Reason.GROUP_FAILED
+    )
+    del sim.objects[("Pod", "demo-g0-i0-p0")]
+    for t in ("2026-01-01T00:00:20Z", "2026-01-01T00:10:00Z"):
+        p = sim.step(t)
+        assert p.create_pods == ()
+    (group,) = sim.body["status"]["groups"]
+    assert (group["name"], group["phase"], group["restarts"]) == ("demo-g0", "Failed", 1)
+
+
+def test_a_drained_group_terminating_is_no_failure() -> None:
+    sim = Sim(_one_pod_groups(replicas=2))
+    sim.step()
+    sim.step()
+    sim.body["spec"]["context"]["replicas"] = 1
+    sim.step()  # gate closed (GroupDraining)
+    pod = copy.deepcopy(sim.objects[("Pod", "demo-g1-i0-p0")])
+    sim.step()  # deleted; in a cluster it terminates through its grace period
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    sim.objects[("Pod", "demo-g1-i0-p0")] = pod
+    p = sim.step("2026-01-01T00:00:01Z")
+    assert not any(e.reason is Reason.GROUP_FAILED for e in p.events)
+    assert p.create_pods == ()
+
+
 def test_spec_change_applies_a_new_config_and_keeps_the_old_for_live_groups() -> None:
     sim = Sim(body(replicas=1))
     sim.step()
