@@ -31,16 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import add_group_arguments, group_transport, load, run_group, write_result
 
 CONFIGS = [
-    # name, expert DWDP, dense DWDP, slots, copy mode, gather kernel
-    ("replicated", False, False, 0, None, None),
-    ("expert/2/gather-register", True, False, 2, "gather", "register"),
-    ("dense/2/per_slice", True, True, 2, "per_slice", None),
-    ("dense/2/batched", True, True, 2, "batched", None),
-    ("dense/2/gather-register", True, True, 2, "gather", "register"),
-    ("dense/2/gather-tma", True, True, 2, "gather", "tma"),
-    ("dense/3/gather-register", True, True, 3, "gather", "register"),
-    ("dense/3/batched", True, True, 3, "batched", None),
+    # name, expert DWDP, dense DWDP, slots, copy mode, gather kernel, other copy settings
+    ("replicated", False, False, 0, None, None, {}),
+    ("expert/2/gather-register", True, False, 2, "gather", "register", {}),
+    ("dense/2/per_slice", True, True, 2, "per_slice", None, {}),
+    ("dense/2/batched", True, True, 2, "batched", None, {}),
+    ("dense/2/gather-register", True, True, 2, "gather", "register", {}),
+    ("dense/2/gather-register/no-sm-reserve", True, True, 2, "gather", "register",
+     {"reserve_model_sms": False}),
+    ("dense/2/gather-register/16-blocks", True, True, 2, "gather", "register",
+     {"gather_blocks": 16}),
+    ("dense/2/gather-register/8-blocks", True, True, 2, "gather", "register",
+     {"gather_blocks": 8}),
+    ("dense/2/gather-tma", True, True, 2, "gather", "tma", {}),
+    ("dense/3/gather-register", True, True, 3, "gather", "register", {}),
+    ("dense/3/batched", True, True, 3, "batched", None, {}),
 ]
+"""Gather configurations run with the model's GEMMs leaving the gather's SMs free
+(``CopySettings.reserve_model_sms``, the default) unless named ``no-sm-reserve``, and with
+the default grid (``DEFAULT_GATHER_BLOCKS``) unless named ``N-blocks``."""
 PROFILED = "dense/2/gather-register"
 
 
@@ -147,13 +156,14 @@ def rank_main(args: argparse.Namespace) -> None:
     results = []
     with group_transport(rank, world, args.group, args.port) as transport:
         chosen = args.configs.split(",")
-        for name, expert, dense, slots, mode, kernel in (c for c in CONFIGS if c[0] in chosen):
+        for name, expert, dense, slots, mode, kernel, extra in (
+                c for c in CONFIGS if c[0] in chosen):
             if not expert and rank != 0:
                 transport.barrier(label=f"{name}.done")
                 continue
             model, _tok, att = load(args.ckpt, backend=backend if expert else None,
                                     transport=transport, world=world, dense=dense, slots=slots,
-                                    mode=mode, kernel=kernel)
+                                    mode=mode, kernel=kernel, copy_settings=extra)
             if rank == 0:
                 row = {"config": name, "experts_implementation":
                        model.config._experts_implementation, "times_s": {}}
@@ -164,8 +174,8 @@ def rank_main(args: argparse.Namespace) -> None:
                         row["profile_8192"] = _stream_profile(model, ids)
                 if att is not None:
                     status = att.status()
-                    row["slot_waits"] = status.get("slot_waits")
-                    row["bytes_moved"] = status.get("bytes_moved")
+                    for key in ("slot_waits", "bytes_moved", "sm_reserve"):
+                        row[key] = status.get(key)
                 results.append(row)
                 print(f"rank 0: {name} {row['times_s']}", flush=True)
             torch.cuda.synchronize()
