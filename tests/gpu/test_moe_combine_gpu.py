@@ -1,6 +1,7 @@
 """The experts' combine kernel on the GPU at a prefill's shape (8192 tokens, top-8, hidden
-2048, bf16): bitwise the fp32 sum of each token's rows in choice order, rounded to nearest;
-and the experts forward of the GPU path with it equals transformers' eager experts."""
+2048, bf16): bitwise the fp32 sum of each token's rows in choice order, rounded to
+nearest; and the experts forward of the GPU path with it (``dwdp_triton_combine``) equals
+transformers' eager experts."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_fused_experts_forward_equals_the_eager_experts():
     index = torch.stack([torch.randperm(16, device="cuda", generator=g)[:4]
                          for _ in range(tokens)])
     weights = torch.rand(tokens, 4, device="cuda", generator=g, dtype=torch.bfloat16)
-    module.dwdp_fused = True
+    module.dwdp_fused = module.dwdp_triton_combine = True
     with torch.no_grad():
         want = module(hidden, index, weights)
         got = grouped_experts_forward(module, hidden, index, weights)
