@@ -45,11 +45,14 @@ def group_transport(rank: int, world: int, group: str, port: int) -> Any:
 
 def load(ckpt: str, *, backend: Any = None, transport: Any = None, world: int = 1,
          dense: bool = False, slots: int = 2, mode: str | None = None,
-         kernel: str | None = None, kernels: str = "fused") -> tuple[Any, Any, Any]:
+         kernel: str | None = None, kernels: str = "fused",
+         copy_settings: dict | None = None) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, attachment)``: the checkpoint on cuda:0 with the worker's GPU
     kernels and attention (``use_cuda_kernels``, ``use_paged_attention``; ``kernels``:
-    ``fused``, ``eager`` = without the compiled ones, ``transformers`` = its own), with DWDP
-    attached when a ``backend`` is given (expert DWDP, dense too when ``dense``); attachment
+    ``fused``, ``triton-combine`` = fused with the Triton combine, ``eager`` = without the
+    compiled ones, ``transformers`` = its own), with DWDP
+    attached when a ``backend`` is given (expert DWDP, dense too when ``dense``;
+    ``copy_settings``: other ``CopySettings`` fields, e.g. ``gather_blocks``); attachment
     ``None`` else."""
     from dwdp.api.enums import CopyMode, GatherKernel
     from dwdp.api.partition import expert_partition
@@ -63,14 +66,16 @@ def load(ckpt: str, *, backend: Any = None, transport: Any = None, world: int = 
     model, tok = load_checkpoint(ckpt)
     model.to("cuda:0")
     if kernels != "transformers":
-        use_cuda_kernels(model, fuse=kernels == "fused")
+        use_cuda_kernels(model, fuse=kernels != "eager",
+                         triton_combine=kernels == "triton-combine")
         use_paged_attention(model)
     if backend is None:
         return model, tok, None
     adapter = adapter_for(model)
     experts = adapter.moe_layers(model)[0].num_experts
     settings = CopySettings(copy_mode=CopyMode(mode or "gather"),
-                            gather_kernel=GatherKernel(kernel) if kernel else None)
+                            gather_kernel=GatherKernel(kernel) if kernel else None,
+                            **(copy_settings or {}))
     att = attach(model, adapter, backend=backend, transport=transport,
                  partition=expert_partition(experts, world), enable_dense=dense,
                  num_slots=slots, settings=settings)

@@ -26,21 +26,48 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import add_group_arguments, group_transport, load, run_group, write_result
 
+
+class Config(NamedTuple):
+    """One measured configuration: DWDP (expert, dense), slots, copy mode, gather kernel,
+    other ``CopySettings`` fields (``copy``) and the GPU path's kernels (``kernels``, as
+    ``gpu_common.load`` takes them)."""
+
+    name: str
+    expert: bool = False
+    dense: bool = False
+    slots: int = 0
+    mode: str | None = None
+    kernel: str | None = None
+    copy: dict | None = None
+    kernels: str = "fused"
+
+
 CONFIGS = [
-    # name, expert DWDP, dense DWDP, slots, copy mode, gather kernel
-    ("replicated", False, False, 0, None, None),
-    ("expert/2/gather-register", True, False, 2, "gather", "register"),
-    ("dense/2/per_slice", True, True, 2, "per_slice", None),
-    ("dense/2/batched", True, True, 2, "batched", None),
-    ("dense/2/gather-register", True, True, 2, "gather", "register"),
-    ("dense/2/gather-tma", True, True, 2, "gather", "tma"),
-    ("dense/3/gather-register", True, True, 3, "gather", "register"),
-    ("dense/3/batched", True, True, 3, "batched", None),
+    Config("replicated"),
+    Config("replicated/triton-combine", kernels="triton-combine"),
+    Config("expert/2/gather-register", True, False, 2, "gather", "register"),
+    Config("dense/2/per_slice", True, True, 2, "per_slice"),
+    Config("dense/2/batched", True, True, 2, "batched"),
+    Config("dense/2/gather-register", True, True, 2, "gather", "register"),
+    Config("dense/2/gather-register/sm-reserve", True, True, 2, "gather", "register",
+           {"reserve_model_sms": True}),
+    Config("dense/2/gather-register/sm-reserve/16-blocks", True, True, 2, "gather",
+           "register", {"reserve_model_sms": True, "gather_blocks": 16}),
+    Config("dense/2/gather-register/sm-reserve/8-blocks", True, True, 2, "gather",
+           "register", {"reserve_model_sms": True, "gather_blocks": 8}),
+    Config("dense/2/gather-tma", True, True, 2, "gather", "tma"),
+    Config("dense/3/gather-register", True, True, 3, "gather", "register"),
+    Config("dense/3/batched", True, True, 3, "batched"),
 ]
+"""``sm-reserve``: the model's persistent GEMMs leave the gather's SMs free while DWDP is
+attached (``CopySettings.reserve_model_sms``); ``N-blocks``: the gather's grid
+(``gather_blocks``; default ``DEFAULT_GATHER_BLOCKS``); ``triton-combine``: the experts'
+combine through ``moe_combine``."""
 PROFILED = "dense/2/gather-register"
 
 
@@ -147,13 +174,15 @@ def rank_main(args: argparse.Namespace) -> None:
     results = []
     with group_transport(rank, world, args.group, args.port) as transport:
         chosen = args.configs.split(",")
-        for name, expert, dense, slots, mode, kernel in (c for c in CONFIGS if c[0] in chosen):
+        for name, expert, dense, slots, mode, kernel, copy, kernels in (
+                c for c in CONFIGS if c.name in chosen):
             if not expert and rank != 0:
                 transport.barrier(label=f"{name}.done")
                 continue
             model, _tok, att = load(args.ckpt, backend=backend if expert else None,
                                     transport=transport, world=world, dense=dense, slots=slots,
-                                    mode=mode, kernel=kernel)
+                                    mode=mode, kernel=kernel, kernels=kernels,
+                                    copy_settings=copy or {})
             if rank == 0:
                 row = {"config": name, "experts_implementation":
                        model.config._experts_implementation, "times_s": {}}
@@ -164,8 +193,8 @@ def rank_main(args: argparse.Namespace) -> None:
                         row["profile_8192"] = _stream_profile(model, ids)
                 if att is not None:
                     status = att.status()
-                    row["slot_waits"] = status.get("slot_waits")
-                    row["bytes_moved"] = status.get("bytes_moved")
+                    for key in ("slot_waits", "bytes_moved", "sm_reserve"):
+                        row[key] = status.get(key)
                 results.append(row)
                 print(f"rank 0: {name} {row['times_s']}", flush=True)
             torch.cuda.synchronize()
@@ -185,7 +214,7 @@ def _report(rows: list[dict], shape, peak: float, tokens: list[int], profiled: s
             f"{shape.hidden_size}, width {shape.moe_intermediate_size}, top-"
             f"{shape.num_experts_per_tok}, bf16); measured bf16 matmul peak {peak / 1e12:.0f} "
             f"TFLOP/s")
-    lines = [head, f"{'config':>26} " + " ".join(
+    lines = [head, f"{'config':>44} " + " ".join(
         f"{f'{t} ms':>9} {'ratio':>6} {'mfu':>5}" for t in tokens)]
     for r in rows:
         cells = []
@@ -194,7 +223,7 @@ def _report(rows: list[dict], shape, peak: float, tokens: list[int], profiled: s
             r.setdefault("ratio", {})[str(t)] = s / base[str(t)]
             r.setdefault("mfu", {})[str(t)] = forward_flops(shape, t) / s / peak
             cells.append(f"{s * 1e3:>9.2f} {s / base[str(t)]:>6.3f} {r['mfu'][str(t)]:>5.1%}")
-        lines.append(f"{r['config']:>26} " + " ".join(cells))
+        lines.append(f"{r['config']:>44} " + " ".join(cells))
     prof = next((r.get("profile_8192") for r in rows if r.get("profile_8192")), None)
     if prof:
         lines.append(
@@ -214,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="2048,8192,16384")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", default=PROFILED, help="configuration profiled at 8192 tokens")
-    ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS),
+    ap.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                     help="comma-separated configuration names (default: all)")
     args = ap.parse_args(argv)
     if args.rank is not None:

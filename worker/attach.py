@@ -193,6 +193,8 @@ def attach(
     )
     attachment.install_hooks()
     attachment.install_guards()
+    if state.experts.settings.reserve_model_sms:
+        attachment.reserve_model_sms()
     log.info(
         "DWDP rank %d of %d attached: %d MoE layers, partition %s, dense %s, %d expert slots",
         transport.rank,

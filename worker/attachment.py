@@ -118,6 +118,8 @@ class DwdpAttachment:
         self._guards: list[RemovableHandle] = []
         """The reload guards: kept after ``close()`` (see [Note: weight guards])."""
         self._in_forward = False
+        self._sms_before: int | None = None
+        """The backend's SM reserve before ``reserve_model_sms`` (restored by ``close``)."""
 
     # -- DwdpStatusSource ----------------------------------------------------------------
     @property
@@ -351,12 +353,21 @@ class DwdpAttachment:
         self.experts.store.tensor()[offset : offset + source.numel()].copy_(source)
 
     # -- teardown --------------------------------------------------------------------------
+    def reserve_model_sms(self) -> None:
+        """Leave the gather's SM reserve free of the model's persistent GEMM grids until
+        ``close`` (``Backend.reserve_sms``; nothing without a gather kernel)."""
+        if self.sm_reserve and self._sms_before is None:
+            self._sms_before = self.backend.reserve_sms(self.sm_reserve)
+
     def close(self) -> None:
         """Remove the hooks and release every DWDP resource; safe to call twice. The reload
         guards stay: the model's weights are still sharded (see [Note: weight guards])."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._sms_before is not None:
+            self.backend.reserve_sms(self._sms_before)
+            self._sms_before = None
         if self.phase == StatusPhase.RELEASED:
             return
         self.phase = StatusPhase.RELEASED

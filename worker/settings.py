@@ -12,7 +12,9 @@ expert), and nothing on the way defaults, coerces or re-checks them again:
   device below SM90 runs the ``register`` kernel, with one WARNING;
 - the gather's persistent grid in resident blocks (``gather_blocks``); the SM reserve it
   makes (the SMs those blocks hold) follows from the loaded kernel's occupancy
-  (``GatherLaunch.sm_reserve``) and is reported in ``/dwdp/status``.
+  (``GatherLaunch.sm_reserve``) and is reported in ``/dwdp/status``; with
+  ``reserve_model_sms`` the model's persistent GEMMs leave those SMs free while DWDP is
+  attached (the seed's ``set_sm_reserve``).
 
 A setting the host cannot run (``gather`` on the cpu backend) raises
 :class:`CopySettingsError` naming the field.
@@ -62,6 +64,10 @@ class CopySettings:
     gather_kernel: GatherKernel | None = None
     contention_opt: bool = False
     gather_blocks: int = DEFAULT_GATHER_BLOCKS
+    reserve_model_sms: bool = False
+    """Whether the model's persistent GEMM grids leave the gather's SM reserve free while
+    DWDP is attached (``Backend.reserve_sms``; no effect without a gather kernel). Off until
+    ``bench/gpu_forward.py``'s ``sm-reserve`` rows have measured it on a GPU."""
     notes: tuple[str, ...] = ()
     """The WARNING lines the resolution logged (a fallback), for the log and the tests."""
 

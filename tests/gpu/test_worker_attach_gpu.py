@@ -4,7 +4,9 @@ of the replicated model on the same GPU, for expert + dense DWDP, every copy mod
 batched, gather) and both gather kernels (register, tma), with 2 and 3 slots.
 
 The gather kernel is resolved once per manager (dense, expert) from ``attach``'s
-``gather_kernel``; each rank reports the kernel its managers hold."""
+``gather_kernel``; each rank reports the kernel its managers hold, and torch's SM carveout
+is the gather's SM reserve while DWDP is attached with ``reserve_model_sms`` (the gather
+scenarios) and unset after ``close``."""
 
 from __future__ import annotations
 
@@ -85,14 +87,17 @@ CHILD = textwrap.dedent(
                          num_slots=slots,
                          settings=CopySettings(copy_mode=CopyMode(mode),
                                                gather_kernel=GatherKernel(kernel) if kernel
-                                               else None))
+                                               else None,
+                                               reserve_model_sms=mode == "gather"))
             torch.save(run(model, tok), out / f"dwdp.{index}.{rank}.pt")
             status = att.status()
             status["gather_kernels"] = [str(m.gather.kernel) for m in (att.dense, att.experts)]
-            (out / f"status.{index}.{rank}.json").write_text(json.dumps(status))
+            status["carveout"] = torch._C._get_sm_carveout_experimental()
             torch.cuda.synchronize()
             transport.barrier(label=f"done{index}")
             att.close()
+            status["carveout_after_close"] = torch._C._get_sm_carveout_experimental()
+            (out / f"status.{index}.{rank}.json").write_text(json.dumps(status))
     backend.close()
     """
 )
@@ -163,5 +168,9 @@ def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode, kernel):
         assert status["gather_kernels"] == [kernel or "register"] * 2
         # the SMs that kernel holds (it copies this rank's own rows in every mode)
         assert 1 <= status["sm_reserve"] < torch.cuda.get_device_properties(0).multi_processor_count
+        # with reserve_model_sms (the gather scenarios) the model's persistent GEMMs leave
+        # those SMs free while attached; close gives them back
+        assert status["carveout"] == (status["sm_reserve"] if mode == "gather" else None)
+        assert status["carveout_after_close"] is None
         digests.add(status["layout_digest"])
     assert len(digests) == 1

@@ -202,6 +202,14 @@ class Backend(ABC):
         after its last read (teardown), since a peer unmapping early would fault readers.
         """
 
+    def reserve_sms(self, sms: int) -> int:
+        """Size the model's persistent GEMM grids (cuBLAS, the grouped GEMMs) to leave
+        ``sms`` SMs to a concurrent gather kernel (0: all SMs to the GEMMs); returns the
+        previous reserve, for the teardown to restore. The seed's ``set_sm_reserve``: a
+        persistent grid wider than the free SMs makes its last blocks wait behind the whole
+        first wave. Backends without a gather kernel keep no reserve and return 0."""
+        return 0
+
     def free_bytes(self) -> int:
         """Free device memory in bytes, for the setup's fit checks (P1)."""
         raise NotImplementedError

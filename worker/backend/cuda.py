@@ -597,6 +597,16 @@ class CudaBackend(Backend):
         except KernelError as e:
             raise BackendError(str(e)) from e
 
+    def reserve_sms(self, sms: int) -> int:
+        """Backend.reserve_sms through torch's SM carveout (cuBLAS' SM count target and the
+        grouped GEMM's ``hw_info.sm_count``: both read it at each launch). Raises
+        ``SmReserveError`` for a reserve outside ``[0, SMs - 1]``."""
+        if sms:
+            check_sm_reserve(sms, self.sm_count)
+        previous = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(sms or None)
+        return int(previous or 0)
+
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
         """Close every store, view and buffer of this backend, unload the kernels and

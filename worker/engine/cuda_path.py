@@ -12,9 +12,12 @@ load, the GPU benches likewise); it changes nothing on the CPU path. Measured on
   rows): sort the routed (token, expert) pairs by expert, gather the hidden rows [S, H],
   ``grouped_mm`` with the gate/up weights [S, 2I], SiLU(gate) x up x routing weight [S, I] (one
   fused kernel), ``grouped_mm`` with the down weights [S, H], then each token's K rows gathered
-  and summed (one fused kernel, fp32 accumulation). transformers' own ``grouped_mm`` path
-  (5.17) also masks [S, H] rows for expert parallelism and multiplies the weights in a
-  broadcast over [S, H]: those elementwise passes took 5.3 ms of a 27 ms forward. The weights
+  and summed (one fused kernel, fp32 accumulation: 2.25 ms for 4 layers at 8K tokens, 2.5
+  times its HBM time; ``moe_combine``'s Triton kernel reads each row once, chosen with
+  ``use_cuda_kernels(triton_combine=True)``: not yet timed on a GPU, so not the default).
+  transformers' own ``grouped_mm`` path (5.17) also masks [S, H] rows for expert parallelism
+  and multiplies the weights in a broadcast over [S, H]: those elementwise passes took 5.3 ms
+  of a 27 ms forward. The weights
   are read from the module at each call (``gate_up_proj``, ``down_proj``), so DWDP's hooks,
   which repoint them to the prefetched slot before the layer runs, work unchanged.
 - **RMSNorm and rotary embedding** (the decoder's, the attention's q/k norms): one
@@ -50,7 +53,8 @@ def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
     """The experts of one MoE layer for ``hidden_states`` [T, H] routed to ``top_k_index``
     [T, K] (expert ids) with ``top_k_weights`` [T, K]; returns [T, H] in the hidden dtype.
     ``self`` is the experts module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], SiLU
-    ``act_fn``; ``dwdp_fused``: the gate and the combine through ``torch.compile``). Raises what
+    ``act_fn``; ``dwdp_fused``: the gate and the combine through ``torch.compile``;
+    ``dwdp_triton_combine``: the combine through ``moe_combine`` instead). Raises what
     ``torch.nn.functional.grouped_mm`` raises (CUDA sm80+, bf16)."""
     import torch
 
@@ -70,8 +74,12 @@ def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
     down = _grouped_mm(act, self.down_proj.transpose(-2, -1), offsets)  # [S, H]
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)  # (token, k) -> sorted row
-    combine = _compiled("combine", _combine) if fused else _combine
-    return combine(down, back, tokens, top_k).to(hidden_states.dtype)
+    if fused and getattr(self, "dwdp_triton_combine", False):
+        from dwdp.worker.engine.moe_combine import combine
+
+        return combine(down, back, tokens, top_k)  # [T, H] in the hidden dtype
+    combine_fn = _compiled("combine", _combine) if fused else _combine
+    return combine_fn(down, back, tokens, top_k).to(hidden_states.dtype)
 
 
 def _grouped_mm(a: Any, b: Any, offsets: Any) -> Any:
@@ -184,9 +192,10 @@ def _servable(module: Any) -> bool:
     return tuple(module.down_proj.shape) == (e, h, two_i // 2)
 
 
-def use_cuda_kernels(model: Any, *, fuse: bool = True) -> list[str]:
+def use_cuda_kernels(model: Any, *, fuse: bool = True, triton_combine: bool = False) -> list[str]:
     """Switch ``model`` (on a CUDA device) to the kernels above; ``fuse=False`` leaves out the
-    ``torch.compile``-d ones (norms, rotary, the experts' gate and combine). Returns what
+    ``torch.compile``-d ones (norms, rotary, the experts' gate and combine);
+    ``triton_combine``: with ``fuse``, the experts' combine through ``moe_combine``. Returns what
     changed, one phrase each (for the worker's log); a model on the CPU is left as it is."""
     if next(model.parameters()).device.type != "cuda":
         return []
@@ -197,6 +206,7 @@ def use_cuda_kernels(model: Any, *, fuse: bool = True) -> list[str]:
         model.set_experts_implementation(EXPERTS_NAME)
         for m in experts:
             m.dwdp_fused = fuse
+            m.dwdp_triton_combine = fuse and triton_combine
         changed.append(f"experts: {EXPERTS_NAME} ({len(experts)} layers)")
     if fuse:
         changed.append(f"RMSNorm: torch.compile ({_fuse_norms(model)} modules)")
