@@ -181,9 +181,10 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _say(progress: Callable[[str], None] | None, message: str) -> None:
-    log.info("%s", message)
     if progress is not None:
         progress(message)
+    else:
+        log.info("%s", message)
 
 
 def _index_tag(layout: Path, tag: str) -> str | None:

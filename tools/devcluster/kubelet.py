@@ -19,7 +19,20 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
   this kubelet's "image"). The service-account token therefore sits at
   /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT point at
   the apiserver, so in-cluster clients work and RBAC applies.
-- Each container is ``command + args`` (the image is ignored) with its env resolved
+- A container whose image is in the local OCI store (``dwdp dev images``, see
+  dwdp.devcluster.images; unpacked once per image digest) runs from the image: its root is
+  an overlay (the unpacked image below, a fresh upper folder per start) with /proc, a small
+  /dev (standard devices, the host's NVIDIA devices), a read-only /sys, the pod's hosts
+  file, the host's resolv.conf and the volumes (token included) mounted under it at their
+  mount paths (through the image's symlinks, inside the root); ``enter.py`` chroots,
+  drops the bounding set (``capabilities``), switches to the user (securityContext
+  runAsUser/runAsGroup over the image's User; runAsNonRoot refuses root), sets no_new_privs
+  and execs the image's Entrypoint + Cmd (the pod's command replaces the Entrypoint and
+  the Cmd, its args the Cmd) in the working directory (the pod's, else the image's) with
+  the image's Env under the kubelet's and the pod's variables. readOnlyRootFilesystem makes
+  that root read-only. Exec probes run in the container's root as its user.
+- Any other container (an image the store lacks: one line in this log per image) is
+  ``command + args`` from the host (its image is ignored) with its env resolved
   (value, fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef, envFrom, ``$(VAR)``), in
   its own process group, stdout+stderr to a log file (``kubectl logs`` works through the
   kubelet's HTTPS port). PATH starts with ``--path-prepend`` (the repo's .venv/bin), so a
@@ -34,13 +47,13 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
 - A container's ``securityContext``: ``readOnlyRootFilesystem`` remounts ``/`` read-only in
   the pod's mount namespace (its volumes stay writable or read-only as mounted),
   ``allowPrivilegeEscalation: false`` sets no_new_privs, ``capabilities`` become the
-  process's bounding and inheritable sets (``setpriv``). Not applied: runAsUser/runAsGroup/
-  fsGroup (processes run as the kubelet's user) and seccomp profiles; NetworkPolicies are
-  not enforced (no network plugin).
+  process's bounding and inheritable sets (``setpriv``). Not applied to host containers:
+  runAsUser/runAsGroup/fsGroup (they run as the kubelet's user); not applied at all: seccomp
+  profiles; NetworkPolicies are not enforced (no network plugin).
 
 Pods bind their own address, so two pods can serve the same port. Mount points missing on
 the host (e.g. /var/run/secrets/kubernetes.io/serviceaccount) are created empty on the host.
-Not supported: images, ``kubectl exec``/``attach``/``port-forward``, ClusterIP routing
+Not supported: pulling images from registries, ``kubectl exec``/``attach``/``port-forward``, ClusterIP routing
 (no kube-proxy: reach pods by their address or headless names), resource limits enforcement.
 """
 
