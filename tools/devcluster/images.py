@@ -351,7 +351,28 @@ def build_image(
         for old in (store_dir() / "oci").glob(f"dwdp-{name}-*"):
             if old != layout and not any(e["layout"] == str(old) for e in refs.values()):
                 shutil.rmtree(old, ignore_errors=True)
+        _prune_rootfs({_rootfs_key(str(e["digest"])) for e in refs.values()})
     return StoredImage(ref, layout, tag, digest)
+
+
+def _rootfs_key(digest: str) -> str:
+    return digest.partition(":")[2][:32]
+
+
+def _prune_rootfs(keep: set[str]) -> None:
+    """Remove unpacked roots of images no longer stored, unless a mount (of any process,
+    in any mount namespace: a running pod's overlay) still uses them."""
+    top = store_dir() / "rootfs"
+    old = [d for d in top.glob("*") if d.is_dir() and d.name not in keep and d.name[0] != "."]
+    if not old:
+        return
+    mounts = ""
+    for info in Path("/proc").glob("[0-9]*/mountinfo"):
+        with contextlib.suppress(OSError):
+            mounts += info.read_text(errors="replace")
+    for d in old:
+        if str(d) not in mounts:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | None) -> str:
@@ -473,8 +494,7 @@ def unpack(image: StoredImage) -> Path:
     (``<store>/rootfs/<digest>/rootfs``; callers mount it read-only, e.g. as an overlay's
     lower layer)."""
     _need("umoci")
-    hexd = image.digest.partition(":")[2]
-    dest = store_dir() / "rootfs" / hexd[:32]
+    dest = store_dir() / "rootfs" / _rootfs_key(image.digest)
     rootfs = dest / "rootfs"
     if rootfs.is_dir():
         return rootfs

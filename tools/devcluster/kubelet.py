@@ -53,8 +53,9 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
 
 Pods bind their own address, so two pods can serve the same port. Mount points missing on
 the host (e.g. /var/run/secrets/kubernetes.io/serviceaccount) are created empty on the host.
-Not supported: pulling images from registries, ``kubectl exec``/``attach``/``port-forward``, ClusterIP routing
-(no kube-proxy: reach pods by their address or headless names), resource limits enforcement.
+Not supported: pulling images from registries, ``kubectl exec``/``attach``/``port-forward``,
+ClusterIP routing (no kube-proxy: reach pods by their address or headless names), resource
+limits enforcement.
 """
 
 from __future__ import annotations
