@@ -376,7 +376,10 @@ def _prune_rootfs(keep: set[str]) -> None:
 
 
 def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | None) -> str:
-    _need("buildah", "skopeo", "umoci")
+    base_layout = store_dir() / "base" / f"{BASE_SUITE}-{base_hash()}"
+    _need(
+        "buildah", "skopeo", "umoci", *([] if _index_tag(base_layout, "base") else ["debootstrap"])
+    )
     repo = _repo()
     base = ensure_base(progress)
     start = time.monotonic()
