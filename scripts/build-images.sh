@@ -5,6 +5,14 @@
 #   dwdp-router    images/router/Dockerfile    vllm-router (PD disaggregation)
 #
 #   scripts/build-images.sh [--push] [--only NAME]... [--dry-run] [--refresh-constraints]
+#   scripts/build-images.sh --local [--only NAME]...
+#
+# --local: no engine or daemon; `dwdp dev images` builds a debootstrap Debian base (umoci) and
+# the images on it with buildah (vfs, chroot isolation) into the local OCI store
+# ~/.cache/dwdp/images (what the local cluster's process kubelet runs pods from), cached by a
+# hash of the inputs; needs root, debootstrap, umoci, buildah and skopeo (default: operator).
+# Push one with: skopeo copy oci:<layout>:<tag> docker://REGISTRY/dwdp-NAME:TAG (the layout is
+# printed).
 #
 # Environment: REGISTRY (default ghcr.io/dwdp; the images are REGISTRY/NAME:TAG), TAG
 # (default: the package version, dwdp.__version__, which is also the chart's appVersion),
@@ -21,10 +29,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ALL=(operator worker router)
-push=0 dry=0 refresh=0 only=()
+push=0 dry=0 refresh=0 local=0 only=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --push) push=1 ;;
+    --local) local=1 ;;
     --dry-run) dry=1 ;;
     --refresh-constraints) refresh=1 ;;
     --only) shift; only+=("${1:?--only needs a name: ${ALL[*]}}") ;;
@@ -33,7 +42,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ ${#only[@]} -gt 0 ] || only=("${ALL[@]}")
+[ ${#only[@]} -gt 0 ] || { if [ "$local" = 1 ]; then only=(operator); else only=("${ALL[@]}"); fi; }
 for name in "${only[@]}"; do
   [ -f "images/$name/Dockerfile" ] || { echo "build-images: no image $name (${ALL[*]})" >&2; exit 2; }
 done
@@ -41,6 +50,15 @@ done
 run() {
   if [ "$dry" = 1 ]; then printf '%q ' "$@"; printf '\n'; else "$@"; fi
 }
+
+if [ "$local" = 1 ]; then
+  words=()
+  for name in "${only[@]}"; do words+=(--only "$name"); done
+  dwdp=dwdp
+  [ -x .venv/bin/dwdp ] && dwdp=.venv/bin/dwdp
+  run "$dwdp" dev images "${words[@]}"
+  exit 0
+fi
 
 if [ "$refresh" = 1 ]; then
   [ -x .venv/bin/pip ] || { echo "build-images: no .venv (scripts/test.sh makes it)" >&2; exit 1; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. From nothing on a fresh machine: installs the system packages
-# the tests need (MPI), makes the virtual environment .venv with every Python package,
-# builds the local control plane, checks lint and types, and runs every test but the `gpu` ones.
+# the tests need (MPI, the image build tools), makes the virtual environment .venv with every Python package,
+# builds the local control plane and the operator image, checks lint and types, and runs every test but the `gpu` ones.
 # Extra arguments go to pytest (e.g. scripts/test.sh -m unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,12 +12,18 @@ export PYTHONSAFEPATH=1
 
 log() { printf '\n== %s\n' "$*"; }
 
-# 1. System packages: MPI for the mpirun tests.
-if ! command -v mpirun >/dev/null 2>&1; then
-  log "installing system packages (openmpi)"
+# 1. System packages: MPI for the mpirun tests; debootstrap, umoci, buildah and skopeo for
+# the daemonless image build (the Helm test runs the operator from its image).
+packages=()
+command -v mpirun >/dev/null 2>&1 || packages+=(openmpi-bin libopenmpi-dev)
+for tool in debootstrap umoci buildah skopeo; do
+  command -v "$tool" >/dev/null 2>&1 || packages+=("$tool")
+done
+if [ ${#packages[@]} -gt 0 ]; then
+  log "installing system packages (${packages[*]})"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${packages[@]}" >/dev/null
 fi
 
 # 2. Python packages in .venv.
@@ -35,6 +41,8 @@ export PATH="$PWD/.venv/bin:$PATH"
 if dwdp dev --help >/dev/null 2>&1; then
   log "building the local control plane (cached)"
   dwdp dev build --tools
+  log "building the operator image (cached; the first build takes minutes)"
+  dwdp dev images --only operator
 fi
 
 # 4. Lint and types.

@@ -1,9 +1,9 @@
 """Fixtures of the cluster tests: a real local control plane (tools/devcluster).
 
-``cluster`` (session) and ``namespace`` (per test) come from dwdp.devcluster.testing,
-where their contract is written down.
+``cluster`` and ``operator_image`` (session) and ``namespace`` (per test) come from
+dwdp.devcluster.testing, where their contract is written down.
 """
 
-from dwdp.devcluster.testing import cluster, namespace
+from dwdp.devcluster.testing import cluster, namespace, operator_image
 
-__all__ = ["cluster", "namespace"]
+__all__ = ["cluster", "namespace", "operator_image"]

@@ -167,7 +167,7 @@ def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) 
         assert ctr["capabilities"]["drop"] == ["ALL"]
         pod_ctx = p["spec"]["securityContext"]
         assert pod_ctx["runAsNonRoot"] and pod_ctx["seccompProfile"]["type"] == "RuntimeDefault"
-    (pid,) = _rank_pids("demo-g0", 0)
+    (pid,) = _rank_pids(tc, "demo-g0", 0)
     status = dict(
         line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
     )
@@ -213,8 +213,10 @@ def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) 
         assert spec["ingress"] == [{"from": [{"podSelector": spec["podSelector"]}]}]
 
 
-def _rank_pids(group: str, local_rank: int) -> list[int]:
-    """PIDs of the ``dwdp worker`` processes of ``group``'s local rank ``local_rank``."""
+def _rank_pids(tc: Any, group: str, local_rank: int) -> list[int]:
+    """PIDs of the ``dwdp worker`` processes of ``group``'s local rank ``local_rank`` in this
+    test's cluster (a demo cluster elsewhere on the machine has groups of the same names)."""
+    pods = str(tc.state_dir / "pods") + "/"
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -222,6 +224,8 @@ def _rank_pids(group: str, local_rank: int) -> list[int]:
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
             if b"worker" not in cmd or b"dwdp" not in cmd:
+                continue
+            if not os.readlink(proc / "cwd").startswith(pods):
                 continue
             env = dict(
                 e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e
@@ -259,7 +263,7 @@ def test_a_killed_rank_fails_its_group_together_and_it_serves_again(deployed) ->
                 errors.append(f"{ep.url}: {exc}")
             time.sleep(0.2)
 
-    pids = _rank_pids("demo-g0", 1)
+    pids = _rank_pids(tc, "demo-g0", 1)
     assert len(pids) == 1, f"rank processes of demo-g0 local rank 1: {pids}"
     asker = threading.Thread(target=keep_asking, daemon=True)
     asker.start()

@@ -1,5 +1,6 @@
 """The Helm chart on the local control plane: it renders objects the apiserver accepts, and
-an installed release runs ``dwdp operator`` as a pod under the chart's ServiceAccount, which
+an installed release runs ``dwdp operator`` as a pod under the chart's ServiceAccount (from
+the operator image: the chart's default image, built into the local store), which
 reconciles an example through a rollout, a role added and removed, and a delete (so the
 RBAC is enough), is refused a verb the chart does not grant, and used every verb the chart
 grants (derived from the apiserver's audit log: a grant it never used fails the test).
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dwdp.devcluster.images import StoredImage
 from dwdp.devcluster.testing import TestCluster
 from dwdp.operator.testing.cluster import pods
 from dwdp.operator.testing.process import RANKPROG_COMMAND
@@ -106,9 +108,13 @@ def install_release(cluster: TestCluster, ns: str) -> None:
 
 
 def test_helm_install_runs_the_operator_under_its_rbac(
-    cluster: TestCluster, namespace: str, tmp_path: Path
+    cluster: TestCluster, namespace: str, tmp_path: Path, operator_image: StoredImage
 ) -> None:
+    """The operator runs from its image (the chart's default, built by the cached build)."""
     ns = namespace
+    assert operator_image.reference.endswith(
+        f":{yaml.safe_load((CHART / 'Chart.yaml').read_text())['appVersion']}"
+    )
     install_release(cluster, ns)
     try:
         pod = cluster.wait_for(
@@ -136,6 +142,8 @@ def test_helm_install_runs_the_operator_under_its_rbac(
         )
         assert pod["spec"]["serviceAccountName"] == SA
         assert pod["spec"]["containers"][0]["command"] == ["dwdp", "operator"]
+        assert pod["spec"]["containers"][0]["image"] == operator_image.reference
+        assert pod["status"]["containerStatuses"][0]["imageID"] == operator_image.digest
 
         doc = yaml.safe_load((REPO / "examples" / "02-small.yaml").read_text())
         cluster.apply(ns, doc)

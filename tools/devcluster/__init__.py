@@ -5,7 +5,10 @@
 - ``tools``: kubectl and helm, unpacked from a PyPI wheel into the same cache.
 - ``pki``: the cluster's certificates and service-account key.
 - ``cluster``: starts, checks and stops the components of one cluster (``dwdp dev up``).
-- ``kubelet``: the process kubelet that runs pods as local processes.
+- ``kubelet``: the process kubelet that runs pods as local processes (from their image's
+  root filesystem when the local image store has it; ``enter``: its chroot helper).
+- ``images``: the daemonless, cached image build (``dwdp dev images``: debootstrap, umoci,
+  buildah) into the local OCI store ``<cache>/images``.
 - ``testing``: the pytest fixtures' implementation (``cluster``, ``namespace``).
 - ``cli``: the ``dwdp dev`` sub-commands.
 """

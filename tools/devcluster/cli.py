@@ -1,4 +1,4 @@
-"""The ``dwdp dev`` sub-commands: build, up, down, status, kubeconfig, env.
+"""The ``dwdp dev`` sub-commands: build, images, up, down, status, kubeconfig, env.
 
 Top-level imports stay light (argparse only); the work happens in the other modules,
 imported when a sub-command runs.
@@ -37,6 +37,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b = add("build", "build the control-plane binary if its inputs changed; print its path", _build)
     b.add_argument("-v", "--verbose", action="store_true", help="show go build output")
     b.add_argument("--tools", action="store_true", help="also fetch kubectl and helm")
+    im = add(
+        "images",
+        "build images (default: the operator's) into the local OCI store ~/.cache/dwdp/images"
+        " without a daemon (debootstrap, umoci, buildah) if their inputs changed; the process"
+        " kubelet runs pods of these images from their root filesystems",
+        _images,
+    )
+    im.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="image of images/NAME/Dockerfile (repeatable; default operator; the worker image"
+        " is about 4 GB of CUDA wheels)",
+    )
     up = add("up", "start the cluster (idempotent); waits for a Ready node", _up)
     up.add_argument("--nodes", type=int, help="number of process-kubelet nodes (default 1)")
     up.add_argument("--cpu", help="cpu capacity per node (default 32)")
@@ -71,6 +85,21 @@ def _build(args: argparse.Namespace) -> int:
         print(str(exc))
         raise _user_error(exc) from None
     print(path)
+    return 0
+
+
+def _images(args: argparse.Namespace) -> int:
+    import sys
+
+    from dwdp.devcluster import images
+
+    for name in args.only or ["operator"]:
+        try:
+            stored = images.build_image(name, progress=lambda m: print(m, file=sys.stderr))
+        except images.ImageError as exc:
+            print(str(exc))
+            raise _user_error(exc) from None
+        print(f"{stored.reference} oci:{stored.layout}:{stored.tag} {stored.digest}")
     return 0
 
 

@@ -9,6 +9,10 @@
   ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
   after the test.
+- ``operator_image`` (session): the operator image in the local OCI store
+  (dwdp.devcluster.images: built without a daemon the first time, minutes; reused while its
+  inputs are unchanged). While it is stored, the process kubelet runs pods naming it (the
+  chart's default image) from its root filesystem.
 
 The ``cluster`` object is a ``TestCluster``: ``kubeconfig``, ``env``, ``kubectl()``,
 ``helm()``, ``api_client()``, ``apply()``, ``get()``, ``exists()``, ``wait_for()``
@@ -34,7 +38,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from dwdp.devcluster import build, tools
+from dwdp.devcluster import build, images, tools
 from dwdp.devcluster.cluster import Cluster
 from dwdp.devcluster.paths import REPO_ROOT
 
@@ -247,3 +251,12 @@ def namespace(cluster: TestCluster, request: pytest.FixtureRequest) -> Iterator[
         yield name
     finally:
         cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def operator_image() -> images.StoredImage:
+    """The operator image of this checkout in the local OCI store (see the module docstring)."""
+    try:
+        return images.build_image("operator", progress=lambda m: print(m, file=sys.stderr))
+    except images.ImageError as exc:
+        pytest.fail(f"the operator image did not build: {exc}", pytrace=False)

@@ -1,0 +1,120 @@
+"""The pure parts of running images on the local cluster: the build's input hash (what goes
+into an image, so an unchanged input never rebuilds), how the process kubelet composes a
+container's process, user and capabilities from the image and the pod as Kubernetes does,
+and that a mount path resolves through the image's symlinks inside its root."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dwdp.devcluster import images, paths
+from dwdp.devcluster.kubelet import RunImage, SetupError, keep_caps
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_hash_covers_what_the_dockerfile_copies(tmp_path: Path, monkeypatch) -> None:
+    sources = images._copy_sources(REPO / "images" / "operator" / "Dockerfile")
+    assert {"pyproject.toml", "src", "operator", "tools/devcluster"} <= set(sources)
+    assert not any(s.startswith("/") for s in sources)  # no --from stage paths
+    # A copy of the inputs: the same hash; a changed source file or Dockerfile: another.
+    for rel in ("images/operator", "images/constraints.txt", *sources):
+        src, dst = REPO / rel, tmp_path / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            dst.symlink_to(src.readlink())
+        elif src.is_dir():
+            shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            dst.write_bytes(src.read_bytes())
+    first = images.input_hash("operator")
+    monkeypatch.setattr(paths, "REPO_ROOT", tmp_path)
+    assert images.input_hash("operator") == first
+    (tmp_path / "operator" / "__pycache__").mkdir(exist_ok=True)
+    (tmp_path / "operator" / "__pycache__" / "x.pyc").write_bytes(b"junk")
+    assert images.input_hash("operator") == first
+    plan = tmp_path / "operator" / "plan.py"
+    plan.write_text(plan.read_text() + "\n# changed\n")
+    assert images.input_hash("operator") != first
+    with pytest.raises(images.ImageError, match="no image 'nope'"):
+        images.input_hash("nope")
+
+
+def image(tmp_path: Path, **config) -> RunImage:
+    (tmp_path / "etc").mkdir(exist_ok=True)
+    (tmp_path / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\napp:x:1000:1001::/:\n")
+    (tmp_path / "etc" / "group").write_text("root:x:0:\nstaff:x:50:\n")
+    return RunImage("img:1", "sha256:ab", tmp_path, config)
+
+
+@pytest.mark.parametrize(
+    ("spec", "process"),
+    [
+        ({}, ["dwdp", "operator"]),
+        ({"args": ["--version"]}, ["dwdp", "--version"]),
+        ({"command": ["sh"]}, ["sh"]),
+        ({"command": ["sh"], "args": ["-c", "id"]}, ["sh", "-c", "id"]),
+    ],
+)
+def test_command_and_args_replace_entrypoint_and_cmd(tmp_path: Path, spec, process) -> None:
+    img = image(tmp_path, Entrypoint=["dwdp"], Cmd=["operator"])
+    assert img.command(spec) == process
+
+
+def test_user_from_the_image_and_the_security_context(tmp_path: Path) -> None:
+    pod: dict = {"spec": {}}
+    assert image(tmp_path, User="1000:1000").user(pod, {}) == (1000, 1000)
+    assert image(tmp_path, User="app").user(pod, {}) == (1000, 1001)
+    assert image(tmp_path, User="app:staff").user(pod, {}) == (1000, 50)
+    assert image(tmp_path).user(pod, {}) == (0, 0)
+    ctx = {"securityContext": {"runAsUser": 7, "runAsGroup": 8}}
+    assert image(tmp_path, User="app").user(pod, ctx) == (7, 8)
+    assert image(tmp_path, User="1000:1000").user({"spec": ctx}, {}) == (7, 8)
+    with pytest.raises(SetupError, match="runAsNonRoot"):
+        image(tmp_path).user({"spec": {"securityContext": {"runAsNonRoot": True}}}, {})
+    with pytest.raises(SetupError, match="'ghost' not found"):
+        image(tmp_path, User="ghost").user(pod, {})
+
+
+def test_mount_paths_resolve_inside_the_root(tmp_path: Path) -> None:
+    img = image(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "run").symlink_to("/run")  # absolute: must not reach the host's /run
+    (tmp_path / "var" / "lock").symlink_to("../run/lock")
+    assert img.inside("/var/run/secrets/token") == "/run/secrets/token"
+    assert img.inside("/var/lock/x") == "/run/lock/x"
+    assert img.inside("/../../etc/./hosts") == "/etc/hosts"
+
+
+def test_capabilities_kept_in_the_bounding_set() -> None:
+    assert keep_caps({}) is None
+    assert keep_caps({"privileged": True, "capabilities": {"drop": ["ALL"]}}) is None
+    assert keep_caps({"capabilities": {"drop": ["ALL"]}}) == []
+    assert keep_caps({"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}) == ["ipc_lock"]
+    some = keep_caps({"capabilities": {"drop": ["NET_RAW"]}})
+    assert some is not None and "net_raw" not in some and "chown" in some
+
+
+def test_lookup_refuses_an_image_built_from_other_sources(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DWDP_CACHE_DIR", str(tmp_path))
+    layout = tmp_path / "images" / "oci" / "dwdp-operator-x"
+    layout.mkdir(parents=True)
+    ref = images.reference("operator")
+    tag = {"org.opencontainers.image.ref.name": "0.1.0"}
+    (layout / "index.json").write_text(
+        json.dumps({"manifests": [{"digest": "sha256:ab", "annotations": tag}]})
+    )
+    entry = {"name": "operator", "layout": str(layout), "tag": "0.1.0", "digest": "sha256:ab"}
+    store = tmp_path / "images" / "refs.json"
+    store.write_text(json.dumps({ref: {**entry, "inputs": images.input_hash("operator")}}))
+    found, why = images.lookup(ref)
+    assert found is not None and found.digest == "sha256:ab" and why == ""
+    assert images.lookup(ref.rsplit(":", 1)[0] + "@sha256:ab")[0] is not None
+    store.write_text(json.dumps({ref: {**entry, "inputs": "0" * 16}}))
+    assert images.lookup(ref)[0] is None and "other sources" in images.lookup(ref)[1]
+    assert "not in the local store" in images.lookup("dwdp-worker:dev")[1]
