@@ -118,3 +118,25 @@ def test_lookup_refuses_an_image_built_from_other_sources(tmp_path: Path, monkey
     store.write_text(json.dumps({ref: {**entry, "inputs": "0" * 16}}))
     assert images.lookup(ref)[0] is None and "other sources" in images.lookup(ref)[1]
     assert "not in the local store" in images.lookup("dwdp-worker:dev")[1]
+
+
+def test_finding_an_image_does_not_wait_for_the_kubelets_lock(monkeypatch) -> None:
+    """A starting pod looks its image up under its worker's lock while the watch holds the
+    kubelet's lock and waits for that worker's: the lookup must not need the kubelet's lock
+    (it did, and the e2e demo's router pod never started)."""
+    import threading
+
+    from dwdp.devcluster import images
+    from dwdp.devcluster.kubelet import Kubelet
+
+    monkeypatch.setattr(images, "lookup", lambda ref: (None, "not in the local store"))
+    kubelet = Kubelet.__new__(Kubelet)  # the lock and the notices are all find_image uses
+    kubelet.lock = threading.RLock()
+    kubelet.image_notices = set()
+    kubelet._notices_lock = threading.Lock()
+    found: list[object] = []
+    with kubelet.lock:  # the watch, holding the kubelet's lock
+        lookup = threading.Thread(target=lambda: found.append(kubelet.find_image("x:1")))
+        lookup.start()
+        lookup.join(timeout=5)
+    assert not lookup.is_alive() and found == [None]

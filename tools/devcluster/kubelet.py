@@ -1708,6 +1708,10 @@ class Kubelet:
         self.wakeups: dict[str, threading.Event] = {}
         self.hosts_version = 0
         self.image_notices: set[str] = set()
+        self._notices_lock = threading.Lock()
+        """Guards ``image_notices`` alone: ``find_image`` runs under a pod worker's lock, and
+        the watch takes the kubelet's lock before a worker's (taking the kubelet's lock here
+        deadlocked the watch with a starting pod)."""
 
     # -- images ---------------------------------------------------------------------
     def find_image(self, ref: str) -> RunImage | None:
@@ -1720,7 +1724,7 @@ class Kubelet:
 
         stored, why = images.lookup(ref) if ref else (None, "no image")
         if stored is None:
-            with self.lock:
+            with self._notices_lock:
                 first = ref not in self.image_notices
                 self.image_notices.add(ref)
             if first:
@@ -1731,7 +1735,7 @@ class Kubelet:
             config = images.image_config(stored)
         except (images.ImageError, OSError, ValueError, KeyError) as exc:
             raise SetupError("ErrImagePull", f"image {ref}: {exc}") from None
-        with self.lock:
+        with self._notices_lock:
             first = stored.digest not in self.image_notices
             self.image_notices.add(stored.digest)
         if first:
