@@ -759,9 +759,21 @@ _DRA_WITH_DEVICE_PLUGIN = (
 )
 
 
+_ONE_TEMPLATE = (
+    "must equal context.ranksPerPod when gpu.resourceClaimTemplateName is set: one "
+    "ResourceClaimTemplate gives every worker pod its GPUs"
+)
+
+
 def _rules_spec() -> list[dict[str, str]]:
     plugin = f"'{DEFAULT_GPU_RESOURCE}'"
     return [
+        cel_rule(
+            "!has(self.gpu) || !has(self.gpu.resourceClaimTemplateName) || "
+            "!has(self.generation) || self.generation.ranksPerPod == self.context.ranksPerPod",
+            f"generation.ranksPerPod {_ONE_TEMPLATE}",
+            field_path=".generation.ranksPerPod",
+        ),
         cel_rule(
             "!has(self.gpu) || !has(self.gpu.resourceClaimTemplateName) || !has(self.resources)"
             f" || ((!has(self.resources.limits) || !({plugin} in self.resources.limits)) && "
@@ -872,17 +884,25 @@ class DwdpDeploymentSpec(ApiModel):
         return self.generation is not None and self.generation.replicas > 0
 
     def _gpu_problems(self) -> list[Problem]:
-        """``resources`` naming the device plugin's GPU while a DRA claim gives the GPUs."""
-        if self.gpu.resource_claim_template_name is None or self.resources is None:
+        """The rules of a DRA claim (``gpu.resourceClaimTemplateName``): ``resources`` must
+        not name the device plugin's GPU, and both roles need the template's GPU count."""
+        if self.gpu.resource_claim_template_name is None:
             return []
+        problems = []
+        gen = self.generation
+        if gen is not None and gen.ranks_per_pod != self.context.ranks_per_pod:
+            problems.append(
+                Problem(("generation", "ranksPerPod"), gen.ranks_per_pod, _ONE_TEMPLATE)
+            )
+        parts = () if self.resources is None else ("limits", "requests")
         held = {
             part: values
-            for part in ("limits", "requests")
+            for part in parts
             if DEFAULT_GPU_RESOURCE in (values := getattr(self.resources, part) or {})
         }
-        if not held:
-            return []
-        return [Problem(("resources",), held, _DRA_WITH_DEVICE_PLUGIN)]
+        if held:
+            problems.append(Problem(("resources",), held, _DRA_WITH_DEVICE_PLUGIN))
+        return problems
 
     @model_validator(mode="after")
     def _check(self) -> DwdpDeploymentSpec:
