@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+import yaml
 
 from dwdp.api.deployment import parse_deployment
 from dwdp.api.enums import HandleType, Role
@@ -133,3 +136,18 @@ def test_the_apiserver_refuses_a_pod_claim_without_its_container_claim(cluster, 
     pod["spec"]["resourceClaims"] = []
     with pytest.raises(kube.ApiError, match="claims"):
         _dry_run_create(cluster, pod)
+
+
+def test_the_dra_section_of_install_md_passes_the_apiserver(cluster, namespace) -> None:
+    """docs/install.md's ResourceClaimTemplate (resource.k8s.io/v1) and the worker pod of its
+    DRA DwdpDeployment, moved to the test namespace, pass server-side dry-run."""
+    text = (REPO / "docs" / "install.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    (template,) = [b for b in blocks if b["kind"] == "ResourceClaimTemplate"]
+    template["metadata"]["namespace"] = namespace
+    cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(template))
+    (document,) = [b for b in blocks if b["kind"] == "DwdpDeployment" and "gpu" in b["spec"]]
+    (pod,) = _objects(document, namespace)
+    stored = _dry_run_create(cluster, pod)["spec"]
+    name = template["metadata"]["name"]
+    assert stored["resourceClaims"] == [{"name": c.GPU_CLAIM, "resourceClaimTemplateName": name}]
