@@ -9,6 +9,8 @@ Depends only on pydantic and PyYAML, so the operator, the worker and the CLI sha
 - ``dwdp.api.support``: the settings this worker does not run (refused everywhere alike).
 - ``dwdp.api.deployment``: the DwdpDeployment spec and status (3.3), deployment_problems,
   launch_config_for.
+- ``dwdp.api.placement``: image pull Secrets, Affinity and GpuSpec (device plugin or DRA)
+  of the worker pods.
 - ``dwdp.api.crd``: the CRD generated from the models (``dwdp crd``).
 - ``dwdp.api.errors``: Problem (field path, value, rule) and DwdpValidationError.
 - ``dwdp.api.contract``: the rank contract (pod environment names, ``/dwdp/status`` phases,

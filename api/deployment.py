@@ -40,6 +40,7 @@ from dwdp.api.launch import (
     ParallelConfig,
     launch_problems,
 )
+from dwdp.api.placement import DEFAULT_GPU_RESOURCE, Affinity, GpuSpec, LocalObjectReference
 from dwdp.api.security import NetworkPolicySpec, PodSecurityContext, SecurityContext
 from dwdp.api.support import Scope, SectionView, worker_limit_problems, worker_limit_rules
 
@@ -752,8 +753,34 @@ _ROUTER_NEEDS_GENERATION = (
 )
 
 
+_DRA_WITH_DEVICE_PLUGIN = (
+    f"must not hold {DEFAULT_GPU_RESOURCE} when gpu.resourceClaimTemplateName is set: the DRA "
+    "claim gives the pod its GPUs"
+)
+
+
+_ONE_TEMPLATE = (
+    "must equal context.ranksPerPod when gpu.resourceClaimTemplateName is set: one "
+    "ResourceClaimTemplate gives every worker pod its GPUs"
+)
+
+
 def _rules_spec() -> list[dict[str, str]]:
+    plugin = f"'{DEFAULT_GPU_RESOURCE}'"
     return [
+        cel_rule(
+            "!has(self.gpu) || !has(self.gpu.resourceClaimTemplateName) || "
+            "!has(self.generation) || self.generation.ranksPerPod == self.context.ranksPerPod",
+            f"generation.ranksPerPod {_ONE_TEMPLATE}",
+            field_path=".generation.ranksPerPod",
+        ),
+        cel_rule(
+            "!has(self.gpu) || !has(self.gpu.resourceClaimTemplateName) || !has(self.resources)"
+            f" || ((!has(self.resources.limits) || !({plugin} in self.resources.limits)) && "
+            f"(!has(self.resources.requests) || !({plugin} in self.resources.requests)))",
+            f"resources {_DRA_WITH_DEVICE_PLUGIN}",
+            field_path=".resources",
+        ),
         cel_rule(
             "self.rendezvous.port < self.server.port || "
             "self.rendezvous.port >= self.server.port + self.context.ranksPerPod",
@@ -780,6 +807,13 @@ class DwdpDeploymentSpec(ApiModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Always, IfNotPresent or Never."
     )
+    image_pull_secrets: list[LocalObjectReference] | None = Field(
+        default=None,
+        max_length=16,
+        description="Secrets (kubernetes.io/dockerconfigjson, in the deployment's namespace) "
+        "the worker pods pull their image with, and the router pods when they run the worker "
+        "image (router.image unset).",
+    )
     resources: ResourceRequirements | None = Field(
         default=None, description="Resources of each worker container."
     )
@@ -788,6 +822,16 @@ class DwdpDeploymentSpec(ApiModel):
     )
     tolerations: list[Toleration] | None = Field(
         default=None, max_length=32, description="Tolerations of every worker pod."
+    )
+    affinity: Affinity | None = Field(
+        default=None,
+        description="Node affinity, pod affinity and pod anti-affinity of every worker pod.",
+    )
+    gpu: GpuSpec = Field(
+        default_factory=GpuSpec,
+        json_schema_extra=_EMPTY_DEFAULT,
+        description="How each worker pod gets its ranksPerPod GPUs: the device plugin's "
+        "resource (default nvidia.com/gpu) or a DRA ResourceClaimTemplate.",
     )
     env: list[EnvVar] | None = Field(
         default=None, max_length=128, description="Extra environment variables of every worker."
@@ -839,6 +883,27 @@ class DwdpDeploymentSpec(ApiModel):
             return self.router.enabled
         return self.generation is not None and self.generation.replicas > 0
 
+    def _gpu_problems(self) -> list[Problem]:
+        """The rules of a DRA claim (``gpu.resourceClaimTemplateName``): ``resources`` must
+        not name the device plugin's GPU, and both roles need the template's GPU count."""
+        if self.gpu.resource_claim_template_name is None:
+            return []
+        problems = []
+        gen = self.generation
+        if gen is not None and gen.ranks_per_pod != self.context.ranks_per_pod:
+            problems.append(
+                Problem(("generation", "ranksPerPod"), gen.ranks_per_pod, _ONE_TEMPLATE)
+            )
+        parts = () if self.resources is None else ("limits", "requests")
+        held = {
+            part: values
+            for part in parts
+            if DEFAULT_GPU_RESOURCE in (values := getattr(self.resources, part) or {})
+        }
+        if held:
+            problems.append(Problem(("resources",), held, _DRA_WITH_DEVICE_PLUGIN))
+        return problems
+
     @model_validator(mode="after")
     def _check(self) -> DwdpDeploymentSpec:
         problems = []
@@ -853,6 +918,7 @@ class DwdpDeploymentSpec(ApiModel):
                     "up to server.port + context.ranksPerPod - 1)",
                 )
             )
+        problems += self._gpu_problems()
         generation = self.generation is not None and self.generation.replicas > 0
         if self.router.enabled and not generation:
             problems.append(Problem(("router", "enabled"), True, _ROUTER_NEEDS_GENERATION))

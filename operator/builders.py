@@ -39,6 +39,7 @@ __all__ = [
     "endpoint_slices",
     "group_policy",
     "headless_service",
+    "image_pull_secrets",
     "launch_config_text",
     "pod_group",
     "rendezvous_secret",
@@ -385,33 +386,16 @@ def role_template(
     spec: DwdpDeploymentSpec, role: Role, *, command: tuple[str, ...] = c.DEFAULT_WORKER_COMMAND
 ) -> dict[str, Any]:
     """Everything that reaches every pod of ``role`` (the revision's input, see
-    :mod:`dwdp.operator.revision`): container, volumes, placement, ports, rendezvous
-    timeout and the launch config text. Group, incarnation and pod index are not in it."""
+    :mod:`dwdp.operator.revision`): container, volumes, placement, GPUs, ports, rendezvous
+    timeout and the launch config text. Group, incarnation and pod index are not in it.
+
+    The keys of the optional pod fields (``imagePullSecrets``, ``affinity``,
+    ``resourceClaims``) are present only when the spec sets them, so a spec without them
+    keeps the revision it had before the fields existed (an operator upgrade rolls no group).
+    """
     shape = role_shapes(spec)[role]
-    resources = (spec.resources.to_yaml_dict() if spec.resources else {}) or {}
-    resources = copy.deepcopy(resources)
-    gpus = shape.ranks_per_pod
-    resources.setdefault("limits", {})[c.GPU_RESOURCE] = gpus
-    resources.setdefault("requests", {})[c.GPU_RESOURCE] = gpus
-    volumes: list[dict[str, Any]] = []
-    mounts: list[dict[str, Any]] = []
-    model = spec.model
-    if model.pvc_name is not None:
-        volumes.append(
-            {
-                "name": c.MODEL_VOLUME,
-                "persistentVolumeClaim": {"claimName": model.pvc_name, "readOnly": True},
-            }
-        )
-    elif model.host_path is not None:
-        volumes.append(
-            {"name": c.MODEL_VOLUME, "hostPath": {"path": model.host_path, "type": "Directory"}}
-        )
-    if volumes:
-        mounts.append({"name": c.MODEL_VOLUME, "mountPath": model.mount_path, "readOnly": True})
-    volumes += _WRITABLE_VOLUMES
-    mounts += _WRITABLE_MOUNTS
-    return {
+    volumes, mounts = _model_volumes(spec)
+    template: dict[str, Any] = {
         "role": role.value,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
@@ -423,11 +407,11 @@ def role_template(
         ],
         "securityContext": spec.security_context.to_yaml_dict(),
         "podSecurityContext": spec.pod_security_context.to_yaml_dict(),
-        "resources": resources,
+        "resources": _container_resources(spec, shape.ranks_per_pod),
         "nodeSelector": dict(spec.node_selector or {}),
         "tolerations": [t.to_yaml_dict() for t in spec.tolerations or ()],
-        "volumes": volumes,
-        "volumeMounts": mounts,
+        "volumes": volumes + _WRITABLE_VOLUMES,
+        "volumeMounts": mounts + _WRITABLE_MOUNTS,
         "serverPort": spec.server.port,
         "rendezvousPort": spec.rendezvous.port,
         "rendezvousTimeoutSeconds": spec.rendezvous.timeout_seconds,
@@ -436,6 +420,47 @@ def role_template(
         "terminationGracePeriodSeconds": _grace_seconds(spec),
         "launchConfig": launch_config_text(spec, role),
     }
+    if spec.image_pull_secrets:
+        template["imagePullSecrets"] = image_pull_secrets(spec)
+    if spec.affinity is not None and (affinity := spec.affinity.to_yaml_dict()):
+        template["affinity"] = affinity
+    claim = spec.gpu.resource_claim_template_name
+    if claim is not None:
+        template["resourceClaims"] = [{"name": c.GPU_CLAIM, "resourceClaimTemplateName": claim}]
+    return template
+
+
+def image_pull_secrets(spec: DwdpDeploymentSpec) -> list[dict[str, str]]:
+    """``spec.imagePullSecrets`` as a pod's ``imagePullSecrets`` (``[{"name": ...}]``;
+    empty when unset)."""
+    return [s.to_yaml_dict() for s in spec.image_pull_secrets or ()]
+
+
+def _container_resources(spec: DwdpDeploymentSpec, gpus: int) -> dict[str, Any]:
+    """The worker container's resources: ``spec.resources`` with ``gpus`` of the device
+    plugin's resource (``spec.gpu``) in both limits and requests, or, when a DRA claim gives
+    the GPUs, ``spec.resources`` as it is (the claim is added to the pod and container)."""
+    resources = copy.deepcopy((spec.resources.to_yaml_dict() if spec.resources else {}) or {})
+    name = spec.gpu.device_plugin_resource
+    if name is not None:
+        resources.setdefault("limits", {})[name] = gpus
+        resources.setdefault("requests", {})[name] = gpus
+    return resources
+
+
+def _model_volumes(spec: DwdpDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The checkpoint's volume and read-only mount (none without pvcName or hostPath)."""
+    model = spec.model
+    if model.pvc_name is not None:
+        source: dict[str, Any] = {
+            "persistentVolumeClaim": {"claimName": model.pvc_name, "readOnly": True}
+        }
+    elif model.host_path is not None:
+        source = {"hostPath": {"path": model.host_path, "type": "Directory"}}
+    else:
+        return [], []
+    mount = {"name": c.MODEL_VOLUME, "mountPath": model.mount_path, "readOnly": True}
+    return [{"name": c.MODEL_VOLUME, **source}], [mount]
 
 
 _WRITABLE_VOLUMES = [
@@ -570,17 +595,20 @@ def worker_pod(
     }
     if pod_group is not None:
         pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
+    claims = list(t.get("resourceClaims", ()))
     if channel_template is not None:
-        pod_spec["resourceClaims"] = [
-            {"name": c.CHANNEL_CLAIM, "resourceClaimTemplateName": channel_template}
-        ]
-        container["resources"] = {**container["resources"], "claims": [{"name": c.CHANNEL_CLAIM}]}
+        claims.append({"name": c.CHANNEL_CLAIM, "resourceClaimTemplateName": channel_template})
+    if claims:
+        pod_spec["resourceClaims"] = claims
+        container["resources"] = {
+            **container["resources"],
+            "claims": [{"name": claim["name"]} for claim in claims],
+        }
     if secret is not None:
         _mount_secret(pod_spec, container, secret)
-    if t["nodeSelector"]:
-        pod_spec["nodeSelector"] = t["nodeSelector"]
-    if t["tolerations"]:
-        pod_spec["tolerations"] = t["tolerations"]
+    for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
+        if t.get(key):
+            pod_spec[key] = t[key]
     return _finish(
         {
             "apiVersion": "v1",

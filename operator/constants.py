@@ -13,6 +13,7 @@ import enum
 from dwdp.api.contract import Env
 from dwdp.api.deployment import GROUP, PLURAL, VERSION
 from dwdp.api.deployment import GroupPhase as GroupPhase  # status.groups[].phase values
+from dwdp.api.placement import DEFAULT_GPU_RESOURCE
 
 API_GROUP = GROUP
 """API group of DwdpDeployment (``dwdp.io``)."""
@@ -83,8 +84,11 @@ GATE_REASON_NOT_COMMITTED = "GroupNotCommitted"
 GATE_REASON_DRAINING = "GroupDraining"
 """Reason of a gate closed before the group is deleted (rollout, scale-down); the
 operator reads it back, so a restarted operator finishes the drain it started."""
-GPU_RESOURCE = "nvidia.com/gpu"
-"""Extended resource requested per pod: one per rank."""
+GPU_RESOURCE = DEFAULT_GPU_RESOURCE
+"""Extended resource requested per pod, one per rank, unless ``spec.gpu`` names another one
+or a DRA claim gives the GPUs."""
+GPU_CLAIM = "gpus"
+"""Name of the pod's resource claim on ``spec.gpu.resourceClaimTemplateName`` (DRA)."""
 WORKER_CONTAINER = "worker"
 """Name of the one container of a worker pod."""
 CONFIG_VOLUME = "launch-config"

@@ -33,6 +33,7 @@ from dwdp.operator.builders import (
     _finish,
     _ingress_policy,
     _labels,
+    image_pull_secrets,
     router_selector,
 )
 from dwdp.operator.constants import Reason
@@ -141,7 +142,8 @@ def router_deployment(
     """The router's Deployment: ``router.replicas`` pods once ``servers`` is complete (else
     0), rolled one surge pod at a time (never below the wanted count), each with the
     restrictive security context of the workers, no service-account token and a read-only
-    root with a writable /tmp."""
+    root with a writable /tmp. Running the worker image (``router.image`` unset), the pods
+    pull it with the workers' ``spec.imagePullSecrets``; another image gets none of them."""
     r = spec.router
     labels = _labels(owner, c.Component.ROUTER)
     container = {
@@ -164,19 +166,22 @@ def router_deployment(
         "securityContext": spec.security_context.to_yaml_dict(),
         "volumeMounts": [{"name": c.TMP_VOLUME, "mountPath": c.TMP_DIR}],
     }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": c.ROUTER_GRACE_S,
+        "securityContext": spec.pod_security_context.to_yaml_dict(),
+        "containers": [container],
+        "volumes": [{"name": c.TMP_VOLUME, "emptyDir": {}}],
+    }
+    if r.image is None and spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = image_pull_secrets(spec)
     template = {
         "metadata": {
             "labels": dict(labels),
             "annotations": {c.ANNOTATION_ROUTER_SERVERS: servers.digest},
         },
-        "spec": {
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": c.ROUTER_GRACE_S,
-            "securityContext": spec.pod_security_context.to_yaml_dict(),
-            "containers": [container],
-            "volumes": [{"name": c.TMP_VOLUME, "emptyDir": {}}],
-        },
+        "spec": pod_spec,
     }
     return _finish(
         {

@@ -140,8 +140,9 @@ def test_build_script_labels_the_images_with_the_version_and_revision() -> None:
 
 
 def test_install_doc_deployment_passes_the_models() -> None:
-    """The first DwdpDeployment of docs/install.md (the one a newcomer copies) is valid and
-    asks for the GPUs and the worker image the page describes."""
+    """The DwdpDeployments of docs/install.md (the first one, which a newcomer copies, and
+    the one of the DRA and placement section) are valid and ask for the GPUs, the pull
+    Secret and the worker image the page describes."""
     import yaml
 
     from dwdp.api.deployment import DwdpDeploymentSpec
@@ -150,9 +151,17 @@ def test_install_doc_deployment_passes_the_models() -> None:
     from dwdp.operator.builders import role_template
 
     text = (REPO / "docs" / "install.md").read_text()
-    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "DwdpDeployment" in b]
-    spec = DwdpDeploymentSpec.model_validate(yaml.safe_load(block)["spec"])
-    template = role_template(spec, Role.CONTEXT)
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "DwdpDeployment" in b]
+    first, dra = (DwdpDeploymentSpec.model_validate(yaml.safe_load(b)["spec"]) for b in blocks)
+    template = role_template(first, Role.CONTEXT)
     assert template["resources"]["requests"][c.GPU_RESOURCE] == 4
     assert template["resources"]["limits"][c.GPU_RESOURCE] == 4
+    assert template["imagePullSecrets"] == [{"name": "regcred"}]
     assert template["image"].endswith(f"/dwdp-worker:{dwdp.__version__}")
+    # the section on DRA and placement: its spec claims the template and asks no device plugin
+    template = role_template(dra, Role.CONTEXT)
+    assert template["resourceClaims"] == [
+        {"name": c.GPU_CLAIM, "resourceClaimTemplateName": "h200-x4"}
+    ]
+    assert c.GPU_RESOURCE not in template["resources"].get("limits", {})
+    assert template["image"] == first.image

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -23,17 +24,28 @@ def _aliases(model: type, prefix: str) -> set[str]:
     for name, info in model.model_fields.items():
         path = f"{prefix}.{info.alias or name}"
         out.add(path)
-        for sub in getattr(info.annotation, "__args__", None) or (info.annotation,):
-            if isinstance(sub, type) and hasattr(sub, "model_fields"):
-                out |= _aliases(sub, path)
+        out |= _nested(info.annotation, path)
     return out
+
+
+def _nested(annotation: object, path: str) -> set[str]:
+    """The rows below a field typed ``annotation``: a model's fields, a list's items as
+    ``path[]`` (the table's spelling), nothing under a map."""
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return _aliases(annotation, path)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is dict:
+        return set()
+    below = f"{path}[]" if origin is list else path
+    return set().union(*(_nested(arg, below) for arg in args))
 
 
 def test_every_spec_field_has_a_row_with_its_default() -> None:
     text = docgen.generated_reference()
-    for path in _aliases(DwdpDeploymentSpec, "spec"):
-        if ".tolerations." in path or ".env." in path:
-            path = path.replace(".tolerations.", ".tolerations[].").replace(".env.", ".env[].")
+    paths = _aliases(DwdpDeploymentSpec, "spec")
+    assert "spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[]"\
+        ".podAffinityTerm.topologyKey" in paths
+    for path in paths:
         assert f"| `{path}` |" in text, path
     assert "| `spec.rendezvous.timeoutSeconds` | integer | `1800` |" in text
     assert "| `spec.context.dwdp.numPrefetchSlots` | integer | `2` | >= 2" in text

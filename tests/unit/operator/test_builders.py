@@ -348,6 +348,15 @@ def test_the_api_key_reaches_every_worker_pod_as_a_secret_reference(role: Role) 
         ({"rendezvous": {"timeoutSeconds": 60}}, False),
         ({"server": {"port": 9000}}, False),
         ({"server": {"apiKeySecretRef": {"name": "keys"}}}, False),
+        ({"nodeSelector": {"gpu": "h200"}}, False),
+        ({"imagePullSecrets": [{"name": "regcred"}]}, False),
+        ({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 10, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname"}}]}}},
+         False),
+        ({"gpu": {"resourceName": "nvidia.com/mig-3g.71gb"}}, False),
+        ({"gpu": {"resourceClaimTemplateName": "h200-x2"}}, False),
+        ({"gpu": {"resourceName": "nvidia.com/gpu"}}, True),  # the default, spelled out
+        ({"affinity": {}}, True),  # an empty affinity reaches no pod
     ],
 )
 def test_revision_covers_only_what_reaches_pods(patch: dict, same: bool) -> None:
@@ -462,4 +471,105 @@ def test_group_policy_admits_only_the_group_itself_on_every_port() -> None:
         "podSelector": selector,
         "policyTypes": ["Ingress"],
         "ingress": [{"from": [{"podSelector": selector}]}],
+    }
+
+
+PLACEMENT = {
+    "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [
+                        {"key": "nvidia.com/gpu.product", "operator": "In",
+                         "values": ["NVIDIA-H200"]},
+                        {"key": "nvidia.com/gpu.count", "operator": "Gt", "values": ["1"]},
+                    ]}
+                ]
+            }
+        },
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "labelSelector": {"matchLabels": {"dwdp.io/deployment": "demo"}},
+                        "topologyKey": "kubernetes.io/hostname",
+                    },
+                }
+            ]
+        },
+    },
+}
+
+
+def _pod(spec, role: Role = Role.CONTEXT, **kwargs) -> dict:
+    return builders.worker_pod(
+        spec, OWNER, role=role, group_index=0, incarnation=0, pod_index=0, revision="r", **kwargs
+    )
+
+
+@pytest.mark.parametrize("role", [Role.CONTEXT, Role.GENERATION])
+def test_pull_secrets_and_affinity_reach_every_worker_pod(role: Role) -> None:
+    """Both roles' pods carry spec.imagePullSecrets and spec.affinity as written (camelCase,
+    nothing added or dropped)."""
+    spec = parse_deployment(doc(generation={}, **PLACEMENT)).spec
+    pod_spec = _pod(spec, role)["spec"]
+    assert pod_spec["imagePullSecrets"] == PLACEMENT["imagePullSecrets"]
+    assert pod_spec["affinity"] == PLACEMENT["affinity"]
+
+
+def test_a_spec_without_placement_fields_keeps_its_template_and_pods() -> None:
+    """Unset, the new fields add no key to the revision's input (an operator upgrade rolls
+    no group) and none to the pod; the device plugin's nvidia.com/gpu counts stay."""
+    template = builders.role_template(SPEC, Role.CONTEXT)
+    assert not {"imagePullSecrets", "affinity", "resourceClaims"} & set(template)
+    pod_spec = _pod(SPEC)["spec"]
+    assert not {"imagePullSecrets", "affinity", "resourceClaims"} & set(pod_spec)
+    resources = pod_spec["containers"][0]["resources"]
+    assert resources == {"limits": {c.GPU_RESOURCE: 2}, "requests": {c.GPU_RESOURCE: 2}}
+
+
+def test_dra_gpus_are_claimed_from_the_template_and_no_device_plugin_gpu_is_requested() -> None:
+    spec = parse_deployment(
+        doc(gpu={"resourceClaimTemplateName": "h200-x2"}, resources={"limits": {"memory": "8Gi"}})
+    ).spec
+    pod_spec = _pod(spec)["spec"]
+    assert pod_spec["resourceClaims"] == [
+        {"name": c.GPU_CLAIM, "resourceClaimTemplateName": "h200-x2"}
+    ]
+    assert pod_spec["containers"][0]["resources"] == {
+        "limits": {"memory": "8Gi"},
+        "claims": [{"name": c.GPU_CLAIM}],
+    }
+    assert builders.role_template(spec, Role.CONTEXT)["resourceClaims"] == pod_spec[
+        "resourceClaims"
+    ]
+
+
+def test_dra_gpus_and_the_compute_domain_channel_are_both_claimed() -> None:
+    spec = parse_deployment(doc(gpu={"resourceClaimTemplateName": "h200-x2"})).spec
+    pod_spec = _pod(spec, channel_template="demo-g0-i0-channel")["spec"]
+    assert pod_spec["resourceClaims"] == [
+        {"name": c.GPU_CLAIM, "resourceClaimTemplateName": "h200-x2"},
+        {"name": c.CHANNEL_CLAIM, "resourceClaimTemplateName": "demo-g0-i0-channel"},
+    ]
+    assert pod_spec["containers"][0]["resources"] == {
+        "claims": [{"name": c.GPU_CLAIM}, {"name": c.CHANNEL_CLAIM}]
+    }
+
+
+def test_the_device_plugin_resource_can_be_renamed() -> None:
+    """gpu.resourceName replaces nvidia.com/gpu (one per rank), also over a count written in
+    spec.resources."""
+    spec = parse_deployment(
+        doc(
+            gpu={"resourceName": "nvidia.com/mig-3g.71gb"},
+            resources={"limits": {"nvidia.com/mig-3g.71gb": 8}},
+        )
+    ).spec
+    resources = _pod(spec)["spec"]["containers"][0]["resources"]
+    assert resources == {
+        "limits": {"nvidia.com/mig-3g.71gb": 2},
+        "requests": {"nvidia.com/mig-3g.71gb": 2},
     }

@@ -213,3 +213,17 @@ def test_only_ready_router_pods_of_the_current_list_count() -> None:
         RouterPod("d", ready=True, deleting=True, servers=SERVERS.digest),
     ]
     assert router.ready_router_pods(pods, SERVERS) == 1
+
+
+def test_router_pods_pull_the_worker_image_with_its_pull_secrets_only() -> None:
+    """Running the worker image (router.image unset), the router pods get
+    spec.imagePullSecrets; another image, or no secrets, gives the pod none."""
+    secrets = [{"name": "regcred"}]
+
+    def pod_spec(**patch) -> dict:
+        return router.router_deployment(spec(**patch), OWNER, SERVERS)["spec"]["template"]["spec"]
+
+    assert pod_spec(imagePullSecrets=secrets)["imagePullSecrets"] == secrets
+    other = pod_spec(imagePullSecrets=secrets, router={"image": "public/vllm-router:1"})
+    assert "imagePullSecrets" not in other
+    assert "imagePullSecrets" not in pod_spec()
