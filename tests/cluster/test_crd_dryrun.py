@@ -10,12 +10,10 @@ fixtures of tests/cluster/conftest.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
+import caselib
 import pytest
 
 from dwdp.api.crd import crd_manifest, crd_yaml
@@ -24,16 +22,6 @@ from dwdp.api.deployment import GROUP, PLURAL, VERSION
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-caselib = _load("dwdp_caselib", REPO / "tests" / "cases" / "caselib.py")
 CASES = caselib.load_cases()
 CRD_NAME = crd_manifest()["metadata"]["name"]
 

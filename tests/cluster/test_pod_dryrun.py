@@ -12,14 +12,12 @@ apiserver accepts too, not a pod refused only when the operator creates it. Uses
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import caselib
 import pytest
 import yaml
 
@@ -31,16 +29,6 @@ from dwdp.operator import constants as c
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-caselib = _load("dwdp_caselib", REPO / "tests" / "cases" / "caselib.py")
 VALID = [case for case in caselib.load_cases() if case.valid]
 SERVERS = router.RouterServers(prefill=("http://10.0.0.1:8000",), decode=("http://10.0.0.2:8000",))
 

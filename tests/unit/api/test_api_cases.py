@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import caselib
 import pytest
 import yaml
 
@@ -35,7 +36,6 @@ def _load(name: str, path: Path) -> ModuleType:
     return module
 
 
-caselib = _load("dwdp_caselib", REPO / "tests" / "cases" / "caselib.py")
 offline = _load("dwdp_offline_apiserver", HERE / "offline_apiserver.py")
 
 CASES = caselib.load_cases()
