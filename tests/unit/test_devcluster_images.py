@@ -140,3 +140,16 @@ def test_finding_an_image_does_not_wait_for_the_kubelets_lock(monkeypatch) -> No
         lookup.start()
         lookup.join(timeout=5)
     assert not lookup.is_alive() and found == [None]
+
+
+@pytest.mark.parametrize("name", ["operator/", "../images/operator", "Operator", ""])
+def test_an_image_name_that_is_no_folder_name_is_one_clear_error(name, capsys) -> None:
+    """``dwdp dev images --only NAME`` with a path or a bad name: one line on stderr naming
+    the rule, exit status 1 (it was a FileNotFoundError traceback from the log path)."""
+    from dwdp.cli import main
+
+    assert main(["dev", "images", "--only", name]) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.count("\n") == 1 and f"no image {name!r}" in out.err
+    assert "lowercase letters, digits and '-'" in out.err

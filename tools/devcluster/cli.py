@@ -69,9 +69,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _user_error(exc: Exception):
+    """The one-line error ``dwdp`` prints for ``exc`` (its first line, on stderr); the lines
+    after it (a log excerpt, the fix) are printed to stderr first, so nothing shows twice."""
+    import sys
+
     from dwdp.cli import UserError
 
-    return UserError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    first, _, rest = str(exc).partition("\n")
+    if rest.strip():
+        print(rest.rstrip(), file=sys.stderr)
+    return UserError(first or type(exc).__name__)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -82,7 +89,6 @@ def _build(args: argparse.Namespace) -> int:
         if args.tools:
             tools.ensure_tools()
     except (build.BuildError, tools.ToolsError) as exc:
-        print(str(exc))
         raise _user_error(exc) from None
     print(path)
     return 0
@@ -97,7 +103,6 @@ def _images(args: argparse.Namespace) -> int:
         try:
             stored = images.build_image(name, progress=lambda m: print(m, file=sys.stderr))
         except images.ImageError as exc:
-            print(str(exc))
             raise _user_error(exc) from None
         print(f"{stored.reference} oci:{stored.layout}:{stored.tag} {stored.digest}")
     return 0
@@ -121,7 +126,6 @@ def _up(args: argparse.Namespace) -> int:
         tools.ensure_tools()
         seconds = c.up(binary=build.build(), timeout_s=args.timeout, **overrides)
     except (build.BuildError, tools.ToolsError, cluster.ClusterError) as exc:
-        print(str(exc))
         raise _user_error(exc) from None
     print(f"cluster up in {seconds:.1f} s; state {c.state_dir}")
     print(f"export KUBECONFIG={c.kubeconfig}")

@@ -144,6 +144,11 @@ def base_hash() -> str:
 
 def input_hash(name: str) -> str:
     """Hex digest (16 chars) of everything image ``name`` is built from."""
+    if re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) is None:
+        raise ImageError(
+            f"no image {name!r}: an image name is a folder of images/ (lowercase letters, "
+            "digits and '-', e.g. operator)"
+        )
     repo = _repo()
     dockerfile = repo / "images" / name / "Dockerfile"
     if not dockerfile.is_file():
