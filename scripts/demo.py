@@ -661,12 +661,14 @@ def main(argv: list[str] | None = None) -> int:
             say(f'  eval "$(.venv/bin/dwdp dev env --state-dir {state})"  # or:')
             say(f"  export KUBECONFIG={tc.kubeconfig} PATH={tc.tools_bin}:$PATH")
             say(f"  kubectl get dwdp -n {NAMESPACE} -o wide")
-            say(
+            say(  # the router's address and its http port (the slice lists metrics too)
                 f"  kubectl get endpointslices -n {NAMESPACE} "
-                f"-l kubernetes.io/service-name={NAME}-router"
+                f"-l kubernetes.io/service-name={NAME}-router -o jsonpath="
+                "'{.items[0].endpoints[0].addresses[0]}:"
+                '{.items[0].ports[?(@.name=="http")].port}\''
             )
             say(
-                "  curl http://<address>:<port>/v1/completions -H 'content-type: "
+                "  curl http://<that address:port>/v1/completions -H 'content-type: "
                 "application/json' -H 'authorization: Bearer <the key of Secret "
                 f"{API_KEY_SECRET}>' "
                 '-d \'{"prompt": "Hello", "max_tokens": 8}\''
