@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -141,6 +142,12 @@ def build(verbose: bool = False) -> Path:
             ".",
         ]
         start = time.monotonic()
+        print(
+            f"dwdp dev: building the control plane with {go} (first build about 11 minutes "
+            f"and 3 GB of memory on 2 cores; log {log})",
+            file=sys.stderr,
+            flush=True,
+        )
         with open(log, "w") as out:
             out.write(" ".join(cmd) + "\n")
             out.flush()
