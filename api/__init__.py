@@ -11,6 +11,8 @@ Depends only on pydantic and PyYAML, so the operator, the worker and the CLI sha
   launch_config_for.
 - ``dwdp.api.placement``: image pull Secrets, Affinity and GpuSpec (device plugin or DRA)
   of the worker pods.
+- ``dwdp.api.names``: Kubernetes name formats (DNS-1123 names, qualified names) and their
+  rule in words.
 - ``dwdp.api.crd``: the CRD generated from the models (``dwdp crd``).
 - ``dwdp.api.errors``: Problem (field path, value, rule) and DwdpValidationError.
 - ``dwdp.api.contract``: the rank contract (pod environment names, ``/dwdp/status`` phases,

@@ -25,6 +25,7 @@ from dwdp.api.config import DwdpConfig
 from dwdp.api.contract import USER_ENV
 from dwdp.api.enums import HandleType, Role, Transport
 from dwdp.api.errors import (
+    UNSET,
     DwdpValidationError,
     Problem,
     RuleViolations,
@@ -40,12 +41,14 @@ from dwdp.api.launch import (
     ParallelConfig,
     launch_problems,
 )
+from dwdp.api.names import DNS1123_SUBDOMAIN, NameFormat
 from dwdp.api.placement import DEFAULT_GPU_RESOURCE, Affinity, GpuSpec, LocalObjectReference
 from dwdp.api.security import NetworkPolicySpec, PodSecurityContext, SecurityContext
 from dwdp.api.support import Scope, SectionView, worker_limit_problems, worker_limit_rules
 
 __all__ = [
     "API_VERSION",
+    "DEPLOYMENT_NAME",
     "GROUP",
     "KIND",
     "NAME_MAX_LENGTH",
@@ -97,6 +100,15 @@ NAME_MAX_LENGTH = 40
 DNS-1035 labels of at most 63 characters."""
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 """A DNS-1035 label: lower-case letters, digits and '-', starting with a letter."""
+DEPLOYMENT_NAME = NameFormat(
+    "DNS-1035 label",
+    NAME_PATTERN,
+    NAME_MAX_LENGTH,
+    "lowercase letters, digits and '-', starting with a letter and ending with a letter or "
+    "digit",
+)
+"""``metadata.name`` of a DwdpDeployment; the CRD's root schema restricts it with
+``NAME_PATTERN`` and ``NAME_MAX_LENGTH`` (all a CRD may restrict in metadata)."""
 
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
@@ -557,11 +569,8 @@ class RendezvousSpec(ApiModel):
 class SecretKeyRef(ApiModel):
     """One key of a Secret in the deployment's namespace."""
 
-    name: str = Field(
-        min_length=1,
-        max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-        description="Name of the Secret (a DNS subdomain).",
+    name: Annotated[str, DNS1123_SUBDOMAIN] = Field(
+        description="Name of the Secret (a DNS-1123 subdomain)."
     )
     key: str = Field(
         default="api-key",
@@ -759,9 +768,10 @@ _DRA_WITH_DEVICE_PLUGIN = (
 )
 
 
-_ONE_TEMPLATE = (
-    "must equal context.ranksPerPod when gpu.resourceClaimTemplateName is set: one "
-    "ResourceClaimTemplate gives every worker pod its GPUs"
+_GENERATION_TEMPLATE = (
+    "is required under DRA (gpu.resourceClaimTemplateName) when there are generation servers "
+    "and generation.ranksPerPod differs from context.ranksPerPod: the context template gives "
+    "each pod context.ranksPerPod GPUs"
 )
 
 
@@ -770,9 +780,11 @@ def _rules_spec() -> list[dict[str, str]]:
     return [
         cel_rule(
             "!has(self.gpu) || !has(self.gpu.resourceClaimTemplateName) || "
-            "!has(self.generation) || self.generation.ranksPerPod == self.context.ranksPerPod",
-            f"generation.ranksPerPod {_ONE_TEMPLATE}",
-            field_path=".generation.ranksPerPod",
+            "has(self.gpu.generationResourceClaimTemplateName) || !has(self.generation) || "
+            "self.generation.replicas == 0 || "
+            "self.generation.ranksPerPod == self.context.ranksPerPod",
+            f"gpu.generationResourceClaimTemplateName {_GENERATION_TEMPLATE}",
+            field_path=".gpu.generationResourceClaimTemplateName",
         ),
         cel_rule(
             "!has(self.gpu) || !has(self.gpu.resourceClaimTemplateName) || !has(self.resources)"
@@ -831,7 +843,8 @@ class DwdpDeploymentSpec(ApiModel):
         default_factory=GpuSpec,
         json_schema_extra=_EMPTY_DEFAULT,
         description="How each worker pod gets its ranksPerPod GPUs: the device plugin's "
-        "resource (default nvidia.com/gpu) or a DRA ResourceClaimTemplate.",
+        "resource (default nvidia.com/gpu) or DRA ResourceClaimTemplates (the generation pods' "
+        "own when their GPU count differs from the context pods').",
     )
     env: list[EnvVar] | None = Field(
         default=None, max_length=128, description="Extra environment variables of every worker."
@@ -885,15 +898,23 @@ class DwdpDeploymentSpec(ApiModel):
 
     def _gpu_problems(self) -> list[Problem]:
         """The rules of a DRA claim (``gpu.resourceClaimTemplateName``): ``resources`` must
-        not name the device plugin's GPU, and both roles need the template's GPU count."""
-        if self.gpu.resource_claim_template_name is None:
+        not name the device plugin's GPU, and generation servers whose pods hold another GPU
+        count than the context pods need a template of their own
+        (``gpu.generationResourceClaimTemplateName``)."""
+        gpu = self.gpu
+        if gpu.resource_claim_template_name is None:
             return []
         problems = []
-        gen = self.generation
-        if gen is not None and gen.ranks_per_pod != self.context.ranks_per_pod:
-            problems.append(
-                Problem(("generation", "ranksPerPod"), gen.ranks_per_pod, _ONE_TEMPLATE)
-            )
+        gen, ranks = self.generation, self.context.ranks_per_pod
+        if (
+            gen is not None
+            and gen.replicas > 0
+            and gen.ranks_per_pod != ranks
+            and gpu.generation_resource_claim_template_name is None
+        ):
+            counts = f"(here {ranks}, generation.ranksPerPod {gen.ranks_per_pod})"
+            rule = f"{_GENERATION_TEMPLATE} {counts}"
+            problems.append(Problem(("gpu", "generationResourceClaimTemplateName"), UNSET, rule))
         parts = () if self.resources is None else ("limits", "requests")
         held = {
             part: values
@@ -1107,17 +1128,9 @@ class ObjectMeta(ApiModel):
                     [Problem(("name",), None, "is required (or generateName)")]
                 )
             return self
-        if len(self.name) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, self.name):
-            raise RuleViolations(
-                [
-                    Problem(
-                        ("name",),
-                        self.name,
-                        f"must be a DNS-1035 label of at most {NAME_MAX_LENGTH} characters "
-                        "(lower-case letters, digits and '-', starting with a letter)",
-                    )
-                ]
-            )
+        problems = DEPLOYMENT_NAME.problems(self.name, ("name",))
+        if problems:
+            raise RuleViolations(problems)
         return self
 
 

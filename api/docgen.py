@@ -85,16 +85,19 @@ def _rows(
     for rule in node.get("x-kubernetes-validations") or ():
         field = (rule.get("fieldPath") or "").lstrip(".").split(".")[0]
         cel_by_field.setdefault(field, []).append(rule["message"])
+    item = node.get("items") or {} if node.get("type") == "array" else {}
+    scalars = bool(item) and "properties" not in item
     if path:
         rules = _constraints(node, required) + cel_by_field.pop("", [])
+        if scalars:  # a list of strings or numbers: its items' CEL rules are this row's
+            rules += [f"items: {r['message']}" for r in item.get("x-kubernetes-validations") or ()]
         rows.append(
             (path, _type(node), _default(node), "; ".join(rules), node.get("description", ""))
         )
     props = node.get("properties") or {}
-    if node.get("type") == "array":
-        props = (node.get("items") or {}).get("properties") or {}
-        item = node.get("items") or {}
-        for rule in item.get("x-kubernetes-validations") or ():
+    if item:
+        props = item.get("properties") or {}
+        for rule in () if scalars else item.get("x-kubernetes-validations") or ():
             field = (rule.get("fieldPath") or "").lstrip(".").split(".")[0]
             cel_by_field.setdefault(field, []).append(rule["message"])
         req = set(item.get("required") or ())

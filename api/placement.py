@@ -7,8 +7,9 @@ with their standard sub-structure), checked with the rules the apiserver applies
 DwdpDeployment and not later, when the operator creates pods. :class:`GpuSpec` says how a
 worker pod gets its ``ranksPerPod`` GPUs: as the device plugin's extended resource (default
 ``nvidia.com/gpu``), or through Dynamic Resource Allocation from a ResourceClaimTemplate of
-the deployment's namespace. Every model here turns into a schema of the CRD with the same
-rules as CEL (:mod:`dwdp.api.crd`).
+the deployment's namespace (the generation pods from one of their own when set). The name
+fields take their format and its plain-words rule from :mod:`dwdp.api.names`. Every model
+here turns into a schema of the CRD with the same rules as CEL (:mod:`dwdp.api.crd`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from dwdp.api.base import ApiModel, cel_rule, cel_rules
+from dwdp.api.enums import Role
 from dwdp.api.errors import Problem, RuleViolations
+from dwdp.api.names import DNS1123_LABEL, DNS1123_SUBDOMAIN, EXTENDED_RESOURCE_NAME, QUALIFIED_NAME
 from dwdp.api.security import LabelSelector
 
 __all__ = [
     "DEFAULT_GPU_RESOURCE",
-    "DNS1123_LABEL_PATTERN",
-    "DNS1123_SUBDOMAIN_PATTERN",
-    "QUALIFIED_NAME_PATTERN",
     "Affinity",
     "GpuSpec",
     "LocalObjectReference",
@@ -44,23 +44,9 @@ __all__ = [
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 """The extended resource NVIDIA's device plugin advertises, one per GPU."""
 
-_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-DNS1123_LABEL_PATTERN = f"^{_DNS_LABEL}$"
-"""A DNS-1123 label (a namespace name): lower-case letters, digits and '-', at most 63."""
-DNS1123_SUBDOMAIN_PATTERN = rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$"
-"""A DNS-1123 subdomain (a Secret's or a ResourceClaimTemplate's name): dot-separated
-DNS-1123 labels, at most 253 characters."""
-_NAME_PART = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-QUALIFIED_NAME_PATTERN = rf"^({_DNS_LABEL}(\.{_DNS_LABEL})*/)?{_NAME_PART}$"
-"""A Kubernetes qualified name (a label key, a topology key): an optional DNS-subdomain
-prefix and '/', then a name of at most 63 letters, digits, '-', '_' and '.'."""
-_EXTENDED_RESOURCE_PATTERN = rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*/{_NAME_PART}$"
-
-SubdomainName = Annotated[
-    str, Field(min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN_PATTERN)
-]
-NamespaceName = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS1123_LABEL_PATTERN)]
-QualifiedName = Annotated[str, Field(min_length=1, max_length=317, pattern=QUALIFIED_NAME_PATTERN)]
+SubdomainName = Annotated[str, DNS1123_SUBDOMAIN]
+NamespaceName = Annotated[str, DNS1123_LABEL]
+QualifiedName = Annotated[str, QUALIFIED_NAME]
 LabelValue = Annotated[str, Field(max_length=63)]
 Weight = Annotated[int, Field(strict=True, ge=1, le=100)]
 """A preference's weight, 1..100 (the scheduler adds the weights of the terms a node meets)."""
@@ -247,15 +233,22 @@ class Affinity(ApiModel):
 _GPU_ONE_OF = (
     "set at most one of resourceName (the device plugin) and resourceClaimTemplateName (DRA)"
 )
+_GENERATION_NEEDS_DRA = (
+    "needs resourceClaimTemplateName (DRA): it is the generation pods' DRA claim, and "
+    "without DRA every pod gets the device plugin's GPUs"
+)
 
 
 class GpuSpec(ApiModel):
     """How each worker pod gets its ``ranksPerPod`` GPUs: the device plugin's extended
-    resource (the default, ``nvidia.com/gpu``) or a DRA ResourceClaimTemplate.
+    resource (the default, ``nvidia.com/gpu``) or DRA ResourceClaimTemplates.
 
     With ``resourceClaimTemplateName`` the pod claims ``gpus`` from that template (which
     must exist in the deployment's namespace and allocate ``ranksPerPod`` GPUs: the operator
     does not own the template and cannot check its count) and requests no extended resource.
+    The generation pods claim ``generationResourceClaimTemplateName`` instead when it is set
+    (a template of ``generation.ranksPerPod`` GPUs); the spec requires it when the two roles'
+    ``ranksPerPod`` differ.
     """
 
     model_config = ConfigDict(
@@ -265,16 +258,19 @@ class GpuSpec(ApiModel):
                     "!(has(self.resourceName) && has(self.resourceClaimTemplateName))",
                     _GPU_ONE_OF,
                     field_path=".resourceClaimTemplateName",
-                )
+                ),
+                cel_rule(
+                    "!has(self.generationResourceClaimTemplateName) || "
+                    "has(self.resourceClaimTemplateName)",
+                    _GENERATION_NEEDS_DRA,
+                    field_path=".generationResourceClaimTemplateName",
+                ),
             ]
         )
     )
 
-    resource_name: str | None = Field(
+    resource_name: Annotated[str, EXTENDED_RESOURCE_NAME] | None = Field(
         default=None,
-        min_length=1,
-        max_length=317,
-        pattern=_EXTENDED_RESOURCE_PATTERN,
         description="Extended resource of the device plugin (a domain-prefixed qualified "
         "name); each worker container requests and limits ranksPerPod of it. Unset: "
         "nvidia.com/gpu, unless resourceClaimTemplateName is set.",
@@ -282,9 +278,17 @@ class GpuSpec(ApiModel):
     resource_claim_template_name: SubdomainName | None = Field(
         default=None,
         description="A ResourceClaimTemplate (resource.k8s.io) of the deployment's namespace "
-        "that allocates ranksPerPod GPUs: each worker pod claims it as 'gpus' instead of "
-        "requesting an extended resource. The operator cannot check the count in a template "
-        "it does not own.",
+        "that allocates context.ranksPerPod GPUs: each worker pod claims it as 'gpus' instead "
+        "of requesting an extended resource (the generation pods too, unless "
+        "generationResourceClaimTemplateName is set). The operator cannot check the count in "
+        "a template it does not own.",
+    )
+    generation_resource_claim_template_name: SubdomainName | None = Field(
+        default=None,
+        description="The ResourceClaimTemplate of the generation pods, allocating "
+        "generation.ranksPerPod GPUs (DRA only: needs resourceClaimTemplateName). Required "
+        "when generation.ranksPerPod differs from context.ranksPerPod; unset: the generation "
+        "pods claim resourceClaimTemplateName.",
     )
 
     @property
@@ -295,16 +299,27 @@ class GpuSpec(ApiModel):
             return None
         return self.resource_name or DEFAULT_GPU_RESOURCE
 
+    def claim_template(self, role: Role) -> str | None:
+        """The ResourceClaimTemplate the pods of ``role`` claim their GPUs from; None
+        without DRA. Generation pods take ``generationResourceClaimTemplateName`` when set."""
+        if role is Role.GENERATION and self.generation_resource_claim_template_name is not None:
+            return self.generation_resource_claim_template_name
+        return self.resource_claim_template_name
+
     @model_validator(mode="after")
     def _check(self) -> GpuSpec:
+        problems = []
         if self.resource_name is not None and self.resource_claim_template_name is not None:
-            raise RuleViolations(
-                [
-                    Problem(
-                        ("resourceClaimTemplateName",),
-                        self.resource_claim_template_name,
-                        _GPU_ONE_OF,
-                    )
-                ]
+            problems.append(
+                Problem(
+                    ("resourceClaimTemplateName",), self.resource_claim_template_name, _GPU_ONE_OF
+                )
             )
+        generation = self.generation_resource_claim_template_name
+        if generation is not None and self.resource_claim_template_name is None:
+            problems.append(
+                Problem(("generationResourceClaimTemplateName",), generation, _GENERATION_NEEDS_DRA)
+            )
+        if problems:
+            raise RuleViolations(problems)
         return self

@@ -424,7 +424,7 @@ def role_template(
         template["imagePullSecrets"] = image_pull_secrets(spec)
     if spec.affinity is not None and (affinity := spec.affinity.to_yaml_dict()):
         template["affinity"] = affinity
-    claim = spec.gpu.resource_claim_template_name
+    claim = spec.gpu.claim_template(role)
     if claim is not None:
         template["resourceClaims"] = [{"name": c.GPU_CLAIM, "resourceClaimTemplateName": claim}]
     return template

@@ -127,15 +127,26 @@ def test_the_apiserver_refuses_a_pod_claim_without_its_container_claim(cluster, 
 
 
 def test_the_dra_section_of_install_md_passes_the_apiserver(cluster, namespace) -> None:
-    """docs/install.md's ResourceClaimTemplate (resource.k8s.io/v1) and the worker pod of its
-    DRA DwdpDeployment, moved to the test namespace, pass server-side dry-run."""
+    """docs/install.md's ResourceClaimTemplates (resource.k8s.io/v1, the context pods' and
+    the generation pods') and the worker pods of its DRA DwdpDeployment, moved to the test
+    namespace, pass server-side dry-run, each role's pod claiming its own template."""
     text = (REPO / "docs" / "install.md").read_text()
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
-    (template,) = [b for b in blocks if b["kind"] == "ResourceClaimTemplate"]
-    template["metadata"]["namespace"] = namespace
-    cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(template))
+    templates = [b for b in blocks if b["kind"] == "ResourceClaimTemplate"]
+    for template in templates:
+        template["metadata"]["namespace"] = namespace
+        cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(template))
     (document,) = [b for b in blocks if b["kind"] == "DwdpDeployment" and "gpu" in b["spec"]]
-    (pod,) = _objects(document, namespace)
-    stored = _dry_run_create(cluster, pod)["spec"]
-    name = template["metadata"]["name"]
-    assert stored["resourceClaims"] == [{"name": c.GPU_CLAIM, "resourceClaimTemplateName": name}]
+    gpu = document["spec"]["gpu"]
+    wanted = {
+        Role.CONTEXT.value: gpu["resourceClaimTemplateName"],
+        Role.GENERATION.value: gpu["generationResourceClaimTemplateName"],
+    }
+    assert set(wanted.values()) == {t["metadata"]["name"] for t in templates}
+    pods = [o for o in _objects(document, namespace) if o["kind"] == "Pod"]
+    assert {p["metadata"]["labels"][c.LABEL_ROLE] for p in pods} == set(wanted)
+    for pod in pods:
+        stored = _dry_run_create(cluster, pod)["spec"]
+        name = wanted[pod["metadata"]["labels"][c.LABEL_ROLE]]
+        claims = [{"name": c.GPU_CLAIM, "resourceClaimTemplateName": name}]
+        assert stored["resourceClaims"] == claims

@@ -158,10 +158,12 @@ def test_install_doc_deployment_passes_the_models() -> None:
     assert template["resources"]["limits"][c.GPU_RESOURCE] == 4
     assert template["imagePullSecrets"] == [{"name": "regcred"}]
     assert template["image"].endswith(f"/dwdp-worker:{dwdp.__version__}")
-    # the section on DRA and placement: its spec claims the template and asks no device plugin
-    template = role_template(dra, Role.CONTEXT)
-    assert template["resourceClaims"] == [
-        {"name": c.GPU_CLAIM, "resourceClaimTemplateName": "h200-x4"}
-    ]
-    assert c.GPU_RESOURCE not in template["resources"].get("limits", {})
-    assert template["image"] == first.image
+    # the section on DRA and placement: each role claims its template (4 GPUs per context
+    # pod, 1 per generation pod) and asks no device plugin
+    for role, claimed in ((Role.CONTEXT, "h200-x4"), (Role.GENERATION, "h200-x1")):
+        template = role_template(dra, role)
+        assert template["resourceClaims"] == [
+            {"name": c.GPU_CLAIM, "resourceClaimTemplateName": claimed}
+        ]
+        assert c.GPU_RESOURCE not in template["resources"].get("limits", {})
+        assert template["image"] == first.image

@@ -559,6 +559,58 @@ def test_dra_gpus_and_the_compute_domain_channel_are_both_claimed() -> None:
     }
 
 
+DRA_TWO_TEMPLATES = {
+    "gpu": {
+        "resourceClaimTemplateName": "h200-x2",
+        "generationResourceClaimTemplateName": "h200-x1",
+    },
+    "generation": {"replicas": 2},
+}
+
+
+@pytest.mark.parametrize(
+    ("role", "template"), [(Role.CONTEXT, "h200-x2"), (Role.GENERATION, "h200-x1")]
+)
+def test_each_role_claims_its_own_dra_template(role: Role, template: str) -> None:
+    """Context pods (2 GPUs) claim gpu.resourceClaimTemplateName, generation pods (1 GPU)
+    gpu.generationResourceClaimTemplateName, each as the pod's and its container's 'gpus'
+    claim, with no device-plugin GPU."""
+    spec = parse_deployment(doc(**DRA_TWO_TEMPLATES)).spec
+    claims = [{"name": c.GPU_CLAIM, "resourceClaimTemplateName": template}]
+    assert builders.role_template(spec, role)["resourceClaims"] == claims
+    pod_spec = _pod(spec, role)["spec"]
+    assert pod_spec["resourceClaims"] == claims
+    assert pod_spec["containers"][0]["resources"] == {"claims": [{"name": c.GPU_CLAIM}]}
+
+
+def test_generation_pods_claim_the_context_template_without_their_own() -> None:
+    spec = parse_deployment(
+        doc(
+            context={"replicas": 2, "ranksPerPod": 1, "dwdp": {"dwdpSize": 4}},
+            gpu={"resourceClaimTemplateName": "h200-x1"},
+            generation={"replicas": 1},
+        )
+    ).spec
+    claims = [{"name": c.GPU_CLAIM, "resourceClaimTemplateName": "h200-x1"}]
+    for role in (Role.CONTEXT, Role.GENERATION):
+        assert _pod(spec, role)["spec"]["resourceClaims"] == claims
+
+
+def test_the_generation_template_is_in_the_generation_revision_only() -> None:
+    """Setting gpu.generationResourceClaimTemplateName rolls the generation servers (their
+    pods claim another template) and no context group; its absence adds nothing."""
+    base = {
+        "context": {"replicas": 2, "ranksPerPod": 1, "dwdp": {"dwdpSize": 4}},
+        "gpu": {"resourceClaimTemplateName": "h200-x1"},
+        "generation": {"replicas": 1},
+    }
+    own = {**base, "gpu": {**base["gpu"], "generationResourceClaimTemplateName": "h200-x1-gen"}}
+    before = builders.revisions(parse_deployment(doc(**base)).spec)
+    after = builders.revisions(parse_deployment(doc(**own)).spec)
+    assert before[Role.CONTEXT] == after[Role.CONTEXT]
+    assert before[Role.GENERATION] != after[Role.GENERATION]
+
+
 def test_the_device_plugin_resource_can_be_renamed() -> None:
     """gpu.resourceName replaces nvidia.com/gpu (one per rank), also over a count written in
     spec.resources."""

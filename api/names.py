@@ -1,0 +1,121 @@
+"""Kubernetes name formats, each with its rule in plain words.
+
+A name field of the API (a Secret's, a ResourceClaimTemplate's, a namespace's, a node's, a
+label key, the deployment's own) has one :class:`NameFormat`: the regular expression and
+length bound Kubernetes applies, and the same rule said in words. A format is the one home
+of that rule: ``Annotated[str, FORMAT]`` validates with it (a
+:class:`~dwdp.api.errors.Problem` naming the field, the rule and the value, never the raw
+regular expression) and writes the field's CRD schema as the length bounds plus one CEL
+rule carrying the same words, so ``dwdp validate`` and the apiserver say the same thing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, core_schema
+
+from dwdp.api.base import cel_literal, cel_rule
+from dwdp.api.errors import Problem, RuleViolations
+
+__all__ = [
+    "DNS1123_LABEL",
+    "DNS1123_LABEL_PATTERN",
+    "DNS1123_SUBDOMAIN",
+    "DNS1123_SUBDOMAIN_PATTERN",
+    "EXTENDED_RESOURCE_NAME",
+    "QUALIFIED_NAME",
+    "QUALIFIED_NAME_PATTERN",
+    "NameFormat",
+]
+
+
+@dataclass(frozen=True)
+class NameFormat:
+    """A name format: ``kind`` (``"DNS-1123 subdomain"``), the anchored ``pattern``, the
+    longest name ``max_length`` and the ``characters`` allowed, in words.
+
+    As the metadata of ``Annotated[str, ...]`` it is the field's validator and its schema.
+    """
+
+    kind: str
+    pattern: str
+    max_length: int
+    characters: str
+
+    @property
+    def rule(self) -> str:
+        """The rule in words (``must be a DNS-1123 subdomain: lowercase letters, ...``)."""
+        return f"must be a {self.kind}: {self.characters}, at most {self.max_length} characters"
+
+    def fits(self, value: str) -> bool:
+        """True when ``value`` is a name of this format."""
+        return 0 < len(value) <= self.max_length and re.fullmatch(self.pattern, value) is not None
+
+    def problems(self, value: str, path: tuple[str | int, ...] = ()) -> list[Problem]:
+        """The broken rule at ``path`` when ``value`` is not a name of this format."""
+        return [] if self.fits(value) else [Problem(path, value, self.rule)]
+
+    def _validate(self, value: str) -> str:
+        problems = self.problems(value)
+        if problems:
+            raise RuleViolations(problems)
+        return value
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        return core_schema.no_info_after_validator_function(self._validate, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        out = handler(schema)
+        # The bounds stay schema keywords (the apiserver's CEL cost estimate needs
+        # maxLength); the pattern becomes a CEL rule so the refusal carries the words.
+        out.update(minLength=1, maxLength=self.max_length)
+        out["x-kubernetes-validations"] = [
+            cel_rule(f"self.matches({cel_literal(self.pattern)})", self.rule)
+        ]
+        return out
+
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_SUBDOMAIN = rf"{_DNS_LABEL}(\.{_DNS_LABEL})*"
+_NAME_PART = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_ENDS = "starting and ending with a letter or digit"
+
+DNS1123_LABEL_PATTERN = f"^{_DNS_LABEL}$"
+DNS1123_SUBDOMAIN_PATTERN = f"^{_SUBDOMAIN}$"
+QUALIFIED_NAME_PATTERN = rf"^({_SUBDOMAIN}/)?{_NAME_PART}$"
+
+DNS1123_LABEL = NameFormat(
+    "DNS-1123 label", DNS1123_LABEL_PATTERN, 63, f"lowercase letters, digits and '-', {_ENDS}"
+)
+"""A namespace's name."""
+DNS1123_SUBDOMAIN = NameFormat(
+    "DNS-1123 subdomain",
+    DNS1123_SUBDOMAIN_PATTERN,
+    253,
+    f"lowercase letters, digits, '-' and '.', {_ENDS}",
+)
+"""The name of a Secret, a ResourceClaimTemplate, a node."""
+_NAME_WORDS = f"at most 63 letters, digits, '-', '_' and '.', {_ENDS}"
+QUALIFIED_NAME = NameFormat(
+    "qualified name",
+    QUALIFIED_NAME_PATTERN,
+    317,
+    f"an optional DNS-1123 subdomain and '/', then {_NAME_WORDS}",
+)
+"""A label key, a topology key."""
+EXTENDED_RESOURCE_NAME = NameFormat(
+    "domain-prefixed resource name",
+    rf"^{_SUBDOMAIN}/{_NAME_PART}$",
+    317,
+    f"a DNS-1123 subdomain, '/', then {_NAME_WORDS}",
+)
+"""An extended resource of a device plugin (``nvidia.com/gpu``)."""
