@@ -24,9 +24,17 @@ def install_crd(cluster: Any) -> None:
     from dwdp.api.crd import crd_yaml
 
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=30s"
-    )
+
+    def established() -> bool:
+        # not `kubectl wait`: on a CRD created a moment ago it fails on the absent
+        # .status.conditions instead of waiting for them
+        conditions = cluster.get("crd", "dwdpdeployments.dwdp.io").get("status") or {}
+        return any(
+            c.get("type") == "Established" and c.get("status") == "True"
+            for c in conditions.get("conditions") or ()
+        )
+
+    cluster.wait_for(established, timeout=30, message="the DwdpDeployment CRD Established")
 
 
 @contextmanager

@@ -68,7 +68,10 @@ def mounted_secret(cluster: TestCluster, pod: dict) -> bytes:
         Path(cluster.state_dir) / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
     )
     path = folder / "volumes" / mount["name"] / RENDEZVOUS_SECRET_KEY
-    assert stat.S_IMODE(path.stat().st_mode) == 0o400
+    # 0o400 for the pod's user, readable by its fsGroup (as the kubelet's volume ownership
+    # makes it): the worker runs as uid 1000, not as the file's owner (root)
+    fs_group = pod["spec"]["securityContext"]["fsGroup"]
+    assert (stat.S_IMODE(path.stat().st_mode), path.stat().st_gid) == (0o440, fs_group)
     return path.read_bytes()
 
 

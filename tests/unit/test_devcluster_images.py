@@ -44,6 +44,17 @@ def test_the_hash_covers_what_the_dockerfile_copies(tmp_path: Path, monkeypatch)
         images.input_hash("nope")
 
 
+def test_per_image_build_args_name_the_base_and_enter_the_hash(monkeypatch) -> None:
+    worker = images.build_args("worker", "localhost/base:1")
+    assert worker["PYTHON_IMAGE"] == worker["BUILD_IMAGE"] == "localhost/base:1"
+    assert worker["EXTRAS"] == "worker,cuda"  # no mpi4py: nothing to compile
+    assert worker["PIP_NO_CACHE_DIR"] == ""  # pip ignores it: the mounted cache is used
+    assert images.build_args("operator", "b") == {"PYTHON_IMAGE": "b", "PIP_NO_CACHE_DIR": ""}
+    first = images.input_hash("worker")
+    monkeypatch.setitem(images.BUILD_ARGS, "worker", {**images.BUILD_ARGS["worker"], "X": "1"})
+    assert images.input_hash("worker") != first
+
+
 def image(tmp_path: Path, **config) -> RunImage:
     (tmp_path / "etc").mkdir(exist_ok=True)
     (tmp_path / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\napp:x:1000:1001::/:\n")

@@ -21,7 +21,9 @@ those of the first build of these inputs. The store (``<cache>/images``, the cac
 
 pip in the build uses the host's CA bundle (``$PIP_CERT``, ``$SSL_CERT_FILE`` or the
 Debian bundle) and index (``$PIP_INDEX_URL``) through a pip.conf mounted for the RUN steps
-only (buildah ``-v``), never baked into the image.
+only (buildah ``-v``), and the host's pip cache (``$PIP_CACHE_DIR`` or ``~/.cache/pip``,
+created if missing) mounted the same way, never baked into the image. Per-image build args
+(:data:`BUILD_ARGS`: the worker's build stage on the base, its extras) are part of the hash.
 """
 
 from __future__ import annotations
@@ -54,6 +56,18 @@ RECIPE = "2"
 REGISTRY = "ghcr.io/dwdp"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SKIP = ("__pycache__",)
+BASE_ARG = "{base}"
+"""In :data:`BUILD_ARGS`, replaced by the local base's name in the build's storage."""
+BUILD_ARGS: dict[str, dict[str, str]] = {
+    # Both stages on the local base (bookworm's python3 3.11: binary wheels of every
+    # dependency, no compiler) and the extras without mpi4py (compiled from source).
+    "worker": {"BUILD_IMAGE": BASE_ARG, "EXTRAS": "worker,cuda"},
+}
+"""The build args of the local build of each image beyond PYTHON_IMAGE (the base), VERSION,
+REVISION and CREATED: the one home of the per-image settings (part of the image's hash)."""
+PIP_CACHE_ARG = {"PIP_NO_CACHE_DIR": ""}
+"""What every local build passes: an empty PIP_NO_CACHE_DIR (pip ignores it) lets a
+Dockerfile that takes it as an ARG use the pip cache mounted for its RUN steps."""
 
 
 class ImageError(RuntimeError):
@@ -155,11 +169,19 @@ def input_hash(name: str) -> str:
         raise ImageError(f"no image {name!r}: {dockerfile} is missing")
     h = hashlib.sha256()
     h.update(f"{RECIPE}\0{base_hash()}\0{version()}\0".encode())
+    h.update(json.dumps(build_args(name, BASE_ARG), sort_keys=True).encode() + b"\0")
     _hash_tree(h, repo, f"images/{name}/Dockerfile")
     _hash_tree(h, repo, "images/constraints.txt")
     for src in sorted(set(_copy_sources(dockerfile))):
         _hash_tree(h, repo, src.rstrip("/"))
     return h.hexdigest()[:16]
+
+
+def build_args(name: str, base: str) -> dict[str, str]:
+    """The build args of image ``name`` beyond VERSION, REVISION and CREATED, with ``base``
+    (the base image's name) for PYTHON_IMAGE and wherever :data:`BUILD_ARGS` says so."""
+    extra = {k: base if v == BASE_ARG else v for k, v in BUILD_ARGS.get(name, {}).items()}
+    return {"PYTHON_IMAGE": base, **PIP_CACHE_ARG, **extra}
 
 
 # ----------------------------------------------------------------------------- running
@@ -294,7 +316,9 @@ def _pip_conf(folder: Path) -> list[str]:
             lines.append(f"{key} = {os.environ[env]}")
     conf = folder / "pip.conf"
     conf.write_text("\n".join(lines) + "\n")
-    return [*volumes, "-v", f"{conf}:/etc/pip.conf:ro"]
+    cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
+    cache.mkdir(parents=True, exist_ok=True)
+    return [*volumes, "-v", f"{conf}:/etc/pip.conf:ro", "-v", f"{cache}:/root/.cache/pip"]
 
 
 def _revision(repo: Path) -> str:
@@ -415,8 +439,11 @@ def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | 
                     str(repo / "images" / name / "Dockerfile"),
                     "--tag",
                     local,
-                    "--build-arg",
-                    f"PYTHON_IMAGE={based}",
+                    *(
+                        w
+                        for k, v in build_args(name, based).items()
+                        for w in ("--build-arg", f"{k}={v}")
+                    ),
                     "--build-arg",
                     f"VERSION={tag}",
                     "--build-arg",

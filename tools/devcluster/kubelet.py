@@ -283,6 +283,12 @@ def privilege_argv(security: dict) -> list[str]:
     return ["setpriv", *argv, "--"] if argv else []
 
 
+def _fs_group(pod: dict) -> int | None:
+    """The pod's ``securityContext.fsGroup`` (None: unset)."""
+    value = (pod["spec"].get("securityContext") or {}).get("fsGroup")
+    return None if value is None else int(value)
+
+
 # ----------------------------------------------------------------------------- images
 ENTER = Path(__file__).resolve().with_name("enter.py")
 """The helper that chroots into an image's root, drops privileges and execs."""
@@ -677,7 +683,7 @@ class PodWorker(threading.Thread):
                 out[name] = self._pvc_path(vol["persistentVolumeClaim"]["claimName"])
             elif any(k in vol for k in ("configMap", "secret", "downwardAPI", "projected")):
                 files = self._volume_files(pod, vol)
-                self._write_files(target, files, vol)
+                self._write_files(target, files, vol, _fs_group(pod))
                 out[name] = target
             else:
                 kinds = sorted(k for k in vol if k != "name")
@@ -821,9 +827,17 @@ class PodWorker(threading.Thread):
         return files
 
     @staticmethod
-    def _write_files(target: Path, files: dict[str, tuple[bytes, int | None]], vol: dict) -> None:
+    def _write_files(
+        target: Path,
+        files: dict[str, tuple[bytes, int | None]],
+        vol: dict,
+        fs_group: int | None = None,
+    ) -> None:
         """Write a volume's files atomically (a new ``..data`` folder swapped in, as the
-        kubelet does), so a bind mount of ``target`` sees updates."""
+        kubelet does), so a bind mount of ``target`` sees updates. With the pod's
+        ``fsGroup`` they belong to that group and it may read them (files ``| 0o440``,
+        folders ``| 0o2550``), as the kubelet's volume ownership makes them; a file mode of
+        0o400 (a Secret for the pod's user) is then readable by a non-root container."""
         body: dict[str, Any] = next(
             (vol[k] for k in ("configMap", "secret", "downwardAPI", "projected") if k in vol), {}
         )
@@ -837,6 +851,10 @@ class PodWorker(threading.Thread):
             path.write_bytes(content)
             path.chmod(mode if mode is not None else default_mode)
         data_dir.mkdir(exist_ok=True)
+        if fs_group is not None:
+            for path in [data_dir, *data_dir.rglob("*")]:
+                os.chown(path, -1, fs_group)
+                path.chmod(path.stat().st_mode & 0o7777 | (0o2550 if path.is_dir() else 0o440))
         tmp_link = target / "..data_tmp"
         tmp_link.unlink(missing_ok=True)
         tmp_link.symlink_to(stamp)
@@ -858,7 +876,8 @@ class PodWorker(threading.Thread):
         self.token_refresh = [t for t in self.token_refresh if t[0] > now]
         for _, vol, target in due:
             try:
-                self._write_files(target, self._volume_files(self.snapshot(), vol), vol)
+                pod = self.snapshot()
+                self._write_files(target, self._volume_files(pod, vol), vol, _fs_group(pod))
             except SetupError as exc:
                 log.warning("%s: token refresh failed: %s", self.name, exc)
                 self.token_refresh.append((now + 10, vol, target))

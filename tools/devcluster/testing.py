@@ -13,6 +13,9 @@
   (dwdp.devcluster.images: built without a daemon the first time, minutes; reused while its
   inputs are unchanged). While it is stored, the process kubelet runs pods naming it (the
   chart's default image) from its root filesystem.
+- ``worker_image`` (session): the worker image (``images/worker/Dockerfile`` with the
+  ``worker,cuda`` extras on the same base: about 6 GB of torch and CUDA wheels, a cold build
+  takes minutes; cached the same way).
 
 The ``cluster`` object is a ``TestCluster``: ``kubeconfig``, ``env``, ``kubectl()``,
 ``helm()``, ``api_client()``, ``apply()``, ``get()``, ``exists()``, ``wait_for()``
@@ -253,10 +256,22 @@ def namespace(cluster: TestCluster, request: pytest.FixtureRequest) -> Iterator[
         cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
+def _stored_image(name: str) -> images.StoredImage:
+    """Image ``name`` built (or found up to date) in the local OCI store; a failed build
+    fails the test that asked for it."""
+    try:
+        return images.build_image(name, progress=lambda m: print(m, file=sys.stderr))
+    except images.ImageError as exc:
+        pytest.fail(f"the {name} image did not build: {exc}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def operator_image() -> images.StoredImage:
     """The operator image of this checkout in the local OCI store (see the module docstring)."""
-    try:
-        return images.build_image("operator", progress=lambda m: print(m, file=sys.stderr))
-    except images.ImageError as exc:
-        pytest.fail(f"the operator image did not build: {exc}", pytrace=False)
+    return _stored_image("operator")
+
+
+@pytest.fixture(scope="session")
+def worker_image() -> images.StoredImage:
+    """The worker image of this checkout in the local OCI store (see the module docstring)."""
+    return _stored_image("worker")
