@@ -98,10 +98,10 @@ def _gate(gate_up: Any, weights: Any) -> Any:
 
 
 def _combine(down: Any, back: Any, tokens: int, top_k: int) -> Any:
-    import torch
-
     """Each token's ``top_k`` rows of ``down`` [S, H] (row ``back[t * top_k + k]``) summed in
     fp32: [T, H]."""
+    import torch
+
     rows = down.index_select(0, back).view(tokens, top_k, down.shape[-1])
     return rows.sum(dim=1, dtype=torch.float32)
 
