@@ -49,7 +49,8 @@ def load(ckpt: str, *, backend: Any = None, transport: Any = None, world: int = 
          copy_settings: dict | None = None) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, attachment)``: the checkpoint on cuda:0 with the worker's GPU
     kernels and attention (``use_cuda_kernels``, ``use_paged_attention``; ``kernels``:
-    ``fused``, ``triton-combine`` = fused with the Triton combine, ``eager`` = without the
+    ``fused`` (the worker's), ``compiled-combine`` = fused but the experts' combine through
+    ``torch.compile`` instead of the Triton kernel, ``eager`` = without the
     compiled ones, ``transformers`` = its own), with DWDP
     attached when a ``backend`` is given (expert DWDP, dense too when ``dense``;
     ``copy_settings``: other ``CopySettings`` fields, e.g. ``gather_blocks``); attachment
@@ -67,7 +68,7 @@ def load(ckpt: str, *, backend: Any = None, transport: Any = None, world: int = 
     model.to("cuda:0")
     if kernels != "transformers":
         use_cuda_kernels(model, fuse=kernels != "eager",
-                         triton_combine=kernels == "triton-combine")
+                         triton_combine=kernels != "compiled-combine")
         use_paged_attention(model)
     if backend is None:
         return model, tok, None

@@ -49,7 +49,7 @@ class Config(NamedTuple):
 
 CONFIGS = [
     Config("replicated"),
-    Config("replicated/triton-combine", kernels="triton-combine"),
+    Config("replicated/compiled-combine", kernels="compiled-combine"),
     Config("expert/2/gather-register", True, False, 2, "gather", "register"),
     Config("dense/2/per_slice", True, True, 2, "per_slice"),
     Config("dense/2/batched", True, True, 2, "batched"),
@@ -60,14 +60,18 @@ CONFIGS = [
            "register", {"reserve_model_sms": True, "gather_blocks": 16}),
     Config("dense/2/gather-register/sm-reserve/8-blocks", True, True, 2, "gather",
            "register", {"reserve_model_sms": True, "gather_blocks": 8}),
+    Config("dense/2/gather-register/64-blocks", True, True, 2, "gather", "register",
+           {"gather_blocks": 64}),
+    Config("dense/3/gather-register/64-blocks", True, True, 3, "gather", "register",
+           {"gather_blocks": 64}),
     Config("dense/2/gather-tma", True, True, 2, "gather", "tma"),
     Config("dense/3/gather-register", True, True, 3, "gather", "register"),
     Config("dense/3/batched", True, True, 3, "batched"),
 ]
 """``sm-reserve``: the model's persistent GEMMs leave the gather's SMs free while DWDP is
 attached (``CopySettings.reserve_model_sms``); ``N-blocks``: the gather's grid
-(``gather_blocks``; default ``DEFAULT_GATHER_BLOCKS``); ``triton-combine``: the experts'
-combine through ``moe_combine``."""
+(``gather_blocks``; default ``DEFAULT_GATHER_BLOCKS``); ``compiled-combine``: the experts'
+combine through ``torch.compile`` instead of ``moe_combine``'s Triton kernel."""
 PROFILED = "dense/2/gather-register"
 
 

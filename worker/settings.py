@@ -66,8 +66,9 @@ class CopySettings:
     gather_blocks: int = DEFAULT_GATHER_BLOCKS
     reserve_model_sms: bool = False
     """Whether the model's persistent GEMM grids leave the gather's SM reserve free while
-    DWDP is attached (``Backend.reserve_sms``; no effect without a gather kernel). Off until
-    ``bench/gpu_forward.py``'s ``sm-reserve`` rows have measured it on a GPU."""
+    DWDP is attached (``Backend.reserve_sms``; no effect without a gather kernel). Off: on one
+    H200 it changed the 8K-token forward by under 1% and slowed the 16K one by 2%
+    (``bench/results/gpu_forward-sm-reserve.txt``)."""
     notes: tuple[str, ...] = ()
     """The WARNING lines the resolution logged (a fallback), for the log and the tests."""
 

@@ -15,9 +15,9 @@ Per rank and scenario: device peak = torch's ``max_memory_allocated`` (reset whe
 scenario starts: the model, the expert and dense slots, which are torch allocations,
 activations) + the VMM stores (``cuMemCreate``, which torch does not count; granularity-
 rounded). Bound = 1.1 x (replicated part + experts/4 + slots (+ the dense store with dense
-DWDP)), where the replicated part is what the rank's model holds after the load (checked to
-be the checkpoint's non-expert bytes) and experts/4 the checkpoint's expert bytes of the
-rank's range.
+DWDP) + the serving engine's KV pool, which the generation allocates), where the replicated
+part is what the rank's model holds after the load (checked to be the checkpoint's
+non-expert bytes) and experts/4 the checkpoint's expert bytes of the rank's range.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def _bound(rec: dict, sizes: dict[str, int]) -> tuple[int, int]:
     start, end = rec["range"]
     share = sizes["experts"] * (end - start) // SHAPE.num_experts
     dense_store = rec["resident"].get("dense", {}).get("store_allocated_bytes", 0)
-    return share, int(SLACK * (rec["loaded_weights"] + share + rec["slots"] + dense_store))
+    held = rec["loaded_weights"] + share + rec["slots"] + dense_store + rec["kv_cache"]
+    return share, int(SLACK * held)
 
 
 def _table(scenario: str, rows: list[dict], sizes: dict[str, int], ref: dict) -> str:

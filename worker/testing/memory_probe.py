@@ -20,7 +20,8 @@ load: the replicated part), ``weights`` (after setup: the model's tensors outsid
 buffers), ``vmm`` (the stores, the allocations torch does not count: ``store_allocated_bytes``
 of every kind), ``stores``/``slots`` (``bytes_stored``/``bytes_slots`` of the status),
 ``resident`` (the status' per-kind numbers), ``range`` (the rank's ``[start, end)``),
-``device_total`` (``None`` on cpu), and ``tokens`` (greedy, one list per prompt).
+``device_total`` (``None`` on cpu), ``tokens`` (greedy, one list per prompt) and
+``kv_cache`` (the bytes of the serving engine's KV pool that generated them: part of ``peak``).
 """
 
 from __future__ import annotations
@@ -93,14 +94,16 @@ def kv_record(model: Any, dwdp: Any, watch: MemoryWatch, max_model_len: int) -> 
     return {"kv_pool": pool.as_dict(), "ledger": ledger.as_dict()}
 
 
-def generate(model: Any, tok: Any, max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of ``PROMPTS`` (one batch, EOS ignored) through the serving engine."""
+def generate(model: Any, tok: Any, max_tokens: int) -> tuple[list[list[int]], int]:
+    """Greedy tokens of ``PROMPTS`` (one batch, EOS ignored) through the serving engine, and
+    the bytes its KV cache pool held (``PagedKVCache.nbytes``)."""
     from dwdp.worker.engine.continuous import ContinuousEngine
     from dwdp.worker.engine.protocol import SamplingParams
 
     engine = ContinuousEngine(model, tok, model_name="probe")
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return [r.token_ids for r in engine.run_batch([tok(p)["input_ids"] for p in PROMPTS], params)]
+    results = engine.run_batch([tok(p)["input_ids"] for p in PROMPTS], params)
+    return [r.token_ids for r in results], engine.runner.cache.nbytes
 
 
 def replicated(path: str, device: str, max_tokens: int) -> dict[str, Any]:
@@ -116,11 +119,11 @@ def replicated(path: str, device: str, max_tokens: int) -> dict[str, Any]:
     watch.end()
     load = _peaks(device)
     weights = tensor_bytes(model)
-    tokens = generate(model, tok, max_tokens)
+    tokens, kv_cache = generate(model, tok, max_tokens)
     record: dict[str, Any] = {"scenario": "replicated", "load_peak": load["peak"], **_peaks(device),
               "loaded_weights": weights, "weights": weights, "vmm": 0, "stores": 0,
               "slots": 0, "resident": {}, "range": None, "device_total": _device_total(device),
-              "tokens": tokens}
+              "tokens": tokens, "kv_cache": kv_cache}
     return {**record, **kv_record(model, NoDwdp(), watch, _max_model_len(model))}
 
 
@@ -185,7 +188,7 @@ def _scenario(scenario: str, args: argparse.Namespace, backend: Backend,
                         partition=partition, enable_dense=dense, num_slots=args.slots,
                         loaded=loaded)
     del loaded
-    tokens = generate(model, tok, args.max_tokens)
+    tokens, kv_cache = generate(model, tok, args.max_tokens)
     status = attachment.status()
     record = {
         "scenario": scenario, "load_peak": load["peak"], **_peaks(args.device),
@@ -195,7 +198,7 @@ def _scenario(scenario: str, args: argparse.Namespace, backend: Backend,
         "stores": status["bytes_stored"], "slots": status["bytes_slots"],
         "resident": status["resident"], "leaks": status["leaks"],
         "range": list(partition.ranges[args.rank]), "device_total": _device_total(args.device),
-        "tokens": tokens,
+        "tokens": tokens, "kv_cache": kv_cache,
     }
     record.update(kv_record(model, attachment, watch, _max_model_len(model)))
     transport.barrier(label=f"probe.{scenario}.measured")  # no peer unmaps a live store
