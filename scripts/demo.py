@@ -69,28 +69,14 @@ ranks + 1 generation server = 9, above the default 8); the cpu backend uses none
 def start_cluster(state: Path, *, gpus: int = NODE_GPUS) -> Any:
     """Start (or reuse) the local control plane in ``state`` on a pod network no other
     cluster on this host uses; returns a ``dwdp.devcluster.testing.TestCluster``."""
-    import random
-    import subprocess
-
     from dwdp.devcluster import build, tools
     from dwdp.devcluster.cluster import Cluster
-    from dwdp.devcluster.testing import TestCluster
+    from dwdp.devcluster.testing import TestCluster, up_on_free_pod_net
 
     binary = build.build()
     tools_bin = tools.ensure_tools()
     c = Cluster(state)
-    overrides: dict[str, Any] = {"node": {"gpus": gpus}}
-    if c.config() is None:
-        routes = subprocess.run(
-            ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
-        ).stdout
-        free = [n for n in range(65, 128) if f"local 100.{n}.0.0/16" not in routes]
-        overrides["pod_net"] = f"100.{random.choice(free or [127])}"
-    try:
-        c.up(binary=binary, **overrides)
-    except Exception:
-        c.down(timeout_s=5)
-        raise
+    up_on_free_pod_net(c, binary, node={"gpus": gpus})
     return TestCluster(c, tools_bin)
 
 

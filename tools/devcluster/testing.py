@@ -182,7 +182,15 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
         return TestCluster(c, tools_bin), False
     state = state_dir or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-"))
     c = Cluster(state)
-    overrides: dict[str, Any] = {}
+    up_on_free_pod_net(c, binary)
+    return TestCluster(c, tools_bin), True
+
+
+def up_on_free_pod_net(c: Cluster, binary: Path, **overrides: Any) -> None:
+    """Bring ``c`` up (``Cluster.up`` with ``overrides``); a cluster not configured yet gets a
+    pod network ``100.N.0.0/16`` that no other cluster on this host routes, so tests and the
+    demo can run side by side. What started is stopped if the start fails (the error is
+    re-raised)."""
     if c.config() is None:
         routes = subprocess.run(
             ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
@@ -194,7 +202,6 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
     except Exception:
         c.down(timeout_s=5)
         raise
-    return TestCluster(c, tools_bin), True
 
 
 DEMO_MODULE = "dwdp_demo_driver"
