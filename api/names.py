@@ -23,11 +23,13 @@ from dwdp.api.base import cel_literal, cel_rule
 from dwdp.api.errors import Problem, RuleViolations
 
 __all__ = [
+    "CIDR",
     "DNS1123_LABEL",
     "DNS1123_LABEL_PATTERN",
     "DNS1123_SUBDOMAIN",
     "DNS1123_SUBDOMAIN_PATTERN",
     "EXTENDED_RESOURCE_NAME",
+    "LINUX_CAPABILITY",
     "QUALIFIED_NAME",
     "QUALIFIED_NAME_PATTERN",
     "NameFormat",
@@ -119,3 +121,17 @@ EXTENDED_RESOURCE_NAME = NameFormat(
     f"a DNS-1123 subdomain, '/', then {_NAME_WORDS}",
 )
 """An extended resource of a device plugin (``nvidia.com/gpu``)."""
+LINUX_CAPABILITY = NameFormat(
+    "Linux capability",
+    r"^(ALL|(CAP_)?[A-Z][A-Z0-9_]*)$",
+    64,
+    "ALL, or upper-case letters, digits and '_' starting with a letter, optionally after CAP_",
+)
+"""A container capability as Kubernetes writes it (``NET_ADMIN``, ``CAP_NET_ADMIN``, ``ALL``)."""
+CIDR = NameFormat(
+    "CIDR",
+    r"^[0-9a-fA-F:.]+/[0-9]{1,3}$",
+    64,
+    "an IPv4 or IPv6 address, '/', then a prefix length of 1 to 3 digits",
+)
+"""An address block of a NetworkPolicy (``10.0.0.0/8``)."""

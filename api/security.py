@@ -24,6 +24,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from dwdp.api.base import ApiModel, Bool, cel_rule, cel_rules
 from dwdp.api.errors import UNSET, Problem, RuleViolations
+from dwdp.api.names import CIDR, LINUX_CAPABILITY
 
 __all__ = [
     "Capabilities",
@@ -39,13 +40,11 @@ __all__ = [
 
 _EMPTY_DEFAULT: dict = {"default": {}}
 
-CapabilityName = Annotated[
-    str, Field(min_length=1, max_length=64, pattern=r"^(ALL|(CAP_)?[A-Z][A-Z0-9_]*)$")
-]
+CapabilityName = Annotated[str, LINUX_CAPABILITY]
 """A Linux capability as Kubernetes writes it (``NET_ADMIN``, ``CAP_NET_ADMIN``, ``ALL``)."""
 Id = Annotated[int, Field(strict=True, ge=0, le=2147483647)]
 """A user or group id."""
-Cidr = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9a-fA-F:.]+/[0-9]{1,3}$")]
+Cidr = Annotated[str, CIDR]
 """An IPv4 or IPv6 CIDR (``10.0.0.0/8``)."""
 _LABEL_KEY = Annotated[str, Field(min_length=1, max_length=316)]
 _LABEL_VALUE = Annotated[str, Field(max_length=63)]
