@@ -41,7 +41,14 @@ from dwdp.api.launch import (
     ParallelConfig,
     launch_problems,
 )
-from dwdp.api.names import DNS1123_SUBDOMAIN, NameFormat
+from dwdp.api.names import (
+    ABSOLUTE_PATH,
+    DNS1123_SUBDOMAIN,
+    ENV_VAR_NAME,
+    IMAGE_REFERENCE,
+    SECRET_KEY,
+    NameFormat,
+)
 from dwdp.api.placement import DEFAULT_GPU_RESOURCE, Affinity, GpuSpec, LocalObjectReference
 from dwdp.api.security import NetworkPolicySpec, PodSecurityContext, SecurityContext
 from dwdp.api.support import Scope, SectionView, worker_limit_problems, worker_limit_rules
@@ -125,7 +132,7 @@ Quantity = Annotated[
 ]
 LabelKey = Annotated[str, Field(max_length=316)]
 LabelValue = Annotated[str, Field(max_length=63)]
-EnvName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+EnvName = Annotated[str, ENV_VAR_NAME]
 Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
 
 
@@ -179,18 +186,12 @@ class ModelSpec(ApiModel):
         description="PersistentVolumeClaim holding the checkpoint, mounted read-only at "
         "mountPath.",
     )
-    host_path: str | None = Field(
+    host_path: Annotated[str, ABSOLUTE_PATH] | None = Field(
         default=None,
-        min_length=1,
-        max_length=4096,
-        pattern="^/",
         description="Host directory holding the checkpoint, mounted read-only at mountPath.",
     )
-    mount_path: str = Field(
+    mount_path: Annotated[str, ABSOLUTE_PATH] = Field(
         default="/models",
-        min_length=1,
-        max_length=4096,
-        pattern="^/",
         description="Where pvcName or hostPath is mounted in the worker.",
     )
 
@@ -572,11 +573,8 @@ class SecretKeyRef(ApiModel):
     name: Annotated[str, DNS1123_SUBDOMAIN] = Field(
         description="Name of the Secret (a DNS-1123 subdomain)."
     )
-    key: str = Field(
+    key: Annotated[str, SECRET_KEY] = Field(
         default="api-key",
-        min_length=1,
-        max_length=253,
-        pattern=r"^[-._a-zA-Z0-9]+$",
         description="Key of the Secret's data that holds the value.",
     )
 
@@ -636,10 +634,8 @@ class RouterSpec(ApiModel):
     metrics_port: Port = Field(
         default=29000, description="Port of the router's Prometheus metrics."
     )
-    image: str | None = Field(
+    image: Annotated[str, IMAGE_REFERENCE] | None = Field(
         default=None,
-        min_length=1,
-        max_length=1024,
         description="Router image (it runs the vllm-router console script); unset: the worker "
         "image, which ships it.",
     )
@@ -815,7 +811,7 @@ class DwdpDeploymentSpec(ApiModel):
     model_config = ConfigDict(json_schema_extra=cel_rules(_rules_spec))
 
     model: ModelSpec
-    image: str = Field(min_length=1, max_length=1024, description="Worker container image.")
+    image: Annotated[str, IMAGE_REFERENCE] = Field(description="Worker container image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Always, IfNotPresent or Never."
     )

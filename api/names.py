@@ -23,15 +23,19 @@ from dwdp.api.base import cel_literal, cel_rule
 from dwdp.api.errors import Problem, RuleViolations
 
 __all__ = [
+    "ABSOLUTE_PATH",
     "CIDR",
     "DNS1123_LABEL",
     "DNS1123_LABEL_PATTERN",
     "DNS1123_SUBDOMAIN",
     "DNS1123_SUBDOMAIN_PATTERN",
+    "ENV_VAR_NAME",
     "EXTENDED_RESOURCE_NAME",
+    "IMAGE_REFERENCE",
     "LINUX_CAPABILITY",
     "QUALIFIED_NAME",
     "QUALIFIED_NAME_PATTERN",
+    "SECRET_KEY",
     "NameFormat",
 ]
 
@@ -52,7 +56,9 @@ class NameFormat:
     @property
     def rule(self) -> str:
         """The rule in words (``must be a DNS-1123 subdomain: lowercase letters, ...``)."""
-        return f"must be a {self.kind}: {self.characters}, at most {self.max_length} characters"
+        article = "an" if self.kind[0] in "aeiouAEIOU" else "a"
+        return (f"must be {article} {self.kind}: {self.characters}, at most "
+                f"{self.max_length} characters")
 
     def fits(self, value: str) -> bool:
         """True when ``value`` is a name of this format."""
@@ -135,3 +141,32 @@ CIDR = NameFormat(
     "an IPv4 or IPv6 address, '/', then a prefix length of 1 to 3 digits",
 )
 """An address block of a NetworkPolicy (``10.0.0.0/8``)."""
+ENV_VAR_NAME = NameFormat(
+    "environment variable name",
+    r"^[A-Za-z_][A-Za-z0-9_]*$",
+    128,
+    "letters, digits and '_', not starting with a digit",
+)
+"""The name of a container's environment variable (as a shell takes it)."""
+ABSOLUTE_PATH = NameFormat("absolute path", r"^/.*$", 4096, "starting with '/'")
+"""A folder of the host or of the container."""
+SECRET_KEY = NameFormat(
+    "Secret key", r"^[-._a-zA-Z0-9]+$", 253, "letters, digits, '-', '_' and '.'"
+)
+"""A key of a Secret's data."""
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][-a-zA-Z0-9]*[a-zA-Z0-9])"
+_REGISTRY = rf"(?:{_HOST_PART}(?:\.{_HOST_PART})*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+IMAGE_REFERENCE = NameFormat(
+    "image reference",
+    rf"^(?:{_REGISTRY}/)?{_PATH_PART}(?:/{_PATH_PART})*(?::[A-Za-z0-9_][-.A-Za-z0-9_]{{0,127}})?"
+    rf"(?:@{_DIGEST})?$",
+    1024,
+    "an optional registry host[:port] and '/', a lowercase repository path (letters, digits, "
+    "'.', '_', '-' inside, parts joined by '/'), then an optional ':tag' and '@algorithm:hex' "
+    "digest",
+)
+"""A container image as the container runtime takes it (``ghcr.io/org/dwdp-worker:0.1.0``,
+``registry:5000/worker@sha256:...``): the grammar of the distribution project's reference
+package."""

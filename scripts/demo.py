@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "dwdp-operator"
 EXAMPLE = REPO / "examples" / "04-demo.yaml"
@@ -97,6 +95,8 @@ def make_model(models: Path) -> Path:
 
 def manifest(models: Path, *, name: str = NAME) -> dict[str, Any]:
     """``examples/04-demo.yaml`` with its hostPath pointing at ``models``."""
+    import yaml
+
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = name
     doc["spec"]["model"]["hostPath"] = str(models.resolve())
@@ -492,7 +492,23 @@ def default_state_dir() -> Path:
     return base / "clusters" / "demo"
 
 
-def main(argv: list[str] | None = None) -> int:
+PARSED_HELP = 10
+"""``--parse-only``'s status when it printed the help: scripts/demo.sh stops there."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The demo's options (scripts/demo.sh passes its own). Exits 2 with argparse's message
+    for a bad one."""
     p = argparse.ArgumentParser(prog="scripts/demo.sh", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--keep",
@@ -508,11 +524,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--requests",
-        type=int,
+        type=_positive,
         default=48,
         help="completion requests of the throughput round (default 48)",
     )
-    args = p.parse_args(argv)
+    # scripts/demo.sh checks the options with the system's Python before it makes .venv and
+    # builds the control plane (minutes on a fresh machine), so a typo fails at once
+    p.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad option (2)
+        if exc.code == 0 and "--parse-only" in (sys.argv[1:] if argv is None else argv):
+            return PARSED_HELP
+        raise
+    if args.parse_only:
+        return 0
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in the log
 
     state = (args.state_dir or default_state_dir()).resolve()

@@ -18,6 +18,12 @@ export PYTHONSAFEPATH=1
 log() { printf '\n== %s\n' "$*"; }
 
 PY=${PYTHON:-python3}
+# the options first (the system's Python, standard library only): a typo fails before minutes
+# of set-up; --help prints and stops here
+status=0
+"$PY" scripts/demo.py --parse-only "$@" || status=$?
+[ "$status" -eq 10 ] && exit 0
+[ "$status" -eq 0 ] || exit "$status"
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   "$PY" -m venv .venv

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -61,7 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe raises here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # the reader left (``dwdp partition ... | head``): as a shell tool does, stop quietly;
+        # what is still buffered goes to /dev/null, so the exit's flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, the status a shell shows for a tool a pipe ended
     except UserError as exc:
         print(f"dwdp {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ every pair for small N, and on random pairs.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -312,6 +313,21 @@ def test_cli_partition_table_json_and_error() -> None:
     assert proc.returncode == 1
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert "capped" in proc.stderr and "experts=10" in proc.stderr
+
+
+def test_cli_output_into_a_closed_pipe_ends_quietly() -> None:
+    # `dwdp partition ... | head`: the reader is gone before the table is written
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [str(DWDP), "partition", "--experts", "896", "--dwdp-size", "12"], stdout=write,
+            stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
 
 
 def test_cli_partition_serves_column_follows_the_owner_rule() -> None:
