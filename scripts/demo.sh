@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README command 1, the demo. From nothing on a fresh machine: makes the virtual environment
+# The README's demo command. From nothing on a fresh machine: makes the virtual environment
 # .venv with every Python package, builds the local control plane (cached), then runs the
 # driver scripts/demo.py: the embedded cluster, the operator installed by its Helm chart, a
 # tiny DeepSeek-V3-family checkpoint, examples/04-demo.yaml applied (2 DWDP groups of 4 ranks
