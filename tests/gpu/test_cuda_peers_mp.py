@@ -6,25 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 CHILD = Path(__file__).with_name("cuda_peer_child.py")
 WORLD = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(scenario: str) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(CHILD), str(r), str(WORLD), str(port), scenario],

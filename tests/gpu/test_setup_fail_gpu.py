@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import uuid
 
 import pytest
+from ports import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -94,12 +94,6 @@ CHILD = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     from dwdp.worker.testing.checkpoint import make_checkpoint
@@ -111,7 +105,7 @@ def records(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "DWDP_FAIL_AT"}
     env["PYTHONUNBUFFERED"] = "1"
     env["DWDP_RENDEZVOUS_SECRET_FILE"] = str(make_secret_file(root))
-    port, group = _free_port(), f"g{uuid.uuid4().hex[:8]}"
+    port, group = free_port(), f"g{uuid.uuid4().hex[:8]}"
     procs = [
         subprocess.Popen(
             [

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import uuid
 
 import pytest
+from ports import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -103,12 +103,6 @@ CHILD = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from dwdp.worker.testing.checkpoint import make_checkpoint
@@ -128,7 +122,7 @@ def run(tmp_path_factory):
         timeout=300,
     )
     assert ref.returncode == 0, ref.stderr[-4000:]
-    port, group = _free_port(), f"g{uuid.uuid4().hex[:8]}"
+    port, group = free_port(), f"g{uuid.uuid4().hex[:8]}"
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(r), str(port), group, str(root), *args],

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -20,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from ports import free_port  # noqa: F401  (the mp tests import it from here)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -37,12 +37,6 @@ def write_secret(directory: Path, name: str = "rendezvous-secret") -> Path:
     with os.fdopen(fd, "wb") as f:
         f.write(RENDEZVOUS_SECRET)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankProcesses:

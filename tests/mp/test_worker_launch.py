@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import free_port  # noqa: E402
+from ports import free_port_block  # noqa: E402
 
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402
@@ -32,31 +32,11 @@ WORLD = 4
 PROMPT = "Hello world, the"
 
 
-def _base_port(count: int) -> int:
-    for _ in range(100):
-        base = free_port()
-        if base + count >= 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory):
     root = tmp_path_factory.mktemp("pod")
     ckpt = make_checkpoint("qwen3_moe", root / "ck", num_experts=6, seed=4)
-    base = _base_port(WORLD)
+    base = free_port_block(WORLD)
     config = root / "launch.yaml"
     config.write_text(
         yaml.safe_dump(

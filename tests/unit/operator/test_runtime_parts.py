@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ports import free_port, free_port_block
 
 from dwdp.api.enums import Role
 from dwdp.operator import constants as c
@@ -63,7 +64,7 @@ def _operator_env(tmp_path: Path) -> dict[str, str]:
                 "apiVersion": "v1",
                 "kind": "Config",
                 "clusters": [
-                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{_free_port()}"}}
+                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}
                 ],
                 "users": [{"name": "u", "user": {"token": "t"}}],
                 "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
@@ -105,14 +106,14 @@ def test_operator_removes_its_webhook_certificates_on_sigterm(
     import signal
 
     env = _operator_env(tmp_path)
-    live = _free_port()
+    live = free_port()
     args = [
         _dwdp(),
         "operator",
         "--liveness",
         f"http://127.0.0.1:{live}/healthz",
         "--webhook-listen",
-        f"127.0.0.1:{_free_port()}",
+        f"127.0.0.1:{free_port()}",
     ]
     if standby:
         args.append("--leader-elect")
@@ -177,16 +178,10 @@ def test_cli_import_is_light_and_registers_operator() -> None:
     assert out.stdout.split() == ["operator", "127.0.0.1:9443"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_probe_reads_every_local_rank_of_the_rank_program(tmp_path: Path) -> None:
-    port, rdv = _free_port(), _free_port()
-    while rdv in (port, port + 1):
-        rdv = _free_port()
+    # one HTTP port per local rank: port and port + 1; the rendezvous port is ephemeral,
+    # hence never in that block
+    port, rdv = free_port_block(2), free_port()
     env = {
         **os.environ,
         "DWDP_POD_IP": "127.0.0.1",
@@ -235,7 +230,7 @@ def test_probe_reads_every_local_rank_of_the_rank_program(tmp_path: Path) -> Non
 
 
 def test_rank_program_fails_at_a_named_phase_with_a_termination_line(tmp_path: Path) -> None:
-    port, rdv = _free_port(), _free_port()
+    port, rdv = free_port(), free_port()
     env = {
         **os.environ,
         "DWDP_POD_IP": "127.0.0.1",

@@ -5,7 +5,6 @@ its cause, and what either rank had loaded is dropped."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import uuid
 import weakref
@@ -13,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from ports import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -28,16 +28,10 @@ SECRET = os.urandom(32)  # the rendezvous secret of the group these threads form
 CAUSE = "checkpoint /ck/model-00002-of-00003.safetensors: tensor w: reading failed (EIO)"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _each_rank(body: Callable[[int, TcpStoreTransport], Any]) -> list[Any]:
     """``body(rank, transport)`` on every rank of one group, a thread each; its result or
     the exception it raised, by rank."""
-    group, port = f"u{uuid.uuid4().hex[:8]}", _free_port()
+    group, port = f"u{uuid.uuid4().hex[:8]}", free_port()
     results: list[Any] = [None] * WORLD
 
     def run(rank: int) -> None:
