@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ports import free_port  # noqa: F401  (the mp tests import it from here)
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -47,7 +47,7 @@ def _records(out: Path, ranks) -> dict[int, dict]:
 
 
 def test_all_ranks_arrive(ranks, group):
-    from conftest import free_port
+    from ports import free_port
 
     ranks.start([0, 1, 2, 3], _target(group, free_port()))
     assert ranks.wait(60) == dict.fromkeys(range(4), 0)
@@ -56,7 +56,7 @@ def test_all_ranks_arrive(ranks, group):
 
 
 def test_a_rank_that_never_arrives_fails_the_others_at_the_timeout(ranks, group):
-    from conftest import free_port
+    from ports import free_port
 
     ranks.start([0, 1, 2], _target(group, free_port()))
     assert ranks.wait(60) == dict.fromkeys(range(3), 0)
@@ -72,7 +72,7 @@ def test_a_rank_that_never_arrives_fails_the_others_at_the_timeout(ranks, group)
 
 
 def test_a_missing_rank_zero_is_named(ranks, group):
-    from conftest import free_port
+    from ports import free_port
 
     ranks.start([1, 2, 3], _target(group, free_port()))
     assert ranks.wait(60) == {1: 0, 2: 0, 3: 0}
@@ -81,7 +81,7 @@ def test_a_missing_rank_zero_is_named(ranks, group):
 
 
 def test_a_rank_of_an_old_incarnation_never_joins_the_new_one(ranks, group):
-    from conftest import free_port
+    from ports import free_port
 
     old = _target(group, free_port(), incarnation=lambda r: "old" if r == 3 else "new")
     ranks.start([0, 1, 2, 3], old)
@@ -92,7 +92,7 @@ def test_a_rank_of_an_old_incarnation_never_joins_the_new_one(ranks, group):
 
 
 def test_a_loopback_rendezvous_across_hosts_is_refused_on_every_rank(ranks, group):
-    from conftest import free_port
+    from ports import free_port
 
     ranks.start([0, 1], _target(group, free_port(), world=2,
                                 host_id=lambda r: f"host{r}"))
@@ -108,7 +108,7 @@ def test_after_serving_rank_0_leaves_without_waiting_for_a_killed_peer(ranks, gr
     (which held a context pod's rank 0, and the router's traffic to its group, for 15 s)."""
     import os
 
-    from conftest import free_port
+    from ports import free_port
 
     port = free_port()
 

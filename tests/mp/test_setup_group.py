@@ -19,7 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _ranks import FAIL_RANK, SCENARIOS, run_scenario
-from conftest import RENDEZVOUS_SECRET, RankProcesses, free_port, read_records
+from conftest import RENDEZVOUS_SECRET, RankProcesses, read_records
+from ports import free_port
 
 from dwdp.worker.backend.cpu import leftover_segments
 from dwdp.worker.transport.base import RendezvousConfig

@@ -34,7 +34,8 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import free_port, read_records  # noqa: E402
+from conftest import read_records  # noqa: E402
+from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402

@@ -24,7 +24,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import RENDEZVOUS_SECRET, free_port
+from conftest import RENDEZVOUS_SECRET
+from ports import free_port
 
 from dwdp.worker.transport.base import RendezvousConfig
 from dwdp.worker.transport.store import (

@@ -23,7 +23,8 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import RENDEZVOUS_SECRET, free_port, read_records, run_group  # noqa: E402
+from conftest import RENDEZVOUS_SECRET, read_records, run_group  # noqa: E402
+from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402

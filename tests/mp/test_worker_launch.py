@@ -17,10 +17,7 @@ import yaml
 torch = pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from conftest import free_port  # noqa: E402
-from ports import free_port_block  # noqa: E402
+from ports import free_port, free_port_block  # noqa: E402
 
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
 from dwdp.worker.engine.batching import BatchingEngine  # noqa: E402

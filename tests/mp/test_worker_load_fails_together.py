@@ -29,7 +29,8 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import RankProcesses, free_port, run_worker_rank
+from conftest import RankProcesses, run_worker_rank
+from ports import free_port
 
 from dwdp.worker.backend.cpu import leftover_segments
 from dwdp.worker.models.validate import INDEX_FILE

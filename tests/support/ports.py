@@ -31,10 +31,9 @@ def free_port_block(count: int) -> int:
 
     Raises RuntimeError when 200 random draws found no such block.
     """
-    low = int(_RANGE.read_text().split()[0]) if _RANGE.exists() else 32768
-    rng = random.Random()
+    low = int(_RANGE.read_text().split()[0])
     for _ in range(200):
-        base = rng.randrange(10000, low - count)
+        base = random.randrange(10000, low - count)
         socks = [socket.socket() for _ in range(count)]
         try:
             for offset, s in enumerate(socks):

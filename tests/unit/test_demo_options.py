@@ -37,3 +37,16 @@ def test_help_prints_and_stops() -> None:
     proc = _demo("--help")
     assert proc.returncode == 0 and "--requests" in proc.stdout
     assert "==" not in proc.stdout
+
+
+@pytest.mark.parametrize(("args", "status"), [(("--requests", "3"), 0), (("--help",), 10)])
+def test_options_are_checked_with_the_standard_library_alone(
+    args: tuple[str, ...], status: int
+) -> None:
+    # demo.sh runs this before .venv exists, with the system's Python (no PyYAML, no
+    # dwdp): -S -I leaves out every site-packages folder and the environment
+    proc = subprocess.run([sys.executable, "-S", "-I", str(REPO / "scripts" / "demo.py"),
+                           "--parse-only", *args], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == status, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -14,7 +14,8 @@ load, the GPU benches likewise); it changes nothing on the CPU path. Measured on
   fused kernel), ``grouped_mm`` with the down weights [S, H], then each token's K rows gathered
   and summed in fp32 by ``moe_combine``'s Triton kernel, which reads each row once and writes
   the hidden dtype (``bench/gpu_forward.py``, 4 layers: the forward at 8K tokens 14.68 ms
-  against 16.83 ms with the ``torch.compile``-d ``index_select`` + sum, which took 2.25 ms,
+  against 16.83 ms in ``bench/results/gpu_forward-sm-reserve.txt``, 15.01 against 17.20 ms in
+  ``gpu_forward.txt``, with the ``torch.compile``-d ``index_select`` + sum, which took 2.25 ms,
   2.5 times its HBM time, and wrote fp32 for a separate cast; that one is kept with
   ``use_cuda_kernels(triton_combine=False)``).
   transformers' own ``grouped_mm`` path (5.17) also masks [S, H] rows for expert parallelism
