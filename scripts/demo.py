@@ -1,4 +1,6 @@
-"""The demo's driver (README command 1; ``scripts/demo.sh`` runs it with the venv's python).
+"""The DWDP demo on the embedded local cluster: a DwdpDeployment applied, its groups
+committing, answers served through vllm-router (scripts/demo.sh runs this driver with
+the Python of .venv).
 
 From a built local control plane to answers: start the embedded cluster in its own state
 folder, ``helm install`` the operator, train (or take from the cache) the tiny
@@ -496,6 +498,28 @@ PARSED_HELP = 10
 """``--parse-only``'s status when it printed the help: scripts/demo.sh stops there."""
 
 
+STATE_MARK = ".dwdp-demo-state"
+"""The file the demo writes into a state folder it made: only such a folder (or the default
+one) is emptied at the start and removed at the end."""
+
+
+def _state_dir(text: str) -> Path:
+    """``--state-dir``: a new folder, an empty one, the default one or one an earlier demo made
+    (it holds ``STATE_MARK``); anything else is refused, since the demo deletes the folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a folder path (got an empty one)")
+    state = Path(text).expanduser().resolve()
+    if state.exists() and not state.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(state)!r} exists and is not a folder")
+    mine = state == default_state_dir().resolve() or (state / STATE_MARK).exists()
+    if state.is_dir() and any(state.iterdir()) and not mine:
+        raise argparse.ArgumentTypeError(
+            f"{str(state)!r} holds files the demo did not make (no {STATE_MARK} in it), and the "
+            "demo deletes its state folder: give a new or empty folder"
+        )
+    return state
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -518,9 +542,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--state-dir",
-        type=Path,
+        type=_state_dir,
         default=None,
-        help="cluster state folder (default ~/.cache/dwdp/clusters/demo)",
+        help="cluster state folder, deleted when the demo ends (a new or empty folder, or one "
+        "an earlier demo made; default ~/.cache/dwdp/clusters/demo)",
     )
     p.add_argument(
         "--requests",
@@ -559,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         shutil.rmtree(state, ignore_errors=True)  # what a stopped demo left behind
     state.mkdir(parents=True, exist_ok=True)
+    (state / STATE_MARK).write_text("made by scripts/demo.sh; removed with the folder\n")
     t0 = time.monotonic()
     say(f"== 1/7 starting the local control plane (state {state})")
     tc = start_cluster(state)
