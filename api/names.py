@@ -148,8 +148,14 @@ ENV_VAR_NAME = NameFormat(
     "letters, digits and '_', not starting with a digit",
 )
 """The name of a container's environment variable (as a shell takes it)."""
-ABSOLUTE_PATH = NameFormat("absolute path", r"^/.*$", 4096, "starting with '/'")
-"""A folder of the host or of the container."""
+ABSOLUTE_PATH = NameFormat(
+    "absolute path",
+    r"^(/(\.|\.\.[^/]+|\.?[^/.][^/]*)?)+$",
+    4096,
+    "starting with '/', no '..' part",
+)
+"""A folder of the host or of the container; no part is ``..`` (the apiserver refuses a hostPath
+volume with one, so it is refused before any pod is made)."""
 SECRET_KEY = NameFormat(
     "Secret key", r"^[-._a-zA-Z0-9]+$", 253, "letters, digits, '-', '_' and '.'"
 )
@@ -164,8 +170,8 @@ IMAGE_REFERENCE = NameFormat(
     rf"(?:@{_DIGEST})?$",
     1024,
     "an optional registry host[:port] and '/', a lowercase repository path (letters, digits, "
-    "'.', '_', '-' inside, parts joined by '/'), then an optional ':tag' and '@algorithm:hex' "
-    "digest",
+    "'.', '_', '-' inside, parts joined by '/'), then an optional ':tag' and an optional "
+    "'@algorithm:hex' digest of at least 32 hex digits",
 )
 """A container image as the container runtime takes it (``ghcr.io/org/dwdp-worker:0.1.0``,
 ``registry:5000/worker@sha256:...``): the grammar of the distribution project's reference
