@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from dwdp.worker.backend.cpu import leftover_segments
-    from dwdp.worker.testing.checkpoint import make_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="dwdp-bench-"))
     ckpt = str(

@@ -108,7 +108,7 @@ def run_group(script: str, args: Any, extra: list[str], before: Any = None) -> t
     import shutil
     import tempfile
 
-    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
+    from dwdp_dev.worker.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dwdp-gpu-bench-"))
     try:

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(args)
         return 0
 
-    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape
+    from dwdp_dev.worker.large_checkpoint import Qwen3MoeShape
 
     extra = ["--tokens", args.tokens, "--repeats", str(args.repeats), "--configs", args.configs,
              "--profile", args.profile]

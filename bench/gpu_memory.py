@@ -4,7 +4,7 @@ One run: it writes a seeded Qwen3-MoE checkpoint (``write_qwen3_moe_checkpoint``
 GPU; by default 17 layers of 128 experts of width 768, hidden 2048, bf16: 21 GB), runs the
 replicated model alone, then ``--world`` DWDP rank processes sharing the GPU through POSIX
 fds, each attaching expert DWDP and then expert + dense DWDP
-(``dwdp.worker.testing.memory_probe``), and deletes the checkpoint. Reported per rank and
+(``dwdp_dev.worker.memory_probe``), and deletes the checkpoint. Reported per rank and
 configuration, in GB: the weights the rank holds outside DWDP's buffers (the replicated
 part), the stores (VMM, ``cuMemCreate``; expert and dense), the slots, torch's peak and
 reserved bytes, and the KV pool in tokens the worker sizes after the commit
@@ -91,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dwdp.worker.testing.large_checkpoint import (
+    from dwdp_dev.worker.large_checkpoint import (
         Qwen3MoeShape,
         checkpoint_sizes,
         write_qwen3_moe_checkpoint,
     )
-    from dwdp.worker.testing.memory_probe import SCENARIOS, run_probes
+    from dwdp_dev.worker.memory_probe import SCENARIOS, run_probes
 
     work = Path(tempfile.mkdtemp(prefix="dwdp-gpu-memory-", dir=args.workdir))
     try:

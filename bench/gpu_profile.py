@@ -154,7 +154,7 @@ def _report(result: dict, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dwdp.worker.testing.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
+    from dwdp_dev.worker.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)

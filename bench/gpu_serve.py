@@ -151,7 +151,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from dwdp.api.enums import HandleType
     from dwdp.worker.backend.cuda import CudaBackend
     from dwdp.worker.engine.base import EngineConfig
-    from dwdp.worker.engine.batching import BatchingEngine
+    from dwdp_dev.worker.wave_engine import BatchingEngine
     from dwdp.worker.engine.continuous import ContinuousEngine
 
     torch.cuda.set_device(0)

@@ -51,7 +51,7 @@ def start_operator(namespace: str, kubeconfig: str):
     from dwdp.operator.kube import Kube
     from dwdp.operator.plan import PlanOptions
     from dwdp.operator.reconcile import Reconcilers
-    from dwdp.operator.testing.process import RANKPROG_COMMAND
+    from dwdp_dev.operator.process import RANKPROG_COMMAND
 
     os.environ["KUBECONFIG"] = kubeconfig
     kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig  # read at import; kopf's login uses it
@@ -113,7 +113,7 @@ def main() -> int:
         kubeconfig = args.kubeconfig
         tools_env = dict(os.environ)
     else:
-        from dwdp.devcluster.testing import start_test_cluster
+        from dwdp_dev.devcluster.testing import start_test_cluster
 
         owned, _ = start_test_cluster()
         kubeconfig = str(owned.kubeconfig)

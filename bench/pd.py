@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation against a colocated server, through vllm-router, in one run.
 
-It writes a seeded tiny Qwen3-MoE checkpoint (``dwdp.worker.testing.checkpoint``) and serves it
+It writes a seeded tiny Qwen3-MoE checkpoint (``dwdp_dev.worker.checkpoint``) and serves it
 twice on this machine's CPU (loopback only):
 - **colocated**: one worker (continuous engine) behind vllm-router's plain mode;
 - **disaggregated**: a context worker and a generation worker behind vllm-router's PD mode
@@ -84,7 +84,7 @@ def drive(base: str, prompts: list[list[int]], output: int, concurrency: int) ->
 
 
 def run(args: argparse.Namespace, ckpt: Path) -> dict:
-    from dwdp.worker.testing.servers import EngineServer, VllmRouter
+    from dwdp_dev.worker.servers import EngineServer, VllmRouter
 
     limits = {"max_model_len": args.max_prompt + args.output, "block_size": 16}
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -126,7 +126,7 @@ def _report(result: dict, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from dwdp.worker.testing.checkpoint import make_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)

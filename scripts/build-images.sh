@@ -64,7 +64,7 @@ if [ "$refresh" = 1 ]; then
   [ -x .venv/bin/pip ] || { echo "build-images: no .venv (scripts/test.sh makes it)" >&2; exit 1; }
   {
     grep '^#' images/constraints.txt
-    PYTHONSAFEPATH=1 .venv/bin/pip freeze --all --exclude-editable | grep -v '^#'
+    .venv/bin/pip freeze --all --exclude-editable | grep -v '^#'
   } > images/constraints.txt.new
   mv images/constraints.txt.new images/constraints.txt
   echo "build-images: images/constraints.txt refreshed from .venv"

@@ -68,10 +68,10 @@ ranks + 1 generation server = 9, above the default 8); the cpu backend uses none
 
 def start_cluster(state: Path, *, gpus: int = NODE_GPUS) -> Any:
     """Start (or reuse) the local control plane in ``state`` on a pod network no other
-    cluster on this host uses; returns a ``dwdp.devcluster.testing.TestCluster``."""
-    from dwdp.devcluster import build, tools
-    from dwdp.devcluster.cluster import Cluster
-    from dwdp.devcluster.testing import TestCluster, up_on_free_pod_net
+    cluster on this host uses; returns a ``dwdp_dev.devcluster.testing.TestCluster``."""
+    from dwdp_dev.devcluster import build, tools
+    from dwdp_dev.devcluster.cluster import Cluster
+    from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
 
     binary = build.build()
     tools_bin = tools.ensure_tools()
@@ -84,8 +84,8 @@ def make_model(models: Path) -> Path:
     """The demo model (``dwdp testing train-demo-model``: the tiny DeepSeek-V3-family model
     trained on a corpus of facts) in ``models``: trained once into the shared cache
     (``$DWDP_CACHE_DIR/models``, keyed by a digest of the training inputs), then copied here."""
-    from dwdp.devcluster.paths import cache_dir
-    from dwdp.worker.testing.demo_model import cached_demo_model
+    from dwdp_dev.devcluster.paths import cache_dir
+    from dwdp_dev.worker.demo_model import cached_demo_model
 
     trained = cached_demo_model(cache_dir() / "models")
     out = models / MODEL_DIR
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
 
     state = (args.state_dir or default_state_dir()).resolve()
     if state.exists():
-        from dwdp.devcluster.cluster import Cluster
+        from dwdp_dev.devcluster.cluster import Cluster
 
         if Cluster(state).running():  # another demo (or one left with --keep) owns it
             print(

@@ -10,10 +10,6 @@
 # --state-dir DIR, --requests N.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The repository root holds the folder operator/ (the sub-package dwdp.operator): a Python
-# started here must not put the current folder on sys.path, or that folder hides the
-# standard library's `operator` module (`python -m pip` breaks in a fresh .venv).
-export PYTHONSAFEPATH=1
 
 log() { printf '\n== %s\n' "$*"; }
 
@@ -31,7 +27,7 @@ fi
 if ! .venv/bin/python -c "import dwdp.worker.engine.loader, dwdp.operator, fastapi, httpx, kopf" 2>/dev/null; then
   log "installing Python packages (first run: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test]" -e ./tools
 fi
 export PATH="$PWD/.venv/bin:$PATH"
 

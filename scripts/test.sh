@@ -5,10 +5,6 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -m unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The repository root holds the folder operator/ (the sub-package dwdp.operator): a Python
-# started here must not put the current folder on sys.path, or that folder hides the
-# standard library's `operator` module (`python -m pip` breaks in a fresh .venv).
-export PYTHONSAFEPATH=1
 
 log() { printf '\n== %s\n' "$*"; }
 
@@ -34,7 +30,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 log "installing Python packages"
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test]" -e ./tools
 export PATH="$PWD/.venv/bin:$PATH"
 
 # 3. The local control plane (built once, reused while its inputs are unchanged).

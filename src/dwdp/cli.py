@@ -1,6 +1,9 @@
 """The ``dwdp`` command line: one entry point, sub-commands contributed by the sub-packages.
 
-Each contributing module exposes ``register(subparsers)``, which adds its sub-commands
+The product's sub-packages are listed in :data:`COMMAND_MODULES`; an installed distribution may
+add its own through the entry-point group ``dwdp.commands`` (the development distribution
+``dwdp-dev`` adds ``dwdp dev`` and ``dwdp testing`` that way, so the product wheel names no
+development module). Each contributing module exposes ``register(subparsers)``, which adds its sub-commands
 and sets ``func`` (``args -> int`` exit status) on each. Contributing modules keep their
 top-level imports light (no torch, no kopf): heavy imports happen inside ``func``, so
 ``dwdp validate`` works where only pydantic and PyYAML are installed.
@@ -22,8 +25,18 @@ COMMAND_MODULES: tuple[str, ...] = (
     "dwdp.api.cli",
     "dwdp.worker.cli",
     "dwdp.operator.cli",
-    "dwdp.devcluster.cli",
 )
+
+#: The entry-point group through which other distributions contribute sub-command modules.
+COMMAND_ENTRY_POINTS = "dwdp.commands"
+
+
+def _command_modules() -> list[str]:
+    """The product's command modules, then those installed distributions declare."""
+    from importlib.metadata import entry_points
+
+    extra = sorted(ep.value for ep in entry_points(group=COMMAND_ENTRY_POINTS))
+    return [*COMMAND_MODULES, *(name for name in extra if name not in COMMAND_MODULES)]
 
 
 class UserError(Exception):
@@ -39,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in _command_modules():
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

@@ -1,9 +1,9 @@
 """Fixtures of the cluster tests: a real local control plane (tools/devcluster).
 
 ``cluster``, ``operator_image`` and ``worker_image`` (session) and ``namespace`` (per test)
-come from dwdp.devcluster.testing, where their contract is written down.
+come from dwdp_dev.devcluster.testing, where their contract is written down.
 """
 
-from dwdp.devcluster.testing import cluster, namespace, operator_image, worker_image
+from dwdp_dev.devcluster.testing import cluster, namespace, operator_image, worker_image
 
 __all__ = ["cluster", "namespace", "operator_image", "worker_image"]

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from dwdp.devcluster.testing import TestCluster
+from dwdp_dev.devcluster.testing import TestCluster
 
 
 def dwdp_dev(cluster: TestCluster, *args: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dwdp.devcluster.testing import TestCluster
+from dwdp_dev.devcluster.testing import TestCluster
 
 # An HTTP server on the pod's own address, port 8080: / answers the pod name, /healthz
 # answers 200 unless the env HEALTHY is "0" (then 503).

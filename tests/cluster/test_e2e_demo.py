@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from dwdp.devcluster.testing import demo_driver
+from dwdp_dev.devcluster.testing import demo_driver
 
 pytestmark = pytest.mark.timeout(1800)
 demo = demo_driver()

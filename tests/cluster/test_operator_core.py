@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import running_operator
-from dwdp.operator.testing.process import OperatorProcess
+from dwdp_dev.devcluster.testing import TestCluster
+from dwdp_dev.operator.cluster import running_operator
+from dwdp_dev.operator.process import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import (
+from dwdp_dev.devcluster.testing import TestCluster
+from dwdp_dev.operator.cluster import (
     deployment,
     event_messages,
     gated,
@@ -27,7 +27,7 @@ from dwdp.operator.testing.cluster import (
     running_operator,
     status,
 )
-from dwdp.operator.testing.process import OperatorProcess
+from dwdp_dev.operator.process import OperatorProcess
 
 
 @pytest.fixture(scope="module")

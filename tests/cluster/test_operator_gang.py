@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import install_crd
-from dwdp.operator.testing.process import OperatorProcess
+from dwdp_dev.devcluster.testing import TestCluster
+from dwdp_dev.operator.cluster import install_crd
+from dwdp_dev.operator.process import OperatorProcess
 
 
 def deployment(name: str, *, pods_per_group: int) -> dict:

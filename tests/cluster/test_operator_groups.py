@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import (
+from dwdp_dev.devcluster.testing import TestCluster
+from dwdp_dev.operator.cluster import (
     deployment,
     event_messages,
     gated,
@@ -23,7 +23,7 @@ from dwdp.operator.testing.cluster import (
     running_operator,
     status,
 )
-from dwdp.operator.testing.process import OperatorProcess
+from dwdp_dev.operator.process import OperatorProcess
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dwdp.devcluster.images import StoredImage
-from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import pods
-from dwdp.operator.testing.process import RANKPROG_COMMAND
+from dwdp_dev.devcluster.images import StoredImage
+from dwdp_dev.devcluster.testing import TestCluster
+from dwdp_dev.operator.cluster import pods
+from dwdp_dev.operator.process import RANKPROG_COMMAND
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_SETS = ("computeDomains=off",)  # 02-small is fabric across 2 pods; no ComputeDomain CRD

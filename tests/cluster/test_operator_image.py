@@ -1,4 +1,4 @@
-"""The operator image from the daemonless cached build (dwdp.devcluster.images), run as an
+"""The operator image from the daemonless cached build (dwdp_dev.devcluster.images), run as an
 image: as its non-root user its ``dwdp --version`` is the repository's, and the process
 kubelet runs a pod naming it from its root filesystem (entrypoint, user, working directory,
 environment, volumes and the service-account token inside), a pod naming an image the
@@ -9,8 +9,8 @@ from __future__ import annotations
 import subprocess
 
 import dwdp
-from dwdp.devcluster import images
-from dwdp.devcluster.testing import TestCluster
+from dwdp_dev.devcluster import images
+from dwdp_dev.devcluster.testing import TestCluster
 
 
 def test_image_runs_as_non_root_and_its_dwdp_is_the_repository_version(

@@ -23,9 +23,9 @@ from dwdp.api.contract import (
     RENDEZVOUS_SECRET_PATH,
     Env,
 )
-from dwdp.devcluster.testing import TestCluster
-from dwdp.operator.testing.cluster import deployment, pods, running_operator
-from dwdp.operator.testing.process import OperatorProcess
+from dwdp_dev.devcluster.testing import TestCluster
+from dwdp_dev.operator.cluster import deployment, pods, running_operator
+from dwdp_dev.operator.process import OperatorProcess
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from dwdp.devcluster.testing import demo_driver
+from dwdp_dev.devcluster.testing import demo_driver
 
 NS = "pd"
 NAME = "pd"

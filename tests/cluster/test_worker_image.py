@@ -1,4 +1,4 @@
-"""The worker image from the daemonless cached build (dwdp.devcluster.images) serving a CPU
+"""The worker image from the daemonless cached build (dwdp_dev.devcluster.images) serving a CPU
 DWDP group (issue 19): a DwdpDeployment naming the stored worker image, one context group of
 2 ranks in one pod (cpu backend, shm handles, expert DWDP) over the tiny demo checkpoint, run
 by the real worker (``dwdp launch``) from the image's root filesystem. Its pod reports the
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from dwdp.devcluster import images
-from dwdp.devcluster.testing import TestCluster, demo_driver
-from dwdp.operator.testing.cluster import pods, running_operator
+from dwdp_dev.devcluster import images
+from dwdp_dev.devcluster.testing import TestCluster, demo_driver
+from dwdp_dev.operator.cluster import pods, running_operator
 
 pytestmark = pytest.mark.timeout(1800)
 demo = demo_driver()

@@ -19,7 +19,7 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
 CONTEXT = textwrap.dedent(
     """
     import sys
-    from dwdp.worker.testing.servers import EngineServer
+    from dwdp_dev.worker.servers import EngineServer
     with EngineServer(sys.argv[1], api_key=sys.argv[2], device="cuda:0", max_model_len=256,
                       block_size=16) as ctx:
         assert ctx.engine.kv.agent.memory_type == "VRAM"
@@ -33,8 +33,8 @@ CONTEXT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from dwdp.worker.testing.checkpoint import make_checkpoint
-    from dwdp.worker.testing.servers import EngineServer
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+    from dwdp_dev.worker.servers import EngineServer
 
     ckpt = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "q", num_experts=8)
     child = subprocess.Popen([sys.executable, "-c", CONTEXT, str(ckpt), KEY],

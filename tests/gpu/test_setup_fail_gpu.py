@@ -96,7 +96,7 @@ CHILD = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    from dwdp.worker.testing.checkpoint import make_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
 
     root = tmp_path_factory.mktemp("gpufail")
     ckpt = str(make_checkpoint("deepseek_v3", root / "ds", num_experts=6, seed=9))

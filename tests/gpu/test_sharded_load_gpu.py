@@ -4,7 +4,7 @@
 The checkpoint (``write_qwen3_moe_checkpoint``, drawn on the GPU, written once for the module
 and deleted after): hidden 2048, 17 MoE layers of 128 experts of width 768, top-8, bf16, 18
 safetensors files with an index, in ``save_pretrained``'s layout (one tensor per expert
-matrix). Every process is a fresh interpreter (``dwdp.worker.testing.memory_probe``): first
+matrix). Every process is a fresh interpreter (``dwdp_dev.worker.memory_probe``): first
 the replicated reference alone (``load_checkpoint`` + ``.to(cuda)``, the worker's path
 without DWDP), which exits before the ranks start; then 4 rank processes on cuda:0 that share
 their stores through POSIX fds and, in turn, load through ``load_sharded`` and attach expert
@@ -29,12 +29,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from dwdp.worker.testing.large_checkpoint import (  # noqa: E402
+from dwdp_dev.worker.large_checkpoint import (  # noqa: E402
     Qwen3MoeShape,
     checkpoint_sizes,
     write_qwen3_moe_checkpoint,
 )
-from dwdp.worker.testing.memory_probe import SCENARIOS, run_probes  # noqa: E402
+from dwdp_dev.worker.memory_probe import SCENARIOS, run_probes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 

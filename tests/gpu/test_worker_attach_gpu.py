@@ -105,7 +105,7 @@ CHILD = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from dwdp.worker.testing.checkpoint import make_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
 
     root = tmp_path_factory.mktemp("gpu")
     ckpts = {a: str(make_checkpoint(a, root / a, num_experts=6, seed=9)) for a in ARCHS}

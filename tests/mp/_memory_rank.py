@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from dwdp.api.partition import expert_partition
 from dwdp.worker.attach import attach
 from dwdp.worker.backend.cpu import CpuBackend
-from dwdp.worker.engine.batching import BatchingEngine
+from dwdp_dev.worker.wave_engine import BatchingEngine
 from dwdp.worker.engine.loader import load_checkpoint, load_tokenizer
 from dwdp.worker.engine.protocol import SamplingParams
 from dwdp.worker.engine.sharded import load_sharded

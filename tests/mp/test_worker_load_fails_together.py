@@ -34,7 +34,7 @@ from ports import free_port
 
 from dwdp.worker.backend.cpu import leftover_segments
 from dwdp.worker.models.validate import INDEX_FILE
-from dwdp.worker.testing.checkpoint import make_checkpoint
+from dwdp_dev.worker.checkpoint import make_checkpoint
 
 WORLD = 2
 FAIL_RANK = 0  # hosts the store: its store listening shows its header check is done

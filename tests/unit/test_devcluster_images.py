@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dwdp.devcluster import images, paths
-from dwdp.devcluster.kubelet import RunImage, SetupError, keep_caps
+from dwdp_dev.devcluster import images, paths
+from dwdp_dev.devcluster.kubelet import RunImage, SetupError, keep_caps
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,8 +137,8 @@ def test_finding_an_image_does_not_wait_for_the_kubelets_lock(monkeypatch) -> No
     (it did, and the e2e demo's router pod never started)."""
     import threading
 
-    from dwdp.devcluster import images
-    from dwdp.devcluster.kubelet import Kubelet
+    from dwdp_dev.devcluster import images
+    from dwdp_dev.devcluster.kubelet import Kubelet
 
     monkeypatch.setattr(images, "lookup", lambda ref: (None, "not in the local store"))
     kubelet = Kubelet.__new__(Kubelet)  # the lock and the notices are all find_image uses

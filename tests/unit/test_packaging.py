@@ -1,10 +1,13 @@
-"""The package build is quiet and ships what the runtime reads from files.
+"""The package builds are quiet, ship what the runtime reads from files, and keep the product
+apart from its development tooling.
 
-The wheel and the editable wheel are built through setuptools' PEP 517 backend (what pip
-runs) from a copy of the files the build reads. setuptools warns about every folder it finds
-with files but no declaration ("Package 'dwdp.devcluster.go' is absent from the `packages`
-configuration", about 50 lines each); the build must print no warning, and the wheel must
-hold the Go sources of the local control plane and the CUDA kernels' sources.
+Both distributions, the product (``dwdp``, the repository root) and the development tooling
+(``dwdp-dev``, tools/), are built through setuptools' PEP 517 backend (what pip runs) from a
+copy of the files their builds read. setuptools warns about every folder it finds with files but
+no declaration ("Package 'dwdp_dev.devcluster.go' is absent from the `packages` configuration",
+about 50 lines each); no build may print a warning. The product wheel holds the CUDA kernels'
+sources and no development module (local control plane, test helpers, fake backend, wave
+engine); the development wheel holds the Go sources of the local control plane.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import yaml
 import dwdp
 
 REPO = Path(__file__).resolve().parents[2]
-BUILD_INPUTS = ("pyproject.toml", "README.md", "src", "api", "operator", "worker", "kernels")
-"""What the build reads (src/dwdp links to the sub-package folders), plus tools/devcluster."""
+PRODUCT_INPUTS = ("pyproject.toml", "README.md", "src")
+"""What the product build reads (the images copy the same, and nothing else)."""
 
 _BUILD = """
 import sys, warnings
@@ -33,23 +36,12 @@ print("BUILT", build_meta.build_wheel(out))
 print("BUILT", build_meta.build_editable(out))
 """
 
-
-def _copy_inputs(dest: Path) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in BUILD_INPUTS:
-        src = REPO / name
-        if src.is_dir() and not src.is_symlink():
-            shutil.copytree(src, dest / name, symlinks=True, ignore=ignore)
-        else:
-            shutil.copy2(src, dest / name, follow_symlinks=False)
-    shutil.copytree(REPO / "tools" / "devcluster", dest / "tools" / "devcluster", ignore=ignore)
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
 
 
-def test_build_is_quiet_and_ships_the_data_files(tmp_path: Path) -> None:
-    src = tmp_path / "src-copy"
-    src.mkdir()
-    _copy_inputs(src)
-    out = tmp_path / "dist"
+def _build(src: Path, out: Path) -> None:
+    """Build the wheel and the editable wheel of the project in ``src`` into ``out``; assert
+    the build succeeds and prints no warning."""
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     proc = subprocess.run(
@@ -70,19 +62,50 @@ def test_build_is_quiet_and_ships_the_data_files(tmp_path: Path) -> None:
         if "byte-compiling is disabled" not in line  # PYTHONDONTWRITEBYTECODE, not ours
     ]
     assert warnings == [], "\n".join(warnings)
-    (wheel,) = (p for p in out.glob("dwdp-*.whl") if "editable" not in p.name)
-    assert wheel.name.startswith(f"dwdp-{dwdp.__version__}-"), wheel.name
-    names = set(zipfile.ZipFile(wheel).namelist())
+
+
+def _wheel_names(out: Path, dist: str) -> set[str]:
+    (wheel,) = (p for p in out.glob(f"{dist}-*.whl") if "editable" not in p.name)
+    assert wheel.name.startswith(f"{dist}-{dwdp.__version__}-"), wheel.name
+    return set(zipfile.ZipFile(wheel).namelist())
+
+
+def test_product_wheel_ships_the_kernels_and_no_development_code(tmp_path: Path) -> None:
+    src = tmp_path / "product"
+    src.mkdir()
+    for name in PRODUCT_INPUTS:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=_IGNORE)
+        else:
+            shutil.copy2(REPO / name, src / name)
+    _build(src, tmp_path / "dist")
+    names = _wheel_names(tmp_path / "dist", "dwdp")
+    for data in ("dwdp/py.typed", "dwdp/kernels/gather_register.cu", "dwdp/kernels/gather_common.cuh"):
+        assert data in names, data
+    modules = {n for n in names if n.endswith(".py")}
+    assert "dwdp/worker/server/app.py" in modules and "dwdp/operator/plan.py" in modules
+    tops = {n.split("/")[0] for n in names if not n.startswith("dwdp-")}
+    assert tops == {"dwdp"}, tops  # no top-level `operator`, no dwdp_dev
+    dev_words = ("devcluster", "testing", "fake", "wave", "rankprog", "demo", "checkpoint")
+    leaked = sorted(n for n in modules if any(w in n for w in dev_words))
+    assert leaked == [], leaked
+    assert not any(n.endswith(".pyc") for n in names)
+
+
+def test_development_wheel_ships_the_control_plane_sources(tmp_path: Path) -> None:
+    src = tmp_path / "tools"
+    shutil.copytree(REPO / "tools", src, ignore=_IGNORE)
+    _build(src, tmp_path / "dist")
+    names = _wheel_names(tmp_path / "dist", "dwdp_dev")
     for data in (
-        "dwdp/py.typed",
-        "dwdp/devcluster/go/main.go",
-        "dwdp/devcluster/go/go.mod",
-        "dwdp/devcluster/go/go.sum",
-        "dwdp/kernels/gather_register.cu",
-        "dwdp/kernels/gather_common.cuh",
+        "dwdp_dev/devcluster/go/main.go",
+        "dwdp_dev/devcluster/go/go.mod",
+        "dwdp_dev/devcluster/go/go.sum",
+        "dwdp_dev/operator/rankprog.py",
+        "dwdp_dev/worker/fake_backend.py",
     ):
         assert data in names, data
-    assert not any(n.endswith(".pyc") for n in names)
+    assert {n.split("/")[0] for n in names if not n.startswith("dwdp_dev-")} == {"dwdp_dev"}
 
 
 def test_one_version_for_the_package_the_command_the_chart_and_the_images() -> None:

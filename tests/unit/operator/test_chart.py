@@ -19,7 +19,7 @@ CHART = Path(__file__).resolve().parents[3] / "charts" / "dwdp-operator"
 @pytest.fixture(scope="module")
 def helm() -> str:
     try:
-        from dwdp.devcluster.tools import ensure_tools
+        from dwdp_dev.devcluster.tools import ensure_tools
 
         return str(ensure_tools() / "helm")
     except Exception as exc:  # no network and no cached tools

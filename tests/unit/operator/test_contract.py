@@ -24,7 +24,7 @@ from dwdp.api import contract
 from dwdp.api.contract import TERMINATION_WORDS, Env, Stage, StatusPhase
 from dwdp.operator.groups import classify_failure
 from dwdp.operator.observe import rank_report_from_json
-from dwdp.operator.testing import rankprog
+from dwdp_dev.operator import rankprog
 from dwdp.worker.launcher import launcher_line
 from dwdp.worker.main import phased
 from dwdp.worker.server.status import NoDwdp, with_identity
@@ -163,7 +163,7 @@ def _rankprog_words(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[se
     bad.write_text("role: [not, a, role]\n")
     env = {Env.CONFIG.value: str(bad), Env.TERMINATION_LOG.value: str(term)}
     proc = subprocess.run(
-        [sys.executable, "-m", "dwdp.operator.testing.rankprog"],
+        [sys.executable, "-m", "dwdp_dev.operator.rankprog"],
         env={**os.environ, **env},
         timeout=60,
         capture_output=True,

@@ -195,7 +195,7 @@ def test_probe_reads_every_local_rank_of_the_rank_program(tmp_path: Path) -> Non
         "DWDP_REVISION": "rev1",
         "DWDP_TERMINATION_LOG": str(tmp_path / "term"),
     }
-    proc = subprocess.Popen([sys.executable, "-m", "dwdp.operator.testing.rankprog"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "dwdp_dev.operator.rankprog"], env=env)
     pod = ObservedPod(
         name="p",
         role=Role.CONTEXT,
@@ -241,7 +241,7 @@ def test_rank_program_fails_at_a_named_phase_with_a_termination_line(tmp_path: P
         "RANKPROG_FAIL_PHASE": "P3",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "dwdp.operator.testing.rankprog"],
+        [sys.executable, "-m", "dwdp_dev.operator.rankprog"],
         env=env,
         timeout=30,
         capture_output=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dwdp.worker.testing.servers import UvicornThread  # noqa: F401  (the tests' import)
+from dwdp_dev.worker.servers import UvicornThread  # noqa: F401  (the tests' import)
 
 
 def schemathesis_run(

@@ -22,7 +22,7 @@ from dwdp.api.enums import CopyMode, GatherKernel  # noqa: E402
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.backend.cpu import CpuBackend, leftover_segments  # noqa: E402
 from dwdp.worker.settings import CopySettings  # noqa: E402
-from dwdp.worker.testing.checkpoint import fill_seeded, tiny_config  # noqa: E402
+from dwdp_dev.worker.checkpoint import fill_seeded, tiny_config  # noqa: E402
 
 NUM_EXPERTS = 4
 

@@ -20,8 +20,8 @@ from dwdp.worker.models.validate import (  # noqa: E402
     expert_count,
     validate_checkpoint,
 )
-from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
-from dwdp.worker.testing.tokenizer import build_tokenizer  # noqa: E402
+from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.tokenizer import build_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from dwdp.worker.models.validate import (  # noqa: E402
     CheckpointError,
     validate_checkpoint,
 )
-from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 # the routed-expert field of config.json as make_checkpoint's save_pretrained writes it, and
 # the on-disk names of an expert's gate and up matrices (stacked into gate_up_proj, up last)

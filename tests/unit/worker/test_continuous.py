@@ -17,7 +17,7 @@ from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import RequestError, SamplingParams  # noqa: E402
 from dwdp.worker.engine.requests import RequestState  # noqa: E402
 from dwdp.worker.engine.scheduler import Scheduler, Sequence  # noqa: E402
-from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])

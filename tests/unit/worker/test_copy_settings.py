@@ -32,7 +32,7 @@ from dwdp.worker.settings import (  # noqa: E402
     HostInfo,
     resolve_copy_settings,
 )
-from dwdp.worker.testing.checkpoint import fill_seeded, tiny_config  # noqa: E402
+from dwdp_dev.worker.checkpoint import fill_seeded, tiny_config  # noqa: E402
 
 NUM_EXPERTS = 4
 CPU = HostInfo(backend="cpu")

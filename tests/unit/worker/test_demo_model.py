@@ -19,9 +19,9 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from dwdp.cli import main as dwdp_main  # noqa: E402
-from dwdp.devcluster.paths import cache_dir  # noqa: E402
-from dwdp.worker.testing.demo_corpus import CAPITALS, demo_corpus  # noqa: E402
-from dwdp.worker.testing.demo_model import (  # noqa: E402
+from dwdp_dev.devcluster.paths import cache_dir  # noqa: E402
+from dwdp_dev.worker.demo_corpus import CAPITALS, demo_corpus  # noqa: E402
+from dwdp_dev.worker.demo_model import (  # noqa: E402
     MARKER,
     TrainSettings,
     cached_demo_model,

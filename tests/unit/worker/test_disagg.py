@@ -14,8 +14,8 @@ pytest.importorskip("nixl")
 httpx = pytest.importorskip("httpx")
 
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
-from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
-from dwdp.worker.testing.servers import EngineServer, VllmRouter, wait_for  # noqa: E402
+from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.servers import EngineServer, VllmRouter, wait_for  # noqa: E402
 
 KEY = "disagg-test-key"
 REMOTE_DECODE = {

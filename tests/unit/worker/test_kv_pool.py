@@ -14,7 +14,7 @@ from dwdp.worker.engine.kv_pool import (
     kv_bytes_per_token,
     size_kv_pool,
 )
-from dwdp.worker.testing.checkpoint import ARCHS, tiny_config
+from dwdp_dev.worker.checkpoint import ARCHS, tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,7 +79,7 @@ def test_max_tokens_below_max_model_len_is_refused_before_loading():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from dwdp.worker.engine.loader import load_checkpoint
-    from dwdp.worker.testing.checkpoint import make_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
 
     path = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "m", seed=3)
     return load_checkpoint(path)
@@ -90,7 +90,7 @@ def _waves(tiny, capacity: int | None) -> int:
     returns the waves the three took."""
     import time
 
-    from dwdp.worker.engine.batching import BatchingEngine, EngineConfig
+    from dwdp_dev.worker.wave_engine import BatchingEngine, EngineConfig
     from dwdp.worker.engine.protocol import SamplingParams
 
     model, tok = tiny

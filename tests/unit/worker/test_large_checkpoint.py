@@ -22,7 +22,7 @@ from dwdp.worker.models.validate import (  # noqa: E402
     read_headers,
     validate_checkpoint,
 )
-from dwdp.worker.testing.large_checkpoint import (  # noqa: E402
+from dwdp_dev.worker.large_checkpoint import (  # noqa: E402
     Qwen3MoeShape,
     checkpoint_sizes,
     write_qwen3_moe_checkpoint,

@@ -158,7 +158,7 @@ def test_bad_launch_config_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from dwdp.worker.testing.checkpoint import make_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
 
     return make_checkpoint("mixtral", tmp_path_factory.mktemp("ck") / "mx", num_experts=6)
 
@@ -212,7 +212,7 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path, checkpoint, monkeypatch):
 
 def test_architecture_without_dense_roots(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    from dwdp.worker.testing.tokenizer import save_tokenizer
+    from dwdp_dev.worker.tokenizer import save_tokenizer
 
     config = transformers.OlmoeConfig(
         vocab_size=384,

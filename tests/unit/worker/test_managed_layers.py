@@ -19,7 +19,7 @@ from dwdp.worker.expert.managed import (  # noqa: E402
     select_layers,
 )
 from dwdp.worker.models import adapter_for  # noqa: E402
-from dwdp.worker.testing.checkpoint import tiny_config  # noqa: E402
+from dwdp_dev.worker.checkpoint import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from dwdp.worker.models import (  # noqa: E402
 from dwdp.worker.models.deepseek_v3 import DeepseekV3Adapter  # noqa: E402
 from dwdp.worker.models.mixtral import MixtralAdapter  # noqa: E402
 from dwdp.worker.models.qwen3_moe import Qwen3MoeAdapter  # noqa: E402
-from dwdp.worker.testing.checkpoint import fill_seeded, tiny_config  # noqa: E402
+from dwdp_dev.worker.checkpoint import fill_seeded, tiny_config  # noqa: E402
 
 EXPECTED = {
     "deepseek_v3": (DeepseekV3Adapter, [1, 2]),

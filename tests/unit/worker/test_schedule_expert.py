@@ -16,7 +16,7 @@ import pytest
 
 from dwdp.api.enums import CopyMode
 from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan, Stream
-from dwdp.worker.backend.fake import FakeBackend, HazardKind, HbReport
+from dwdp_dev.worker.fake_backend import FakeBackend, HazardKind, HbReport
 from dwdp.worker.schedule import ExpertPrefetchSchedule, PassPhase, ScheduleStateError, SlotState
 
 CHUNK = 64

@@ -7,7 +7,7 @@ import pytest
 
 from dwdp.api.enums import CopyMode
 from dwdp.worker.backend.base import Backend, BackendError, CopyDescriptor, CopyPlan
-from dwdp.worker.backend.fake import (
+from dwdp_dev.worker.fake_backend import (
     FakeBackend,
     HazardKind,
     check_happens_before,

@@ -21,7 +21,7 @@ from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.server.app import build_app  # noqa: E402
 from dwdp.worker.server.status import NoDwdp  # noqa: E402
-from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 MAX_LEN = 96
 POOL = 80  # KV cache tokens: a request of prompt + max_tokens over it is refused

@@ -23,7 +23,7 @@ from dwdp.worker.models.validate import (  # noqa: E402
     load_config,
     validate_checkpoint,
 )
-from dwdp.worker.testing.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")
 NUM_EXPERTS = 6

