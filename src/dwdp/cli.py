@@ -3,9 +3,9 @@
 The product's sub-packages are listed in :data:`COMMAND_MODULES`; an installed distribution may
 add its own through the entry-point group ``dwdp.commands`` (the development distribution
 ``dwdp-dev`` adds ``dwdp dev`` and ``dwdp testing`` that way, so the product wheel names no
-development module). Each contributing module exposes ``register(subparsers)``, which adds its sub-commands
-and sets ``func`` (``args -> int`` exit status) on each. Contributing modules keep their
-top-level imports light (no torch, no kopf): heavy imports happen inside ``func``, so
+development module). Each contributing module exposes ``register(subparsers)``, which adds its
+sub-commands and sets ``func`` (``args -> int`` exit status) on each. Contributing modules keep
+their top-level imports light (no torch, no kopf): heavy imports happen inside ``func``, so
 ``dwdp validate`` works where only pydantic and PyYAML are installed.
 """
 

@@ -80,7 +80,8 @@ def test_product_wheel_ships_the_kernels_and_no_development_code(tmp_path: Path)
             shutil.copy2(REPO / name, src / name)
     _build(src, tmp_path / "dist")
     names = _wheel_names(tmp_path / "dist", "dwdp")
-    for data in ("dwdp/py.typed", "dwdp/kernels/gather_register.cu", "dwdp/kernels/gather_common.cuh"):
+    kernels = ("dwdp/kernels/gather_register.cu", "dwdp/kernels/gather_common.cuh")
+    for data in ("dwdp/py.typed", *kernels):
         assert data in names, data
     modules = {n for n in names if n.endswith(".py")}
     assert "dwdp/worker/server/app.py" in modules and "dwdp/operator/plan.py" in modules
