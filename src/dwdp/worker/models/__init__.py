@@ -1,4 +1,4 @@
-"""Architecture adapters: what DWDP moves in each supported model family (DESIGN.md 5.4, 5.6).
+"""Architecture adapters: what DWDP moves in each supported model family (docs/design.md §6.5, §6.7).
 
 ``adapter_for(config_or_model)`` returns the adapter of a Hugging Face model or config, a
 generic expert-only adapter for another fused-experts MoE model, or ``None`` for a model DWDP
