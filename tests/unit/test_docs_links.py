@@ -12,6 +12,7 @@ reading the text can open what it names. Resolution rules, the same for every fi
 - a path with a folder part and a file extension (``worker/engine/cuda_path.py``) resolves
   against the citing file's folder or any folder above it, up to the repository root (so a
   docstring may name a module relative to its package);
+- a folder in backquotes with a trailing slash (``src/dwdp/worker/``) resolves the same way;
 - a bare markdown name (``design.md``) resolves the same way or in ``docs/``.
 
 So an internal brief that is not in the repository (``DESIGN.md``) or a path of an earlier
@@ -36,6 +37,8 @@ _EXTENSIONS = "py|md|yaml|yml|cu|cuh|sh|go|toml|json|txt|cfg|ini|tpl"
 # A path with at least one folder part, not inside a URL, an absolute path, a home path or a
 # placeholder (no '/', '.', '~', '<', '$', ':' or a word character right before it).
 _PATH = re.compile(rf"(?<![\w./~<>$:@-])((?:[\w.-]+/)+[\w.-]+\.(?:{_EXTENSIONS}))(?![\w/-])")
+# A folder in backquotes (`src/dwdp/worker/`), named as a folder by its trailing '/'.
+_FOLDER = re.compile(r"`((?:[\w.-]+/)+)`")
 _BARE_MD = re.compile(r"(?<![\w./~<>$:@-])([\w-][\w.-]*\.md)(?![\w/-])")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
@@ -129,6 +132,9 @@ def broken_citations(root: Path = REPO) -> Iterator[Broken]:
             for target in _PATH.findall(line):
                 if not _resolves(root, citing, target):
                     yield Broken(name, number, target, "no such file in the repository")
+            for target in _FOLDER.findall(line):
+                if not _resolves(root, citing, target):
+                    yield Broken(name, number, target, "no such folder in the repository")
             for target in _BARE_MD.findall(line):
                 if not _resolves(root, citing, target, extra=(root / "docs",)):
                     yield Broken(name, number, target, "no such markdown file in the repository")
@@ -195,6 +201,7 @@ def test_product_text_cites_only_files_of_the_repository() -> None:
         ("see [the brief](../DESIGN.md#5-the-worker)", "../DESIGN.md#5-the-worker"),
         ("built by `tools/devcluster/images.py`", "tools/devcluster/images.py"),
         ("the corpus `worker/testing/demo_corpus.py` writes", "worker/testing/demo_corpus.py"),
+        ("the engine (`worker/engine/`) packs it", "worker/engine/"),
         ("see [operations](operations.md#no-such-heading)", "operations.md#no-such-heading"),
     ],
 )
