@@ -4,7 +4,7 @@ One run, one group of ``--world`` forked rank processes over the cpu backend and
 Every rank first times the prefill forward of the same prompt batch with replicated weights,
 then attaches DWDP and times it again; all ranks time each phase together (a collective
 between phases), so both phases see the same CPU contention. Reported per rank: the median
-forward time of each phase and the ratio DWDP / replicated (DESIGN.md 6: a ratio measured in
+forward time of each phase and the ratio DWDP / replicated (docs/design.md §7: a ratio measured in
 the same run, never a hard-coded time). On CPU every copy runs synchronously on the compute
 thread, so the ratio shows the cost of the copies DWDP adds, with no overlap to hide them.
 

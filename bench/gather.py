@@ -4,7 +4,7 @@ torch per-source copies, and one large device-to-device copy (the ceiling).
 For 2/4/8 sources and layer-sized totals (64 MiB .. 2 GiB), and the gathers at 8, 16, 32,
 66 and 132 resident blocks (the SM reserve), it times each path with CUDA events and
 reports bytes read per second and the ratio to the ceiling measured in the same run
-(DESIGN.md 6: ratios, never a hard-coded time). It prints the table last and writes JSON.
+(docs/design.md §7: ratios, never a hard-coded time). It prints the table last and writes JSON.
 
 Usage: python bench/gather.py [--out PATH] [--totals-mib 64,256,1024,2048]
                               [--sources 2,4,8] [--blocks 8,16,32,66,132] [--quick]

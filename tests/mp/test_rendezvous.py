@@ -1,6 +1,6 @@
 """The TCP store rendezvous with real processes: missing ranks, incarnations, loopback.
 
-Each rank reads its contract from an environment (DESIGN.md 4), with a short
+Each rank reads its contract from an environment (docs/design.md §5.1), with a short
 ``DWDP_RENDEZVOUS_TIMEOUT_S`` so the timeouts are fast.
 """
 

@@ -4,7 +4,7 @@ Depends only on pydantic and PyYAML, so the operator, the worker and the CLI sha
 
 - ``dwdp.api.enums``: CopyMode, GatherKernel, HandleType, Role, Transport, DenseMode.
 - ``dwdp.api.partition``: expert_partition, ExpertPartition, PartitionKind, PartitionError.
-- ``dwdp.api.config``: DwdpConfig (DESIGN.md 3.1).
+- ``dwdp.api.config``: DwdpConfig (docs/design.md §3.1).
 - ``dwdp.api.launch``: LaunchConfig, validate_launch / launch_problems (3.2), roles.
 - ``dwdp.api.support``: the settings this worker does not run (refused everywhere alike).
 - ``dwdp.api.deployment``: the DwdpDeployment spec and status (3.3), deployment_problems,

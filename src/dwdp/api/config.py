@@ -1,4 +1,4 @@
-"""DwdpConfig: the DWDP settings of one worker (DESIGN.md 3.1).
+"""DwdpConfig: the DWDP settings of one worker (docs/design.md §3.1).
 
 snake_case in Python, camelCase in YAML and the CRD. Parsing applies every rule of 3.1 and
 reports each broken one as a :class:`~dwdp.api.errors.Problem` naming the field, its value and
@@ -75,7 +75,7 @@ def _cel_rules() -> list[dict[str, str]]:
 
 
 class DwdpConfig(ApiModel):
-    """The DWDP settings of a worker; every field defaults as DESIGN.md 3.1 says.
+    """The DWDP settings of a worker; every field defaults as docs/design.md §3.1 says.
 
     Raises pydantic's ``ValidationError`` on parse; turn it into problems with
     :func:`dwdp.api.errors.problems_from_validation_error`.
@@ -140,7 +140,7 @@ class DwdpConfig(ApiModel):
         return self
 
     def rule_problems(self) -> list[Problem]:
-        """Every cross-field rule of DESIGN.md 3.1 this config breaks, in a fixed order.
+        """Every cross-field rule of docs/design.md §3.1 this config breaks, in a fixed order.
 
         Paths are relative to the config (``gatherKernel``); field-level rules (types,
         enums, minimums) are checked by pydantic before this runs.

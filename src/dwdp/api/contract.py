@@ -1,6 +1,6 @@
 """The rank contract: what the operator tells a rank and what a rank tells the operator.
 
-One home for every word both sides spell (DESIGN.md 4):
+One home for every word both sides spell (docs/design.md §5):
 
 - the environment of a worker pod (:class:`Env`): the operator sets these, the worker and the
   test rank program (``dwdp_dev.operator.rankprog``) read them;
@@ -156,7 +156,7 @@ class Stage(enum.StrEnum):
 
 
 DENSE_SETUP_PHASES = ("P1", "P2", "P3", "P4", "P5", "P6")
-"""The dense setup phases (DESIGN.md 5.2), each ending in one collective."""
+"""The dense setup phases (docs/design.md §6.3), each ending in one collective."""
 EXPERT_SETUP_PHASES = ("handshake", "allocate", "map", "commit")
 """The expert setup phases, each ending in one collective."""
 

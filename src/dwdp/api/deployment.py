@@ -1,10 +1,10 @@
-"""DwdpDeployment: the custom resource's spec and status models (DESIGN.md 3.3).
+"""DwdpDeployment: the custom resource's spec and status models (docs/design.md §3.3).
 
 Group ``dwdp.io``, version ``v1alpha1``, kind ``DwdpDeployment``, plural ``dwdpdeployments``,
 short name ``dwdp``. The spec says what to run (model, image, the context DWDP groups, the
 generation servers, rendezvous, rollout and failure policy); the status is what the operator
-observed. :func:`deployment_problems` applies every rule (field rules, DESIGN.md 3.1 through
-:class:`~dwdp.api.config.DwdpConfig`, the launch rules of 3.2 through
+observed. :func:`deployment_problems` applies every rule (field rules, docs/design.md §3.1 through
+:class:`~dwdp.api.config.DwdpConfig`, the launch rules of §3.2 through
 :func:`~dwdp.api.launch.launch_problems`, the settings this worker does not run from
 :mod:`~dwdp.api.support`) and names each broken one; the CRD carries the
 same rules as schema constraints and CEL, generated from these classes by
@@ -465,7 +465,7 @@ class ContextSpec(_ServingSection):
 
     def rule_problems(self) -> list[Problem]:
         """The settings this worker does not run (:mod:`dwdp.api.support`), the launch rules
-        (DESIGN.md 3.2) and the pod-shape rules; one problem per field, paths relative to
+        (docs/design.md §3.2) and the pod-shape rules; one problem per field, paths relative to
         context."""
         probe = LaunchConfig(
             role=Role.CONTEXT,

@@ -9,7 +9,7 @@ import enum
 
 
 class CopyMode(enum.StrEnum):
-    """How the copies of one layer are issued, for every DWDP copy (DESIGN.md 5.5)."""
+    """How the copies of one layer are issued, for every DWDP copy (docs/design.md §6.6)."""
 
     PER_SLICE = "per_slice"
     """One asynchronous copy per descriptor."""
@@ -60,7 +60,7 @@ class Transport(enum.StrEnum):
 
 
 class DenseMode(enum.StrEnum):
-    """The two ways dense DWDP runs (DESIGN.md 3.2)."""
+    """The two ways dense DWDP runs (docs/design.md §3.2)."""
 
     ATTACHED = "attached"
     """With expert DWDP: the DWDP group and the expert copy stream."""

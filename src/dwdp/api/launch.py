@@ -1,4 +1,4 @@
-"""The launch configuration of one worker and the launch rules of DESIGN.md 3.2.
+"""The launch configuration of one worker and the launch rules of docs/design.md §3.2.
 
 A :class:`LaunchConfig` is what a worker process reads (the file ``DWDP_CONFIG`` names; the
 operator renders it from the DwdpDeployment spec). :func:`validate_launch` applies the
@@ -88,7 +88,7 @@ class EngineSwitches(ApiModel):
     """Engine features, all off by default. This worker runs none of them: each one set
     true is refused before any pod starts, as not supported by this worker."""
 
-    # The refusals live in dwdp.api.support; the DWDP rules of DESIGN.md 3.2 that name these
+    # The refusals live in dwdp.api.support; the DWDP rules of docs/design.md §3.2 that name these
     # switches stay after them, for when the features are built.
 
     cuda_graphs: Bool = Field(default=False, description="Capture CUDA graphs of the forward pass.")
@@ -197,7 +197,7 @@ class LaunchConfig(ApiModel):
 
 
 class LaunchError(ValueError):
-    """A launch that breaks a rule of DESIGN.md 3.2; ``problem`` is the first one broken."""
+    """A launch that breaks a rule of docs/design.md §3.2; ``problem`` is the first one broken."""
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
@@ -395,7 +395,7 @@ def launch_message(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> str
 
 
 def validate_launch(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> None:
-    """Apply the launch rules of DESIGN.md 3.2.
+    """Apply the launch rules of docs/design.md §3.2.
 
     Raises:
         LaunchError: naming the first requirement the launch breaks (its ``problem``

@@ -3,7 +3,7 @@
 One function, :func:`expert_partition`, turns (experts, dwdp_size, experts_per_worker,
 prefetch_experts) into the table of every rank's ``[start, end)`` range and its kind. Every
 rank computes the same table from the same numbers; it is the only source of ranges in the
-project. Four kinds are accepted (DESIGN.md 3.1); every other combination is a
+project. Four kinds are accepted (docs/design.md §3.1); every other combination is a
 :class:`PartitionError` raised before any weight exists.
 
 Invariant of an accepted table: ranges are non-empty, contiguous within a rank, sorted by

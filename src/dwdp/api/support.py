@@ -1,6 +1,6 @@
 """What this worker runs: the settings it refuses, each written once for the models and the CRD.
 
-DESIGN.md 3.2 gives the reference's launch rules; this worker runs a subset of them. It has
+docs/design.md §3.2 gives the launch rules; this worker runs a subset of them. It has
 no tensor-, pipeline- or context-parallel engine and no attention data parallelism (every
 rank serves one whole model), runs dense DWDP attached to expert DWDP only, has no gather
 kernel on the cpu backend, its pods start their ranks with ``dwdp launch``, never under

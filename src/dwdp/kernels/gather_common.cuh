@@ -1,4 +1,4 @@
-// Shared pieces of the DWDP gather kernels (dwdp.kernels; DESIGN.md section 5.5).
+// Shared pieces of the DWDP gather kernels (dwdp.kernels; docs/design.md §6.6).
 //
 // A gather copies a whole layer in one launch. Its input is a device table of
 // descriptors, one per contiguous copy; the host (dwdp.kernels.table) packs it:

@@ -1,5 +1,5 @@
 // The register gather: every thread moves 16-byte vectors through registers, with
-// DWDP_UNROLL independent loads in flight before the first store (DESIGN.md 5.5).
+// DWDP_UNROLL independent loads in flight before the first store (docs/design.md §6.6).
 //
 // Launch: grid = the SM reserve (resident blocks), block = DWDP_THREADS threads, no
 // shared memory. Parameters: (const GatherDesc* table, int n_desc, u64 total_chunks,

@@ -1,4 +1,4 @@
-// The TMA gather: Hopper bulk copies global -> shared -> global (DESIGN.md 5.5).
+// The TMA gather: Hopper bulk copies global -> shared -> global (docs/design.md §6.6).
 //
 // One thread per block drives a DWDP_STAGES-deep ring of DWDP_CHUNK-byte shared-memory
 // stages: cp.async.bulk loads a chunk into a stage and completes on the stage's

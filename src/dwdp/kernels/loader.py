@@ -1,4 +1,4 @@
-"""Build, cache and launch the gather kernels (DESIGN.md 5.5).
+"""Build, cache and launch the gather kernels (docs/design.md §6.6).
 
 The CUDA C sources beside this module are compiled at run time with NVRTC
 (``cuda.bindings.nvrtc``) to a cubin for the device's architecture (``sm_90`` on H200),

@@ -154,7 +154,7 @@ def launch_config_text(spec: DwdpDeploymentSpec, role: Role) -> str:
     """The launch config YAML a worker of ``role`` reads (``DWDP_CONFIG``).
 
     Raises:
-        dwdp.api.launch.LaunchError: when the launch breaks a rule of DESIGN.md 3.2 (the
+        dwdp.api.launch.LaunchError: when the launch breaks a rule of docs/design.md §3.2 (the
             same check the worker runs on its host).
         ValueError: for the generation role without a generation section.
     """
@@ -515,7 +515,7 @@ def worker_pod(
 ) -> dict[str, Any]:
     """Pod ``pod_index`` of incarnation ``incarnation`` of group ``group_index`` of
     ``role``: ranks ``pod_index * ranksPerPod`` onwards, the rendezvous environment of
-    DESIGN.md 4, one GPU per rank, restartPolicy Never, the commit-gate readiness gate.
+    docs/design.md §4.2, one GPU per rank, restartPolicy Never, the commit-gate readiness gate.
     ``secret``: the incarnation's rendezvous Secret, mounted read-only at
     ``RENDEZVOUS_SECRET_DIR`` and named by ``DWDP_RENDEZVOUS_SECRET_FILE`` (its path, never
     its value)."""

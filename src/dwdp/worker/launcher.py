@@ -1,6 +1,6 @@
 """``dwdp launch``: one worker process per local rank of a pod, started and stopped together.
 
-The pod's environment carries the group contract of DESIGN.md 4 for its *first* local rank:
+The pod's environment carries the rank contract of docs/design.md §5.1 for its *first* local rank:
 ``DWDP_RANK`` is the rank of local rank 0 (pod index x ranks per pod), ``DWDP_WORLD_SIZE`` the
 group's rank count. ``DWDP_LOCAL_WORLD_SIZE`` (or ``--nproc``) says how many local ranks to
 start. Each child gets ``DWDP_RANK = first + k``, ``DWDP_LOCAL_RANK = k`` and

@@ -1,6 +1,6 @@
 """One worker rank, start to finish: ``dwdp worker --config FILE``.
 
-Startup order (DESIGN.md 5): read and validate the launch (role rules first, so a generation
+Startup order (docs/design.md §6.1): read and validate the launch (role rules first, so a generation
 server refuses dense DWDP before anything loads) -> check the checkpoint's headers, its
 architecture adapter and the expert partition (one line naming the tensor or field) -> with
 DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the copy operations)

@@ -118,7 +118,7 @@ def test_crd_schema_and_cel_offline(case, apiserver) -> None:
     ],
 )
 def test_reference_engine_rules_stay_after_the_limits(name, reference, apiserver) -> None:
-    """An engine switch is refused as not supported by this worker, and the DESIGN.md 3.2
+    """An engine switch is refused as not supported by this worker, and the docs/design.md §3.2
     rule that names it for DWDP is still in the CRD (for when the feature is built)."""
     (case,) = [c for c in CASES if c.name == name]
     text = "\n".join(apiserver.errors(case.document))

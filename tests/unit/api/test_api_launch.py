@@ -1,4 +1,4 @@
-"""Launch rules (DESIGN.md 3.2): the first broken requirement, roles, warnings, rendering."""
+"""Launch rules (docs/design.md §3.2): the first broken requirement, roles, warnings, rendering."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ CODE = {
 def admitted(n: int, d: int) -> dict[tuple[int, int], tuple[PartitionKind, list[tuple[int, int]]]]:
     """Every (size, stride) with 0 <= size, stride <= n that a kind admits, and its table.
 
-    Built kind by kind from the definitions in DESIGN.md 3.1, not from the predicate.
+    Built kind by kind from the definitions in docs/design.md §3.1, not from the predicate.
     """
     out: dict[tuple[int, int], tuple[PartitionKind, list[tuple[int, int]]]] = {}
     # balanced: 0/0; the first n % d ranks get one expert more; needs n >= d.

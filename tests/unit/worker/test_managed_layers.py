@@ -1,4 +1,4 @@
-"""Which MoE layers DWDP manages (DESIGN.md 5.3): a layer it cannot manage keeps its full
+"""Which MoE layers DWDP manages (docs/design.md §6.4): a layer it cannot manage keeps its full
 expert table, with one WARNING per reason and a count; repeated layers are declared."""
 
 from __future__ import annotations

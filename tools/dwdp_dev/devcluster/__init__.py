@@ -1,4 +1,6 @@
-"""dwdp_dev.devcluster: a real local Kubernetes control plane without containers (DESIGN.md §7).
+"""dwdp_dev.devcluster: a real local Kubernetes control plane without containers.
+
+See docs/design.md §8.
 
 - ``build``: builds the Go multi-call binary (etcd, kube-apiserver, kube-controller-manager,
   kube-scheduler of one pinned release) into a cache outside the repository.

@@ -1,7 +1,7 @@
 """A test-only rank program: the worker's pod contract without the model.
 
 Run as the container command of a worker pod (``python -m dwdp_dev.operator.rankprog``).
-It reads the rendezvous environment (DESIGN.md 4), runs ``DWDP_LOCAL_WORLD_SIZE`` ranks as
+It reads the rendezvous environment (docs/design.md §5.1), runs ``DWDP_LOCAL_WORLD_SIZE`` ranks as
 threads, meets the group's other ranks at a tiny TCP store that rank 0 hosts on
 ``DWDP_RENDEZVOUS`` (keys namespaced by group and incarnation), walks the real worker's
 steps (``load``, the dense setup phases ``P1``..``P6``), meets again to ``commit``, and

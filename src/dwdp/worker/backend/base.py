@@ -1,4 +1,4 @@
-"""The device backend interface of the DWDP runtime (DESIGN.md section 5.1).
+"""The device backend interface of the DWDP runtime (docs/design.md §6.2).
 
 A backend gives the runtime four things and nothing else: shareable *stores* (a rank's
 slice of the weights, readable by every peer of the DWDP group), *peer views* (a peer's
@@ -168,7 +168,7 @@ class Backend(ABC):
     def resolve_gather(
         self, kernel: GatherKernel | None = None, blocks: int | None = None
     ) -> GatherHandle | None:
-        """Resolve the gather kernel once per manager (DESIGN.md 5.5) from the copy
+        """Resolve the gather kernel once per manager (docs/design.md §6.6) from the copy
         settings (``kernel``: ``None`` for the default variant; ``blocks``: resident blocks
         of its grid); the result is passed to every ``launch_copies`` of that manager as
         ``gather``. Backends without a gather kernel return ``None``."""

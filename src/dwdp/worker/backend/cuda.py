@@ -1,5 +1,5 @@
 """The CUDA backend: VMM stores shared by POSIX fd or FABRIC handle, torch streams and
-events, and the three copy modes (DESIGN.md 5.1 and 5.5).
+events, and the three copy modes (docs/design.md §6.2 and §6.6).
 
 - Stores: ``cuMemCreate`` at the recommended granularity, mapped read-write here;
   ``map_peers`` exports them (a POSIX fd handed to each same-host peer over an abstract

@@ -113,7 +113,7 @@ def gather_entries(
 
 def check_sm_reserve(sms: int, sm_count: int) -> int:
     """``sms`` if it is a valid SM reserve on a device of ``sm_count`` SMs: at least 1
-    and leaving at least one SM to the model (DESIGN.md 5.5). Raises ``SmReserveError``."""
+    and leaving at least one SM to the model (docs/design.md §6.6). Raises ``SmReserveError``."""
     if sms < 1:
         raise SmReserveError(f"gather SM reserve {sms} must be at least 1 SM")
     if sms >= sm_count:

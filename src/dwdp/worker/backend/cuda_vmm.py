@@ -1,4 +1,4 @@
-"""CUDA VMM regions of the CUDA backend: create, export, import, map, release (DESIGN.md 5.1).
+"""CUDA VMM regions of the CUDA backend: create, export, import, map, release (docs/design.md §6.2).
 
 A *region* is one physical allocation mapped at one virtual range of this process: this
 rank's store (``create_region``, cuMemCreate) or a peer's store (``import_region``,

@@ -1,7 +1,7 @@
 """The dense layout collector: blobs A(l) and D(l) of every MoE decoder layer, cut in rows.
 
 For each MoE decoder layer l the tensors under its attention roots form blob A(l) and those
-under its MoE-dense roots blob D(l) (DESIGN.md 5.4). A blob is a sequence of *storages*
+under its MoE-dense roots blob D(l) (docs/design.md §6.5). A blob is a sequence of *storages*
 (the memory of one or more tensors: a fused weight and its row views, aliases), each placed
 at an ``align``-byte boundary, and is cut into ``world_size`` rows of ``row_bytes`` each
 (the last ones padded): rank r keeps row r in its row store.

@@ -1,7 +1,7 @@
 """The dense DWDP state of one rank: row store, peer views, prefetch slots and copy plans.
 
 Slot rings: ``attention_slots`` slots for blobs A(l) and ``moe_dense_slots`` for blobs
-D(l) (2 and 3 by default, DESIGN.md 5.4). The module tensors of MoE layer l are repointed
+D(l) (2 and 3 by default, docs/design.md §6.5). The module tensors of MoE layer l are repointed
 once, at setup, into slot ``l % slots`` of each segment (:meth:`DenseDwdp.home_slot`), so
 the dense slot schedule must fill layer l into that slot; plans into every slot exist for
 schedules that want them.

@@ -1,7 +1,7 @@
 """The KV cache pool of one rank: its size in tokens, from the memory left after the commit.
 
 A rank sizes its pool once, after the DWDP setup committed and before the engine starts
-(DESIGN.md 5), so whatever DWDP freed (the experts of the other ranks, with dense DWDP the
+(docs/design.md §6.1), so whatever DWDP freed (the experts of the other ranks, with dense DWDP the
 row shards of the dense weights) is free memory the pool takes. The rules follow the
 ``kvCache`` settings of the launch (``dwdp.api.launch.KvCacheConfig``), in the manner of
 TensorRT-LLM's ``free_gpu_memory_fraction``/``max_tokens``:

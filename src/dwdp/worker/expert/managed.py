@@ -3,7 +3,7 @@
 DWDP manages a MoE decoder layer whose experts are the fused ``[E, ...]`` tables of the
 model's expert count (the partition's). Any other MoE layer keeps its full expert table on
 every rank instead of failing setup or being skipped in silence (seed 000, "Unmanaged MoE
-layers"; DESIGN.md 5.3): the first layer of each reason logs a WARNING, setup logs how many
+layers"; docs/design.md §6.4): the first layer of each reason logs a WARNING, setup logs how many
 layers each reason covers, and the counts are part of ``/dwdp/status``.
 
 Managed layers get consecutive MoE orders (the order the expert prefetch ring cycles over);

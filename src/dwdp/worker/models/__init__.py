@@ -1,4 +1,6 @@
-"""Architecture adapters: what DWDP moves in each supported model family (DESIGN.md 5.4, 5.6).
+"""Architecture adapters: what DWDP moves in each supported model family.
+
+See docs/design.md §6.5 (dense DWDP) and §6.7 (the engine and its adapters).
 
 ``adapter_for(config_or_model)`` returns the adapter of a Hugging Face model or config, a
 generic expert-only adapter for another fused-experts MoE model, or ``None`` for a model DWDP

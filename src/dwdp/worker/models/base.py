@@ -187,7 +187,7 @@ class ArchitectureAdapter:
         """``(decoder layer index, prefix)`` of every decoder layer whose MoE block has an
         ``experts`` module that is not the fused ``[E, ...]`` tables (``gate_up_proj``,
         ``down_proj``), e.g. a list of per-expert MLPs: DWDP cannot manage it and it keeps
-        its full expert table (DESIGN.md 5.3)."""
+        its full expert table (docs/design.md §6.4)."""
         prefix = self.layers_prefix(model)
         out = []
         for index, layer in enumerate(self.decoder_layers(model)):
@@ -199,7 +199,7 @@ class ArchitectureAdapter:
     def repeated_layers(self, model: nn.Module) -> frozenset[int]:
         """Decoder-layer indices of the MoE layers that run several times in a row within a
         forward (a draft layer reused for every draft step): each keeps its expert prefetch
-        slot across its repeats instead of gathering its experts again (DESIGN.md 5.3).
+        slot across its repeats instead of gathering its experts again (docs/design.md §6.4).
 
         The declaration: the model config's ``dwdp_repeated_layers`` (a list of decoder
         layer indices, in ``config.json``), or an adapter subclass overriding this method.

@@ -1,4 +1,4 @@
-"""When each prefetch slot is filled and which stream waits for what (DESIGN.md 5.3, 5.4).
+"""When each prefetch slot is filled and which stream waits for what (docs/design.md §6.4, §6.5).
 
 ``expert``: the cyclic expert prefetch schedule over a slot ring of ``num_prefetch_slots``
 prefetch slots (``start_forward``, ``bind``, ``finish``, ``invalidate_prefetch``).

@@ -1,4 +1,4 @@
-"""The dense slot schedule (DESIGN.md 5.4): two slot rings, 2 attention slots for blob A(l)
+"""The dense slot schedule (docs/design.md §6.5): two slot rings, 2 attention slots for blob A(l)
 and 3 MoE-dense slots for blob D(l), filled in layer order from hooks H0-H3.
 
 The schedule decides when the copy of a layer's dense blobs (``L(l)``: A(l) then D(l)) is

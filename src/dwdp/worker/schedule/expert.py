@@ -1,4 +1,4 @@
-"""The expert prefetch schedule (DESIGN.md 5.3): one cyclic schedule over the MoE layers of
+"""The expert prefetch schedule (docs/design.md §6.4): one cyclic schedule over the MoE layers of
 consecutive forward passes, filling a slot ring of ``num_prefetch_slots`` prefetch slots.
 
 The schedule decides which layer's remote experts are copied into which prefetch slot and

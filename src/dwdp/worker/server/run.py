@@ -1,6 +1,6 @@
 """The uvicorn lifecycle of one rank: serve until a signal, with the graceful-shutdown bound.
 
-``graceful_shutdown_timeout_s`` (DESIGN.md 5.6), when set, reaches uvicorn as
+``graceful_shutdown_timeout_s`` (docs/design.md §6.7), when set, reaches uvicorn as
 ``timeout_graceful_shutdown``: handlers still running that many seconds after the stop signal
 are cancelled. Unset, uvicorn's default applies (wait for every handler). Either way the engine
 is stopped afterwards: in the app's lifespan shutdown and again, idempotently, in ``finally``.

@@ -2,6 +2,6 @@
 
 ``phases`` names the phases and the errors, ``inject`` the failure-injection hook,
 ``vote`` the one collective each phase ends with, ``dense`` the six-collective dense
-setup P1-P6 (DESIGN.md 5.2), ``expert`` the expert setup (handshake, allocation vote,
+setup P1-P6 (docs/design.md §6.3), ``expert`` the expert setup (handshake, allocation vote,
 peer mapping, final vote) and ``status`` the per-rank resident bytes.
 """

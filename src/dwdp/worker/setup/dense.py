@@ -1,4 +1,4 @@
-"""Dense DWDP setup: six phases, six collectives, one verdict on every rank (DESIGN.md 5.2).
+"""Dense DWDP setup: six phases, six collectives, one verdict on every rank (docs/design.md §6.3).
 
 P1 collect the layout, digest and checksums, compare them across ranks, check the free
 memory; P2 allocate the row store and the slots and write this rank's rows; P3 map every

@@ -1,4 +1,4 @@
-"""Expert DWDP setup: handshake, allocation vote, peer mapping, final vote (DESIGN.md 5.2).
+"""Expert DWDP setup: handshake, allocation vote, peer mapping, final vote (docs/design.md §6.3).
 
 1. handshake: every rank sends its range (from ``dwdp.api.partition.expert_partition``,
    the only source of ranges) and its chunk shapes; every rank checks that all agree on

@@ -21,7 +21,7 @@ separated, e.g. ``DWDP_FAIL_AT=P3:rank2`` or ``DWDP_FAIL_AT=handshake:rank0``.""
 
 
 class DensePhase(enum.StrEnum):
-    """The six phases of dense setup (DESIGN.md 5.2), each ending in one collective."""
+    """The six phases of dense setup (docs/design.md §6.3), each ending in one collective."""
 
     P1 = "P1"
     """Collect the layout, its digest and checksums; compare across ranks; fit check."""

@@ -3,7 +3,7 @@
 Which tensors: in every MoE decoder layer DWDP manages, each parameter or buffer outside the
 expert tables with at most one dimension (zero-dimensional scales, the routing bias, norm
 weights, per-channel scales). Each rank serves with its own copy of them, so a rank that
-loaded other values would route or scale differently without any error (DESIGN.md 5.3).
+loaded other values would route or scale differently without any error (docs/design.md §6.4).
 
 The rule (seed 000, "The exchange"), compared with rank 0's bytes:
 - bitwise equal, in general;

@@ -3,7 +3,7 @@
 A transport connects the ``world_size`` ranks of one DWDP group incarnation. Its one
 primitive is an allgather of bytes; on top of it, :meth:`GroupTransport.exchange` sends every
 rank's payload *and* its status (``None`` or an error message) together, so a failing rank
-still takes part in the collective and its error reaches every rank there (DESIGN.md 5.2,
+still takes part in the collective and its error reaches every rank there (docs/design.md §6.3,
 fail-together). Every exchange also carries a label and a sequence number; ranks that
 disagree on either raise :class:`CollectiveMismatch` on every rank instead of pairing
 unrelated collectives.
@@ -98,7 +98,7 @@ class Exchange:
 
 @dataclass(frozen=True, slots=True)
 class RendezvousConfig:
-    """Where and how a rank joins its group (the environment contract of DESIGN.md 4).
+    """Where and how a rank joins its group (the environment of docs/design.md §5.1).
 
     ``address`` is ``(host, port)`` of the store that rank 0 hosts, or ``None`` where the
     transport needs none (MPI). ``timeout_s`` is in seconds. ``secret`` is the group

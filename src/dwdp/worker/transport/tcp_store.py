@@ -234,5 +234,5 @@ def _missing_from(message: str) -> tuple[int, ...]:
 
 
 def from_env() -> TcpStoreTransport:
-    """Join the group the environment describes (DESIGN.md 4) over the TCP store."""
+    """Join the group the environment describes (docs/design.md §5.1) over the TCP store."""
     return TcpStoreTransport(RendezvousConfig.from_env())

@@ -1,6 +1,6 @@
 module github.com/dwdp/dwdp/tools/devcluster/go
 
-// The local control plane of dwdp (DESIGN.md section 7): one multi-call binary holding
+// The local control plane of dwdp (docs/design.md §8): one multi-call binary holding
 // etcd, kube-apiserver, kube-controller-manager and kube-scheduler of one pinned release.
 // Built by `dwdp dev build`; see tools/devcluster/build.py.
 
