@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from dwdp.api.config import DwdpConfig
 from dwdp.api.deployment import launch_config_for, parse_deployment
+from dwdp.api.dropped import DROPPED_FIELDS
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
 from dwdp.api.errors import problems_from_validation_error
 from dwdp.api.launch import (
@@ -21,7 +22,6 @@ from dwdp.api.launch import (
     resolve_role,
     validate_launch,
 )
-from dwdp.api.dropped import DROPPED_FIELDS
 from dwdp.api.support import NOT_SUPPORTED
 
 
