@@ -152,7 +152,7 @@ def test_a_dropped_field_is_refused_strictly_and_pruned_otherwise(crd_installed,
             field_validation=validation,
         )
         assert "parallel" not in obj["spec"]["context"], (validation, obj["spec"]["context"])
-        assert obj["spec"]["context"]["ranksPerPod"] == 2
+        assert obj["spec"]["context"]["maxBatchSize"] == 4  # the rest is kept
 
 
 def test_an_object_stored_with_a_dropped_field_is_read_without_it(crd_installed, namespace):
