@@ -125,3 +125,65 @@ def test_defaults_are_filled_by_the_apiserver(crd_installed, namespace) -> None:
     assert dwdp["dwdpSize"] == 1 and dwdp["numPrefetchSlots"] == 2
     assert dwdp["enableExperts"] is True and dwdp["enableDense"] is False
     assert obj["spec"]["rendezvous"] == {"port": 29500, "timeoutSeconds": 1800}
+
+
+def _case_document(name: str) -> dict:
+    (case,) = [c for c in CASES if c.name == name]
+    return case.document
+
+
+def test_a_dropped_field_is_refused_strictly_and_pruned_otherwise(crd_installed, namespace):
+    """docs/operations.md: under strict field validation (kubectl's default) the apiserver
+    refuses a dropped field as unknown; without it the field is dropped from the object."""
+    from kubernetes import client
+
+    document = _case_document("dropped-tensor-parallel")
+    accepted, text = _dry_run_create(crd_installed, namespace, document)
+    assert not accepted and 'unknown field "spec.context.parallel"' in text, text
+    proc = crd_installed.kubectl(
+        "apply", "--dry-run=server", "-n", namespace, "-f", "-",
+        input=json.dumps(document), check=False,
+    )
+    assert proc.returncode != 0 and "unknown field" in proc.stderr, proc.stderr
+    for validation in ("Warn", "Ignore"):
+        api = client.CustomObjectsApi(crd_installed.api_client())
+        obj = api.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, document, dry_run="All",
+            field_validation=validation,
+        )
+        assert "parallel" not in obj["spec"]["context"], (validation, obj["spec"]["context"])
+        assert obj["spec"]["context"]["maxBatchSize"] == 4  # the rest is kept
+
+
+def test_an_object_stored_with_a_dropped_field_is_read_without_it(crd_installed, namespace):
+    """An object stored while the CRD still declared ``spec.context.parallel`` is read back
+    without it once the generated CRD is applied (the apiserver prunes on reads too), so the
+    operator's models, which forbid unknown fields, never see it."""
+    older = crd_manifest()
+    context = older["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["context"]
+    context["properties"]["parallel"] = {
+        "type": "object", "x-kubernetes-preserve-unknown-fields": True
+    }
+    document = caselib.merge_patch(
+        _case_document("dropped-tensor-parallel"), {"spec": {"context": {"replicas": 0}}}
+    )  # no group: an operator watching the namespace starts no pod
+    name = document["metadata"]["name"]
+    try:
+        crd_installed.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                              input=json.dumps(older))
+        crd_installed.wait_for(
+            lambda: _dry_run_create(crd_installed, namespace, document)[0],
+            timeout=30, message="the older schema served",
+        )
+        crd_installed.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(document))
+        stored = crd_installed.get(PLURAL, name, namespace)
+        assert stored["spec"]["context"]["parallel"] == {"tensorParallelSize": 2}
+    finally:
+        crd_installed.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                              input=crd_yaml())
+    crd_installed.wait_for(
+        lambda: "parallel" not in crd_installed.get(PLURAL, name, namespace)["spec"]["context"],
+        timeout=30, message="the stored object read without the dropped field",
+    )
+    crd_installed.kubectl("delete", "-n", namespace, PLURAL, name)

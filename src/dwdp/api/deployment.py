@@ -32,15 +32,7 @@ from dwdp.api.errors import (
     first_per_field,
     problems_from_validation_error,
 )
-from dwdp.api.launch import (
-    Dtype,
-    EngineSwitches,
-    KvCacheConfig,
-    LaunchConfig,
-    LaunchModel,
-    ParallelConfig,
-    launch_problems,
-)
+from dwdp.api.launch import Dtype, KvCacheConfig, LaunchConfig, LaunchModel, launch_problems
 from dwdp.api.names import (
     ABSOLUTE_PATH,
     DNS1123_SUBDOMAIN,
@@ -329,67 +321,24 @@ def _quantity_ok(text: str) -> bool:
 
 
 def _rules_context() -> list[dict[str, str]]:
-    expert = "self.dwdp.enableExperts && self.dwdp.dwdpSize > 1"
-    dense = "self.dwdp.enableDense"
-    attached = f"{dense} && self.dwdp.enableExperts"
-    standalone = f"{dense} && !self.dwdp.enableExperts"
-    world = (
-        "self.dwdp.dwdpSize * self.parallel.tensorParallelSize * "
-        "self.parallel.pipelineParallelSize * self.parallel.contextParallelSize"
-    )
-    need = "expert DWDP (enableExperts with dwdp.dwdpSize > 1) needs"
-    att = "attached dense DWDP (enableDense with enableExperts) needs"
-    alone = "standalone dense DWDP (enableDense without enableExperts) needs"
-    eager = "dense DWDP is eager-only and refuses"
+    attached = "self.dwdp.enableDense && self.dwdp.enableExperts"
+    world = "self.dwdp.dwdpSize"
     rules = [
-        (f"!({expert}) || self.parallel.pipelineParallelSize == 1",
-         f"{need} parallel.pipelineParallelSize 1", ".parallel.pipelineParallelSize"),
-        (f"!({expert}) || self.parallel.contextParallelSize == 1",
-         f"{need} parallel.contextParallelSize 1", ".parallel.contextParallelSize"),
-        (f"!({expert}) || self.parallel.tensorParallelSize == 1 || self.parallel.attentionDP",
-         f"{need} parallel.tensorParallelSize 1 or parallel.attentionDP",
-         ".parallel.tensorParallelSize"),
-        (f"!({expert}) || !self.engine.cudaGraphs",
-         f"{need} engine.cudaGraphs off", ".engine.cudaGraphs"),
-        (f"!({expert}) || !self.engine.overlapScheduler",
-         f"{need} engine.overlapScheduler off", ".engine.overlapScheduler"),
-        (f"!({attached}) || self.dwdp.dwdpSize > 1",
-         f"{att} dwdp.dwdpSize > 1", ".dwdp.dwdpSize"),
-        (f"!({attached}) || self.parallel.tensorParallelSize == 1",
-         f"{att} parallel.tensorParallelSize 1 (expert DWDP on an attention-DP instance is "
-         "neither dense mode)", ".parallel.tensorParallelSize"),
-        (f"!({attached}) || !self.engine.overlapScheduler",
-         f"{att} engine.overlapScheduler off", ".engine.overlapScheduler"),
-        (f"!({standalone}) || self.parallel.attentionDP",
-         f"{alone} parallel.attentionDP on", ".parallel.attentionDP"),
-        (f"!({standalone}) || self.parallel.tensorParallelSize > 1",
-         f"{alone} parallel.tensorParallelSize > 1", ".parallel.tensorParallelSize"),
-        (f"!({standalone}) || self.transport == 'mpi'",
-         f"{alone} transport mpi", ".transport"),
-    ]
-    for switch in ("cudaGraphs", "torchCompile", "lora", "speculativeDecoding", "sleepMode"):
-        rules.append(
-            (f"!{dense} || !self.engine.{switch}", f"{eager} engine.{switch}", f".engine.{switch}")
-        )
-    for size in ("pipelineParallelSize", "contextParallelSize"):
-        rules.append(
-            (f"!{dense} || self.parallel.{size} == 1",
-             f"{eager} parallel.{size} > 1", f".parallel.{size}")
-        )
-    rules += [
-        (f"({world}) % self.ranksPerPod == 0",
-         "ranksPerPod must divide the ranks of a group (dwdp.dwdpSize x tensor x pipeline x "
-         "context parallel sizes)", ".ranksPerPod"),
+        (f"!({attached}) || {world} > 1",
+         "attached dense DWDP (enableDense with enableExperts) needs dwdp.dwdpSize > 1",
+         ".dwdp.dwdpSize"),
+        (f"{world} % self.ranksPerPod == 0",
+         "ranksPerPod must divide the ranks of a group (dwdp.dwdpSize)", ".ranksPerPod"),
         (f"!(self.handleType in ['posixFd', 'shm']) || self.ranksPerPod == {world}",
          "handleType posixFd or shm shares stores within one host only: ranksPerPod must "
-         "equal the ranks of a group (dwdp.dwdpSize x tensor x pipeline x context parallel "
-         "sizes)", ".ranksPerPod"),
+         "equal the ranks of a group (dwdp.dwdpSize)", ".ranksPerPod"),
     ]
     return worker_limit_rules(Scope.CONTEXT) + [
         cel_rule(rule, message, field_path=path) for rule, message, path in rules
     ] + [KV_TOKENS_RULE]
 
 
+_ONE_RANK_SERVER = "a generation server is one rank (each rank serves one whole model)"
 _KV_ONE_REQUEST = "the KV cache pool must hold one request of the longest context"
 KV_TOKENS_RULE = cel_rule(
     "!has(self.maxModelLen) || !has(self.kvCache.maxTokens) || "
@@ -406,12 +355,6 @@ class _ServingSection(ApiModel):
     replicas: NonNegInt = Field(default=1, description="Number of servers (context: DWDP groups).")
     ranks_per_pod: PosInt = Field(
         default=1, description="GPUs (ranks) per pod; a pod runs one rank process per GPU."
-    )
-    parallel: ParallelConfig = Field(
-        default_factory=ParallelConfig, json_schema_extra=_EMPTY_DEFAULT
-    )
-    engine: EngineSwitches = Field(
-        default_factory=EngineSwitches, json_schema_extra=_EMPTY_DEFAULT
     )
     transport: Transport = Field(
         default=Transport.TCP_STORE, description="tcpStore or mpi: how a server's ranks meet."
@@ -455,8 +398,8 @@ class ContextSpec(_ServingSection):
 
     @property
     def ranks_per_group(self) -> int:
-        """Ranks of one DWDP group: dwdp_size instances of tensor x pipeline x context ranks."""
-        return self.dwdp.dwdp_size * self.parallel.instance_size
+        """Ranks of one DWDP group: dwdp_size (each rank serves one whole model)."""
+        return self.dwdp.dwdp_size
 
     @property
     def pods_per_group(self) -> int:
@@ -470,15 +413,11 @@ class ContextSpec(_ServingSection):
         probe = LaunchConfig(
             role=Role.CONTEXT,
             model=LaunchModel(path="/"),  # the model takes no part in these rules
-            parallel=self.parallel,
-            engine=self.engine,
             transport=self.transport,
             handle_type=self.handle_type,
             dwdp=self.dwdp,
         )
-        view = SectionView(
-            self.parallel, self.transport, self.engine, self.dwdp, self.handle_type
-        )
+        view = SectionView(self.transport, self.dwdp, self.handle_type)
         problems = first_per_field(
             [*worker_limit_problems(view, Scope.CONTEXT), *launch_problems(probe)]
         )
@@ -488,8 +427,7 @@ class ContextSpec(_ServingSection):
                 Problem(
                     ("ranksPerPod",),
                     self.ranks_per_pod,
-                    f"must divide the {world} ranks of a group (dwdp.dwdpSize x tensor x "
-                    "pipeline x context parallel sizes)",
+                    f"must divide the {world} ranks of a group (dwdp.dwdpSize)",
                 )
             )
         elif self.handle_type in (HandleType.POSIX_FD, HandleType.SHM) and (
@@ -519,12 +457,9 @@ class GenerationSpec(_ServingSection):
     model_config = ConfigDict(
         json_schema_extra=cel_rules(
             lambda: [
-                *worker_limit_rules(Scope.GENERATION),
                 cel_rule(
-                    "(self.parallel.tensorParallelSize * self.parallel.pipelineParallelSize * "
-                    "self.parallel.contextParallelSize) % self.ranksPerPod == 0",
-                    "ranksPerPod must divide the ranks of a server (tensor x pipeline x "
-                    "context parallel sizes)",
+                    "self.ranksPerPod == 1",
+                    f"ranksPerPod must be 1: {_ONE_RANK_SERVER}",
                     field_path=".ranksPerPod",
                 ),
                 KV_TOKENS_RULE,
@@ -532,22 +467,17 @@ class GenerationSpec(_ServingSection):
         )
     )
 
+    @property
+    def ranks_per_server(self) -> int:
+        """Ranks of one generation server: 1 (each rank serves one whole model)."""
+        return 1
+
     def rule_problems(self) -> list[Problem]:
-        """The settings this worker does not run, then the pod shape; paths relative to
-        generation."""
-        problems = worker_limit_problems(
-            SectionView(self.parallel, self.transport, self.engine), Scope.GENERATION
-        )
-        world = self.parallel.instance_size
-        if world % self.ranks_per_pod:
-            problems.append(
-                Problem(
-                    ("ranksPerPod",),
-                    self.ranks_per_pod,
-                    f"must divide the {world} ranks of a server (tensor x pipeline x "
-                    "context parallel sizes)",
-                )
-            )
+        """The pod shape and the KV cache bound; paths relative to generation."""
+        problems = []
+        if self.ranks_per_pod != self.ranks_per_server:
+            rule = f"must be 1: {_ONE_RANK_SERVER}"
+            problems.append(Problem(("ranksPerPod",), self.ranks_per_pod, rule))
         return problems + self.kv_problems()
 
     @model_validator(mode="after")
@@ -1153,7 +1083,7 @@ def deployment_problems(data: object) -> list[Problem]:
     try:
         DwdpDeployment.model_validate(data)
     except ValidationError as exc:
-        return problems_from_validation_error(exc)
+        return problems_from_validation_error(exc, model=DwdpDeployment)
     return []
 
 
@@ -1203,8 +1133,6 @@ def launch_config_for(
             served_name=spec.model.served_name,
             dtype=spec.model.dtype,
         ),
-        parallel=section.parallel,
-        engine=section.engine,
         transport=section.transport,
         handle_type=handle,
         dwdp=dwdp,

@@ -56,13 +56,12 @@ class Transport(enum.StrEnum):
     TCP_STORE = "tcpStore"
     """A TCP key-value store hosted by rank 0 (``DWDP_RENDEZVOUS``)."""
     MPI = "mpi"
-    """An MPI sub-communicator (mpi4py); needed by standalone dense DWDP."""
+    """An MPI sub-communicator (mpi4py), for ranks started under an MPI launcher."""
 
 
 class DenseMode(enum.StrEnum):
-    """The two ways dense DWDP runs (docs/design.md §3.2)."""
+    """The ways dense DWDP runs (docs/design.md §3.2) that this worker has: attached only (the
+    reference's standalone mode needs an attention-DP instance)."""
 
     ATTACHED = "attached"
     """With expert DWDP: the DWDP group and the expert copy stream."""
-    STANDALONE = "standalone"
-    """Without expert DWDP, on an attention-DP instance: its own group and copy stream."""

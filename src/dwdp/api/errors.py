@@ -10,11 +10,14 @@ prints one line per problem and callers never parse pydantic output.
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+from dwdp.api.dropped import unknown_field_rules
 
 __all__ = [
     "UNSET",
@@ -130,7 +133,6 @@ class DwdpValidationError(ValueError):
 
 _PLAIN_WORDS = {
     "missing": "is required",
-    "extra_forbidden": "is not a known field (check its spelling and indentation)",
     "int_type": "must be a whole number",
     "int_from_float": "must be a whole number",
     "bool_type": "must be true or false",
@@ -144,12 +146,17 @@ _PLAIN_WORDS = {
 
 
 def problems_from_validation_error(
-    exc: ValidationError, prefix: Sequence[PathPart] = ()
+    exc: ValidationError,
+    prefix: Sequence[PathPart] = (),
+    *,
+    model: type[BaseModel] | None = None,
 ) -> list[Problem]:
     """Turn a pydantic ``ValidationError`` into problems with camelCase paths.
 
     Paths come from pydantic's ``loc`` (aliases, since every model sets
-    ``loc_by_alias``); tagged-union and function-validator segments are dropped.
+    ``loc_by_alias``); tagged-union and function-validator segments are dropped. An
+    unknown field is worded by :func:`dwdp.api.dropped.unknown_field_rules`; ``model``,
+    the validated class, lets it name the nearest known field.
     """
     problems: list[Problem] = []
     for err in exc.errors(include_url=False):
@@ -160,12 +167,40 @@ def problems_from_validation_error(
             problems.extend(p.under((*prefix, *loc)) for p in inner.problems)
             continue
         kind = err["type"]
+        if kind == "extra_forbidden":
+            known = _field_names(model, loc[:-1])
+            rules = unknown_field_rules((*prefix, *loc), err.get("input"), known)
+            problems.extend(Problem(path, UNSET, rule) for path, rule in rules)
+            continue
         value = UNSET if kind == "missing" else err.get("input", UNSET)
         rule = _PLAIN_WORDS.get(kind) or _lower_first(err["msg"])
-        if kind == "extra_forbidden":
-            value = UNSET
         problems.append(Problem((*prefix, *loc), value, rule))
     return problems
+
+
+def _field_names(model: type[BaseModel] | None, loc: Sequence[PathPart]) -> list[str]:
+    """The camelCase field names of the model at ``loc`` under ``model`` (list items
+    followed through), or none when the path leaves the models."""
+    current = model
+    for part in loc:
+        if current is None:
+            return []
+        if isinstance(part, str):
+            fields = current.model_fields.items()
+            info = next((f for n, f in fields if (f.alias or n) == part), None)
+            current = _model_in(info.annotation) if info is not None else None
+    return [] if current is None else [f.alias or n for n, f in current.model_fields.items()]
+
+
+def _model_in(annotation: object) -> type[BaseModel] | None:
+    """The model class an annotation holds (itself, or inside Optional, list, dict values)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in reversed(typing.get_args(annotation)):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _is_machinery(part: object) -> bool:

@@ -8,10 +8,11 @@ same order, and :func:`launch_problem` gives the first one without raising. The 
 when the launch is built (operator, ``dwdp validate``) and again on the worker's host,
 which alone knows whether the model declares dense roots (``dense_roots``).
 
-Rule order: role, the settings this worker does not run (:mod:`dwdp.api.support`), expert
-DWDP requirements, dense DWDP mode, dense eager-only requirements, dense roots; one problem
-per field, the first rule that names it. Paths are relative to the launch config
-(``parallel.tensorParallelSize``); the DwdpDeployment prefixes them with ``spec.context``.
+Rule order: role, the settings this worker does not run (:mod:`dwdp.api.support`), dense
+DWDP mode, dense roots; one problem per field, the first rule that names it. Paths are
+relative to the launch config (``dwdp.dwdpSize``); the DwdpDeployment prefixes them with
+``spec.context``. Every rank serves one whole model through the plain eager forward pass:
+the launch has no parallel layout and no engine switches (:mod:`dwdp.api.dropped`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from dwdp.api.base import ApiModel, Bool, PosInt
+from dwdp.api.base import ApiModel, PosInt
 from dwdp.api.config import DwdpConfig
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
 from dwdp.api.errors import Problem, first_per_field
@@ -33,12 +34,10 @@ __all__ = [
     "LEGACY_ROLES",
     "ROLE_ENV",
     "Dtype",
-    "EngineSwitches",
     "KvCacheConfig",
     "LaunchConfig",
     "LaunchError",
     "LaunchModel",
-    "ParallelConfig",
     "dense_mode",
     "launch_message",
     "launch_problem",
@@ -60,45 +59,6 @@ LEGACY_ROLES: dict[str, Role] = {"ctx": Role.CONTEXT, "gen": Role.GENERATION}
 letter case: ``ctx0``, ``CTX1``, ``Gen3``) name a context or generation server."""
 
 _LEGACY_ROLE = re.compile(r"(ctx|gen)[0-9]+")
-
-class ParallelConfig(ApiModel):
-    """The parallel layout of one serving instance (all sizes in ranks)."""
-
-    tensor_parallel_size: PosInt = Field(
-        default=1, description="Tensor-parallel ranks per instance."
-    )
-    pipeline_parallel_size: PosInt = Field(default=1, description="Pipeline stages per instance.")
-    context_parallel_size: PosInt = Field(default=1, description="Context-parallel ranks.")
-    attention_dp: Bool = Field(
-        default=False,
-        alias="attentionDP",
-        description="Attention data parallelism: each tensor-parallel rank runs its own "
-        "attention batch.",
-    )
-
-    @property
-    def instance_size(self) -> int:
-        """Ranks of one instance: tensor x pipeline x context parallel."""
-        return (
-            self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
-        )
-
-
-class EngineSwitches(ApiModel):
-    """Engine features, all off by default. This worker runs none of them: each one set
-    true is refused before any pod starts, as not supported by this worker."""
-
-    # The refusals live in dwdp.api.support; the DWDP rules of docs/design.md §3.2 that name these
-    # switches stay after them, for when the features are built.
-
-    cuda_graphs: Bool = Field(default=False, description="Capture CUDA graphs of the forward pass.")
-    torch_compile: Bool = Field(default=False, description="Compile the model with torch.compile.")
-    overlap_scheduler: Bool = Field(
-        default=False, description="Overlap the host scheduling of step n+1 with step n on the GPU."
-    )
-    lora: Bool = Field(default=False, description="Serve LoRA adapters.")
-    speculative_decoding: Bool = Field(default=False, description="Speculative decoding (drafts).")
-    sleep_mode: Bool = Field(default=False, description="Release GPU memory while idle (sleep).")
 
 
 class KvCacheConfig(ApiModel):
@@ -165,8 +125,6 @@ class LaunchConfig(ApiModel):
         "environment variable.",
     )
     model: LaunchModel
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    engine: EngineSwitches = Field(default_factory=EngineSwitches)
     transport: Transport = Field(
         default=Transport.TCP_STORE, description="How the group's ranks run their collectives."
     )
@@ -216,24 +174,12 @@ def opens_rendezvous_store(cfg: LaunchConfig) -> bool:
 
 
 def dense_mode(cfg: LaunchConfig) -> DenseMode | None:
-    """The dense DWDP mode this launch qualifies for, or None (dense off or neither mode)."""
-    d, par = cfg.dwdp, cfg.parallel
-    if not d.enable_dense:
-        return None
-    if (
-        d.enable_experts
-        and d.dwdp_size > 1
-        and par.tensor_parallel_size == 1
-        and not cfg.engine.overlap_scheduler
-    ):
+    """The dense DWDP mode this launch qualifies for, or None (dense off or no mode): attached
+    needs enableExperts with dwdpSize > 1 (standalone needs a tensor-parallel instance,
+    which this worker has not)."""
+    d = cfg.dwdp
+    if d.enable_dense and d.enable_experts and d.dwdp_size > 1:
         return DenseMode.ATTACHED
-    if (
-        not d.enable_experts
-        and par.attention_dp
-        and par.tensor_parallel_size > 1
-        and cfg.transport is Transport.MPI
-    ):
-        return DenseMode.STANDALONE
     return None
 
 
@@ -246,14 +192,13 @@ def launch_problems(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> li
         dense_roots: whether the model's architecture declares dense roots; None (not
             known yet, as when the operator builds the launch) skips that rule.
     """
-    view = SectionView(cfg.parallel, cfg.transport, cfg.engine, cfg.dwdp, cfg.handle_type)
+    view = SectionView(cfg.transport, cfg.dwdp, cfg.handle_type)
     return first_per_field(
         [
             *_role_problems(cfg),
             *worker_limit_problems(view, Scope.LAUNCH),
-            *_expert_problems(cfg),
             *_dense_mode_problems(cfg),
-            *_dense_eager_problems(cfg, dense_roots),
+            *_dense_roots_problems(cfg, dense_roots),
         ]
     )
 
@@ -271,115 +216,29 @@ def _role_problems(cfg: LaunchConfig) -> list[Problem]:
     return []
 
 
-def _expert_problems(cfg: LaunchConfig) -> list[Problem]:
-    """What expert DWDP needs of the parallel layout and the engine."""
-    d, par, eng = cfg.dwdp, cfg.parallel, cfg.engine
-    if not d.expert_dwdp:
-        return []
-    why = f"expert DWDP (enableExperts with dwdpSize {d.dwdp_size} > 1) needs"
-    out = []
-    if par.pipeline_parallel_size != 1:
-        out.append(
-            Problem(
-                ("parallel", "pipelineParallelSize"),
-                par.pipeline_parallel_size,
-                f"{why} pipelineParallelSize 1",
-            )
-        )
-    if par.context_parallel_size != 1:
-        out.append(
-            Problem(
-                ("parallel", "contextParallelSize"),
-                par.context_parallel_size,
-                f"{why} contextParallelSize 1",
-            )
-        )
-    if par.tensor_parallel_size != 1 and not par.attention_dp:
-        out.append(
-            Problem(
-                ("parallel", "tensorParallelSize"),
-                par.tensor_parallel_size,
-                f"{why} tensorParallelSize 1 or attentionDP on",
-            )
-        )
-    if eng.cuda_graphs:
-        out.append(Problem(("engine", "cudaGraphs"), True, f"{why} cudaGraphs off"))
-    if eng.overlap_scheduler:
-        out.append(Problem(("engine", "overlapScheduler"), True, f"{why} overlapScheduler off"))
-    return out
-
-
 def _dense_mode_problems(cfg: LaunchConfig) -> list[Problem]:
-    """Dense DWDP that qualifies for neither mode: what the mode it asks for needs."""
-    d, par, eng = cfg.dwdp, cfg.parallel, cfg.engine
-    if not d.enable_dense or dense_mode(cfg) is not None:
+    """Attached dense DWDP (with enableExperts) on a group of one rank; dense DWDP without
+    enableExperts is a limit of this worker (:mod:`dwdp.api.support`)."""
+    d = cfg.dwdp
+    if not (d.enable_dense and d.enable_experts) or dense_mode(cfg) is not None:
         return []
-    out = []
-    if d.enable_experts:
-        why = (
-            "dense DWDP with enableExperts runs attached, which needs dwdpSize > 1, "
-            "tensorParallelSize 1 and overlapScheduler off"
-        )
-        if d.dwdp_size <= 1:
-            out.append(Problem(("dwdp", "dwdpSize"), d.dwdp_size, why))
-        if par.tensor_parallel_size != 1:
-            out.append(
-                Problem(
-                    ("parallel", "tensorParallelSize"),
-                    par.tensor_parallel_size,
-                    why + " (expert DWDP on an attention-DP instance is neither dense mode)",
-                )
-            )
-        if eng.overlap_scheduler:
-            out.append(Problem(("engine", "overlapScheduler"), True, why))
-        return out
-    why = (
-        "dense DWDP without enableExperts runs standalone, which needs attentionDP "
-        "on, tensorParallelSize > 1 and transport mpi"
-    )
-    if not par.attention_dp:
-        out.append(Problem(("parallel", "attentionDP"), False, why))
-    if par.tensor_parallel_size <= 1:
-        out.append(Problem(("parallel", "tensorParallelSize"), par.tensor_parallel_size, why))
-    if cfg.transport is not Transport.MPI:
-        out.append(Problem(("transport",), cfg.transport.value, why))
-    return out
+    why = "dense DWDP with enableExperts runs attached, which needs dwdpSize > 1"
+    return [Problem(("dwdp", "dwdpSize"), d.dwdp_size, why)]
 
 
-def _dense_eager_problems(cfg: LaunchConfig, dense_roots: bool | None) -> list[Problem]:
-    """Dense DWDP is eager-only, and needs an architecture that declares dense roots."""
-    par, eng = cfg.parallel, cfg.engine
-    if not cfg.dwdp.enable_dense:
+def _dense_roots_problems(cfg: LaunchConfig, dense_roots: bool | None) -> list[Problem]:
+    """Dense DWDP needs an architecture that declares dense roots."""
+    if not cfg.dwdp.enable_dense or dense_roots is not False:
         return []
-    eager = "dense DWDP is eager-only and refuses"
-    out = [
-        Problem(("engine", name), True, f"{eager} {name}")
-        for name, on in (
-            ("cudaGraphs", eng.cuda_graphs),
-            ("torchCompile", eng.torch_compile),
-            ("lora", eng.lora),
-            ("speculativeDecoding", eng.speculative_decoding),
-            ("sleepMode", eng.sleep_mode),
+    arch = cfg.model.architecture or "of this checkpoint"
+    return [
+        Problem(
+            ("dwdp", "enableDense"),
+            True,
+            f"the model architecture {arch} declares no dense roots, so dense DWDP "
+            "cannot shard it",
         )
-        if on
     ]
-    for name, size in (
-        ("pipelineParallelSize", par.pipeline_parallel_size),
-        ("contextParallelSize", par.context_parallel_size),
-    ):
-        if size != 1:
-            out.append(Problem(("parallel", name), size, f"{eager} {name} > 1"))
-    if dense_roots is False:
-        arch = cfg.model.architecture or "of this checkpoint"
-        out.append(
-            Problem(
-                ("dwdp", "enableDense"),
-                True,
-                f"the model architecture {arch} declares no dense roots, so dense DWDP "
-                "cannot shard it",
-            )
-        )
-    return out
 
 
 def launch_problem(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> Problem | None:

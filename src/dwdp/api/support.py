@@ -1,20 +1,16 @@
 """What this worker runs: the settings it refuses, each written once for the models and the CRD.
 
-docs/design.md §3.2 gives the launch rules; this worker runs a subset of them. It has
-no tensor-, pipeline- or context-parallel engine and no attention data parallelism (every
-rank serves one whole model), runs dense DWDP attached to expert DWDP only, has no gather
-kernel on the cpu backend, its pods start their ranks with ``dwdp launch``, never under
-an MPI launcher, and its engine runs the plain eager forward pass of the base checkpoint
-(none of the engine switches: CUDA graphs, torch.compile, the overlap scheduler, LoRA,
-speculative decoding, sleep mode). Each such limit here is one field, one Python test and
-one CEL condition sharing one message that says "not supported by this worker", so the
-pydantic models (``dwdp validate``, the operator's webhook) and the CRD refuse the same specs
-with the same words before any pod starts, and no spec they accept meets a refusal of the
-worker at startup or a setting the worker silently ignores.
+docs/design.md §3.2 gives the reference's launch rules; this worker runs a subset of them. It runs
+dense DWDP attached to expert DWDP only, has no gather kernel on the cpu backend, and its
+pods start their ranks with ``dwdp launch``, never under an MPI launcher. Each such limit
+here is one field, one Python test and one CEL condition sharing one message that says "not
+supported by this worker", so the pydantic models (``dwdp validate``, the operator's
+webhook) and the CRD refuse the same specs with the same words before any pod starts, and no
+spec they accept meets a refusal of the worker at startup. Settings the worker never runs at
+any value are not fields at all (:mod:`dwdp.api.dropped`).
 
-Where a limit applies (:class:`Scope`): a launch config, the context section or the
-generation section of a DwdpDeployment. Paths are relative to that object
-(``parallel.tensorParallelSize``).
+Where a limit applies (:class:`Scope`): a launch config or the context section of a
+DwdpDeployment. Paths are relative to that object (``dwdp.enableDense``).
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ from dwdp.api.errors import Problem
 
 if TYPE_CHECKING:
     from dwdp.api.config import DwdpConfig
-    from dwdp.api.launch import EngineSwitches, ParallelConfig
 
 __all__ = [
     "NOT_SUPPORTED",
@@ -53,22 +48,15 @@ class Scope(enum.Enum):
     """A worker's launch config (``dwdp worker``/``dwdp launch``, any rank starter)."""
     CONTEXT = "context"
     """``spec.context`` of a DwdpDeployment (pods started by ``dwdp launch``)."""
-    GENERATION = "generation"
-    """``spec.generation`` of a DwdpDeployment (no DWDP settings)."""
 
 
 @dataclass(frozen=True, slots=True)
 class SectionView:
-    """The settings a limit reads: a launch config or a serving section, seen alike.
+    """The settings a limit reads: a launch config or a context section, seen alike."""
 
-    ``dwdp`` and ``handle_type`` are None for a generation section (it has neither).
-    """
-
-    parallel: ParallelConfig
     transport: Transport
-    engine: EngineSwitches
-    dwdp: DwdpConfig | None = None
-    handle_type: HandleType | None = None
+    dwdp: DwdpConfig
+    handle_type: HandleType
 
 
 Refused = Callable[[SectionView], object | None]
@@ -98,23 +86,18 @@ class WorkerLimit:
         return f"{self.setting} {NOT_SUPPORTED}: {self.remedy}"
 
 
-def _above_one(value: int) -> int | None:
-    return value if value > 1 else None
-
-
 def _dwdp_on(view: SectionView) -> bool:
-    d = view.dwdp
-    return d is not None and (d.expert_dwdp or d.enable_dense)
+    return view.dwdp.expert_dwdp or view.dwdp.enable_dense
 
 
 def _standalone(view: SectionView) -> bool | None:
     d = view.dwdp
-    return True if d is not None and d.enable_dense and not d.enable_experts else None
+    return True if d.enable_dense and not d.enable_experts else None
 
 
 def _shm_gather(view: SectionView) -> str | None:
     d = view.dwdp
-    if view.handle_type is HandleType.SHM and d is not None and d.copy_mode is CopyMode.GATHER:
+    if view.handle_type is HandleType.SHM and d.copy_mode is CopyMode.GATHER:
         return d.copy_mode.value
     return None
 
@@ -123,62 +106,9 @@ def _mpi_with_dwdp(view: SectionView) -> str | None:
     return view.transport.value if view.transport is Transport.MPI and _dwdp_on(view) else None
 
 
-_EVERYWHERE = frozenset(Scope)
 _WITH_DWDP = frozenset({Scope.LAUNCH, Scope.CONTEXT})
-_ONE_MODEL = "each rank serves one whole model"
-
-
-def _engine_switch(
-    name: str, feature: str, remedy: str, on: Callable[[EngineSwitches], bool]
-) -> WorkerLimit:
-    """The limit of one engine switch (``engine.<name>``): refused when it is on, in every
-    scope, since this worker's engine reads none of them."""
-    return WorkerLimit(
-        ("engine", name),
-        f"{name} ({feature})",
-        f"{remedy}; set it to false",
-        f"!self.engine.{name}",
-        lambda v: True if on(v.engine) else None,
-        _EVERYWHERE,
-    )
-
-
-_EAGER = "this worker's engine runs the model's plain eager forward pass"
 
 WORKER_LIMITS: tuple[WorkerLimit, ...] = (
-    WorkerLimit(
-        ("parallel", "tensorParallelSize"),
-        "tensorParallelSize > 1 (tensor parallelism)",
-        f"{_ONE_MODEL}; set it to 1",
-        "self.parallel.tensorParallelSize == 1",
-        lambda v: _above_one(v.parallel.tensor_parallel_size),
-        _EVERYWHERE,
-    ),
-    WorkerLimit(
-        ("parallel", "pipelineParallelSize"),
-        "pipelineParallelSize > 1 (pipeline parallelism)",
-        f"{_ONE_MODEL}; set it to 1",
-        "self.parallel.pipelineParallelSize == 1",
-        lambda v: _above_one(v.parallel.pipeline_parallel_size),
-        _EVERYWHERE,
-    ),
-    WorkerLimit(
-        ("parallel", "contextParallelSize"),
-        "contextParallelSize > 1 (context parallelism)",
-        f"{_ONE_MODEL}; set it to 1",
-        "self.parallel.contextParallelSize == 1",
-        lambda v: _above_one(v.parallel.context_parallel_size),
-        _EVERYWHERE,
-    ),
-    WorkerLimit(
-        ("parallel", "attentionDP"),
-        "attentionDP (attention data parallelism, and with it expert DWDP on an attention-DP "
-        "instance and standalone dense DWDP)",
-        f"{_ONE_MODEL}; set it to false",
-        "!self.parallel.attentionDP",
-        lambda v: True if v.parallel.attention_dp else None,
-        _EVERYWHERE,
-    ),
     WorkerLimit(
         ("dwdp", "enableDense"),
         "enableDense without enableExperts (standalone dense DWDP)",
@@ -207,33 +137,6 @@ WORKER_LIMITS: tuple[WorkerLimit, ...] = (
         "|| self.dwdp.enableDense)",
         _mpi_with_dwdp,
         frozenset({Scope.CONTEXT}),
-    ),
-    _engine_switch(
-        "cudaGraphs", "CUDA graph capture of the forward pass", _EAGER, lambda e: e.cuda_graphs
-    ),
-    _engine_switch(
-        "torchCompile", "torch.compile of the model", _EAGER, lambda e: e.torch_compile
-    ),
-    _engine_switch(
-        "overlapScheduler",
-        "scheduling step n+1 while step n runs",
-        "this worker's engine schedules each step after the previous one",
-        lambda e: e.overlap_scheduler,
-    ),
-    _engine_switch(
-        "lora", "LoRA adapters", "this worker serves the base checkpoint only", lambda e: e.lora
-    ),
-    _engine_switch(
-        "speculativeDecoding",
-        "draft tokens",
-        "this worker's engine decodes without drafts",
-        lambda e: e.speculative_decoding,
-    ),
-    _engine_switch(
-        "sleepMode",
-        "releasing GPU memory while idle",
-        "this worker keeps its weights and KV cache resident",
-        lambda e: e.sleep_mode,
     ),
 )
 """Every limit, in the order their problems are reported."""

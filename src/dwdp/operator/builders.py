@@ -117,7 +117,7 @@ def role_shapes(spec: DwdpDeploymentSpec) -> dict[Role, RoleShape]:
     gen = spec.generation
     if gen is not None:
         shapes[Role.GENERATION] = RoleShape(
-            Role.GENERATION, gen.replicas, gen.ranks_per_pod, gen.parallel.instance_size
+            Role.GENERATION, gen.replicas, gen.ranks_per_pod, gen.ranks_per_server
         )
     return shapes
 

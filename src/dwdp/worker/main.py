@@ -107,6 +107,7 @@ def load_launch_config(path: str | None) -> LaunchConfig:
     import yaml
     from pydantic import ValidationError
 
+    from dwdp.api.errors import problems_from_validation_error
     from dwdp.api.launch import LaunchConfig
 
     path = path or os.environ.get(Env.CONFIG)
@@ -127,13 +128,8 @@ def load_launch_config(path: str | None) -> LaunchConfig:
     try:
         return LaunchConfig.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "(top level)"
-        got = first.get("input")
-        shown = "" if isinstance(got, dict | list) else f" (got {repr(got)[:80]})"
-        raise WorkerStartupError(
-            f"launch config {path}: {where}: {first.get('msg')}{shown}"
-        ) from exc
+        first = problems_from_validation_error(exc, model=LaunchConfig)[0]
+        raise WorkerStartupError(f"launch config {path}: {first}") from exc
 
 
 def _yaml_problem(exc: Exception) -> str:

@@ -20,6 +20,7 @@ import yaml
 
 from dwdp.api.crd import committed_crd_path, crd_manifest, crd_yaml
 from dwdp.api.deployment import deployment_problems
+from dwdp.api.dropped import DROPPED_FIELDS, UNKNOWN_FIELD
 from dwdp.api.support import NOT_SUPPORTED, WORKER_LIMITS, Scope
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +49,7 @@ def test_table_is_large_and_balanced() -> None:
     assert sum(not case.valid for case in CASES) >= 40
 
 
-SECTIONS = ((Scope.CONTEXT, "spec.context"), (Scope.GENERATION, "spec.generation"))
+SECTIONS = ((Scope.CONTEXT, "spec.context"),)
 
 
 @pytest.mark.parametrize(
@@ -69,6 +70,17 @@ def test_every_worker_limit_has_a_refused_case(limit, section) -> None:
     assert rows, f"no refused case names {field}"
     head = f"{limit.setting} {NOT_SUPPORTED}"
     assert any(c.message.startswith(head) for c in rows), [c.message for c in rows]
+
+
+@pytest.mark.parametrize("section", ["spec.context", "spec.generation"])
+@pytest.mark.parametrize("dropped", sorted({path[0] for path in DROPPED_FIELDS}))
+def test_every_dropped_section_has_a_refused_case(dropped, section) -> None:
+    """Each dropped section is a row of the table in each serving section, refused by every
+    validator as an unknown field."""
+    field = f"{section}.{dropped}"
+    rows = [c for c in CASES if not c.valid and c.field == field]
+    assert rows, f"no refused case names {field}"
+    assert all(c.message == UNKNOWN_FIELD for c in rows), [c.message for c in rows]
 
 
 def test_committed_crd_matches_generator() -> None:
@@ -104,25 +116,6 @@ def test_crd_schema_and_cel_offline(case, apiserver) -> None:
     assert (not errors) == case.valid, f"{case.name} ({case.rule}): {text or 'accepted'}"
     if not case.valid:
         assert case.verdict_in(text), f"{case.name}: {case.field} or message not in: {text}"
-
-
-@pytest.mark.parametrize(
-    ("name", "reference"),
-    [
-        ("expert-cuda-graphs", "expert DWDP (enableExperts with dwdp.dwdpSize > 1) needs "
-         "engine.cudaGraphs off"),
-        ("attached-dense-overlap", "attached dense DWDP (enableDense with enableExperts) needs "
-         "engine.overlapScheduler off"),
-        ("dense-lora", "dense DWDP is eager-only and refuses engine.lora"),
-        ("dense-sleep", "dense DWDP is eager-only and refuses engine.sleepMode"),
-    ],
-)
-def test_reference_engine_rules_stay_after_the_limits(name, reference, apiserver) -> None:
-    """An engine switch is refused as not supported by this worker, and the docs/design.md §3.2
-    rule that names it for DWDP is still in the CRD (for when the feature is built)."""
-    (case,) = [c for c in CASES if c.name == name]
-    text = "\n".join(apiserver.errors(case.document))
-    assert case.message in text and reference in text, text
 
 
 # Runs ``dwdp.cli:main`` (what the ``dwdp`` console script calls) once per case in a forked

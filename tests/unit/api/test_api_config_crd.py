@@ -146,10 +146,37 @@ def test_crd_has_enums_minimums_defaults_and_rules(schema) -> None:
     assert all({"rule", "message", "fieldPath"} <= set(rule) for rule in rules)
     assert any("gatherKernel" in r["message"] and "gather" in r["message"] for r in rules)
     context = schema["properties"]["spec"]["properties"]["context"]
-    assert len(context["x-kubernetes-validations"]) >= 20
+    assert {r["fieldPath"] for r in context["x-kubernetes-validations"]} == {
+        ".dwdp.enableDense",
+        ".dwdp.copyMode",
+        ".transport",
+        ".dwdp.dwdpSize",
+        ".ranksPerPod",
+        ".kvCache.maxTokens",
+    }
     status = schema["properties"]["status"]
     assert status["x-kubernetes-preserve-unknown-fields"] is True
     assert schema["properties"]["metadata"]["properties"]["name"]["maxLength"] == 40
+
+
+def _preserving(node: object, path: str = "") -> list[str]:
+    """The paths under ``node`` whose schema keeps unknown fields."""
+    if isinstance(node, list):
+        return [p for item in node for p in _preserving(item, path)]
+    if not isinstance(node, dict):
+        return []
+    found = [path] if node.get("x-kubernetes-preserve-unknown-fields") else []
+    return found + [p for k, v in node.items() for p in _preserving(v, f"{path}/{k}")]
+
+
+def test_crd_spec_keeps_no_unknown_field(schema) -> None:
+    """The spec's schema is structural throughout, so the apiserver refuses (strict field
+    validation) or prunes every unknown field, a dropped one included; only the status
+    (kopf's progress) keeps unknown fields."""
+    spec = schema["properties"]["spec"]
+    assert _preserving(spec) == []
+    for section in ("context", "generation"):
+        assert {"parallel", "engine"}.isdisjoint(spec["properties"][section]["properties"])
 
 
 def test_crd_names_subresources_and_columns() -> None:

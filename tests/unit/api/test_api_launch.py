@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from dwdp.api.config import DwdpConfig
 from dwdp.api.deployment import launch_config_for, parse_deployment
+from dwdp.api.dropped import DROPPED_FIELDS
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
 from dwdp.api.errors import problems_from_validation_error
 from dwdp.api.launch import (
@@ -29,11 +30,7 @@ def launch(**fields) -> LaunchConfig:
 
 
 ATTACHED = {"dwdp": {"dwdpSize": 4, "enableDense": True}}
-STANDALONE = {
-    "transport": "mpi",
-    "parallel": {"tensorParallelSize": 4, "attentionDP": True},
-    "dwdp": {"enableExperts": False, "enableDense": True},
-}
+STANDALONE = {"dwdp": {"enableExperts": False, "enableDense": True}}
 
 
 def test_defaults_and_both_spellings() -> None:
@@ -60,38 +57,20 @@ def test_graceful_timeout_positive_integer(value) -> None:
 
 def test_modes() -> None:
     assert dense_mode(launch(**ATTACHED)) is DenseMode.ATTACHED
-    assert dense_mode(launch(**STANDALONE)) is DenseMode.STANDALONE
     assert dense_mode(launch(dwdp={"dwdpSize": 4})) is None
-    # expert DWDP on an attention-DP instance is neither mode
-    neither = launch(
-        dwdp={"dwdpSize": 4, "enableDense": True},
-        parallel={"tensorParallelSize": 2, "attentionDP": True},
-    )
-    assert dense_mode(neither) is None
-    with pytest.raises(LaunchError) as info:
-        validate_launch(neither)
-    # This worker has no attention-DP instance: the limit is named first, the reference
-    # rule is still listed.
-    assert info.value.problem.where == "parallel.tensorParallelSize"
-    assert NOT_SUPPORTED in str(info.value)
-    wheres = {p.where: p.rule for p in launch_problems(neither)}
-    assert NOT_SUPPORTED in wheres["parallel.attentionDP"]
+    # standalone (no expert DWDP) is no mode of this worker, and a limit names it
+    assert dense_mode(launch(**STANDALONE)) is None
+    assert dense_mode(launch(transport="mpi", **STANDALONE)) is None
 
 
 def test_first_requirement_is_named() -> None:
-    # breaks: pipeline parallel, cuda graphs and torch.compile, each not run by this worker
-    # (the expert and dense rules that name the same fields come later and are not listed)
+    # breaks: standalone dense DWDP (a limit), then the copy mode on shm (a limit)
     cfg = launch(
-        dwdp={"dwdpSize": 4, "enableDense": True},
-        parallel={"pipelineParallelSize": 2},
-        engine={"cudaGraphs": True, "torchCompile": True},
+        handleType="shm",
+        dwdp={"enableExperts": False, "enableDense": True, "copyMode": "gather"},
     )
     problems = launch_problems(cfg)
-    assert [p.where for p in problems] == [
-        "parallel.pipelineParallelSize",
-        "engine.cudaGraphs",
-        "engine.torchCompile",
-    ]
+    assert [p.where for p in problems] == ["dwdp.enableDense", "dwdp.copyMode"]
     assert all(NOT_SUPPORTED in p.rule for p in problems), problems
     first = launch_problem(cfg)
     assert first == problems[0]
@@ -99,69 +78,22 @@ def test_first_requirement_is_named() -> None:
     with pytest.raises(LaunchError) as info:
         validate_launch(cfg)
     text = str(info.value)
-    assert text.startswith("launch refused: parallel.pipelineParallelSize:")
-    assert "(got 2)" in text
-    assert f"pipelineParallelSize > 1 (pipeline parallelism) {NOT_SUPPORTED}" in text
+    assert text.startswith("launch refused: dwdp.enableDense:")
+    assert "(got true)" in text
+    assert f"enableDense without enableExperts (standalone dense DWDP) {NOT_SUPPORTED}" in text
+
+
+def test_attached_dense_needs_a_group() -> None:
+    """Dense DWDP with enableExperts runs attached, which needs dwdpSize > 1."""
+    (problem,) = launch_problems(launch(dwdp={"enableDense": True}))
+    assert problem.where == "dwdp.dwdpSize" and "runs attached" in problem.rule
 
 
 @pytest.mark.parametrize(
     ("fields", "where"),
     [
-        ({"dwdp": {"dwdpSize": 2}, "parallel": {"contextParallelSize": 2}},
-         "parallel.contextParallelSize"),
-        ({"dwdp": {"dwdpSize": 2}, "parallel": {"tensorParallelSize": 2}},
-         "parallel.tensorParallelSize"),
-        ({"dwdp": {"dwdpSize": 2}, "engine": {"overlapScheduler": True}},
-         "engine.overlapScheduler"),
-        ({"dwdp": {"enableDense": True}}, "dwdp.dwdpSize"),
-        ({**STANDALONE, "transport": "tcpStore"}, "transport"),
-        ({**STANDALONE, "parallel": {"tensorParallelSize": 4}}, "parallel.attentionDP"),
-        ({**STANDALONE, "parallel": {"attentionDP": True}}, "parallel.tensorParallelSize"),
-        ({**STANDALONE, "engine": {"sleepMode": True}}, "engine.sleepMode"),
-        ({**ATTACHED, "engine": {"lora": True}}, "engine.lora"),
-        ({**ATTACHED, "engine": {"speculativeDecoding": True}}, "engine.speculativeDecoding"),
-    ],
-)
-def test_each_rule(fields, where) -> None:
-    """Each reference rule still names its field (after this worker's limits, if any)."""
-    problems = launch_problems(launch(**fields))
-    assert where in [p.where for p in problems], problems
-
-
-def test_standalone_is_refused_by_the_limits_only() -> None:
-    """Standalone dense DWDP is a valid reference launch (it may keep the overlap
-    scheduler) that this worker does not run: every problem is one of its limits (the
-    overlap scheduler is one of them too, since this worker's engine has none)."""
-    problems = launch_problems(launch(**STANDALONE, engine={"overlapScheduler": True}))
-    assert [p.where for p in problems] == [
-        "parallel.tensorParallelSize",
-        "parallel.attentionDP",
-        "dwdp.enableDense",
-        "engine.overlapScheduler",
-    ]
-    assert all(NOT_SUPPORTED in p.rule for p in problems)
-
-
-@pytest.mark.parametrize(
-    ("fields", "where"),
-    [
-        ({"parallel": {"tensorParallelSize": 2}}, "parallel.tensorParallelSize"),
-        ({"parallel": {"pipelineParallelSize": 2}}, "parallel.pipelineParallelSize"),
-        ({"parallel": {"contextParallelSize": 3}}, "parallel.contextParallelSize"),
-        ({"parallel": {"attentionDP": True}}, "parallel.attentionDP"),
         ({"dwdp": {"enableExperts": False, "enableDense": True}}, "dwdp.enableDense"),
         ({"handleType": "shm", "dwdp": {"dwdpSize": 2, "copyMode": "gather"}}, "dwdp.copyMode"),
-        *(
-            ({"engine": {switch: True}}, f"engine.{switch}")
-            for switch in (
-                "cudaGraphs",
-                "torchCompile",
-                "overlapScheduler",
-                "lora",
-                "speculativeDecoding",
-                "sleepMode",
-            )
-        ),
     ],
 )
 def test_worker_limits_refuse_the_launch_first(fields, where) -> None:
@@ -172,6 +104,19 @@ def test_worker_limits_refuse_the_launch_first(fields, where) -> None:
     assert NOT_SUPPORTED in str(info.value)
 
 
+@pytest.mark.parametrize("path", sorted(DROPPED_FIELDS), ids=".".join)
+def test_a_dropped_field_is_unknown_to_the_launch(path) -> None:
+    """A launch config that writes a dropped field, at any value, is refused; the problem
+    says why the field was dropped."""
+    section, *leaf = path  # a section (written empty) or one field in it (at its old default)
+    with pytest.raises(ValidationError) as info:
+        launch(**{section: {name: 1 for name in leaf}})
+    problems = problems_from_validation_error(info.value, model=LaunchConfig)
+    shown = [str(p) for p in problems]
+    assert [p.where for p in problems] == [".".join(path)], shown
+    assert f"unknown field (dropped: {DROPPED_FIELDS[path]})" in shown[0]
+
+
 def test_launch_may_use_mpi() -> None:
     """A launch config may name the MPI transport (a rank started under mpirun); only a
     DwdpDeployment, whose pods start ranks with ``dwdp launch``, refuses it."""
@@ -180,7 +125,7 @@ def test_launch_may_use_mpi() -> None:
 
 
 def test_generation_refuses_dense_first() -> None:
-    cfg = launch(role="generation", **ATTACHED, engine={"cudaGraphs": True})
+    cfg = launch(role="generation", **ATTACHED)
     problem = launch_problem(cfg)
     assert problem is not None and problem.where == "dwdp.enableDense"
     assert "generation server refuses" in problem.rule
@@ -271,7 +216,7 @@ def test_launch_config_rendered_from_a_deployment() -> None:
     validate_launch(ctx)
     gen = launch_config_for(dep.spec, Role.GENERATION)
     assert gen.role is Role.GENERATION and gen.dwdp == DwdpConfig()
-    assert gen.max_batch_size == 16 and gen.parallel.instance_size == 1
+    assert gen.max_batch_size == 16
     validate_launch(gen)
     # The rendered launch round-trips through its YAML view (the worker's config file).
     again = LaunchConfig.model_validate(ctx.to_yaml_dict())
