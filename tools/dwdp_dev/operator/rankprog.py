@@ -49,6 +49,7 @@ from dwdp.api.contract import (
     StatusPhase,
     new_start_id,
 )
+from dwdp.api.defaults import SERVER_PORT
 
 COMMIT = EXPERT_SETUP_PHASES[-1]
 """The final vote (the worker's expert ``commit`` phase)."""
@@ -270,7 +271,7 @@ def main() -> int:
         except Exception as exc:
             _die(f"{Stage.CONFIG}: cannot read the launch config {config}: {exc}")
     host = os.environ.get(Env.POD_IP) or "127.0.0.1"
-    port = _env_int(Env.PORT, 8000)
+    port = _env_int(Env.PORT, SERVER_PORT)
     local = _env_int(Env.LOCAL_WORLD_SIZE, 1)
     ranks = [Rank(k) for k in range(local)]
     if ranks[0].rank == 0:

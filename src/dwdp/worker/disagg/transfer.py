@@ -23,12 +23,12 @@ import threading
 import time
 from typing import Any
 
+from dwdp.api.defaults import KV_TRANSFER_LEASE_S
 from dwdp.worker.disagg.agent import KV_AGENT_PATH, KvAgent, RemoteEngine, TransferError
 from dwdp.worker.disagg.params import KvTransferParams, prefilled
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_S = 30.0
 FETCH_TIMEOUT_S = 10.0
 
 
@@ -46,7 +46,7 @@ class KvTransfer:
         host: str,
         port: int,
         api_key: str | None = None,
-        lease_s: float = DEFAULT_LEASE_S,
+        lease_s: float = KV_TRANSFER_LEASE_S,
     ) -> None:
         self.agent = agent
         self.host = host

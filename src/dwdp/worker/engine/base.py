@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dwdp.worker.engine.blocks import DEFAULT_BLOCK_SIZE
+from dwdp.api.defaults import KV_BLOCK_SIZE, MAX_BATCH_SIZE, MAX_NUM_TOKENS
 from dwdp.worker.engine.protocol import (
     CompletedRequest,
     EngineDeadError,
@@ -51,11 +51,11 @@ class EngineConfig:
     per KV block (continuous engine).
     """
 
-    max_batch_size: int = 8
-    max_num_tokens: int = 8192
+    max_batch_size: int = MAX_BATCH_SIZE
+    max_num_tokens: int = MAX_NUM_TOKENS
     max_model_len: int | None = None
     kv_capacity_tokens: int | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int = KV_BLOCK_SIZE
 
 
 @dataclass(slots=True)
