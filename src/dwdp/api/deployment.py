@@ -417,8 +417,12 @@ class _ServingSection(ApiModel):
     transport: Transport = Field(
         default=Transport.TCP_STORE, description="tcpStore or mpi: how a server's ranks meet."
     )
-    max_num_tokens: PosInt = Field(default=MAX_NUM_TOKENS, description="Tokens per forward pass, at most.")
-    max_batch_size: PosInt = Field(default=MAX_BATCH_SIZE, description="Requests per forward pass, at most.")
+    max_num_tokens: PosInt = Field(
+        default=MAX_NUM_TOKENS, description="Tokens per forward pass, at most."
+    )
+    max_batch_size: PosInt = Field(
+        default=MAX_BATCH_SIZE, description="Requests per forward pass, at most."
+    )
     max_model_len: PosInt | None = Field(
         default=None,
         description="Prompt plus generated tokens of one request, at most; unset: the "
@@ -584,7 +588,8 @@ class ServerSpec(ApiModel):
     """The HTTP servers of the workers."""
 
     port: Port = Field(
-        default=SERVER_PORT, description="Port of local rank 0 in a pod; local rank k serves port + k."
+        default=SERVER_PORT,
+        description="Port of local rank 0 in a pod; local rank k serves port + k.",
     )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,
@@ -631,7 +636,9 @@ class RouterSpec(ApiModel):
         "(generation.replicas > 0). True needs generation servers.",
     )
     replicas: PosInt = Field(default=1, description="Router pods.")
-    port: Port = Field(default=ROUTER_PORT, description="Port of the router's OpenAI API (the Service's).")
+    port: Port = Field(
+        default=ROUTER_PORT, description="Port of the router's OpenAI API (the Service's)."
+    )
     metrics_port: Port = Field(
         default=29000, description="Port of the router's Prometheus metrics."
     )

@@ -186,8 +186,12 @@ class LaunchConfig(ApiModel):
         alias="gracefulShutdownTimeoutSeconds",
         description="Bound, in seconds, on the server's graceful stop; unset: no bound.",
     )
-    max_num_tokens: PosInt = Field(default=MAX_NUM_TOKENS, description="Tokens per forward pass, at most.")
-    max_batch_size: PosInt = Field(default=MAX_BATCH_SIZE, description="Requests per forward pass, at most.")
+    max_num_tokens: PosInt = Field(
+        default=MAX_NUM_TOKENS, description="Tokens per forward pass, at most."
+    )
+    max_batch_size: PosInt = Field(
+        default=MAX_BATCH_SIZE, description="Requests per forward pass, at most."
+    )
     max_model_len: PosInt | None = Field(
         default=None,
         description="Prompt plus generated tokens of one request, at most; unset: the "

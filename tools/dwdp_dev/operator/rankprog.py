@@ -43,8 +43,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dwdp.api.contract import (
     DENSE_SETUP_PHASES,
     EXPERT_SETUP_PHASES,
-    START_ID_FIELD,
     Env,
+    RankStatus,
     Stage,
     StatusPhase,
     new_start_id,
@@ -149,17 +149,17 @@ class Rank:
         with self.lock:
             if self.phase is None:
                 return None
-            return {
-                "phase": self.phase.value,
-                "rank": self.rank,
-                "dwdp_size": self.world,
-                "group": self.group,
-                "incarnation": self.incarnation,
-                "revision": self.revision,
-                "layout_digest": self.digest,
-                "leaks": 0,
-                START_ID_FIELD: START_ID,
-            }
+            return RankStatus.build(
+                phase=self.phase.value,
+                rank=self.rank,
+                dwdp_size=self.world,
+                group=self.group,
+                incarnation=self.incarnation,
+                revision=self.revision,
+                layout_digest=self.digest,
+                leaks=0,
+                start_id=START_ID,
+            ).wire()
 
     def _enter(self, phase: str) -> None:
         with self.lock:
