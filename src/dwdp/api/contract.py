@@ -4,7 +4,8 @@ One home for every word both sides spell (docs/design.md §5):
 
 - the environment of a worker pod (:class:`Env`): the operator sets these, the worker and the
   test rank program (``dwdp_dev.operator.rankprog``) read them;
-- the phases of a rank's ``GET /dwdp/status`` answer (:class:`StatusPhase`);
+- the phases of a rank's ``GET /dwdp/status`` answer (:class:`StatusPhase`) and the answer
+  itself (:class:`RankStatus`: the worker and the rank program write it, the operator reads it);
 - the first word of a rank's termination message, ``"<word>: <cause>"``, which the operator
   classifies a group failure by: the startup stages (:class:`Stage`) and the setup phases
   (:data:`DENSE_SETUP_PHASES`, :data:`EXPERT_SETUP_PHASES`).
@@ -16,6 +17,20 @@ of them can emit from its code and checks they are all here.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 __all__ = [
     "COMMITTED_PHASES",
@@ -25,10 +40,11 @@ __all__ = [
     "EXPERT_SETUP_PHASES",
     "SERVING_WORDS",
     "SETUP_WORDS",
-    "START_ID_FIELD",
     "TERMINATION_WORDS",
     "USER_ENV",
     "Env",
+    "RankIdentity",
+    "RankStatus",
     "Stage",
     "StatusPhase",
     "new_start_id",
@@ -118,12 +134,6 @@ class StatusPhase(enum.StrEnum):
 COMMITTED_PHASES = frozenset({StatusPhase.COMMITTED, StatusPhase.DISABLED})
 """Status phases that count as committed for the commit gate."""
 
-START_ID_FIELD = "start_id"
-"""Field of a rank's ``/dwdp/status`` answer: an id the rank process draws when it starts
-(:func:`new_start_id`). The operator records the ids of a group's ranks when it commits;
-a rank answering with another id was restarted in place, so the group failed."""
-
-
 def new_start_id() -> str:
     """A fresh start id: 16 hex characters from the system's random source."""
     import secrets
@@ -166,3 +176,100 @@ SERVING_WORDS = frozenset({Stage.ENGINE, Stage.SERVE})
 """Termination words of a rank that failed after the commit."""
 TERMINATION_WORDS = frozenset({*Stage, *SETUP_WORDS})
 """Every first word a worker's termination message can carry."""
+
+
+_PHASE_WORDS = frozenset(p.value for p in StatusPhase)
+
+
+def _or_none(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A field's value, or ``None`` when it does not validate (read leniently)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        return None
+
+
+class RankIdentity(BaseModel):
+    """Who answers ``GET /dwdp/status``: the rank process's ``start_id`` (drawn when it starts,
+    :func:`new_start_id`; the operator records the ids of a group's ranks when it commits, and
+    a rank answering with another id was restarted in place, so the group failed), and from the
+    operator's environment its ``group``, ``incarnation`` (an integer when it is one) and
+    ``revision``. A field left unset is absent from the JSON (:meth:`wire`).
+
+    Read leniently (:meth:`RankStatus.read`): a field of the wrong type reads as unset, so
+    one odd field does not hide the rest; unknown fields are kept.
+    """
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    start_id: str | None = Field(default=None, strict=True, min_length=1)
+    group: str | None = Field(default=None, strict=True)
+    incarnation: StrictInt | StrictStr | None = None
+    revision: str | None = Field(default=None, strict=True)
+
+    @field_validator("start_id", "group", "incarnation", "revision", mode="wrap")
+    @classmethod
+    def _unreadable_is_unset(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _or_none(value, handler)
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON object: the fields that were set (``None`` ones too), extras included."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class RankStatus(RankIdentity):
+    """The body of a rank's ``GET /dwdp/status`` (one home for its field names).
+
+    ``phase`` (a :class:`StatusPhase` word when the operator can read it); ``rank`` and
+    ``dwdp_size`` (ranks of the group); ``layout_digest`` of the dense layout (``None``
+    without dense DWDP); ``leaks`` (originals alive after the commit); ``error`` (phase
+    ``failed``: the engine's fatal error); ``reason`` (phase ``disabled``: why). The worker adds
+    its counters (bytes, slots, memory, ``kv_transfer``) as further fields: they are kept as
+    extras and not part of what the operator reads.
+    """
+
+    phase: str = Field(strict=True)
+    rank: int | None = Field(default=None, strict=True)
+    dwdp_size: int | None = Field(default=None, strict=True)
+    layout_digest: str | None = Field(
+        default=None, strict=True, validation_alias=AliasChoices("layout_digest", "layoutDigest")
+    )
+    leaks: int | None = Field(default=None, strict=True)
+    error: str | None = Field(default=None, strict=True)
+    reason: str | None = Field(default=None, strict=True)
+
+    @field_validator(
+        "rank", "dwdp_size", "layout_digest", "leaks", "error", "reason", mode="wrap"
+    )
+    @classmethod
+    def _unreadable_status_is_unset(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _or_none(value, handler)
+
+    @classmethod
+    def build(cls, **fields: Any) -> RankStatus:
+        """A status of ``fields``: the declared ones, and the writer's further counters (kept
+        as extras, in the JSON as given)."""
+        return cls.model_validate(fields)
+
+    @classmethod
+    def read(cls, data: object) -> RankStatus | None:
+        """A rank's answer as the operator reads it; ``None`` unless it is a JSON object whose
+        ``phase`` is a :class:`StatusPhase` word (not reported yet)."""
+        if not isinstance(data, Mapping):
+            return None
+        try:
+            status = cls.model_validate(dict(data))
+        except ValidationError:
+            return None
+        return status if status.phase in _PHASE_WORDS else None
+
+    @property
+    def known_phase(self) -> StatusPhase:
+        """``phase`` as the contract's word (after :meth:`read`)."""
+        return StatusPhase(self.phase)
+
+    @property
+    def incarnation_number(self) -> int | None:
+        """``incarnation`` as an integer (``3`` or ``"3"``), ``None`` otherwise."""
+        inc = self.incarnation
+        return int(inc) if inc is not None and str(inc).isdigit() else None

@@ -23,6 +23,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
 from dwdp.api.contract import USER_ENV
+from dwdp.api.defaults import MAX_BATCH_SIZE, MAX_NUM_TOKENS, ROUTER_PORT, SERVER_PORT
 from dwdp.api.enums import HandleType, Role, Transport
 from dwdp.api.errors import (
     UNSET,
@@ -359,8 +360,12 @@ class _ServingSection(ApiModel):
     transport: Transport = Field(
         default=Transport.TCP_STORE, description="tcpStore or mpi: how a server's ranks meet."
     )
-    max_num_tokens: PosInt = Field(default=8192, description="Tokens per forward pass, at most.")
-    max_batch_size: PosInt = Field(default=8, description="Requests per forward pass, at most.")
+    max_num_tokens: PosInt = Field(
+        default=MAX_NUM_TOKENS, description="Tokens per forward pass, at most."
+    )
+    max_batch_size: PosInt = Field(
+        default=MAX_BATCH_SIZE, description="Requests per forward pass, at most."
+    )
     max_model_len: PosInt | None = Field(
         default=None,
         description="Prompt plus generated tokens of one request, at most; unset: the "
@@ -513,7 +518,8 @@ class ServerSpec(ApiModel):
     """The HTTP servers of the workers."""
 
     port: Port = Field(
-        default=8000, description="Port of local rank 0 in a pod; local rank k serves port + k."
+        default=SERVER_PORT,
+        description="Port of local rank 0 in a pod; local rank k serves port + k.",
     )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,
@@ -560,7 +566,9 @@ class RouterSpec(ApiModel):
         "(generation.replicas > 0). True needs generation servers.",
     )
     replicas: PosInt = Field(default=1, description="Router pods.")
-    port: Port = Field(default=8000, description="Port of the router's OpenAI API (the Service's).")
+    port: Port = Field(
+        default=ROUTER_PORT, description="Port of the router's OpenAI API (the Service's)."
+    )
     metrics_port: Port = Field(
         default=29000, description="Port of the router's Prometheus metrics."
     )

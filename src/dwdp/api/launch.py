@@ -26,6 +26,13 @@ from pydantic import Field
 
 from dwdp.api.base import ApiModel, PosInt
 from dwdp.api.config import DwdpConfig
+from dwdp.api.defaults import (
+    KV_BLOCK_SIZE,
+    KV_TRANSFER_LEASE_S,
+    MAX_BATCH_SIZE,
+    MAX_NUM_TOKENS,
+    SERVER_PORT,
+)
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
 from dwdp.api.errors import Problem, first_per_field
 from dwdp.api.support import Scope, SectionView, worker_limit_problems
@@ -81,14 +88,14 @@ class KvCacheConfig(ApiModel):
         "Must be at least maxModelLen.",
     )
     transfer_lease_seconds: PosInt = Field(
-        default=30,
+        default=KV_TRANSFER_LEASE_S,
         le=3600,
         description="Disaggregated serving: how long a context rank holds a prefilled "
         "request's KV blocks for its generation server to read (vLLM's lease; released at "
         "once when the read is done).",
     )
     block_size: PosInt = Field(
-        default=16,
+        default=KV_BLOCK_SIZE,
         le=256,
         description="Tokens per block of the paged KV cache (vLLM's --block-size); the pool "
         "is cut into capacity / blockSize blocks.",
@@ -137,8 +144,12 @@ class LaunchConfig(ApiModel):
         alias="gracefulShutdownTimeoutSeconds",
         description="Bound, in seconds, on the server's graceful stop; unset: no bound.",
     )
-    max_num_tokens: PosInt = Field(default=8192, description="Tokens per forward pass, at most.")
-    max_batch_size: PosInt = Field(default=8, description="Requests per forward pass, at most.")
+    max_num_tokens: PosInt = Field(
+        default=MAX_NUM_TOKENS, description="Tokens per forward pass, at most."
+    )
+    max_batch_size: PosInt = Field(
+        default=MAX_BATCH_SIZE, description="Requests per forward pass, at most."
+    )
     max_model_len: PosInt | None = Field(
         default=None,
         description="Prompt plus generated tokens of one request, at most; unset: the "
@@ -146,7 +157,7 @@ class LaunchConfig(ApiModel):
     )
     kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig)
     server_port: int = Field(
-        default=8000,
+        default=SERVER_PORT,
         strict=True,
         ge=1,
         le=65535,

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dwdp.api.contract import COMMITTED_PHASES, START_ID_FIELD, StatusPhase
+from dwdp.api.contract import COMMITTED_PHASES, RankStatus, StatusPhase
 from dwdp.api.enums import Role
 from dwdp.operator import constants as c
 from dwdp.operator.builders import applied_hash
@@ -26,9 +26,6 @@ __all__ = [
     "pod_from_object",
     "rank_report_from_json",
 ]
-
-_STATUS_WORDS = frozenset(p.value for p in StatusPhase)
-
 
 @dataclass(frozen=True, slots=True)
 class RankReport:
@@ -57,19 +54,16 @@ def rank_report_from_json(data: Any) -> RankReport | None:
     """Read a ``/dwdp/status`` body; None when it is not a mapping whose ``phase`` is one
     of the contract's :class:`~dwdp.api.contract.StatusPhase` words (an answer the operator
     cannot read counts as not reported yet)."""
-    if not isinstance(data, Mapping) or data.get("phase") not in _STATUS_WORDS:
+    status = RankStatus.read(data)
+    if status is None:
         return None
-    inc = data.get("incarnation")
-    rank = data.get("rank")
-    digest = data.get("layout_digest", data.get("layoutDigest"))
-    start = data.get(START_ID_FIELD)
     return RankReport(
-        rank=rank if isinstance(rank, int) else None,
-        phase=StatusPhase(data["phase"]),
-        revision=data.get("revision") if isinstance(data.get("revision"), str) else None,
-        incarnation=int(inc) if isinstance(inc, int | str) and str(inc).isdigit() else None,
-        layout_digest=digest if isinstance(digest, str) else None,
-        start_id=start if isinstance(start, str) and start else None,
+        rank=status.rank,
+        phase=status.known_phase,
+        revision=status.revision,
+        incarnation=status.incarnation_number,
+        layout_digest=status.layout_digest,
+        start_id=status.start_id,
     )
 
 

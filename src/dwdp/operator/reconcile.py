@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from dwdp.api.contract import RENDEZVOUS_SECRET_BYTES
+from dwdp.api.defaults import SERVER_PORT
 from dwdp.operator.builders import with_secret_value
 from dwdp.operator.constants import LABEL_GROUP, Reason
 from dwdp.operator.kube import OPTIONAL_KINDS, ApiError, Kube, now_rfc3339
@@ -44,7 +45,7 @@ async def gather(kube: Kube, body: dict, memory: _Memory | None = None) -> Obser
     meta = body["metadata"]
     optional = tuple([kind for kind in OPTIONAL_KINDS if await kube.served(kind)])
     pods, others = await kube.list_children(meta["namespace"], meta["name"], optional)
-    port = int(((body.get("spec") or {}).get("server") or {}).get("port", 8000))
+    port = int(((body.get("spec") or {}).get("server") or {}).get("port", SERVER_PORT))
     summaries = [s for s in (pod_from_object(p) for p in pods) if s is not None]
     memory = memory or _Memory()
     verify = time.monotonic() - memory.verified_at >= VERIFY_INTERVAL_S

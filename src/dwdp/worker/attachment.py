@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dwdp.api.contract import StatusPhase
+from dwdp.api.contract import RankStatus, StatusPhase
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.backend.base import Backend, Buffer
 from dwdp.worker.dense.state import DenseDwdp
@@ -150,30 +150,30 @@ class DwdpAttachment:
         if self.dense is not None:
             slots["attention"] = self.dense.rings.attention
             slots["moe_dense"] = self.dense.rings.moe_dense
-        return {
-            "phase": self.phase,
-            "rank": self.transport.rank,
-            "dwdp_size": self.transport.world_size,
-            "backend": self.backend.name,
-            "layout_digest": self.dense.layout.digest if self.dense is not None else None,
-            "partition": self.partition.to_dict(),
-            "moe_layers": [m.layer_index for m in self.layers],
-            "bytes_stored": stored,
-            "bytes_slots": slot_bytes,
-            "bytes_moved": self.counters.bytes_moved,
-            "bytes_moved_remote": self.counters.bytes_moved_remote,
-            "bytes_freed": freed,
-            "leaks": leaks,
-            "slots": slots,
-            "slot_waits": self.slot_waits,
-            "copies": self.counters.copies,
-            "copy_mode": self.experts.settings.copy_mode.value,
-            "sm_reserve": self.sm_reserve,
-            "resident": resident,
-            "unmanaged_moe_layers": dict(self.facts.unmanaged),
-            "repeated_moe_layers": list(self.facts.repeated),
-            "scalars": dict(self.facts.scalars),
-        }
+        return RankStatus.build(
+            phase=self.phase,
+            rank=self.transport.rank,
+            dwdp_size=self.transport.world_size,
+            backend=self.backend.name,
+            layout_digest=self.dense.layout.digest if self.dense is not None else None,
+            partition=self.partition.to_dict(),
+            moe_layers=[m.layer_index for m in self.layers],
+            bytes_stored=stored,
+            bytes_slots=slot_bytes,
+            bytes_moved=self.counters.bytes_moved,
+            bytes_moved_remote=self.counters.bytes_moved_remote,
+            bytes_freed=freed,
+            leaks=leaks,
+            slots=slots,
+            slot_waits=self.slot_waits,
+            copies=self.counters.copies,
+            copy_mode=self.experts.settings.copy_mode.value,
+            sm_reserve=self.sm_reserve,
+            resident=resident,
+            unmanaged_moe_layers=dict(self.facts.unmanaged),
+            repeated_moe_layers=list(self.facts.repeated),
+            scalars=dict(self.facts.scalars),
+        ).wire()
 
     def buffer_ranges(self) -> list[tuple[int, int]]:
         """``(address, bytes)`` of the stores and slots this rank allocated (expert and

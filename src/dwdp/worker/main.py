@@ -314,7 +314,7 @@ def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: str
     )
     log.info(
         "KV transfer ready: NIXL agent %s, side channel %s:%d",
-        engine.kv.agent.engine_id,
+        engine.kv.endpoint.engine_id,
         advertise,
         port,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
 import socket
 import subprocess
@@ -83,6 +84,10 @@ def _worker_status_words() -> set[str]:
                         and target.slice.value == "phase"
                     )
                     if named and (word := _resolve(node.value, names)) is not None:
+                        words.add(word)
+            elif isinstance(node, ast.Call):  # RankStatus.build(phase=W, ...)
+                for kw in node.keywords:
+                    if kw.arg == "phase" and (word := _resolve(kw.value, names)) is not None:
                         words.add(word)
             elif isinstance(node, ast.Dict):
                 for key, value in zip(node.keys, node.values, strict=True):
@@ -204,3 +209,21 @@ def test_worker_and_rank_program_speak_the_contract(
 def test_operator_reads_no_word_outside_the_contract() -> None:
     for word in ("rendezvous", "P3", "init", "serving", "aborted", "error", "starting"):
         assert rank_report_from_json({"phase": word}) is None, word
+
+
+def test_the_operator_reads_what_the_worker_writes() -> None:
+    """A round trip through ``RankStatus``: the worker's real status code (a status source,
+    its identity, a dead engine's failure) read by the operator's parser."""
+    from dwdp.worker.server.status import rank_identity
+
+    env = {"DWDP_GROUP": "demo-g0", "DWDP_INCARNATION": "i3", "DWDP_REVISION": "rv1"}
+    body = with_identity(NoDwdp().status(), rank_identity(env))
+    report = rank_report_from_json(json.loads(json.dumps(body)))
+    assert report is not None and report.committed and not report.failed
+    assert (report.rank, report.incarnation, report.revision) == (0, 3, "rv1")
+    assert report.start_id == body["start_id"] and report.layout_digest is None
+    failed = rank_report_from_json(with_identity(NoDwdp().status(), None, "RuntimeError: boom"))
+    assert failed is not None and failed.failed
+    # an odd field reads as unknown, the rest still counts; extra fields are ignored
+    odd = rank_report_from_json({**body, "rank": "0", "revision": 7, "new_counter": 1})
+    assert odd is not None and odd.rank is None and odd.revision is None and odd.incarnation == 3

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 httpx = pytest.importorskip("httpx")
 
+from dwdp.worker.engine.kv_connector import KvConnector  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp_dev.worker.servers import EngineServer, VllmRouter, wait_for  # noqa: E402
@@ -70,6 +71,7 @@ def test_routed_requests_decode_from_the_context_servers_kv(pair):
     generation server produces alone; gen prefilled nothing but each prompt's last token; the
     context side's leases are all released."""
     ctx, gen = pair
+    assert isinstance(ctx.engine.kv, KvConnector) and isinstance(gen.engine.kv, KvConnector)
     prompt = list(range(3, 40))
     body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True}
     params, r = _routed(ctx, gen, "/v1/completions", body)

@@ -335,6 +335,7 @@ def test_health_503_when_engine_dead(tmp_path):
         model_name = "dead"
         max_model_len = 8
         tokenizer = None
+        kv = None
 
         async def check_health(self):
             from dwdp.worker.engine.protocol import EngineDeadError

@@ -33,6 +33,7 @@ SERVER = textwrap.dedent(
         model_name = "hung"
         max_model_len = 64
         tokenizer = None
+        kv = None
 
         async def check_health(self):
             return None

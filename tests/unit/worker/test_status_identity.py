@@ -89,6 +89,7 @@ def test_app_status_route_reports_identity() -> None:
     class Engine:
         _dead = None
         model_name = "m"
+        kv = None
 
     app = build_app(Engine(), identity={"group": "g1", "incarnation": 1, "revision": "rv"})
     body = TestClient(app).get("/dwdp/status").json()

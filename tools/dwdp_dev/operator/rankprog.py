@@ -43,12 +43,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dwdp.api.contract import (
     DENSE_SETUP_PHASES,
     EXPERT_SETUP_PHASES,
-    START_ID_FIELD,
     Env,
+    RankStatus,
     Stage,
     StatusPhase,
     new_start_id,
 )
+from dwdp.api.defaults import SERVER_PORT
 
 COMMIT = EXPERT_SETUP_PHASES[-1]
 """The final vote (the worker's expert ``commit`` phase)."""
@@ -148,17 +149,17 @@ class Rank:
         with self.lock:
             if self.phase is None:
                 return None
-            return {
-                "phase": self.phase.value,
-                "rank": self.rank,
-                "dwdp_size": self.world,
-                "group": self.group,
-                "incarnation": self.incarnation,
-                "revision": self.revision,
-                "layout_digest": self.digest,
-                "leaks": 0,
-                START_ID_FIELD: START_ID,
-            }
+            return RankStatus.build(
+                phase=self.phase.value,
+                rank=self.rank,
+                dwdp_size=self.world,
+                group=self.group,
+                incarnation=self.incarnation,
+                revision=self.revision,
+                layout_digest=self.digest,
+                leaks=0,
+                start_id=START_ID,
+            ).wire()
 
     def _enter(self, phase: str) -> None:
         with self.lock:
@@ -270,7 +271,7 @@ def main() -> int:
         except Exception as exc:
             _die(f"{Stage.CONFIG}: cannot read the launch config {config}: {exc}")
     host = os.environ.get(Env.POD_IP) or "127.0.0.1"
-    port = _env_int(Env.PORT, 8000)
+    port = _env_int(Env.PORT, SERVER_PORT)
     local = _env_int(Env.LOCAL_WORLD_SIZE, 1)
     ranks = [Rank(k) for k in range(local)]
     if ranks[0].rank == 0:

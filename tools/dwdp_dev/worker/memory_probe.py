@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dwdp.api.defaults import MAX_NUM_TOKENS
 from dwdp.worker.memory import MemoryWatch, size_rank_memory, weight_bytes
 
 if TYPE_CHECKING:
@@ -85,12 +86,12 @@ def tensor_bytes(model: Any, exclude: list[tuple[int, int]] | None = None) -> in
 
 def kv_record(model: Any, dwdp: Any, watch: MemoryWatch, max_model_len: int) -> dict[str, Any]:
     """The product's KV pool and ledger for this rank (``size_rank_memory``, default
-    ``kvCache``, ``maxNumTokens`` 8192): ``kv_pool`` and ``ledger`` as ``/dwdp/status``
+    ``kvCache`` and ``maxNumTokens``): ``kv_pool`` and ``ledger`` as ``/dwdp/status``
     shows them. Runs a profiling forward on a GPU: call it after the peaks are read."""
     from dwdp.api.launch import KvCacheConfig
 
     pool, ledger = size_rank_memory(model, dwdp, watch, kv=KvCacheConfig(),
-                                    max_num_tokens=8192, max_model_len=max_model_len)
+                                    max_num_tokens=MAX_NUM_TOKENS, max_model_len=max_model_len)
     return {"kv_pool": pool.as_dict(), "ledger": ledger.as_dict()}
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dwdp.api.defaults import KV_TRANSFER_LEASE_S
+
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
     """Poll ``predicate`` every 20 ms; raises ``TimeoutError(what)`` after ``timeout`` s."""
@@ -70,8 +72,8 @@ class EngineServer:
     (``status.server_identity``). ``limits`` go to ``EngineConfig``. A context manager:
     ``base`` is its URL and ``client`` an ``httpx.Client`` carrying the key once entered."""
 
-    def __init__(self, path: Path, *, api_key: str, kv: bool = True, lease_s: float = 30.0,
-                 model_name: str = "m", device: str = "cpu",
+    def __init__(self, path: Path, *, api_key: str, kv: bool = True,
+                 lease_s: float = KV_TRANSFER_LEASE_S, model_name: str = "m", device: str = "cpu",
                  server: dict[str, Any] | None = None, **limits: Any) -> None:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine

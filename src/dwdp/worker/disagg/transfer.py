@@ -1,18 +1,21 @@
-"""The disaggregation side of one engine: the NIXL agent, the leases of prefilled requests, and
+"""The disaggregation side of one engine, the engine's ``KvConnector``
+(``dwdp.worker.engine.kv_connector``): the NIXL agent, the leases of prefilled requests, and
 the side-channel fetch of a context server's agent.
 
-Context role: a request with ``do_remote_decode`` is prefilled, answers ``prefilled(...)`` as its
-``kv_transfer_params`` and its blocks stay under a lease of ``lease_s`` seconds (vLLM: 30 s by
-default); the lease ends when the generation side's release notification arrives or it expires
-(a WARNING), and the blocks go back to the pool. Generation role: ``connect`` fetches the context
-server's ``describe()`` from its side channel (``GET /v1/dwdp/kv_agent`` on the
-``remote_host:remote_port`` of the params, with this server's API key: both sides of one
+Context role: a request with ``do_remote_decode`` is prefilled; ``request_finished`` answers
+its ``kv_transfer_params`` (``do_remote_prefill`` and where the blocks are) and its blocks stay
+under a lease of ``lease_s`` seconds (vLLM: 30 s by default); the lease ends when the
+generation side's release notification arrives or it expires (a WARNING), and
+``finished_blocks`` gives the blocks back to the engine. Generation role: ``prepare_load``
+fetches the context server's ``describe()`` from its side channel (``GET /v1/dwdp/kv_agent`` on
+the ``remote_host:remote_port`` of the params, with this server's API key: both sides of one
 deployment share it), claiming the request's lease there (which extends it, or answers 410
 when it is gone, so a late reader gets a clear error instead of blocks reused by another
-request), and ``pull`` reads the blocks.
+request), and ``load`` reads the blocks.
 
-Thread use: ``connect`` runs on the server's event loop (the fetch) and a worker thread (the
-NIXL call); every other method runs on the engine thread. Agent calls are serialised by a lock.
+Thread use: ``prepare_load`` runs on the server's event loop (the fetch) and a worker thread
+(the NIXL call); every other method but ``describe`` runs on the engine thread. Agent calls are
+serialised by a lock.
 """
 
 from __future__ import annotations
@@ -23,17 +26,17 @@ import threading
 import time
 from typing import Any
 
+from dwdp.api.defaults import KV_TRANSFER_LEASE_S
 from dwdp.worker.disagg.agent import KV_AGENT_PATH, KvAgent, RemoteEngine, TransferError
-from dwdp.worker.disagg.params import KvTransferParams, prefilled
+from dwdp.worker.engine.kv_connector import KvEndpoint, KvTransferParams
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_S = 30.0
 FETCH_TIMEOUT_S = 10.0
 
 
 class KvTransfer:
-    """One engine's KV transfer (see the module docstring).
+    """One engine's KV transfer, a ``KvConnector`` (see the module docstring).
 
     ``agent``: its ``KvAgent``; ``host``/``port``: where generation servers reach this server's
     side channel (its HTTP address); ``api_key``: sent on side-channel fetches.
@@ -46,7 +49,7 @@ class KvTransfer:
         host: str,
         port: int,
         api_key: str | None = None,
-        lease_s: float = DEFAULT_LEASE_S,
+        lease_s: float = KV_TRANSFER_LEASE_S,
     ) -> None:
         self.agent = agent
         self.host = host
@@ -77,24 +80,31 @@ class KvTransfer:
             "blocks_received": self.blocks_received,
         }
 
+    @property
+    def endpoint(self) -> KvEndpoint:
+        """The NIXL agent's name and this server's advertised side-channel address."""
+        return KvEndpoint(self.agent.engine_id, self.host, self.port)
+
     # -- context side --------------------------------------------------------------------------
-    def prefilled(self, request_id: str, blocks: list[int]) -> dict[str, Any]:
-        """The ``kv_transfer_params`` of a request prefilled here for remote decode."""
-        return prefilled(
-            engine_id=self.agent.engine_id,
-            request_id=request_id,
-            block_ids=blocks,
-            host=self.host,
-            port=self.port,
+    def request_finished(self, request_id: str, blocks: list[int]) -> KvTransferParams:
+        """Hold ``blocks`` until the generation side releases them or ``lease_s`` passes; the
+        lease exists before the answer leaves, so a fast generation server always finds it.
+        Returns the answer's ``kv_transfer_params`` (``do_remote_prefill`` and where)."""
+        with self._lease_lock:
+            self._leases[request_id] = (list(blocks), time.monotonic() + self.lease_s)
+            self.leases_granted += 1
+        return KvTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.agent.engine_id,
+            remote_request_id=request_id,
+            remote_block_ids=list(blocks),
+            remote_host=self.host,
+            remote_port=self.port,
+            tp_size=1,
         )
 
-    def lease(self, request_id: str, blocks: list[int]) -> None:
-        """Hold ``blocks`` until the generation side releases them or ``lease_s`` passes."""
-        with self._lease_lock:
-            self._leases[request_id] = (blocks, time.monotonic() + self.lease_s)
-            self.leases_granted += 1
-
-    def unlease(self, request_id: str) -> None:
+    def cancel_hold(self, request_id: str) -> None:
         """Forget a lease without freeing its blocks (the request still runs and holds them)."""
         with self._lease_lock:
             self._leases.pop(request_id, None)
@@ -110,7 +120,7 @@ class KvTransfer:
             self._leases[request_id] = (held[0], time.monotonic() + self.lease_s)
             return list(held[0])
 
-    def expired_or_released(self) -> list[list[int]]:
+    def finished_blocks(self) -> list[list[int]]:
         """Block tables whose lease ended since the last call (the engine frees them)."""
         with self._lock:
             released = self.agent.released()
@@ -135,9 +145,10 @@ class KvTransfer:
         return {**described, "lease_block_ids": blocks} if claim is not None else described
 
     # -- generation side -----------------------------------------------------------------------
-    async def connect(self, params: KvTransferParams) -> RemoteEngine:
-        """The context server of ``params``, connected (fetched once per engine id). Raises
-        ``TransferError`` naming the server when it cannot be reached or does not match."""
+    async def prepare_load(self, params: KvTransferParams) -> None:
+        """Claim the lease of ``params`` on its context server and connect to that server
+        (once per engine id). Raises ``TransferError`` naming the server when it cannot be
+        reached or does not match, or the lease is gone or holds other blocks."""
         import httpx
 
         engine_id = str(params.remote_engine_id)
@@ -164,17 +175,15 @@ class KvTransfer:
                 f"kv_transfer_params.remote_block_ids: not the blocks of request "
                 f"{params.remote_request_id}'s lease on {engine_id}"
             )
-        known = self.agent.known(engine_id)
-        if known is not None:
-            return known
+        if self.agent.known(engine_id) is not None:
+            return
         if described.get("engine_id") != engine_id:
             raise TransferError(
                 f"KV side channel {url}: engine {described.get('engine_id')!r}, the params "
                 f"name {engine_id!r} (the context server restarted?)"
             )
-        remote = await asyncio.to_thread(self._connect, described)
+        await asyncio.to_thread(self._connect, described)
         self._servers[engine_id] = _identity(described.get("server"))
-        return remote
 
     def server_of(self, engine_id: str) -> dict[str, Any]:
         """The identity a connected context server gave in its side channel's ``server``
@@ -185,12 +194,15 @@ class KvTransfer:
         with self._lock:
             return self.agent.connect(described)
 
-    def pull(self, remote: RemoteEngine, params: KvTransferParams, local: list[int]) -> None:
-        """Read the params' blocks into ``local`` and release them there (``TransferError``)."""
-        assert params.remote_block_ids is not None and params.remote_request_id is not None
+    def load(self, params: KvTransferParams, blocks: list[int]) -> None:
+        """Read the params' blocks into local ``blocks`` and release them there (after
+        ``prepare_load``; ``TransferError``)."""
+        remote = self.agent.known(str(params.remote_engine_id))
+        if remote is None:
+            raise TransferError(f"KV agent {params.remote_engine_id}: not connected")
         with self._lock:
-            self.agent.pull(remote, params.remote_block_ids, local, params.remote_request_id)
-        self.blocks_received += len(local)
+            self.agent.pull(remote, params.block_ids, blocks, str(params.remote_request_id))
+        self.blocks_received += len(blocks)
 
     def close(self) -> None:
         """Deregister the cache from NIXL."""

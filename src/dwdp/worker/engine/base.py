@@ -24,7 +24,8 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dwdp.worker.engine.blocks import DEFAULT_BLOCK_SIZE
+from dwdp.api.defaults import KV_BLOCK_SIZE, MAX_BATCH_SIZE, MAX_NUM_TOKENS
+from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
 from dwdp.worker.engine.protocol import (
     CompletedRequest,
     EngineDeadError,
@@ -51,11 +52,11 @@ class EngineConfig:
     per KV block (continuous engine).
     """
 
-    max_batch_size: int = 8
-    max_num_tokens: int = 8192
+    max_batch_size: int = MAX_BATCH_SIZE
+    max_num_tokens: int = MAX_NUM_TOKENS
     max_model_len: int | None = None
     kv_capacity_tokens: int | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int = KV_BLOCK_SIZE
 
 
 @dataclass(slots=True)
@@ -126,6 +127,9 @@ class EngineBase:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._dead: BaseException | None = None
+        self.kv: KvConnector | None = None
+        """The KV connector of a disaggregated server (``ContinuousEngine.attach_kv_transfer``);
+        ``None``: this engine moves no KV and refuses a request that asks it to."""
         self._setup()
 
     def _setup(self) -> None:
@@ -203,7 +207,7 @@ class EngineBase:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        kv_transfer: Any = None,
+        kv_transfer: KvTransferParams | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue the request and stream its updates (see ``EngineClient.generate``)."""
         self.validate(prompt_token_ids, params)
@@ -231,16 +235,23 @@ class EngineBase:
             if not state.finished:
                 state.aborted = True
 
-    def validate_kv_transfer(self, prompt_token_ids: Sequence[int], kv_transfer: Any) -> None:
-        """Raise ``RequestError`` for a KV transfer this engine cannot do (here: any)."""
-        if kv_transfer is not None and (
-            kv_transfer.do_remote_decode or kv_transfer.do_remote_prefill
-        ):
-            raise RequestError("kv_transfer_params: this server does no KV transfer")
+    def validate_kv_transfer(
+        self, prompt_token_ids: Sequence[int], kv_transfer: KvTransferParams | None
+    ) -> None:
+        """Raise ``RequestError`` for a KV transfer this engine cannot do: any, without a KV
+        connector (the params' own rules were checked where they were parsed)."""
+        if kv_transfer is not None and kv_transfer.transfers and self.kv is None:
+            raise RequestError(
+                "kv_transfer_params: this server does no KV transfer "
+                "(not a context or generation role)"
+            )
 
     async def _prepare(self, state: RequestState) -> None:
-        """Work a request needs before it is queued (the continuous engine connects to a
-        remote KV cache here)."""
+        """Work a request needs before it is queued: a remote prefill's connector claims the
+        remote blocks here (``KvConnector.prepare_load``)."""
+        kv = state.kv_transfer
+        if kv is not None and kv.do_remote_prefill and self.kv is not None:
+            await self.kv.prepare_load(kv)
 
     # -- the batch API (tests, bench) ----------------------------------------------------------
     def run_batch(

@@ -9,7 +9,7 @@ every layer's cache (``dwdp.worker.engine.paged``).
 
 from __future__ import annotations
 
-DEFAULT_BLOCK_SIZE = 16
+from dwdp.api.defaults import KV_BLOCK_SIZE
 
 
 class NoFreeBlocks(RuntimeError):
@@ -22,7 +22,7 @@ class BlockAllocator:
     Raises ``ValueError`` for a non-positive size or count.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, num_blocks: int, block_size: int = KV_BLOCK_SIZE) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache: {num_blocks} blocks of {block_size} tokens")
         self.num_blocks = num_blocks

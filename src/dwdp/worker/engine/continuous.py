@@ -21,6 +21,7 @@ from typing import Any
 
 from dwdp.worker.engine.base import EngineBase
 from dwdp.worker.engine.blocks import BlockAllocator
+from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
 from dwdp.worker.engine.paged import Chunk, PagedKVCache, StepLayout, use_paged_attention
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
@@ -87,7 +88,6 @@ class ContinuousEngine(EngineBase):
         self.runner = ModelRunner(self, cache)
         self._sequences: dict[int, SchedSequence] = {}
         self._step_lock = threading.Lock()
-        self.kv: Any = None  # the KvTransfer of a disaggregated server (attach_kv_transfer)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """``EngineBase.validate``, and the request must fit the KV cache pool alone: prompt
@@ -103,50 +103,36 @@ class ContinuousEngine(EngineBase):
             )
 
     # -- disaggregation -------------------------------------------------------------------------
-    def attach_kv_transfer(self, make: Callable[[PagedKVCache], Any]) -> Any:
+    def attach_kv_transfer(self, make: Callable[[PagedKVCache], KvConnector]) -> KvConnector:
         """Run one warm-up step (it allocates every layer's cache), then build the server's
-        ``KvTransfer`` over the cache with ``make``; call before ``start``. Returns it."""
+        KV connector over the cache with ``make``; call before ``start``. Returns it."""
         self.run_batch([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
         self.stats = type(self.stats)()  # the warm-up is no served request
         self.kv = make(self.runner.cache)
         return self.kv
 
-    def validate_kv_transfer(self, prompt_token_ids: Sequence[int], kv_transfer: Any) -> None:
-        """Refuse contradictory params, a transfer without ``attach_kv_transfer``, and remote
-        blocks that do not fit the prompt (``RequestError`` naming the field)."""
-        if kv_transfer is None or not (
-            kv_transfer.do_remote_decode or kv_transfer.do_remote_prefill
-        ):
-            return
-        problem = kv_transfer.problem()
-        if problem is not None:
-            raise RequestError(problem)
-        if self.kv is None:
-            raise RequestError(
-                "kv_transfer_params: this server does no KV transfer "
-                "(not a context or generation role)"
-            )
-        if kv_transfer.do_remote_prefill:
+    def validate_kv_transfer(
+        self, prompt_token_ids: Sequence[int], kv_transfer: KvTransferParams | None
+    ) -> None:
+        """``EngineBase.validate_kv_transfer``, and remote blocks must fill the prompt in this
+        engine's block size (``RequestError`` naming the field)."""
+        super().validate_kv_transfer(prompt_token_ids, kv_transfer)
+        if kv_transfer is not None and kv_transfer.do_remote_prefill:
             want = self.allocator.blocks_for(len(prompt_token_ids))
-            got = len(kv_transfer.remote_block_ids)
+            got = len(kv_transfer.block_ids)
             if got != want:
                 raise RequestError(
                     f"kv_transfer_params.remote_block_ids: {got} blocks, the prompt of "
                     f"{len(prompt_token_ids)} tokens fills {want} of {self.allocator.block_size}"
                 )
 
-    async def _prepare(self, state: RequestState) -> None:
-        """A remote prefill: connect to the context server before the request is queued."""
-        kv = state.kv_transfer
-        if kv is not None and kv.do_remote_prefill:
-            state.kv_remote = await self.kv.connect(kv)
-
-    def _pull(self, seq: SchedSequence) -> bool:
+    def _pull(self, seq: SchedSequence, kv: KvConnector) -> bool:
         """Read the remote prompt KV of a joining request; False (request failed) on error."""
-        kv, remote = seq.pull
-        seq.pull = None
+        params, seq.pull = seq.pull, None
+        if params is None:
+            return True
         try:
-            self.kv.pull(remote, kv, seq.blocks[: len(kv.remote_block_ids)])
+            kv.load(params, seq.blocks[: len(params.block_ids)])
         except Exception as exc:
             log.warning("request %s: %s", seq.state.request_id, exc)
             self._fail(seq, exc)
@@ -181,7 +167,7 @@ class ContinuousEngine(EngineBase):
             if self._stopping.is_set():
                 break
             if self.kv is not None:
-                self.allocator.free_many(self.kv.expired_or_released())
+                self.allocator.free_many(self.kv.finished_blocks())
             self._step()
         self._abort_all()
 
@@ -235,8 +221,9 @@ class ContinuousEngine(EngineBase):
 
     def _add(self, state: RequestState) -> None:
         seq = SchedSequence(state)
-        if state.kv_remote is not None:  # a remote prefill, connected (_prepare)
-            seq.pull = (state.kv_transfer, state.kv_remote)
+        kv = state.kv_transfer
+        if kv is not None and kv.do_remote_prefill:  # claimed in _prepare; read as it joins
+            seq.pull = kv
         self._sequences[id(state)] = seq
         self.scheduler.add(seq)
 
@@ -245,7 +232,12 @@ class ContinuousEngine(EngineBase):
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.state.aborted:
                 self._end(seq, "abort")
-        plan = [p for p in self.scheduler.schedule() if p.seq.pull is None or self._pull(p.seq)]
+        kv = self.kv
+        plan = [
+            p
+            for p in self.scheduler.schedule()
+            if p.seq.pull is None or (kv is not None and self._pull(p.seq, kv))
+        ]
         if not plan:
             self._count_kv()  # aborts and releases may have emptied the engine
             return
@@ -261,14 +253,13 @@ class ContinuousEngine(EngineBase):
             )
             seq.computed += n
         for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
-            kv, rid = seq.state.kv_transfer, seq.state.request_id
-            if kv is not None and kv.do_remote_decode:  # the lease exists before the answer
-                seq.state.kv_transfer_out = self.kv.prefilled(rid, seq.blocks)  # leaves, so a
-                self.kv.lease(rid, seq.blocks)  # fast generation server always finds it
+            params, rid = seq.state.kv_transfer, seq.state.request_id
+            if kv is not None and params is not None and params.do_remote_decode:
+                seq.state.kv_transfer_out = kv.request_finished(rid, seq.blocks)
             if self._deliver(seq.state, choice):
                 self._lease_or_end(seq)
-            elif seq.state.kv_transfer_out is not None:  # it goes on (max_tokens > 1): no lease
-                self.kv.unlease(rid)
+            elif kv is not None and seq.state.kv_transfer_out is not None:
+                kv.cancel_hold(rid)  # it goes on (max_tokens > 1): no lease
                 seq.state.kv_transfer_out = None
         self._count_kv()
 

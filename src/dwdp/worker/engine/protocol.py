@@ -11,6 +11,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
+
 
 class EngineError(RuntimeError):
     """The engine cannot serve (stopped, or its loop died); the server answers 503."""
@@ -103,9 +105,9 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     """One entry per token of ``token_ids`` when the request asked for logprobs."""
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KvTransferParams | None = None
     """On the last update of a remote-decode prefill: where its KV blocks wait
-    (``dwdp.worker.disagg.params.prefilled``)."""
+    (``KvConnector.request_finished``)."""
 
 
 @dataclass(slots=True)
@@ -131,6 +133,8 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    kv: KvConnector | None
+    """The KV connector (prefill/decode disaggregation), ``None`` when the server moves no KV."""
 
     @property
     def tokenizer(self) -> Any:
@@ -141,7 +145,7 @@ class EngineClient(Protocol):
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        kv_transfer: Any = None,
+        kv_transfer: KvTransferParams | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's updates; the last one has ``finished``. ``kv_transfer``: the
         request's ``KvTransferParams`` (prefill/decode disaggregation), if any. Raises

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -50,11 +51,9 @@ class RequestState:
     processors: Any = None
     generator: Any = None
     arrival: float = 0.0
-    kv_transfer: Any = None
-    """The request's ``KvTransferParams`` (disaggregation), or ``None``."""
-    kv_remote: Any = None
-    """The connected context server of a remote prefill (``RemoteEngine``), or ``None``."""
-    kv_transfer_out: dict[str, Any] | None = None
+    kv_transfer: KvTransferParams | None = None
+    """The request's ``kv_transfer_params`` (disaggregation), or ``None``."""
+    kv_transfer_out: KvTransferParams | None = None
     """What the last update answers as ``kv_transfer_params`` (a remote-decode prefill)."""
     detok: Any = None
     """The incremental detokeniser (``tokenizers.decoders.DecodeStream``) of a fast tokenizer."""

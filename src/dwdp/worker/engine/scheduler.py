@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from dwdp.worker.engine.blocks import BlockAllocator
+from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.paged import Chunk
 from dwdp.worker.engine.requests import RequestState
 
@@ -38,9 +38,10 @@ class Sequence:
     state: RequestState
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
-    pull: Any = None
-    """Remote KV to read before its first step (disaggregation): the engine's business; the
-    scheduler only treats every prompt token but the last as computed when it joins."""
+    pull: KvTransferParams | None = None
+    """The remote prompt KV to read before its first step (a remote prefill): the engine's
+    business (``KvConnector.load``); the scheduler only treats every prompt token but the last
+    as computed when it joins."""
 
     @property
     def pending(self) -> int:

@@ -212,7 +212,7 @@ def build_app(
     async def kv_agent(request: Request, claim: str | None = None) -> dict[str, Any]:
         """The NIXL side channel of a disaggregated server (behind the API key); ``claim``:
         a request id whose KV lease the caller is about to read (410 when it is not held)."""
-        kv = getattr(_serving(request).engine, "kv", None)
+        kv = _serving(request).engine.kv
         if kv is None:
             raise ServingError(404, "no KV transfer on this server", kind="not_found_error")
         described = await asyncio.to_thread(kv.describe, claim)  # the agent's lock may wait
@@ -226,7 +226,7 @@ def build_app(
         status = serving.dwdp.status()
         if memory is not None:
             status.update(memory.status(kv_tokens_in_use(serving.engine)))
-        kv = getattr(serving.engine, "kv", None)
+        kv = serving.engine.kv
         if kv is not None:  # a disaggregated server: its KV transfer counters
             stats = getattr(serving.engine, "stats", None)
             status["kv_transfer"] = {

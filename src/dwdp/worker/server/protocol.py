@@ -11,11 +11,11 @@ set). Logprobs follow OpenAI's two formats: ``logprobs: k`` on completions (``to
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dwdp.worker.disagg.params import KvTransferParams
+from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import MAX_LOGPROBS
 
 MAX_SEED = 2**63 - 1
@@ -200,7 +200,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KvTransferParams | None = None
     dwdp: ServedBy | None = None
 
 
@@ -242,7 +242,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KvTransferParams | None = None
     dwdp: ServedBy | None = None
 
 

@@ -11,11 +11,11 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dwdp.worker.disagg.agent import TransferError
-from dwdp.worker.disagg.params import KvTransferParams
+from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import (
     EngineClient,
     EngineError,
@@ -78,10 +78,10 @@ class OpenAIServing:
     def me(self) -> dict[str, Any]:
         """This server as a ``ServerRef``: its identity, and with a KV transfer its NIXL
         engine id and the advertised address of its side channel."""
-        kv = getattr(self.engine, "kv", None)
+        kv = self.engine.kv
         if kv is None:
             return dict(self.server)
-        return {**self.server, "engine_id": kv.agent.engine_id, "host": kv.host, "port": kv.port}
+        return {**self.server, **asdict(kv.endpoint)}
 
     def served_by(self, kv: KvTransferParams | None) -> ServedBy:
         """The ``dwdp`` field of an answer to a request with these ``kv_transfer_params``: a
@@ -91,7 +91,7 @@ class OpenAIServing:
         me = ServerRef(**self.me())
         prefill = me
         if kv is not None and kv.do_remote_prefill:
-            transfer = getattr(self.engine, "kv", None)
+            transfer = self.engine.kv
             told = transfer.server_of(str(kv.remote_engine_id)) if transfer is not None else {}
             prefill = ServerRef(
                 **{
@@ -293,7 +293,7 @@ class OpenAIServing:
         prompt_ids: list[int],
         params: SamplingParams,
         endpoint: str,
-        kv_transfer: Any = None,
+        kv_transfer: KvTransferParams | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine stream with latency and TTFT observed; engine errors mapped."""
         start = time.perf_counter()
@@ -391,7 +391,7 @@ class _Result:
     reason: str | None
     completion_tokens: int
     logprobs: list[TokenLogprob]
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KvTransferParams | None = None
 
 
 async def _collect(stream: AsyncGenerator[RequestOutput, None]) -> _Result:

@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from dwdp.api.contract import START_ID_FIELD, Env, StatusPhase, new_start_id
+from dwdp.api.contract import Env, RankIdentity, RankStatus, StatusPhase, new_start_id
 
 START_ID = new_start_id()
 """This process's start id (``/dwdp/status`` ``start_id``): new with every rank process."""
@@ -20,17 +20,21 @@ def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``start_id`` of this process, and ``group``, ``incarnation`` (an integer when it is
     one, e.g. ``"3"`` or ``"i3"``) and ``revision`` of this rank from the operator's
     environment (absent ones are left out)."""
+    return _identity(environ).wire()
+
+
+def _identity(environ: Mapping[str, str] | None) -> RankIdentity:
     env = os.environ if environ is None else environ
-    out: dict[str, Any] = {START_ID_FIELD: START_ID}
+    ident = RankIdentity(start_id=START_ID)
     if env.get(Env.GROUP):
-        out["group"] = env[Env.GROUP]
+        ident.group = env[Env.GROUP]
     inc = env.get(Env.INCARNATION)
     if inc:
         digits = inc[1:] if inc[:1] in ("i", "I") else inc
-        out["incarnation"] = int(digits) if digits.isdigit() else inc
+        ident.incarnation = int(digits) if digits.isdigit() else inc
     if env.get(Env.REVISION):
-        out["revision"] = env[Env.REVISION]
-    return out
+        ident.revision = env[Env.REVISION]
+    return ident
 
 
 def server_identity(
@@ -49,9 +53,9 @@ def server_identity(
         rank = env.get(Env.RANK, "")
         if rank.isdigit():
             out["rank"] = int(rank)
-        ident = rank_identity(env)
-        if "incarnation" in ident:
-            out["incarnation"] = ident["incarnation"]
+        incarnation = _identity(env).incarnation
+        if incarnation is not None:
+            out["incarnation"] = incarnation
         if env.get("HOSTNAME"):
             out["pod"] = env["HOSTNAME"]
     return out
@@ -76,8 +80,7 @@ def with_identity(
     engine died."""
     out = {**status, **(identity or {})}
     if failure is not None:
-        out["phase"] = StatusPhase.FAILED
-        out["error"] = failure
+        out.update(RankStatus(phase=StatusPhase.FAILED, error=failure).wire())
     return out
 
 
@@ -113,18 +116,18 @@ class NoDwdp:
 
     def status(self) -> dict[str, Any]:
         """Phase ``disabled`` with zero counters."""
-        return {
-            "phase": StatusPhase.DISABLED,
-            "reason": self.reason,
-            "rank": 0,
-            "dwdp_size": 1,
-            "layout_digest": None,
-            "partition": None,
-            "bytes_stored": 0,
-            "bytes_moved": 0,
-            "bytes_freed": 0,
-            "leaks": 0,
-            "slots": {},
-            "slot_waits": 0,
-            "sm_reserve": 0,
-        }
+        return RankStatus.build(
+            phase=StatusPhase.DISABLED,
+            reason=self.reason,
+            rank=0,
+            dwdp_size=1,
+            layout_digest=None,
+            partition=None,
+            bytes_stored=0,
+            bytes_moved=0,
+            bytes_freed=0,
+            leaks=0,
+            slots={},
+            slot_waits=0,
+            sm_reserve=0,
+        ).wire()

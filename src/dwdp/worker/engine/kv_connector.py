@@ -1,0 +1,170 @@
+"""The KV connector seam: what the engine asks of whatever moves KV blocks in and out of it.
+
+The continuous engine calls a ``KvConnector`` (its ``kv``; ``None`` on a server that moves no
+KV); prefill/decode disaggregation (``dwdp.worker.disagg.transfer.KvTransfer``, NIXL) implements
+it. The seam follows vLLM's ``KVConnectorBase_V1`` in spirit, with only the calls this engine
+makes today:
+
+- scheduler side: ``prepare_load`` before a remote-prefill request is queued (vLLM's
+  ``get_num_new_matched_tokens``: here the whole prompt but its last token comes from
+  outside, see ``dwdp.worker.engine.scheduler``); ``request_finished`` when a remote-decode
+  prefill ends (vLLM's method of that name: the blocks stay held, the answer carries where);
+  ``cancel_hold`` when such a request goes on after all;
+- worker side: ``load`` (vLLM's ``start_load_kv`` + ``wait_for_layer_load``, all layers at
+  once) before the request's first step; ``finished_blocks`` (vLLM's ``get_finished``): block
+  tables the engine may free now;
+- server side: ``describe`` (the side channel's answer), ``status`` (``/dwdp/status``
+  counters), ``endpoint`` and ``server_of`` (the ``dwdp`` response field).
+
+``KvTransferParams`` is vLLM's ``kv_transfer_params`` object. The HTTP request schema parses it
+(``dwdp.worker.server.protocol``) and every rule of its own fields is checked there, once: a
+refusal is a 400 naming ``kv_transfer_params.<field>``. From there it travels typed to the
+engine and the connector, which check only what depends on them (the engine: the block count
+against its block size; the connector: the remote side's lease).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+BlockId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MAX_BLOCKS = 1 << 20
+"""The most block ids one ``remote_block_ids`` may carry."""
+
+_NEEDED_FOR_REMOTE_PREFILL = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_block_ids",
+    "remote_host",
+    "remote_port",
+)
+
+
+class KvTransferParams(BaseModel):
+    """The ``kv_transfer_params`` of a request or an answer (vLLM's NIXL-connector contract).
+
+    A router first sends a request with ``do_remote_decode`` to a context server, which
+    prefills it, holds its KV blocks under a lease and answers ``do_remote_prefill`` with
+    where they are: ``remote_engine_id`` (its NIXL agent), ``remote_request_id`` (the lease),
+    ``remote_block_ids`` (block ids, in token order), ``remote_host``/``remote_port`` (its HTTP
+    side channel), ``tp_size``. The router copies that object unchanged into the request it
+    sends a generation server, which reads the blocks and decodes. Fields routers add that this
+    contract does not use are ignored. Validation errors name ``kv_transfer_params.<field>``:
+    both flags true, or ``do_remote_prefill`` without one of the remote fields, is refused.
+    """
+
+    # strict: "yes" is no bool, "8001" no port, true no block id (a 400 naming the field)
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    do_remote_decode: bool = Field(False, description="Prefill only; another server decodes.")
+    do_remote_prefill: bool = Field(
+        False, description="The KV cache comes from remote blocks.", validate_default=True
+    )
+    remote_engine_id: str | None = Field(
+        None, min_length=1, max_length=256, validate_default=True
+    )
+    remote_request_id: str | None = Field(
+        None, min_length=1, max_length=256, validate_default=True
+    )
+    remote_block_ids: list[BlockId] | None = Field(
+        None, max_length=MAX_BLOCKS, validate_default=True
+    )
+    remote_host: str | None = Field(None, min_length=1, max_length=253, validate_default=True)
+    remote_port: int | None = Field(None, ge=1, le=65535, validate_default=True)
+    tp_size: int = Field(1, ge=1, le=1, description="Tensor-parallel ranks of the context side.")
+
+    @field_validator("do_remote_prefill")
+    @classmethod
+    def _not_both(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("do_remote_decode"):
+            raise PydanticCustomError("kv_transfer_params", "cannot be true with do_remote_decode")
+        return value
+
+    @field_validator(*_NEEDED_FOR_REMOTE_PREFILL)
+    @classmethod
+    def _needed(cls, value: Any, info: ValidationInfo) -> Any:
+        if value in (None, []) and info.data.get("do_remote_prefill"):
+            raise PydanticCustomError("kv_transfer_params", "required with do_remote_prefill")
+        return value
+
+    @property
+    def transfers(self) -> bool:
+        """True when the request moves KV (either flag set)."""
+        return self.do_remote_decode or self.do_remote_prefill
+
+    @property
+    def block_ids(self) -> list[int]:
+        """``remote_block_ids`` (empty when absent)."""
+        return list(self.remote_block_ids or ())
+
+
+@dataclass(frozen=True, slots=True)
+class KvEndpoint:
+    """Where other servers reach this connector: its ``engine_id`` (NIXL agent name) and the
+    ``host``/``port`` of its side channel (this server's HTTP address)."""
+
+    engine_id: str
+    host: str
+    port: int
+
+
+@runtime_checkable
+class KvConnector(Protocol):
+    """What the engine and the server call on a KV connector (see the module docstring).
+
+    Blocks are ids in the engine's block table (``dwdp.worker.engine.blocks``), tokens in
+    token order, ``block_size`` tokens each. Errors of a transfer raise
+    ``dwdp.worker.disagg.agent.TransferError`` (the server answers 502).
+    Thread use: ``prepare_load`` and ``describe`` run off the engine thread, the rest on it.
+    """
+
+    @property
+    def leases(self) -> int:
+        """Finished requests whose blocks the connector holds now (the engine polls it often
+        while this is above 0, so the transfers it serves progress)."""
+
+    # -- scheduler side ------------------------------------------------------------------------
+    async def prepare_load(self, params: KvTransferParams) -> None:
+        """Before a ``do_remote_prefill`` request is queued: reach the server of ``params``
+        and claim its blocks. Raises ``TransferError`` when they cannot be read."""
+
+    def request_finished(self, request_id: str, blocks: list[int]) -> KvTransferParams:
+        """A ``do_remote_decode`` request produced its token: hold ``blocks`` for the remote
+        decoder (the engine frees them when ``finished_blocks`` returns them) and return the
+        ``kv_transfer_params`` its answer carries."""
+
+    def cancel_hold(self, request_id: str) -> None:
+        """The request goes on after ``request_finished``: forget the hold, not its blocks
+        (the request still owns them)."""
+
+    # -- worker side ---------------------------------------------------------------------------
+    def load(self, params: KvTransferParams, blocks: list[int]) -> None:
+        """Read the blocks of ``params`` (after ``prepare_load``) into local ``blocks`` (same
+        count), every layer, and release them on the remote side. Raises ``TransferError``."""
+
+    def finished_blocks(self) -> list[list[int]]:
+        """Block tables whose hold ended since the last call (read and released by the remote
+        decoder, or expired): the engine frees them."""
+
+    # -- server side ---------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> KvEndpoint:
+        """This connector's engine id and side-channel address."""
+
+    def describe(self, claim: str | None = None) -> dict[str, Any] | None:
+        """The side channel's JSON answer; with ``claim`` (a request id) ``None`` unless that
+        request's blocks are held (the hold is then extended)."""
+
+    def status(self) -> dict[str, int]:
+        """Counters of ``/dwdp/status``'s ``kv_transfer`` (integers)."""
+
+    def server_of(self, engine_id: str) -> dict[str, Any]:
+        """The identity a connected remote server gave (``role``, ``group``, ``rank``,
+        ``incarnation``, ``pod``; empty when unknown)."""
+
+    def close(self) -> None:
+        """Release what the connector registered (the server is stopping)."""
