@@ -1,5 +1,5 @@
 """Expert + dense DWDP on 4 real rank processes over the cpu backend, on real transformers
-models loaded sharded (each rank reads only its experts, ``dwdp.worker.engine.sharded``):
+models loaded sharded (each rank reads only its experts, ``dwdp.worker.loading.sharded``):
 greedy tokens and logits bitwise equal to one process with replicated weights (loaded whole).
 
 Every architecture (DeepSeek-V3, Qwen3-MoE, Mixtral) with 2 and 3 expert prefetch slots and
@@ -28,9 +28,9 @@ from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
-from dwdp.worker.engine.sharded import load_sharded  # noqa: E402
+from dwdp.worker.loading.sharded import load_sharded  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 WORLD = 4

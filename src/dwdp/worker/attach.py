@@ -57,7 +57,7 @@ def setup_dwdp(
     (``dwdp.worker.settings.resolve_copy_settings``), for the backend and both managers;
     ``dense_min_bytes``: dense storages below it stay replicated
     (``dwdp.worker.settings.resolve_dense_min_bytes``); ``loaded``: the expert rows of a
-    sharded load (``dwdp.worker.engine.sharded``), ``None`` for a model loaded whole.
+    sharded load (``dwdp.worker.loading.sharded``), ``None`` for a model loaded whole.
     """
     if not dwdp_active(cfg) or group is None:
         return NoDwdp()

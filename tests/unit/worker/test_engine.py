@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from dwdp.worker.engine.base import EngineConfig  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import (  # noqa: E402
     EngineClient,
     EngineDeadError,

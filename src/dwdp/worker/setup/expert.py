@@ -43,7 +43,7 @@ from dwdp.worker.expert.layout import (
 )
 from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.phases import ExpertPhase, FailureInjector, SetupError, describe
-from dwdp.worker.setup.status import ResidentBytes
+from dwdp.worker.resident import ResidentBytes
 from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
 from dwdp.worker.transport.codec import wire_record

@@ -4,7 +4,7 @@
 (``dwdp.worker.models.validate``), so a missing tensor or a tensor of the wrong shape or dtype
 fails with one line before any weight is read; then it loads through
 ``AutoModelForCausalLM.from_pretrained`` and the tokenizer through ``AutoTokenizer``. A DWDP
-rank loads through ``dwdp.worker.engine.sharded`` instead (only the experts it keeps).
+rank loads through ``dwdp.worker.loading.sharded`` instead (only the experts it keeps).
 """
 
 from __future__ import annotations

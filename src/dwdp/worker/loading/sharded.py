@@ -63,7 +63,7 @@ def load_sharded(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dwdp.worker.engine.loader import load_tokenizer
+    from dwdp.worker.loading.checkpoint import load_tokenizer
     from dwdp.worker.expert.managed import select_layers
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
