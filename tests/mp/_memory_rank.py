@@ -29,7 +29,7 @@ from dwdp.worker.loading.checkpoint import load_checkpoint, load_tokenizer
 from dwdp.worker.engine.protocol import SamplingParams
 from dwdp.worker.loading.sharded import load_sharded
 from dwdp.worker.models import require_adapter
-from dwdp.worker.models.validate import load_config, validate_checkpoint
+from dwdp.worker.loading.validate import load_config, validate_checkpoint
 from dwdp.worker.transport.base import RendezvousConfig, read_secret
 from dwdp.worker.transport.tcp_store import TcpStoreTransport
 

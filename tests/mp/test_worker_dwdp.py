@@ -58,7 +58,7 @@ def _rank_main(rank: int, out: Path, group: str, port: int, checkpoints: dict[st
     from dwdp.worker.attach import attach
     from dwdp.worker.backend.cpu import CpuBackend
     from dwdp.worker.models import adapter_for
-    from dwdp.worker.models.validate import load_config
+    from dwdp.worker.loading.validate import load_config
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 

@@ -91,7 +91,7 @@ def checkpoint_dtypes(path: Path) -> dict[str, str]:
     """Tensor name -> dtype name (``float32``) of the checkpoint directory ``path``, from its
     safetensors headers (no weight is read); empty for a model that did not come from a
     checkpoint directory (the scalar exchange then compares every scalar bitwise)."""
-    from dwdp.worker.models.validate import read_headers
+    from dwdp.worker.loading.validate import read_headers
 
     if not path.is_dir():
         return {}

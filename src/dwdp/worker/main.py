@@ -187,7 +187,7 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
     """
     from dwdp.api.launch import validate_launch
     from dwdp.worker.models import adapter_for
-    from dwdp.worker.models.validate import expert_count, validate_checkpoint
+    from dwdp.worker.loading.validate import expert_count, validate_checkpoint
 
     config = validate_checkpoint(cfg.model.path)
     adapter = adapter_for(config)  # the generic expert-only adapter without a match

@@ -16,7 +16,7 @@ from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.loading.sharded import load_sharded  # noqa: E402
 from dwdp.worker.models import require_adapter  # noqa: E402
-from dwdp.worker.models.validate import (  # noqa: E402
+from dwdp.worker.loading.validate import (  # noqa: E402
     INDEX_FILE,
     expert_count,
     read_headers,

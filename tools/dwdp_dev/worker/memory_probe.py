@@ -170,7 +170,7 @@ def _scenario(scenario: str, args: argparse.Namespace, backend: Backend,
     from dwdp.worker.attach import attach
     from dwdp.worker.loading.sharded import load_sharded
     from dwdp.worker.models import require_adapter
-    from dwdp.worker.models.validate import expert_count, load_config
+    from dwdp.worker.loading.validate import expert_count, load_config
 
     dense = scenario == "expert+dense"
     _reset(args.device)

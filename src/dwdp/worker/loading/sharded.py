@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dwdp.worker.expert.layout import LoadedExperts
 from dwdp.worker.models.base import ArchitectureAdapter
-from dwdp.worker.models.validate import CheckpointError, scan_checkpoint, validate_checkpoint
+from dwdp.worker.loading.validate import CheckpointError, scan_checkpoint, validate_checkpoint
 
 if TYPE_CHECKING:
     import torch
