@@ -27,11 +27,11 @@ from conftest import RENDEZVOUS_SECRET, read_records, run_group  # noqa: E402
 from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
-from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
-from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.loading.sharded import load_sharded  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
 WORLD = 4
 NUM_EXPERTS = 6
@@ -57,8 +57,8 @@ def _rank_main(rank: int, out: Path, group: str, port: int, checkpoints: dict[st
     torch.set_num_threads(1)
     from dwdp.worker.attach import attach
     from dwdp.worker.backend.cpu import CpuBackend
-    from dwdp.worker.models import adapter_for
     from dwdp.worker.loading.validate import load_config
+    from dwdp.worker.models import adapter_for
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 

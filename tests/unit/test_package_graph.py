@@ -147,7 +147,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def cycle_report(src: Path) -> list[str]:
     """One line per cycle among sibling sub-packages, naming the imports that close it."""
     lines = []
-    for package, deps in sorted(edges(src).items()):
+    for _, deps in sorted(edges(src).items()):
         graph: dict[str, set[str]] = {}
         for dep in deps:
             a, b = dep.split(" -> ")

@@ -186,8 +186,8 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
     split), each one line.
     """
     from dwdp.api.launch import validate_launch
-    from dwdp.worker.models import adapter_for
     from dwdp.worker.loading.validate import expert_count, validate_checkpoint
+    from dwdp.worker.models import adapter_for
 
     config = validate_checkpoint(cfg.model.path)
     adapter = adapter_for(config)  # the generic expert-only adapter without a match
@@ -345,8 +345,8 @@ def run_worker(opts: WorkerOptions) -> int:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.gpu.cuda_path import use_cuda_kernels
-        from dwdp.worker.loading.vote import load_together
         from dwdp.worker.group import join_group
+        from dwdp.worker.loading.vote import load_together
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
 

@@ -24,12 +24,12 @@ from dwdp.api import contract
 from dwdp.api.contract import TERMINATION_WORDS, Env, Stage, StatusPhase
 from dwdp.operator.groups import classify_failure
 from dwdp.operator.observe import rank_report_from_json
-from dwdp_dev.operator import rankprog
 from dwdp.worker.launcher import launcher_line
 from dwdp.worker.main import phased
 from dwdp.worker.server.status import NoDwdp, with_identity
 from dwdp.worker.setup.phases import DensePhase, ExpertPhase, SetupError
 from dwdp.worker.transport.base import RendezvousTimeout
+from dwdp_dev.operator import rankprog
 
 
 def _head(line: str) -> str:

@@ -17,9 +17,9 @@ from ports import free_port
 torch = pytest.importorskip("torch")
 
 from dwdp.api.contract import Stage  # noqa: E402
+from dwdp.worker.loading.validate import CheckpointError  # noqa: E402
 from dwdp.worker.loading.vote import LoadError, load_together  # noqa: E402
 from dwdp.worker.main import phased  # noqa: E402
-from dwdp.worker.loading.validate import CheckpointError  # noqa: E402
 from dwdp.worker.transport.base import RendezvousConfig  # noqa: E402
 from dwdp.worker.transport.tcp_store import TcpStoreTransport  # noqa: E402
 

@@ -17,7 +17,6 @@ import pytest
 
 from dwdp.api.enums import CopyMode
 from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan, Stream
-from dwdp_dev.worker.fake_backend import FakeBackend, HazardKind, HbReport
 from dwdp.worker.dense.layout import Segment
 from dwdp.worker.schedule import (
     DensePassPhase,
@@ -25,6 +24,7 @@ from dwdp.worker.schedule import (
     ExpertPrefetchSchedule,
     ScheduleStateError,
 )
+from dwdp_dev.worker.fake_backend import FakeBackend, HazardKind, HbReport
 
 ROW = 16
 RANKS = 4

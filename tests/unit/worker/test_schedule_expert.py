@@ -16,8 +16,8 @@ import pytest
 
 from dwdp.api.enums import CopyMode
 from dwdp.worker.backend.base import BackendError, CopyDescriptor, CopyPlan, Stream
-from dwdp_dev.worker.fake_backend import FakeBackend, HazardKind, HbReport
 from dwdp.worker.schedule import ExpertPrefetchSchedule, PassPhase, ScheduleStateError, SlotState
+from dwdp_dev.worker.fake_backend import FakeBackend, HazardKind, HbReport
 
 CHUNK = 64
 LAYER_COUNTS = [*range(1, 13), 92]

@@ -16,13 +16,13 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from dwdp.api.partition import ExpertPartition, expert_partition  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.loading.sharded import load_sharded  # noqa: E402
-from dwdp.worker.models import require_adapter  # noqa: E402
 from dwdp.worker.loading.validate import (  # noqa: E402
     INDEX_FILE,
     CheckpointError,
     load_config,
     validate_checkpoint,
 )
+from dwdp.worker.models import require_adapter  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")

@@ -169,8 +169,8 @@ def _scenario(scenario: str, args: argparse.Namespace, backend: Backend,
     from dwdp.api.partition import expert_partition
     from dwdp.worker.attach import attach
     from dwdp.worker.loading.sharded import load_sharded
-    from dwdp.worker.models import require_adapter
     from dwdp.worker.loading.validate import expert_count, load_config
+    from dwdp.worker.models import require_adapter
 
     dense = scenario == "expert+dense"
     _reset(args.device)
