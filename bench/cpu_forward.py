@@ -56,7 +56,7 @@ def _rank(rank: int, args: argparse.Namespace, ckpt: str, group: str, port: int,
     from dwdp.api.partition import expert_partition
     from dwdp.worker.attach import attach
     from dwdp.worker.backend.cpu import CpuBackend
-    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp.worker.models import adapter_for
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport

@@ -58,9 +58,9 @@ def load(ckpt: str, *, backend: Any = None, transport: Any = None, world: int = 
     from dwdp.api.enums import CopyMode, GatherKernel
     from dwdp.api.partition import expert_partition
     from dwdp.worker.attach import attach
-    from dwdp.worker.engine.cuda_path import use_cuda_kernels
-    from dwdp.worker.engine.loader import load_checkpoint
     from dwdp.worker.engine.paged import use_paged_attention
+    from dwdp.worker.gpu.cuda_path import use_cuda_kernels
+    from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp.worker.models import adapter_for
     from dwdp.worker.settings import CopySettings
 

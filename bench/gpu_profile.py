@@ -9,7 +9,7 @@ One process, one GPU: it writes the seeded Qwen3-MoE checkpoint of ``bench/gpu_f
 For each it reports wall time, GPU busy time, the operators that spend the most GPU time (self
 time, by ATen operator and input shapes) and the host time per step, so that a slow step says
 whether it waits on the host (launch overhead, syncs) or on kernels. ``--experts`` picks what
-to compare: ``dwdp`` (the worker's GPU path, ``dwdp.worker.engine.cuda_path``; ``dwdp-eager``
+to compare: ``dwdp`` (the worker's GPU path, ``dwdp.worker.gpu.cuda_path``; ``dwdp-eager``
 the same without its ``torch.compile``-d kernels) and
 transformers' own experts implementations (``grouped_mm``, ``batched_mm``, ``eager``) with its
 SDPA attention.
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace, ckpt: Path) -> dict:
 
     result: dict = {}
     for impl in args.experts.split(","):
-        if impl.startswith("dwdp"):  # the worker's GPU path (dwdp.worker.engine.cuda_path)
+        if impl.startswith("dwdp"):  # the worker's GPU path (dwdp.worker.gpu.cuda_path)
             model, _tok, _ = load(str(ckpt), kernels="fused" if impl == "dwdp" else "eager")
         else:  # transformers' own
             model, _tok, _ = load(str(ckpt), kernels="transformers")

@@ -24,7 +24,7 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import dwdp.worker.engine.loader, dwdp.operator, fastapi, httpx, kopf" 2>/dev/null; then
+if ! .venv/bin/python -c "import dwdp.worker.loading.checkpoint, dwdp.operator, fastapi, httpx, kopf" 2>/dev/null; then
   log "installing Python packages (first run: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]" -e ./tools

@@ -45,7 +45,7 @@ def _reference(model_dir: Path) -> list[dict[str, Any]]:
     from fastapi.testclient import TestClient
 
     from dwdp.worker.engine.continuous import ContinuousEngine
-    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp.worker.server.app import build_app
 
     torch.set_num_threads(1)

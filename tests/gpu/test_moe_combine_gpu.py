@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 
 def test_combine_is_the_fp32_sum_in_choice_order_bitwise():
-    from dwdp.worker.engine.moe_combine import combine
+    from dwdp.worker.gpu.moe_combine import combine
 
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens, k, hidden = 8192, 8, 2048
@@ -34,7 +34,7 @@ def test_fused_experts_forward_is_as_close_to_fp32_as_the_eager_experts():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from dwdp.worker.engine.cuda_path import FUSE_MIN_TOKENS, grouped_experts_forward
+    from dwdp.worker.gpu.cuda_path import FUSE_MIN_TOKENS, grouped_experts_forward
 
     config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=16)
     config._experts_implementation = "eager"

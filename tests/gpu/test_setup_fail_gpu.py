@@ -36,7 +36,7 @@ CHILD = textwrap.dedent(
     from dwdp.worker.attach import attach
     from dwdp.worker.backend.cuda import CudaBackend
     from dwdp.worker.backend.cuda_vmm import LEDGER
-    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import ENV_FAIL_AT, SetupError
     from dwdp.worker.settings import CopySettings

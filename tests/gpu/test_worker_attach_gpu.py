@@ -41,7 +41,7 @@ CHILD = textwrap.dedent(
     from dwdp.api.enums import CopyMode, GatherKernel, HandleType
     from dwdp.api.partition import expert_partition
     from dwdp.worker.engine.continuous import ContinuousEngine
-    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp.worker.engine.protocol import SamplingParams
 
     rank, port, group, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])

@@ -24,11 +24,11 @@ from transformers import AutoModelForCausalLM
 from dwdp.api.partition import expert_partition
 from dwdp.worker.attach import attach
 from dwdp.worker.backend.cpu import CpuBackend
-from dwdp.worker.engine.loader import load_checkpoint, load_tokenizer
 from dwdp.worker.engine.protocol import SamplingParams
-from dwdp.worker.engine.sharded import load_sharded
+from dwdp.worker.loading.checkpoint import load_checkpoint, load_tokenizer
+from dwdp.worker.loading.sharded import load_sharded
+from dwdp.worker.loading.validate import load_config, validate_checkpoint
 from dwdp.worker.models import require_adapter
-from dwdp.worker.models.validate import load_config, validate_checkpoint
 from dwdp.worker.transport.base import RendezvousConfig, read_secret
 from dwdp.worker.transport.tcp_store import TcpStoreTransport
 from dwdp_dev.worker.wave_engine import BatchingEngine

@@ -27,8 +27,8 @@ from conftest import RENDEZVOUS_SECRET, read_records, run_group  # noqa: E402
 from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.devcluster.paths import cache_dir  # noqa: E402
 from dwdp_dev.worker.demo_model import cached_demo_model  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402

@@ -1,5 +1,5 @@
 """Expert + dense DWDP on 4 real rank processes over the cpu backend, on real transformers
-models loaded sharded (each rank reads only its experts, ``dwdp.worker.engine.sharded``):
+models loaded sharded (each rank reads only its experts, ``dwdp.worker.loading.sharded``):
 greedy tokens and logits bitwise equal to one process with replicated weights (loaded whole).
 
 Every architecture (DeepSeek-V3, Qwen3-MoE, Mixtral) with 2 and 3 expert prefetch slots and
@@ -27,9 +27,9 @@ from conftest import RENDEZVOUS_SECRET, read_records, run_group  # noqa: E402
 from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
-from dwdp.worker.engine.sharded import load_sharded  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
+from dwdp.worker.loading.sharded import load_sharded  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
@@ -57,8 +57,8 @@ def _rank_main(rank: int, out: Path, group: str, port: int, checkpoints: dict[st
     torch.set_num_threads(1)
     from dwdp.worker.attach import attach
     from dwdp.worker.backend.cpu import CpuBackend
+    from dwdp.worker.loading.validate import load_config
     from dwdp.worker.models import adapter_for
-    from dwdp.worker.models.validate import load_config
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 

@@ -19,8 +19,8 @@ from conftest import RENDEZVOUS_SECRET, run_group  # noqa: E402
 from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 

@@ -20,8 +20,8 @@ httpx = pytest.importorskip("httpx")
 from ports import free_port, free_port_block  # noqa: E402
 
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 

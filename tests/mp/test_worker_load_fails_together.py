@@ -33,7 +33,7 @@ from conftest import RankProcesses, run_worker_rank
 from ports import free_port
 
 from dwdp.worker.backend.cpu import leftover_segments
-from dwdp.worker.models.validate import INDEX_FILE
+from dwdp.worker.loading.validate import INDEX_FILE
 from dwdp_dev.worker.checkpoint import make_checkpoint
 
 WORLD = 2

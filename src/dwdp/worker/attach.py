@@ -57,7 +57,7 @@ def setup_dwdp(
     (``dwdp.worker.settings.resolve_copy_settings``), for the backend and both managers;
     ``dense_min_bytes``: dense storages below it stay replicated
     (``dwdp.worker.settings.resolve_dense_min_bytes``); ``loaded``: the expert rows of a
-    sharded load (``dwdp.worker.engine.sharded``), ``None`` for a model loaded whole.
+    sharded load (``dwdp.worker.loading.sharded``), ``None`` for a model loaded whole.
     """
     if not dwdp_active(cfg) or group is None:
         return NoDwdp()
@@ -91,7 +91,7 @@ def checkpoint_dtypes(path: Path) -> dict[str, str]:
     """Tensor name -> dtype name (``float32``) of the checkpoint directory ``path``, from its
     safetensors headers (no weight is read); empty for a model that did not come from a
     checkpoint directory (the scalar exchange then compares every scalar bitwise)."""
-    from dwdp.worker.models.validate import read_headers
+    from dwdp.worker.loading.validate import read_headers
 
     if not path.is_dir():
         return {}

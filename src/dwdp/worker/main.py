@@ -7,7 +7,7 @@ DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the cop
 and the copy settings resolved once (``dwdp.worker.settings``) -> join the group
 (rendezvous) -> load the model (with expert DWDP only what the rank keeps: ``load_model``;
 with a group every rank votes on the load, and a rank that failed fails the group together:
-``dwdp.worker.engine.load_vote``) -> DWDP setup (dense first, then experts; commit) -> start
+``dwdp.worker.loading.vote``) -> DWDP setup (dense first, then experts; commit) -> start
 the engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
 termination message path and exits non-zero; the engine is stopped whatever happens.
 """
@@ -182,8 +182,8 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
     split), each one line.
     """
     from dwdp.api.launch import validate_launch
+    from dwdp.worker.loading.validate import expert_count, validate_checkpoint
     from dwdp.worker.models import adapter_for
-    from dwdp.worker.models.validate import expert_count, validate_checkpoint
 
     config = validate_checkpoint(cfg.model.path)
     adapter = adapter_for(config)  # the generic expert-only adapter without a match
@@ -272,10 +272,10 @@ def load_model(
 ) -> tuple[Any, Any, LoadedExperts | None]:
     """``(model, tokenizer, loaded)`` on ``device``. With expert DWDP (``plan.partition``
     and a group) a sharded load: the model without the managed experts, and ``loaded`` the
-    rows of this rank's range (``dwdp.worker.engine.sharded``); otherwise the whole
+    rows of this rank's range (``dwdp.worker.loading.sharded``); otherwise the whole
     checkpoint and ``None``. Raises ``CheckpointError`` naming the file and the tensor."""
     if plan.partition is not None and group is not None:
-        from dwdp.worker.engine.sharded import load_sharded
+        from dwdp.worker.loading.sharded import load_sharded
 
         return load_sharded(
             cfg.model.path,
@@ -285,7 +285,7 @@ def load_model(
             dtype=cfg.model.dtype,
             device=device,
         )
-    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.loading.checkpoint import load_checkpoint
 
     model, tokenizer = load_checkpoint(cfg.model.path, dtype=cfg.model.dtype)
     if device != "cpu":
@@ -340,9 +340,9 @@ def run_worker(opts: WorkerOptions) -> int:
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
-        from dwdp.worker.engine.cuda_path import use_cuda_kernels
-        from dwdp.worker.engine.load_vote import load_together
+        from dwdp.worker.gpu.cuda_path import use_cuda_kernels
         from dwdp.worker.group import join_group
+        from dwdp.worker.loading.vote import load_together
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
 

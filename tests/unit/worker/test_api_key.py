@@ -17,7 +17,7 @@ from _http_helpers import UvicornThread, schemathesis_run  # noqa: E402
 
 httpx = pytest.importorskip("httpx")
 
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.server.app import build_app  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402

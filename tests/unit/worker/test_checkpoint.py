@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from dwdp.cli import main as dwdp_main  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
-from dwdp.worker.models.validate import (  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
+from dwdp.worker.loading.validate import (  # noqa: E402
     CheckpointError,
     expert_count,
     validate_checkpoint,

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from dwdp.worker.models.validate import (  # noqa: E402
+from dwdp.worker.loading.validate import (  # noqa: E402
     INDEX_FILE,
     CheckpointError,
     validate_checkpoint,

@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 from dwdp.worker.engine.base import EngineConfig  # noqa: E402
 from dwdp.worker.engine.blocks import BlockAllocator  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import RequestError, SamplingParams  # noqa: E402
 from dwdp.worker.engine.requests import RequestState  # noqa: E402
 from dwdp.worker.engine.scheduler import Scheduler, Sequence  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 

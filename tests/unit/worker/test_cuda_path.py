@@ -1,4 +1,4 @@
-"""The worker's GPU path (``dwdp.worker.engine.cuda_path``): its experts forward computes what
+"""The worker's GPU path (``dwdp.worker.gpu.cuda_path``): its experts forward computes what
 transformers' experts compute, for every MoE family we serve; it is chosen only where it can
 serve; on the CPU nothing changes. (Its speed is measured in ``bench/gpu_profile.py``.)"""
 
@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dwdp.worker.engine.cuda_path import (  # noqa: E402
+from dwdp.worker.gpu.cuda_path import (  # noqa: E402
     _servable,
     grouped_experts_forward,
     sdpa_backends,

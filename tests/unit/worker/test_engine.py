@@ -11,7 +11,6 @@ torch = pytest.importorskip("torch")
 
 from dwdp.worker.engine.base import EngineConfig  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import (  # noqa: E402
     EngineClient,
     EngineDeadError,
@@ -19,6 +18,7 @@ from dwdp.worker.engine.protocol import (  # noqa: E402
     RequestError,
     SamplingParams,
 )
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 

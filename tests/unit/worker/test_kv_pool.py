@@ -78,7 +78,7 @@ def test_max_tokens_below_max_model_len_is_refused_before_loading():
 # -- the engine admits waves against the pool ---------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dwdp.worker.engine.loader import load_checkpoint
+    from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp_dev.worker.checkpoint import make_checkpoint
 
     path = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "m", seed=3)

@@ -13,15 +13,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from dwdp.api.partition import expert_partition  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
-from dwdp.worker.engine.sharded import load_sharded  # noqa: E402
-from dwdp.worker.models import require_adapter  # noqa: E402
-from dwdp.worker.models.validate import (  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
+from dwdp.worker.loading.sharded import load_sharded  # noqa: E402
+from dwdp.worker.loading.validate import (  # noqa: E402
     INDEX_FILE,
     expert_count,
     read_headers,
     validate_checkpoint,
 )
+from dwdp.worker.models import require_adapter  # noqa: E402
 from dwdp_dev.worker.large_checkpoint import (  # noqa: E402
     Qwen3MoeShape,
     checkpoint_sizes,

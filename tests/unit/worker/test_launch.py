@@ -194,7 +194,7 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path, checkpoint, monkeypatch):
     # an index that names a shard file that is not there
     import json
 
-    from dwdp.worker.models.validate import INDEX_FILE, read_headers
+    from dwdp.worker.loading.validate import INDEX_FILE, read_headers
 
     indexed = tmp_path / "indexed"
     shutil.copytree(checkpoint, indexed)

@@ -1,4 +1,4 @@
-"""The experts' combine kernel (``dwdp.worker.engine.moe_combine``): each token's top-k rows
+"""The experts' combine kernel (``dwdp.worker.gpu.moe_combine``): each token's top-k rows
 summed, what the eager combine computes, for any hidden size (masked tail) and an unsorted
 row map. Triton's interpreter runs the kernel on the CPU (``TRITON_INTERPRET=1``, set before
 triton is imported, hence a child process); the interpreter rounds fp32 to bf16 by truncation
@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 CHILD = textwrap.dedent(
     """
     import torch
-    from dwdp.worker.engine.cuda_path import _combine
-    from dwdp.worker.engine.moe_combine import combine
+    from dwdp.worker.gpu.cuda_path import _combine
+    from dwdp.worker.gpu.moe_combine import combine
 
     g = torch.Generator().manual_seed(0)
     for tokens, k, hidden in [(37, 8, 1300), (5, 2, 64), (1, 4, 2048)]:

@@ -1,4 +1,4 @@
-"""Sharded loading (``dwdp.worker.engine.sharded``): a rank's tensors equal the whole load's,
+"""Sharded loading (``dwdp.worker.loading.sharded``): a rank's tensors equal the whole load's,
 it reads only its expert rows, and a broken checkpoint is refused with one line naming the
 file and the tensor."""
 
@@ -14,15 +14,15 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from dwdp.api.partition import ExpertPartition, expert_partition  # noqa: E402
-from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
-from dwdp.worker.engine.sharded import load_sharded  # noqa: E402
-from dwdp.worker.models import require_adapter  # noqa: E402
-from dwdp.worker.models.validate import (  # noqa: E402
+from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
+from dwdp.worker.loading.sharded import load_sharded  # noqa: E402
+from dwdp.worker.loading.validate import (  # noqa: E402
     INDEX_FILE,
     CheckpointError,
     load_config,
     validate_checkpoint,
 )
+from dwdp.worker.models import require_adapter  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")

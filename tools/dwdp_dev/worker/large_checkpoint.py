@@ -220,7 +220,7 @@ def checkpoint_sizes(path: str | Path) -> dict[str, int]:
     headers."""
     import torch
 
-    from dwdp.worker.models.validate import read_headers
+    from dwdp.worker.loading.validate import read_headers
 
     sizes = {"full": 0, "experts": 0}
     for name, (dims, dtype) in read_headers(Path(path)).items():

@@ -77,12 +77,12 @@ class EngineServer:
                  server: dict[str, Any] | None = None, **limits: Any) -> None:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
-        from dwdp.worker.engine.loader import load_checkpoint
+        from dwdp.worker.loading.checkpoint import load_checkpoint
         from dwdp.worker.server.app import build_app
 
         model, tok = load_checkpoint(path)
         if device != "cpu":
-            from dwdp.worker.engine.cuda_path import use_cuda_kernels
+            from dwdp.worker.gpu.cuda_path import use_cuda_kernels
 
             model.to(device)
             use_cuda_kernels(model)

@@ -30,8 +30,8 @@ from dwdp.worker.backend.base import (
 from dwdp.worker.dense.layout import DenseLayout, Segment
 from dwdp.worker.dense.repoint import LeakReport, Originals
 from dwdp.worker.dense.rows import RowStoreLayout, blob_plan
+from dwdp.worker.resident import ResidentBytes
 from dwdp.worker.settings import CopySettings
-from dwdp.worker.setup.status import ResidentBytes
 
 
 class DenseState(enum.StrEnum):

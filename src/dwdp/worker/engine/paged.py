@@ -12,7 +12,8 @@ model runs unchanged; two of transformers' extension points carry the packing:
 - the attention: ``dwdp_paged`` (registered with ``AttentionInterface``) attends each request's
   queries to its own slice of that packing: the decode tokens in one batched SDPA call with a key
   mask, each prefill chunk in its own SDPA call (causal; a chunk after earlier chunks gets the
-  bottom-right causal mask). On a GPU ``cuda_path.sdpa_backends`` picks the kernels per call.
+  bottom-right causal mask). On a GPU ``dwdp.worker.gpu.cuda_path.sdpa_backends`` picks the
+  kernels per call.
 
 Outside an engine step (no ``StepLayout`` active: a plain forward, ``generate``, the wave engine)
 ``dwdp_paged`` is transformers' SDPA attention with SDPA's masks, so a model switched to it
@@ -245,7 +246,7 @@ def paged_attention(
     Outside a step: transformers' SDPA attention."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from dwdp.worker.engine.cuda_path import sdpa_backends
+    from dwdp.worker.gpu.cuda_path import sdpa_backends
 
     layout = _STEP.get()
     if layout is None:

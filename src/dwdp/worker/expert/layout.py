@@ -38,7 +38,7 @@ class ExpertLayerWeights:
 
 @dataclass(slots=True)
 class LoadedExperts:
-    """The expert rows a sharded load read for this rank (``dwdp.worker.engine.sharded``):
+    """The expert rows a sharded load read for this rank (``dwdp.worker.loading.sharded``):
     the rows ``[start, end)`` of every managed MoE layer's fused tables, ``tables[layer
     prefix][name]`` of shape ``[end - start, *chunk_shape]`` (contiguous, final dtype and
     device). The model's own tables of those layers stay on the meta device until the

@@ -57,7 +57,7 @@ def setup_attached(
     """Dense setup, expert setup, the expert gather check and the repoint (module
     docstring). Raises ``SetupError`` on every rank alike.
 
-    ``loaded``: the expert rows a sharded load read (``dwdp.worker.engine.sharded``; on the
+    ``loaded``: the expert rows a sharded load read (``dwdp.worker.loading.sharded``; on the
     host, and the layers' own tables are then meta tensors): expert setup writes the store
     from them instead of slicing the full tables, and the gather check compares the rank's
     range."""

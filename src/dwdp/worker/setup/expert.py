@@ -41,9 +41,9 @@ from dwdp.worker.expert.layout import (
     expert_plan,
     expert_store_layout,
 )
+from dwdp.worker.resident import ResidentBytes
 from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.phases import ExpertPhase, FailureInjector, SetupError, describe
-from dwdp.worker.setup.status import ResidentBytes
 from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
 from dwdp.worker.transport.codec import wire_record

@@ -78,7 +78,7 @@ def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)  # (token, k) -> sorted row
     if fused and getattr(self, "dwdp_triton_combine", False):
-        from dwdp.worker.engine.moe_combine import combine
+        from dwdp.worker.gpu.moe_combine import combine
 
         return combine(down, back, tokens, top_k)  # [T, H] in the hidden dtype
     combine_fn = _compiled("combine", _combine) if fused else _combine

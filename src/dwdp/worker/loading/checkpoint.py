@@ -1,10 +1,10 @@
 """Load a local Hugging Face checkpoint for serving, after checking it (no downloads).
 
 ``load_checkpoint`` validates the safetensors headers against the config first
-(``dwdp.worker.models.validate``), so a missing tensor or a tensor of the wrong shape or dtype
+(``dwdp.worker.loading.validate``), so a missing tensor or a tensor of the wrong shape or dtype
 fails with one line before any weight is read; then it loads through
 ``AutoModelForCausalLM.from_pretrained`` and the tokenizer through ``AutoTokenizer``. A DWDP
-rank loads through ``dwdp.worker.engine.sharded`` instead (only the experts it keeps).
+rank loads through ``dwdp.worker.loading.sharded`` instead (only the experts it keeps).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dwdp.worker.models.validate import CheckpointError, validate_checkpoint
+from dwdp.worker.loading.validate import CheckpointError, validate_checkpoint
 
 
 def load_checkpoint(path: str | Path, *, dtype: str = "auto") -> tuple[Any, Any]:

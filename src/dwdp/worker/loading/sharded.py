@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dwdp.worker.expert.layout import LoadedExperts
+from dwdp.worker.loading.validate import CheckpointError, scan_checkpoint, validate_checkpoint
 from dwdp.worker.models.base import ArchitectureAdapter
-from dwdp.worker.models.validate import CheckpointError, scan_checkpoint, validate_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -63,8 +63,8 @@ def load_sharded(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dwdp.worker.engine.loader import load_tokenizer
     from dwdp.worker.expert.managed import select_layers
+    from dwdp.worker.loading.checkpoint import load_tokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(path)
