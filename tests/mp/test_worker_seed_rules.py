@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import RENDEZVOUS_SECRET, run_group, run_worker_rank  # noqa: E402
 from ports import free_port  # noqa: E402
 
-from dwdp.worker.dense.layout import DENSE_MIN_BYTES  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
+from dwdp.worker.settings import DENSE_MIN_BYTES  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 

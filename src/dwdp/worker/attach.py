@@ -23,7 +23,7 @@ from dwdp.api.launch import LaunchConfig, dwdp_active
 from dwdp.api.partition import ExpertPartition
 from dwdp.worker.attachment import CopyCounters, DwdpAttachment, SetupFacts
 from dwdp.worker.backend.base import Backend, CopyPlan, Stream
-from dwdp.worker.dense.layout import DENSE_MIN_BYTES, Segment
+from dwdp.worker.dense.layout import Segment
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.expert.layout import LoadedExperts
 from dwdp.worker.group import DwdpConfigError, make_backend
@@ -31,7 +31,7 @@ from dwdp.worker.models.base import ArchitectureAdapter, MoeLayer
 from dwdp.worker.schedule.dense import DenseSlotSchedule
 from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
 from dwdp.worker.server.status import DwdpStatusSource, NoDwdp
-from dwdp.worker.settings import CopySettings
+from dwdp.worker.settings import DENSE_MIN_BYTES, CopySettings
 from dwdp.worker.setup.expert import ExpertDwdp
 from dwdp.worker.transport.base import GroupTransport
 

@@ -40,6 +40,11 @@ variant reaches by block count)."""
 TMA_MIN_CAPABILITY = (9, 0)
 """The ``tma`` gather needs Hopper bulk copies: compute capability 9.0 or above."""
 
+DENSE_MIN_BYTES = 1 << 20
+"""Bytes: a dense storage smaller than this stays replicated (the reference's "storages under
+1 MiB stay replicated"), unless ``DWDP_DENSE_MIN_BYTES`` says otherwise; the one threshold
+dense setup uses."""
+
 
 class CopySettingsError(ValueError):
     """A copy setting the host cannot run; the message names the field and the fix."""
@@ -127,8 +132,6 @@ def _env_int(environ: Mapping[str, str], name: str, *, minimum: int) -> int | No
 def resolve_dense_min_bytes(environ: Mapping[str, str]) -> int:
     """Dense storages below this many bytes stay replicated (``DWDP_DENSE_MIN_BYTES``, bytes;
     default ``DENSE_MIN_BYTES`` = 1 MiB, the reference's). Raises :class:`WorkerEnvError`."""
-    from dwdp.worker.dense.layout import DENSE_MIN_BYTES
-
     value = _env_int(environ, ENV_DENSE_MIN_BYTES, minimum=0)
     return DENSE_MIN_BYTES if value is None else value
 

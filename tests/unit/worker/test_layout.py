@@ -180,7 +180,7 @@ def test_drop_sources_forgets_the_originals():
 def test_storages_under_one_mib_stay_replicated():
     """Seed 000: dense DWDP moves only storages of at least 1 MiB; smaller ones stay
     replicated with the reason named. The default is the threshold setup uses."""
-    from dwdp.worker.dense.layout import DENSE_MIN_BYTES
+    from dwdp.worker.settings import DENSE_MIN_BYTES
     from dwdp.worker.setup.dense import DenseSetupOptions
 
     assert DENSE_MIN_BYTES == 1 << 20 == DenseSetupOptions().min_bytes

@@ -34,15 +34,13 @@ import torch
 from torch import nn
 
 from dwdp.worker.dense.architecture import DenseLayerLike
+from dwdp.worker.settings import DENSE_MIN_BYTES
 
 DEFAULT_ALIGN = 64
 """Bytes: storages start and rows end on this boundary (any dtype view stays aligned; the
 gather kernels' 16-byte vector loads stay aligned)."""
 
 
-DENSE_MIN_BYTES = 1 << 20
-"""Bytes: a storage smaller than this stays replicated (seed 000: "storages under 1 MiB stay
-replicated"); the one threshold setup uses."""
 
 
 class LayoutError(ValueError):
