@@ -34,14 +34,12 @@ from dwdp.api.deployment import (
 )
 from dwdp.api.enums import HandleType, Role
 from dwdp.api.errors import Problem
-from dwdp.operator import builders, naming, router
+from dwdp.operator import builders, conditions, naming, router
 from dwdp.operator import constants as c
 from dwdp.operator.constants import GroupPhase, Reason
 from dwdp.operator.observe import ChildKey, Observed, ObservedPod
 from dwdp.operator.status import (
     GroupView,
-    carry_transition_times,
-    conditions,
     deadline_left_s,
     deployment_phase,
     stuck_groups,
@@ -149,28 +147,12 @@ def _invalid_plan(
 ) -> Plan:
     old = body.get("status") or {}
     generation = (body.get("metadata") or {}).get("generation")
-    message = "; ".join(str(p) for p in problems)[:4000]
-    conds = [
-        {
-            "type": c.COND_READY,
-            "status": "False",
-            "reason": reason.value,
-            "message": "the spec is invalid; no child was created or changed",
-        },
-        {
-            "type": c.COND_INVALID,
-            "status": "True",
-            "reason": reason.value,
-            "message": message,
-        },
-    ]
-    for cond in conds:
-        if generation is not None:
-            cond["observedGeneration"] = generation
+    message = "; ".join(str(p) for p in problems)[: conditions.MESSAGE_LIMIT]
+    conds = conditions.invalid_conditions(reason, message, generation)
     status = {
         **{k: v for k, v in _strip(old).items() if k not in ("conditions", "phase")},
         "phase": DeploymentPhase.FAILED.value,
-        "conditions": carry_transition_times(conds, old.get("conditions"), now),
+        "conditions": conditions.carry_transition_times(conds, old.get("conditions"), now),
         "observedGeneration": generation,
     }
     changed = status_differs(status, old)
@@ -447,7 +429,7 @@ def _status(
     failed = [v.name for v in views if v.phase in (GroupPhase.FAILED, GroupPhase.RESTARTING)]
     existing = len(ctx_role.views) + ctx_role.draining
     generation = (body.get("metadata") or {}).get("generation")
-    conds = conditions(
+    conds = conditions.deployment_conditions(
         desired=ctx_role.replicas,
         ready=ready,
         existing=existing,
@@ -459,15 +441,7 @@ def _status(
         stuck=stuck,
     )
     if observed.create_error:
-        refused: dict[str, Any] = {
-            "type": c.COND_REPLICA_FAILURE,
-            "status": "True",
-            "reason": Reason.FAILED_CREATE.value,
-            "message": observed.create_error[:4000],
-        }
-        if generation is not None:
-            refused["observedGeneration"] = generation
-        conds.append(refused)
+        conds.append(conditions.replica_failure(observed.create_error, generation))
     all_ready = conds[0]["status"] == "True"
     phase = deployment_phase(
         all_ready=all_ready,
@@ -492,7 +466,8 @@ def _status(
     status = DwdpDeploymentStatus(
         phase=phase.value,
         conditions=[
-            Condition.model_validate(x) for x in carry_transition_times(conds, old_conditions, now)
+            Condition.model_validate(x)
+            for x in conditions.carry_transition_times(conds, old_conditions, now)
         ],
         observed_generation=generation,
         replicas=existing,
@@ -526,11 +501,11 @@ def _with_router(
     wanted = spec.router.replicas if servers.complete else 0
     ready = router.ready_router_pods(observed.router_pods, servers)
     generation = (body.get("metadata") or {}).get("generation")
-    cond = router.router_condition(
+    cond = conditions.router_ready(
         servers=servers, wanted=wanted, ready=ready, observed_generation=generation
     )
     old = (body.get("status") or {}).get("conditions")
-    (cond,) = carry_transition_times([cond], old, now)
+    (cond,) = conditions.carry_transition_times([cond], old, now)
     entry = RouterStatus(
         replicas=wanted,
         ready_replicas=min(ready, wanted),

@@ -1,10 +1,10 @@
 """Group phases, conditions and the status block, computed from the observed summary.
 
 :func:`evaluate_group` reads one group incarnation (its pods and its ranks' reports) and
-says its phase and whether the commit gate may open; :func:`conditions` and
-:func:`deployment_phase` roll the groups up. Invariant: the same inputs give the same
-status, byte for byte (no clock inside; ``now`` is an argument and an unchanged condition
-keeps its old ``lastTransitionTime``), so a deployment at rest is never written.
+says its phase and whether the commit gate may open; :func:`deployment_phase` rolls the
+groups up (the conditions are built in :mod:`dwdp.operator.conditions`). Invariant: the same
+inputs give the same status, byte for byte (no clock inside; ``now`` is an argument), so a
+deployment at rest is never written.
 """
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from dwdp.api.deployment import DeploymentPhase, FailureRecord, GroupStatus
-from dwdp.operator import constants as c
-from dwdp.operator.constants import GroupPhase, Reason
+from dwdp.operator.constants import GroupPhase
 from dwdp.operator.groups import seconds_since
 from dwdp.operator.observe import ObservedPod, RankReport
 
 __all__ = [
     "GroupView",
-    "carry_transition_times",
-    "conditions",
     "deadline_left_s",
     "deployment_phase",
     "evaluate_group",
@@ -159,81 +156,6 @@ def evaluate_group(
     return verdict(GroupPhase.RENDEZVOUS, ready)
 
 
-def _cond(
-    kind: str, ok: bool, reason: Reason, message: str, generation: int | None
-) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "type": kind,
-        "status": "True" if ok else "False",
-        "reason": reason.value,
-        "message": message,
-    }
-    if generation is not None:
-        out["observedGeneration"] = generation
-    return out
-
-
-def conditions(
-    *,
-    desired: int,
-    ready: int,
-    existing: int,
-    failed: Sequence[str],
-    outdated: int,
-    generation_desired: int,
-    generation_ready: int,
-    observed_generation: int | None,
-    stuck: Sequence[str] = (),
-) -> list[dict[str, Any]]:
-    """Ready, Progressing and Degraded, without transition times.
-
-    ``desired``/``ready``/``existing`` count context groups; ``failed`` names the failed
-    groups (any role); ``outdated`` counts groups at an older revision; ``stuck`` says, one
-    line each, which groups at the current revision missed the progress deadline
-    (:func:`stuck_groups`). Progressing looks at the rollout first (stuck, then outdated
-    groups), then at scaling, then at groups starting, as a Deployment's does.
-    """
-    all_ready = ready >= desired and generation_ready >= generation_desired and not failed
-    ready_msg = (
-        f"{ready}/{desired} context groups serving, "
-        f"{generation_ready}/{generation_desired} generation servers serving"
-    )
-    if failed:  # counts alone read as ready while a surge group fails
-        ready_msg += "; failed: " + ", ".join(sorted(failed))
-    ready_cond = _cond(
-        c.COND_READY,
-        all_ready,
-        Reason.ALL_GROUPS_SERVING if all_ready else Reason.GROUPS_NOT_READY,
-        ready_msg,
-        observed_generation,
-    )
-    if stuck:
-        progressing = (False, Reason.PROGRESS_DEADLINE_EXCEEDED, "; ".join(stuck))
-    elif outdated:
-        progressing = (
-            True,
-            Reason.ROLLING_OUT,
-            f"rolling out: {outdated} groups run an older revision",
-        )
-    elif existing != desired:
-        progressing = (True, Reason.SCALING, f"{existing} context groups, {desired} desired")
-    elif not all_ready and not failed:
-        progressing = (True, Reason.GROUPS_STARTING, ready_msg)
-    else:
-        progressing = (False, Reason.STABLE, "no change under way")
-    if failed:
-        degraded = (True, Reason.GROUP_FAILED, "failed: " + ", ".join(sorted(failed)))
-    elif stuck:
-        degraded = (True, Reason.PROGRESS_DEADLINE_EXCEEDED, "rollout stuck: " + "; ".join(stuck))
-    else:
-        degraded = (False, Reason.HEALTHY, "no group failed")
-    return [
-        ready_cond,
-        _cond(c.COND_PROGRESSING, *progressing, observed_generation),
-        _cond(c.COND_DEGRADED, *degraded, observed_generation),
-    ]
-
-
 def _starting(
     entries: Iterable[GroupStatus], revision: str, now: str
 ) -> list[tuple[GroupStatus, float]]:
@@ -278,21 +200,6 @@ def stuck_groups(
         if g.last_failure is not None:
             line += f", last failure at {g.last_failure.phase}: {g.last_failure.message[:300]}"
         out.append(line)
-    return out
-
-
-def carry_transition_times(
-    new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]] | None, now: str
-) -> list[dict[str, Any]]:
-    """``new`` conditions with ``lastTransitionTime``: the old one where the status did
-    not change, else ``now``."""
-    before = {cond.get("type"): cond for cond in old or ()}
-    out = []
-    for cond in new:
-        prev = before.get(cond["type"]) or {}
-        same = prev.get("status") == cond["status"]
-        stamp = prev.get("lastTransitionTime") if same and prev.get("lastTransitionTime") else now
-        out.append({**cond, "lastTransitionTime": stamp})
     return out
 
 
