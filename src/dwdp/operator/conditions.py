@@ -141,7 +141,9 @@ def replica_failure(error: str, generation: int | None) -> dict[str, Any]:
     )
 
 
-def invalid_conditions(reason: Reason, message: str, generation: int | None) -> list[dict[str, Any]]:
+def invalid_conditions(
+    reason: Reason, message: str, generation: int | None
+) -> list[dict[str, Any]]:
     """``Ready`` False and ``Invalid`` True, both with ``reason``, for a spec the operator
     refuses; ``message`` lists the problems."""
     return [

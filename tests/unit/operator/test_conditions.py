@@ -109,9 +109,7 @@ def test_transition_times_carry_over_only_when_status_is_unchanged() -> None:
     ],
 )
 def test_router_ready_condition(servers, wanted, ready, status, reason) -> None:
-    cond = router_ready(
-        servers=servers, wanted=wanted, ready=ready, observed_generation=3
-    )
+    cond = router_ready(servers=servers, wanted=wanted, ready=ready, observed_generation=3)
     assert (cond["type"], cond["status"], cond["reason"]) == ("RouterReady", status, reason)
     assert cond["observedGeneration"] == 3
     if reason == "NoServers" and servers.prefill:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from dwdp.api.deployment import parse_deployment
 from dwdp.operator import builders, router
 from dwdp.operator import constants as c

@@ -8,12 +8,10 @@ import pytest
 from dwdp.api.deployment import GroupStatus
 from dwdp.api.enums import Role
 from dwdp.operator.constants import GroupPhase
+from dwdp.operator.group.rollout import stuck_groups
+from dwdp.operator.group.verdict import evaluate_group
 from dwdp.operator.observe import ObservedPod, RankReport, pod_from_object, rank_report_from_json
-from dwdp.operator.status import (
-    deployment_phase,
-    evaluate_group,
-    stuck_groups,
-)
+from dwdp.operator.status import deployment_phase
 
 
 def raw_pod(**status) -> dict:
