@@ -46,12 +46,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"liveness endpoint to serve ('none': off; default {DEFAULT_LIVENESS})",
     )
     p.add_argument(
-        "--peering",
-        default=None,
-        metavar="NAME",
-        help="kopf peering object (needs kopf's peering CRD); default: standalone",
-    )
-    p.add_argument(
         "--leader-elect",
         action="store_true",
         help="run as one of several replicas: only the holder of a coordination.k8s.io Lease "
@@ -191,7 +185,7 @@ def _run_in(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
 
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per event
-    config = OperatorConfig(peering=args.peering, webhook=_webhook(args, stack))
+    config = OperatorConfig(webhook=_webhook(args, stack))
     try:
         kube = Kube.from_environment()
     except Exception as exc:  # kubernetes.config.ConfigException, unreadable kubeconfig
@@ -213,8 +207,7 @@ def _run_in(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         return kopf.operator(
             registry=registry,
             settings=settings,
-            standalone=config.peering is None,
-            peering_name=config.peering,
+            standalone=True,  # high availability is the Lease (--leader-elect), not peering
             liveness_endpoint=liveness,
             clusterwide=not args.namespace,
             namespaces=args.namespace,

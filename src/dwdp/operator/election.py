@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dwdp.operator.groups import parse_time
 from dwdp.operator.kube import ApiError, Kube
+from dwdp.operator.times import parse_time
 
 __all__ = [
     "LEASE_DURATION_S",

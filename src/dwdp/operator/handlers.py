@@ -53,14 +53,13 @@ class WebhookConfig:
 class OperatorConfig:
     """The command-line settings of ``dwdp operator``."""
 
-    peering: str | None = None
-    """kopf peering object name; None: standalone (no peering)."""
     webhook: WebhookConfig | None = None
 
 
 def build_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     """Fill kopf's settings: own finalizer and annotation prefix, progress in status,
-    watch timeouts, no CRD scanning (least privilege), peering off unless configured,
+    watch timeouts, no CRD scanning (least privilege), no kopf peering (high availability
+    is the Lease of :mod:`dwdp.operator.election`),
     the webhook server when configured."""
     settings.persistence.finalizer = c.FINALIZER
     settings.persistence.progress_storage = kopf.StatusProgressStorage(field=c.KOPF_PROGRESS_FIELD)
@@ -73,12 +72,7 @@ def build_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> N
     settings.networking.request_timeout = 60
     settings.posting.level = logging.WARNING
     settings.scanning.disabled = True
-    if config.peering:
-        settings.peering.name = config.peering
-        settings.peering.standalone = False
-        settings.peering.mandatory = True
-    else:
-        settings.peering.standalone = True
+    settings.peering.standalone = True
     hook = config.webhook
     if hook is not None:
         settings.admission.server = kopf.WebhookServer(

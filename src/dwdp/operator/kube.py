@@ -21,6 +21,7 @@ from typing import Any
 
 from dwdp.api.deployment import API_VERSION, KIND
 from dwdp.operator import constants as c
+from dwdp.operator.conditions import gate_condition
 
 __all__ = ["ApiError", "Kube", "now_rfc3339"]
 
@@ -238,14 +239,7 @@ class Kube:
         body = {
             "status": {
                 "conditions": [
-                    {
-                        "type": c.GATE_CONDITION,
-                        "status": "True" if ready else "False",
-                        "reason": reason
-                        or (c.GATE_REASON_COMMITTED if ready else c.GATE_REASON_NOT_COMMITTED),
-                        "message": message,
-                        "lastTransitionTime": now_rfc3339(),
-                    }
+                    gate_condition(ready=ready, message=message, reason=reason, now=now_rfc3339())
                 ]
             }
         }

@@ -10,7 +10,7 @@ and applies the returned :class:`Plan` in its fixed order. Invariants:
 - every decision that changes the cluster carries an Event.
 
 :func:`plan` is a composition: refuse an invalid spec; per role, one named step per group
-(:mod:`dwdp.operator.steps`: draining, vanished, failed, waiting to restart, live) and the
+(:mod:`dwdp.operator.group`: draining, vanished, failed, waiting to restart, live) and the
 rollout step; then the static children (configs, services, endpoint slices) and what to
 delete; then the status, built through the API's status models
 (:class:`~dwdp.api.deployment.DwdpDeploymentStatus`), and the time of the next look.
@@ -23,41 +23,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dwdp.api.deployment import (
-    Condition,
     DeploymentPhase,
     DwdpDeploymentSpec,
-    DwdpDeploymentStatus,
-    GenerationStatus,
-    RouterStatus,
     deployment_problems,
     parse_deployment,
 )
 from dwdp.api.enums import HandleType, Role
 from dwdp.api.errors import Problem
-from dwdp.operator import builders, naming, router
+from dwdp.operator import builders, conditions, naming, router
 from dwdp.operator import constants as c
-from dwdp.operator.constants import GroupPhase, Reason
+from dwdp.operator.actions import NO_ACTIONS, Actions, Delete, Event, GateChange, PlanOptions
+from dwdp.operator.constants import Reason
+from dwdp.operator.group.role import decide_role
+from dwdp.operator.group.rollout import deadline_left_s, stuck_groups
+from dwdp.operator.group.state import RoleContext, RoleDecision, recorded_groups
+from dwdp.operator.group.verdict import GroupView
 from dwdp.operator.observe import ChildKey, Observed, ObservedPod
-from dwdp.operator.status import (
-    GroupView,
-    carry_transition_times,
-    conditions,
-    deadline_left_s,
-    deployment_phase,
-    stuck_groups,
-)
-from dwdp.operator.steps import (
-    NO_ACTIONS,
-    Actions,
-    Delete,
-    Event,
-    GateChange,
-    PlanOptions,
-    RoleContext,
-    RoleDecision,
-    decide_role,
-    recorded_groups,
-)
+from dwdp.operator.status import deployment_status, with_router
 
 __all__ = [
     "Delete",
@@ -149,28 +131,12 @@ def _invalid_plan(
 ) -> Plan:
     old = body.get("status") or {}
     generation = (body.get("metadata") or {}).get("generation")
-    message = "; ".join(str(p) for p in problems)[:4000]
-    conds = [
-        {
-            "type": c.COND_READY,
-            "status": "False",
-            "reason": reason.value,
-            "message": "the spec is invalid; no child was created or changed",
-        },
-        {
-            "type": c.COND_INVALID,
-            "status": "True",
-            "reason": reason.value,
-            "message": message,
-        },
-    ]
-    for cond in conds:
-        if generation is not None:
-            cond["observedGeneration"] = generation
+    message = "; ".join(str(p) for p in problems)[: conditions.MESSAGE_LIMIT]
+    conds = conditions.invalid_conditions(reason, message, generation)
     status = {
         **{k: v for k, v in _strip(old).items() if k not in ("conditions", "phase")},
         "phase": DeploymentPhase.FAILED.value,
-        "conditions": carry_transition_times(conds, old.get("conditions"), now),
+        "conditions": conditions.carry_transition_times(conds, old.get("conditions"), now),
         "observedGeneration": generation,
     }
     changed = status_differs(status, old)
@@ -243,8 +209,8 @@ def plan(body: Mapping[str, Any], observed: Observed, *, options: PlanOptions, n
     actions += Actions(delete=stale)
     stuck, left = _progress(spec, roles, revisions, now)
     actions += Actions(requeue_s=tuple(left))
-    status = _status(spec, owner, body, observed, roles, actions, revisions, now, stuck)
-    status = _with_router(status, spec, owner, observed, servers, body, now)
+    status = deployment_status(spec, owner, body, observed, roles, actions, revisions, now, stuck)
+    status = with_router(status, spec, owner, observed, servers, body, now)
     all_ready = status["conditions"][0]["status"] == "True"
     return Plan(
         apply=apply,
@@ -424,125 +390,6 @@ def _progress(
         stuck += stuck_groups(decision.entries, revision=rev, deadline_s=deadline, now=now)
         left += deadline_left_s(decision.entries, revision=rev, deadline_s=deadline, now=now)
     return stuck, left
-
-
-def _status(
-    spec: DwdpDeploymentSpec,
-    owner: builders.Owner,
-    body: Mapping[str, Any],
-    observed: Observed,
-    roles: Mapping[Role, RoleDecision],
-    actions: Actions,
-    revisions: Mapping[Role, str],
-    now: str,
-    stuck: Sequence[str],
-) -> dict[str, Any]:
-    """The status to write (camelCase), built through :class:`DwdpDeploymentStatus`;
-    ``stuck``: the groups past the progress deadline (:func:`_progress`)."""
-    ctx_role = roles[Role.CONTEXT]
-    gen_role = roles.get(Role.GENERATION)
-    views = [*ctx_role.views, *(gen_role.views if gen_role else ())]
-    ready = sum(1 for v in ctx_role.views if v.committed)
-    gen_ready = sum(1 for v in gen_role.views if v.committed) if gen_role else 0
-    failed = [v.name for v in views if v.phase in (GroupPhase.FAILED, GroupPhase.RESTARTING)]
-    existing = len(ctx_role.views) + ctx_role.draining
-    generation = (body.get("metadata") or {}).get("generation")
-    conds = conditions(
-        desired=ctx_role.replicas,
-        ready=ready,
-        existing=existing,
-        failed=failed,
-        outdated=sum(d.outdated for d in roles.values()),
-        generation_desired=gen_role.replicas if gen_role else 0,
-        generation_ready=gen_ready,
-        observed_generation=generation,
-        stuck=stuck,
-    )
-    if observed.create_error:
-        refused: dict[str, Any] = {
-            "type": c.COND_REPLICA_FAILURE,
-            "status": "True",
-            "reason": Reason.FAILED_CREATE.value,
-            "message": observed.create_error[:4000],
-        }
-        if generation is not None:
-            refused["observedGeneration"] = generation
-        conds.append(refused)
-    all_ready = conds[0]["status"] == "True"
-    phase = deployment_phase(
-        all_ready=all_ready,
-        failed=bool(failed),
-        started=bool(observed.pods or actions.pods),
-        stuck=bool(stuck),
-    )
-    old_conditions = (body.get("status") or {}).get("conditions")
-    generation_status = None
-    if gen_role is not None:
-        kept = [  # generation entries only where they carry restart bookkeeping
-            e.to_yaml_dict() for e in gen_role.entries if e.restarts or e.last_failure
-        ]
-        generation_status = GenerationStatus.model_validate(
-            {
-                "replicas": len(gen_role.views),
-                "readyReplicas": gen_ready,
-                "nextIndex": gen_role.next_index,
-                **({"groups": kept} if kept else {}),
-            }
-        )
-    status = DwdpDeploymentStatus(
-        phase=phase.value,
-        conditions=[
-            Condition.model_validate(x) for x in carry_transition_times(conds, old_conditions, now)
-        ],
-        observed_generation=generation,
-        replicas=existing,
-        ready_groups=ready,
-        updated_groups=sum(1 for e in ctx_role.entries if e.revision == revisions[Role.CONTEXT]),
-        next_group_index=ctx_role.next_index,
-        selector=f"{c.LABEL_DEPLOYMENT}={owner.name},{c.LABEL_ROLE}={Role.CONTEXT.value}",
-        revision=revisions[Role.CONTEXT],
-        groups=list(ctx_role.entries),
-        generation=generation_status,
-        endpoint=(
-            f"http://{naming.client_service(owner.name)}.{owner.namespace}.svc:{spec.server.port}"
-        ),
-    )
-    return status.to_yaml_dict()
-
-
-def _with_router(
-    status: dict[str, Any],
-    spec: DwdpDeploymentSpec,
-    owner: builders.Owner,
-    observed: Observed,
-    servers: router.RouterServers,
-    body: Mapping[str, Any],
-    now: str,
-) -> dict[str, Any]:
-    """``status`` with ``router`` and the ``RouterReady`` condition when the spec runs the
-    router (unchanged otherwise: the entries go with it)."""
-    if not spec.router_enabled:
-        return status
-    wanted = spec.router.replicas if servers.complete else 0
-    ready = router.ready_router_pods(observed.router_pods, servers)
-    generation = (body.get("metadata") or {}).get("generation")
-    cond = router.router_condition(
-        servers=servers, wanted=wanted, ready=ready, observed_generation=generation
-    )
-    old = (body.get("status") or {}).get("conditions")
-    (cond,) = carry_transition_times([cond], old, now)
-    entry = RouterStatus(
-        replicas=wanted,
-        ready_replicas=min(ready, wanted),
-        prefill_servers=len(servers.prefill),
-        decode_servers=len(servers.decode),
-        endpoint=router.router_endpoint(spec, owner),
-    )
-    return {
-        **status,
-        "conditions": [*status["conditions"], Condition.model_validate(cond).to_yaml_dict()],
-        "router": entry.to_yaml_dict(),
-    }
 
 
 def _requeue_after(actions: Actions, all_ready: bool) -> float:

@@ -36,7 +36,6 @@ from dwdp.operator.builders import (
     image_pull_secrets,
     router_selector,
 )
-from dwdp.operator.constants import Reason
 from dwdp.operator.observe import ObservedPod, RouterPod
 from dwdp.operator.revision import stable_hash
 
@@ -45,7 +44,6 @@ __all__ = [
     "rank_urls",
     "ready_router_pods",
     "router_args",
-    "router_condition",
     "router_deployment",
     "router_endpoint",
     "router_objects",
@@ -266,45 +264,6 @@ def router_objects(
 def router_endpoint(spec: DwdpDeploymentSpec, owner: Owner) -> str:
     """The router's URL: ``http://NAME-router.NAMESPACE.svc:PORT``."""
     return f"http://{naming.router(owner.name)}.{owner.namespace}.svc:{spec.router.port}"
-
-
-def router_condition(
-    *,
-    servers: RouterServers,
-    wanted: int,
-    ready: int,
-    observed_generation: int | None,
-) -> dict[str, Any]:
-    """The ``RouterReady`` condition: True once ``ready`` (router pods Ready that run the
-    current server list) reaches ``wanted`` (> 0); False with reason NoServers while no
-    group committed or no generation server is ready, else RouterNotReady."""
-    if not servers.complete:
-        missing = [
-            what
-            for what, urls in (
-                ("a committed context group", servers.prefill),
-                ("a ready generation server", servers.decode),
-            )
-            if not urls
-        ]
-        status, reason = "False", Reason.NO_SERVERS
-        message = "the router waits for " + " and ".join(missing)
-    else:
-        status = "True" if ready >= wanted > 0 else "False"
-        reason = Reason.ROUTER_AVAILABLE if status == "True" else Reason.ROUTER_NOT_READY
-        message = (
-            f"{ready}/{wanted} router pods ready, routing to {len(servers.prefill)} context "
-            f"rank(s) and {len(servers.decode)} generation server(s)"
-        )
-    cond: dict[str, Any] = {
-        "type": c.COND_ROUTER_READY,
-        "status": status,
-        "reason": reason.value,
-        "message": message,
-    }
-    if observed_generation is not None:
-        cond["observedGeneration"] = observed_generation
-    return cond
 
 
 def ready_router_pods(pods: Iterable[RouterPod], servers: RouterServers) -> int:

@@ -1,299 +1,34 @@
-"""Group phases, conditions and the status block, computed from the observed summary.
-
-:func:`evaluate_group` reads one group incarnation (its pods and its ranks' reports) and
-says its phase and whether the commit gate may open; :func:`conditions` and
-:func:`deployment_phase` roll the groups up. Invariant: the same inputs give the same
-status, byte for byte (no clock inside; ``now`` is an argument and an unchanged condition
-keeps its old ``lastTransitionTime``), so a deployment at rest is never written.
+"""The status block of a DwdpDeployment (``status``), built through the API's status models
+(:class:`~dwdp.api.deployment.DwdpDeploymentStatus`) from the role decisions of
+:func:`dwdp.operator.plan.plan`: the phase, the conditions (made in
+:mod:`dwdp.operator.conditions`), the group counts and entries, the generation servers and the
+router. Invariant: the same inputs give the same status, byte for byte (no clock inside;
+``now`` is an argument and an unchanged condition keeps its old ``lastTransitionTime``), so a
+deployment at rest is never written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dwdp.api.deployment import DeploymentPhase, FailureRecord, GroupStatus
+from dwdp.api.deployment import (
+    Condition,
+    DeploymentPhase,
+    DwdpDeploymentSpec,
+    DwdpDeploymentStatus,
+    GenerationStatus,
+    RouterStatus,
+)
+from dwdp.api.enums import Role
+from dwdp.operator import builders, conditions, naming, router
 from dwdp.operator import constants as c
-from dwdp.operator.constants import GroupPhase, Reason
-from dwdp.operator.groups import seconds_since
-from dwdp.operator.observe import ObservedPod, RankReport
+from dwdp.operator.actions import Actions
+from dwdp.operator.constants import GroupPhase
+from dwdp.operator.group.state import RoleDecision
+from dwdp.operator.observe import Observed
 
-__all__ = [
-    "GroupView",
-    "carry_transition_times",
-    "conditions",
-    "deadline_left_s",
-    "deployment_phase",
-    "evaluate_group",
-    "failure_record",
-    "stuck_groups",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class GroupView:
-    """The verdict on one group incarnation."""
-
-    name: str
-    index: int
-    incarnation: int
-    revision: str
-    phase: GroupPhase
-    ranks_ready: int
-    ranks_total: int
-    layout_digest: str | None = None
-    committed: bool = False
-    """Every rank committed with one revision and layout digest: the gate may be open."""
-    failure: dict[str, Any] | None = None
-
-    def to_model(self, *, restarts: int = 0) -> GroupStatus:
-        """The ``status.groups[]`` entry."""
-        return GroupStatus(
-            name=self.name,
-            revision=self.revision,
-            incarnation=self.incarnation,
-            phase=self.phase.value,
-            ranks_ready=self.ranks_ready,
-            ranks_total=self.ranks_total,
-            layout_digest=self.layout_digest,
-            leaks=0,
-            restarts=restarts,
-            last_failure=(
-                FailureRecord.model_validate(self.failure) if self.failure is not None else None
-            ),
-        )
-
-
-def failure_record(pod: ObservedPod, reports: Sequence[RankReport | None]) -> dict[str, Any]:
-    """The ``lastFailure`` of a group whose pod ``pod`` failed: the phase a rank reported
-    last (else ``exit``) and the termination message (else the exit code)."""
-    phase: str | None = next((r.phase for r in reports if r is not None and r.failed), None)
-    message = pod.termination_message or (
-        f"pod {pod.name} exited with code {pod.exit_code}"
-        if pod.exit_code is not None
-        else f"pod {pod.name} is {pod.phase}"
-    )
-    if phase is None and pod.termination_message and ":" in pod.termination_message:
-        head = pod.termination_message.split(":", 1)[0].strip()
-        phase = head if head and " " not in head else None
-    return {"phase": phase or "exit", "message": f"{pod.name}: {message}", "reason": "PodFailed"}
-
-
-def _agree(reports: Sequence[RankReport], revision: str, incarnation: int) -> bool:
-    """All reports committed, for this revision and incarnation (where a rank says), with
-    one layout digest."""
-    if not all(r.committed for r in reports):
-        return False
-    if any(r.revision is not None and r.revision != revision for r in reports):
-        return False
-    if any(r.incarnation is not None and r.incarnation != incarnation for r in reports):
-        return False
-    return len({r.layout_digest for r in reports}) == 1
-
-
-def evaluate_group(
-    *,
-    name: str,
-    index: int,
-    incarnation: int,
-    revision: str,
-    pods: Sequence[ObservedPod],
-    pods_expected: int,
-    ranks_expected: int,
-    reports: Mapping[str, Sequence[RankReport | None]],
-    previous_digest: str | None = None,
-) -> GroupView:
-    """The phase of one group incarnation.
-
-    ``pods`` are the incarnation's live pods; ``reports`` the ranks' answers by pod name
-    (pods that were not asked are absent). Order of the rules: a failed pod or rank wins
-    (Failed), then missing pods (Pending), unscheduled pods (Scheduling), unstarted pods
-    (Pending), an open gate on every pod (Serving, committed), every rank committed in
-    agreement (Serving, committed: the gate opens now), any rank that answered (a worker
-    answers only after its setup; SettingUp), else Rendezvous.
-    """
-
-    def verdict(
-        phase: GroupPhase,
-        ready: int = 0,
-        *,
-        digest: str | None = None,
-        failure: dict[str, Any] | None = None,
-    ) -> GroupView:
-        committed = phase is GroupPhase.SERVING
-        return GroupView(
-            name=name,
-            index=index,
-            incarnation=incarnation,
-            revision=revision,
-            phase=phase,
-            ranks_ready=ready,
-            ranks_total=ranks_expected,
-            layout_digest=digest,
-            committed=committed,
-            failure=failure,
-        )
-
-    all_reports = [r for p in pods for r in reports.get(p.name, ())]
-    for pod in pods:
-        pod_reports = reports.get(pod.name, ())
-        if pod.failed or any(r is not None and r.failed for r in pod_reports):
-            return verdict(GroupPhase.FAILED, failure=failure_record(pod, pod_reports))
-    if len(pods) < pods_expected:
-        return verdict(GroupPhase.PENDING)
-    if not all(p.scheduled for p in pods):
-        return verdict(GroupPhase.SCHEDULING)
-    if not all(p.started and p.phase == "Running" for p in pods):
-        return verdict(GroupPhase.PENDING)
-    if all(p.gate for p in pods):
-        digests = {r.layout_digest for r in all_reports if r is not None}
-        digest = digests.pop() if len(digests) == 1 else previous_digest
-        return verdict(GroupPhase.SERVING, ranks_expected, digest=digest)
-    answered = [r for r in all_reports if r is not None]
-    ready = sum(1 for r in answered if r.committed)
-    if len(answered) == ranks_expected and _agree(answered, revision, incarnation):
-        return verdict(GroupPhase.SERVING, ranks_expected, digest=answered[0].layout_digest)
-    if any(not r.committed for r in answered) or ready:
-        return verdict(GroupPhase.SETTING_UP, ready)
-    return verdict(GroupPhase.RENDEZVOUS, ready)
-
-
-def _cond(
-    kind: str, ok: bool, reason: Reason, message: str, generation: int | None
-) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "type": kind,
-        "status": "True" if ok else "False",
-        "reason": reason.value,
-        "message": message,
-    }
-    if generation is not None:
-        out["observedGeneration"] = generation
-    return out
-
-
-def conditions(
-    *,
-    desired: int,
-    ready: int,
-    existing: int,
-    failed: Sequence[str],
-    outdated: int,
-    generation_desired: int,
-    generation_ready: int,
-    observed_generation: int | None,
-    stuck: Sequence[str] = (),
-) -> list[dict[str, Any]]:
-    """Ready, Progressing and Degraded, without transition times.
-
-    ``desired``/``ready``/``existing`` count context groups; ``failed`` names the failed
-    groups (any role); ``outdated`` counts groups at an older revision; ``stuck`` says, one
-    line each, which groups at the current revision missed the progress deadline
-    (:func:`stuck_groups`). Progressing looks at the rollout first (stuck, then outdated
-    groups), then at scaling, then at groups starting, as a Deployment's does.
-    """
-    all_ready = ready >= desired and generation_ready >= generation_desired and not failed
-    ready_msg = (
-        f"{ready}/{desired} context groups serving, "
-        f"{generation_ready}/{generation_desired} generation servers serving"
-    )
-    if failed:  # counts alone read as ready while a surge group fails
-        ready_msg += "; failed: " + ", ".join(sorted(failed))
-    ready_cond = _cond(
-        c.COND_READY,
-        all_ready,
-        Reason.ALL_GROUPS_SERVING if all_ready else Reason.GROUPS_NOT_READY,
-        ready_msg,
-        observed_generation,
-    )
-    if stuck:
-        progressing = (False, Reason.PROGRESS_DEADLINE_EXCEEDED, "; ".join(stuck))
-    elif outdated:
-        progressing = (
-            True,
-            Reason.ROLLING_OUT,
-            f"rolling out: {outdated} groups run an older revision",
-        )
-    elif existing != desired:
-        progressing = (True, Reason.SCALING, f"{existing} context groups, {desired} desired")
-    elif not all_ready and not failed:
-        progressing = (True, Reason.GROUPS_STARTING, ready_msg)
-    else:
-        progressing = (False, Reason.STABLE, "no change under way")
-    if failed:
-        degraded = (True, Reason.GROUP_FAILED, "failed: " + ", ".join(sorted(failed)))
-    elif stuck:
-        degraded = (True, Reason.PROGRESS_DEADLINE_EXCEEDED, "rollout stuck: " + "; ".join(stuck))
-    else:
-        degraded = (False, Reason.HEALTHY, "no group failed")
-    return [
-        ready_cond,
-        _cond(c.COND_PROGRESSING, *progressing, observed_generation),
-        _cond(c.COND_DEGRADED, *degraded, observed_generation),
-    ]
-
-
-def _starting(
-    entries: Iterable[GroupStatus], revision: str, now: str
-) -> list[tuple[GroupStatus, float]]:
-    """The groups at ``revision`` still starting (neither serving nor draining), each with
-    the seconds since its ``startedAt`` (those without a readable time left out)."""
-    out = []
-    for g in entries:
-        if g.revision != revision or g.phase in (GroupPhase.SERVING, GroupPhase.DRAINING):
-            continue
-        since = seconds_since(g.started_at, now)
-        if since is not None:
-            out.append((g, since))
-    return out
-
-
-def deadline_left_s(
-    entries: Iterable[GroupStatus], *, revision: str, deadline_s: int, now: str
-) -> list[float]:
-    """Seconds until each group at ``revision`` that is still starting reaches the progress
-    deadline (the plan looks again then, even while the old groups keep it Ready)."""
-    return [
-        deadline_s - since + 1.0
-        for _, since in _starting(entries, revision, now)
-        if since <= deadline_s
-    ]
-
-
-def stuck_groups(
-    entries: Iterable[GroupStatus], *, revision: str, deadline_s: int, now: str
-) -> list[str]:
-    """One line for each group at ``revision`` that has not committed ``deadline_s``
-    seconds after its ``startedAt`` (restarts included): its name, revision, phase and
-    last failure. Draining and serving groups are never stuck."""
-    out = []
-    for g, since in _starting(entries, revision, now):
-        if since <= deadline_s:
-            continue
-        line = (
-            f"group {g.name} (revision {g.revision}) has not committed {int(since)} s after "
-            f"it started (progressDeadlineSeconds {deadline_s}): phase {g.phase}"
-        )
-        if g.last_failure is not None:
-            line += f", last failure at {g.last_failure.phase}: {g.last_failure.message[:300]}"
-        out.append(line)
-    return out
-
-
-def carry_transition_times(
-    new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]] | None, now: str
-) -> list[dict[str, Any]]:
-    """``new`` conditions with ``lastTransitionTime``: the old one where the status did
-    not change, else ``now``."""
-    before = {cond.get("type"): cond for cond in old or ()}
-    out = []
-    for cond in new:
-        prev = before.get(cond["type"]) or {}
-        same = prev.get("status") == cond["status"]
-        stamp = prev.get("lastTransitionTime") if same and prev.get("lastTransitionTime") else now
-        out.append({**cond, "lastTransitionTime": stamp})
-    return out
+__all__ = ["deployment_phase", "deployment_status", "with_router"]
 
 
 def deployment_phase(
@@ -310,3 +45,116 @@ def deployment_phase(
     if failed:
         return DeploymentPhase.DEGRADED
     return DeploymentPhase.PROGRESSING if started else DeploymentPhase.PENDING
+
+
+def deployment_status(
+    spec: DwdpDeploymentSpec,
+    owner: builders.Owner,
+    body: Mapping[str, Any],
+    observed: Observed,
+    roles: Mapping[Role, RoleDecision],
+    actions: Actions,
+    revisions: Mapping[Role, str],
+    now: str,
+    stuck: Sequence[str],
+) -> dict[str, Any]:
+    """The status to write (camelCase), built through :class:`DwdpDeploymentStatus`;
+    ``stuck``: a line for each group past the progress deadline
+    (:func:`~dwdp.operator.group.rollout.stuck_groups`)."""
+    ctx_role = roles[Role.CONTEXT]
+    gen_role = roles.get(Role.GENERATION)
+    views = [*ctx_role.views, *(gen_role.views if gen_role else ())]
+    ready = sum(1 for v in ctx_role.views if v.committed)
+    gen_ready = sum(1 for v in gen_role.views if v.committed) if gen_role else 0
+    failed = [v.name for v in views if v.phase in (GroupPhase.FAILED, GroupPhase.RESTARTING)]
+    existing = len(ctx_role.views) + ctx_role.draining
+    generation = (body.get("metadata") or {}).get("generation")
+    conds = conditions.deployment_conditions(
+        desired=ctx_role.replicas,
+        ready=ready,
+        existing=existing,
+        failed=failed,
+        outdated=sum(d.outdated for d in roles.values()),
+        generation_desired=gen_role.replicas if gen_role else 0,
+        generation_ready=gen_ready,
+        observed_generation=generation,
+        stuck=stuck,
+    )
+    if observed.create_error:
+        conds.append(conditions.replica_failure(observed.create_error, generation))
+    all_ready = conds[0]["status"] == "True"
+    phase = deployment_phase(
+        all_ready=all_ready,
+        failed=bool(failed),
+        started=bool(observed.pods or actions.pods),
+        stuck=bool(stuck),
+    )
+    old_conditions = (body.get("status") or {}).get("conditions")
+    generation_status = None
+    if gen_role is not None:
+        kept = [  # generation entries only where they carry restart bookkeeping
+            e.to_yaml_dict() for e in gen_role.entries if e.restarts or e.last_failure
+        ]
+        generation_status = GenerationStatus.model_validate(
+            {
+                "replicas": len(gen_role.views),
+                "readyReplicas": gen_ready,
+                "nextIndex": gen_role.next_index,
+                **({"groups": kept} if kept else {}),
+            }
+        )
+    status = DwdpDeploymentStatus(
+        phase=phase.value,
+        conditions=[
+            Condition.model_validate(x)
+            for x in conditions.carry_transition_times(conds, old_conditions, now)
+        ],
+        observed_generation=generation,
+        replicas=existing,
+        ready_groups=ready,
+        updated_groups=sum(1 for e in ctx_role.entries if e.revision == revisions[Role.CONTEXT]),
+        next_group_index=ctx_role.next_index,
+        selector=f"{c.LABEL_DEPLOYMENT}={owner.name},{c.LABEL_ROLE}={Role.CONTEXT.value}",
+        revision=revisions[Role.CONTEXT],
+        groups=list(ctx_role.entries),
+        generation=generation_status,
+        endpoint=(
+            f"http://{naming.client_service(owner.name)}.{owner.namespace}.svc:{spec.server.port}"
+        ),
+    )
+    return status.to_yaml_dict()
+
+
+def with_router(
+    status: dict[str, Any],
+    spec: DwdpDeploymentSpec,
+    owner: builders.Owner,
+    observed: Observed,
+    servers: router.RouterServers,
+    body: Mapping[str, Any],
+    now: str,
+) -> dict[str, Any]:
+    """``status`` with ``router`` and the ``RouterReady`` condition when the spec runs the
+    router (unchanged otherwise: the entries go with it)."""
+    if not spec.router_enabled:
+        return status
+    wanted = spec.router.replicas if servers.complete else 0
+    ready = router.ready_router_pods(observed.router_pods, servers)
+    generation = (body.get("metadata") or {}).get("generation")
+    cond = conditions.router_ready(
+        servers=servers, wanted=wanted, ready=ready, observed_generation=generation
+    )
+    old = (body.get("status") or {}).get("conditions")
+    (cond,) = conditions.carry_transition_times([cond], old, now)
+    entry = RouterStatus(
+        replicas=wanted,
+        ready_replicas=min(ready, wanted),
+        prefill_servers=len(servers.prefill),
+        decode_servers=len(servers.decode),
+        endpoint=router.router_endpoint(spec, owner),
+    )
+    return {
+        **status,
+        "conditions": [*status["conditions"], Condition.model_validate(cond).to_yaml_dict()],
+        "router": entry.to_yaml_dict(),
+    }

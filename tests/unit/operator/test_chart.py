@@ -99,6 +99,16 @@ def test_values_schema_refuses_wrong_types_naming_the_field(
     assert field in proc.stderr, proc.stderr
 
 
+def test_values_have_no_kopf_peering_the_lease_is_the_only_ha(helm: str) -> None:
+    proc = subprocess.run(
+        [helm, "template", "t", str(CHART), "--set", "peering=dwdp"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0, proc.stdout[:400]
+    assert "peering" in proc.stderr, proc.stderr
+
+
 def test_image_defaults_to_the_app_version_and_a_digest_wins(helm: str) -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
 

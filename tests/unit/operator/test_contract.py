@@ -23,7 +23,7 @@ import pytest
 import dwdp.worker
 from dwdp.api import contract
 from dwdp.api.contract import TERMINATION_WORDS, Env, Stage, StatusPhase
-from dwdp.operator.groups import classify_failure
+from dwdp.operator.group.failure import classify_failure
 from dwdp.operator.observe import rank_report_from_json
 from dwdp.worker.launcher import launcher_line
 from dwdp.worker.main import phased

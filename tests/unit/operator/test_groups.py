@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dwdp.operator.groups import (
-    GroupSlot,
-    RolloutStep,
-    backoff_s,
-    classify_failure,
-    next_index,
-    rollout_step,
-    seconds_since,
-)
+from dwdp.operator.group.failure import classify_failure
+from dwdp.operator.group.restart import backoff_s
+from dwdp.operator.group.rollout import GroupSlot, RolloutStep, next_index, rollout_step
+from dwdp.operator.times import seconds_since
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from dwdp.api.deployment import parse_deployment
 from dwdp.operator import builders, router
 from dwdp.operator import constants as c
@@ -183,26 +181,6 @@ def test_the_router_never_carries_a_key_value() -> None:
     s = spec(server={"apiKeySecretRef": {"name": "demo-key"}})
     text = json.dumps(router.router_objects(s, OWNER, SERVERS))
     assert "demo-key" in text and '"value"' not in text
-
-
-@pytest.mark.parametrize(
-    ("servers", "wanted", "ready", "status", "reason"),
-    [
-        (router.RouterServers(), 0, 0, "False", "NoServers"),
-        (router.RouterServers(prefill=SERVERS.prefill), 0, 0, "False", "NoServers"),
-        (SERVERS, 1, 0, "False", "RouterNotReady"),
-        (SERVERS, 2, 1, "False", "RouterNotReady"),
-        (SERVERS, 2, 2, "True", "RouterAvailable"),
-    ],
-)
-def test_router_ready_condition(servers, wanted, ready, status, reason) -> None:
-    cond = router.router_condition(
-        servers=servers, wanted=wanted, ready=ready, observed_generation=3
-    )
-    assert (cond["type"], cond["status"], cond["reason"]) == ("RouterReady", status, reason)
-    assert cond["observedGeneration"] == 3
-    if reason == "NoServers" and servers.prefill:
-        assert cond["message"] == "the router waits for a ready generation server"
 
 
 def test_only_ready_router_pods_of_the_current_list_count() -> None:

@@ -161,9 +161,6 @@ def test_kopf_settings() -> None:
     assert settings.scanning.disabled is True
     assert settings.posting.level == logging.WARNING
     assert settings.admission.server is None
-    peered = kopf.OperatorSettings()
-    build_settings(peered, OperatorConfig(peering="dwdp"))
-    assert (peered.peering.standalone, peered.peering.name) == (False, "dwdp")
 
 
 def test_cli_import_is_light_and_registers_operator() -> None:
@@ -176,6 +173,16 @@ def test_cli_import_is_light_and_registers_operator() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["operator", "127.0.0.1:9443"]
+
+
+def test_operator_has_no_peering_option_the_lease_is_its_only_ha() -> None:
+    import dwdp.cli
+
+    parser = dwdp.cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["operator", "--peering", "dwdp"])
+    args = parser.parse_args(["operator", "--leader-elect"])
+    assert args.leader_elect is True
 
 
 def test_probe_reads_every_local_rank_of_the_rank_program(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Observed summaries, group phases and conditions, table-style."""
+"""Observed summaries, group phases, the deployment phase and the progress deadline,
+table-style."""
 
 from __future__ import annotations
 
@@ -7,14 +8,10 @@ import pytest
 from dwdp.api.deployment import GroupStatus
 from dwdp.api.enums import Role
 from dwdp.operator.constants import GroupPhase
+from dwdp.operator.group.rollout import stuck_groups
+from dwdp.operator.group.verdict import evaluate_group
 from dwdp.operator.observe import ObservedPod, RankReport, pod_from_object, rank_report_from_json
-from dwdp.operator.status import (
-    carry_transition_times,
-    conditions,
-    deployment_phase,
-    evaluate_group,
-    stuck_groups,
-)
+from dwdp.operator.status import deployment_phase
 
 
 def raw_pod(**status) -> dict:
@@ -287,86 +284,6 @@ def test_failed_group_records_phase_and_message() -> None:
     }
 
 
-def test_conditions_when_everything_serves() -> None:
-    got = conditions(
-        desired=2,
-        ready=2,
-        existing=2,
-        failed=[],
-        outdated=0,
-        generation_desired=1,
-        generation_ready=1,
-        observed_generation=3,
-    )
-    assert got == [
-        {
-            "type": "Ready",
-            "status": "True",
-            "reason": "AllGroupsServing",
-            "message": "2/2 context groups serving, 1/1 generation servers serving",
-            "observedGeneration": 3,
-        },
-        {
-            "type": "Progressing",
-            "status": "False",
-            "reason": "Stable",
-            "message": "no change under way",
-            "observedGeneration": 3,
-        },
-        {
-            "type": "Degraded",
-            "status": "False",
-            "reason": "Healthy",
-            "message": "no group failed",
-            "observedGeneration": 3,
-        },
-    ]
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "ready", "progressing", "degraded"),
-    [
-        (dict(desired=3, ready=2, existing=2, failed=[]), "GroupsNotReady", "Scaling", "Healthy"),
-        (dict(desired=1, ready=1, existing=2, failed=[]), "AllGroupsServing", "Scaling", "Healthy"),
-        (
-            dict(desired=2, ready=1, existing=2, failed=[]),
-            "GroupsNotReady",
-            "GroupsStarting",
-            "Healthy",
-        ),
-        (
-            dict(desired=2, ready=1, existing=2, failed=["demo-g1"]),
-            "GroupsNotReady",
-            "Stable",
-            "GroupFailed",
-        ),
-    ],
-)
-def test_condition_reasons(kwargs, ready, progressing, degraded) -> None:
-    got = conditions(
-        **kwargs, outdated=0, generation_desired=0, generation_ready=0, observed_generation=None
-    )
-    assert [x["reason"] for x in got] == [ready, progressing, degraded]
-    assert all("observedGeneration" not in x for x in got)
-
-
-def test_transition_times_carry_over_only_when_status_is_unchanged() -> None:
-    old = [
-        {"type": "Ready", "status": "False", "lastTransitionTime": "T0"},
-        {"type": "Degraded", "status": "False", "lastTransitionTime": "T0"},
-    ]
-    new = [
-        {"type": "Ready", "status": "True"},
-        {"type": "Degraded", "status": "False"},
-        {"type": "Progressing", "status": "True"},
-    ]
-    assert carry_transition_times(new, old, "T1") == [
-        {"type": "Ready", "status": "True", "lastTransitionTime": "T1"},
-        {"type": "Degraded", "status": "False", "lastTransitionTime": "T0"},
-        {"type": "Progressing", "status": "True", "lastTransitionTime": "T1"},
-    ]
-
-
 @pytest.mark.parametrize(
     ("all_ready", "failed", "started", "want"),
     [
@@ -399,43 +316,4 @@ def test_a_group_past_the_progress_deadline_is_stuck_with_its_phase_and_failure(
     assert line == (
         "group demo-g2 (revision new) has not committed 601 s after it started "
         "(progressDeadlineSeconds 600): phase SettingUp, last failure at P3: rank 1: out of memory"
-    )
-
-
-def test_the_rollout_comes_before_scaling_and_a_stuck_one_is_progressing_false() -> None:
-    base = dict(
-        desired=2,
-        ready=2,
-        failed=[],
-        generation_desired=0,
-        generation_ready=0,
-        observed_generation=None,
-    )
-    surge = conditions(existing=3, outdated=2, **base)  # maxSurge 1: 3 groups, 2 old
-    assert [(x["status"], x["reason"]) for x in surge[1:]] == [
-        ("True", "RollingOut"),
-        ("False", "Healthy"),
-    ]
-    stuck = conditions(existing=3, outdated=2, stuck=["group demo-g2 ..."], **base)
-    assert [(x["status"], x["reason"], x["message"]) for x in stuck[1:]] == [
-        ("False", "ProgressDeadlineExceeded", "group demo-g2 ..."),
-        ("True", "ProgressDeadlineExceeded", "rollout stuck: group demo-g2 ..."),
-    ]
-    assert stuck[0]["status"] == "True"  # the old groups keep serving
-
-
-def test_ready_false_for_a_failed_group_says_which_one() -> None:
-    got = conditions(
-        desired=2,
-        ready=2,
-        existing=3,
-        failed=["demo-g4"],
-        outdated=2,
-        generation_desired=0,
-        generation_ready=0,
-        observed_generation=None,
-    )
-    assert got[0]["status"] == "False"
-    assert got[0]["message"] == (
-        "2/2 context groups serving, 0/0 generation servers serving; failed: demo-g4"
     )
