@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from dwdp.api.partition import expert_partition
 from dwdp.worker.attach import attach
 from dwdp.worker.backend.cpu import CpuBackend
-from dwdp_dev.worker.wave_engine import BatchingEngine
+from dwdp.worker.engine.continuous import ContinuousEngine
 from dwdp.worker.engine.loader import load_checkpoint, load_tokenizer
 from dwdp.worker.engine.protocol import SamplingParams
 from dwdp.worker.engine.sharded import load_sharded
@@ -51,7 +51,7 @@ def memory() -> dict[str, int]:
 
 
 def generate(model, tok) -> list[list[int]]:
-    engine = BatchingEngine(model, tok, model_name="m")
+    engine = ContinuousEngine(model, tok, model_name="m")
     return [r.token_ids for r in engine.run_batch([tok(p)["input_ids"] for p in PROMPTS], PARAMS)]
 
 

@@ -40,8 +40,8 @@ from ports import free_port  # noqa: E402
 from dwdp.api.partition import expert_partition  # noqa: E402
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
 from dwdp.worker.models.validate import INDEX_FILE, read_headers  # noqa: E402
-from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp.worker.transport.base import make_secret_file  # noqa: E402
+from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 WORLD = 4
 NUM_EXPERTS = 16
