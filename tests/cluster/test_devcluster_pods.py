@@ -100,6 +100,13 @@ def pids_of(pod_obj: dict) -> list[int]:
     return out
 
 
+def ignores_sigterm(pid: int) -> bool:
+    """True once the process ignores SIGTERM (its SigIgn mask in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def alive(pid: int) -> bool:
     """True if the process exists and is not a zombie."""
     try:
@@ -256,7 +263,8 @@ def test_deleting_deployment_collects_pods_and_kills_processes(
         message="stubborn pod Running",
     )
     (stub_pid,) = pids_of(stub)
-    time.sleep(1.0)  # let it install its SIGTERM handler
+    cluster.wait_for(lambda: ignores_sigterm(stub_pid), timeout=30, interval=0.05,
+                     message="the stubborn process ignoring SIGTERM")
 
     start = time.monotonic()
     cluster.kubectl("delete", "deployment", "gc", "-n", namespace, "--wait=false")
