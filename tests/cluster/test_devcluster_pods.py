@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dwdp_dev.devcluster import build
 from dwdp_dev.devcluster.testing import TestCluster
 
 # An HTTP server on the pod's own address, port 8080: / answers the pod name, /healthz
@@ -731,7 +732,7 @@ def test_an_apiserver_outage_changes_no_container(cluster: TestCluster, namespac
         time.sleep(30)
         assert alive(pid) and _start_ticks(pid) == started
     finally:
-        cluster.cluster.up()
+        cluster.cluster.up(binary=build.build())  # as start_test_cluster did
     back = cluster.wait_for(
         lambda: condition(p := cluster.get("pod", "outlast", namespace), "Ready") == "True" and p,
         timeout=90,
