@@ -151,8 +151,8 @@ def rank_main(args: argparse.Namespace) -> None:
     from dwdp.api.enums import HandleType
     from dwdp.worker.backend.cuda import CudaBackend
     from dwdp.worker.engine.base import EngineConfig
-    from dwdp_dev.worker.wave_engine import BatchingEngine
     from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp_dev.worker.wave_engine import BatchingEngine
 
     torch.cuda.set_device(0)
     config = EngineConfig(max_batch_size=32, max_num_tokens=8192, max_model_len=4096,

@@ -10,7 +10,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dwdp.worker.engine.base import EngineConfig  # noqa: E402
-from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.loader import load_checkpoint  # noqa: E402
 from dwdp.worker.engine.protocol import (  # noqa: E402
@@ -21,6 +20,7 @@ from dwdp.worker.engine.protocol import (  # noqa: E402
     SamplingParams,
 )
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
 PROMPTS = ["Hello world, the", "What is the capital of France?", "a", "The quick brown"]
 

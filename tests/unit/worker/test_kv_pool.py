@@ -90,8 +90,8 @@ def _waves(tiny, capacity: int | None) -> int:
     returns the waves the three took."""
     import time
 
-    from dwdp_dev.worker.wave_engine import BatchingEngine, EngineConfig
     from dwdp.worker.engine.protocol import SamplingParams
+    from dwdp_dev.worker.wave_engine import BatchingEngine, EngineConfig
 
     model, tok = tiny
     engine = BatchingEngine(model, tok, model_name="m",
