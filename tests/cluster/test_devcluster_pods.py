@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dwdp_dev.devcluster import build
 from dwdp_dev.devcluster.testing import TestCluster
 
 # An HTTP server on the pod's own address, port 8080: / answers the pod name, /healthz
@@ -98,6 +99,13 @@ def pids_of(pod_obj: dict) -> list[int]:
         if cid.startswith("process://"):
             out.append(int(cid.removeprefix("process://")))
     return out
+
+
+def ignores_sigterm(pid: int) -> bool:
+    """True once the process ignores SIGTERM (its SigIgn mask in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
 
 
 def alive(pid: int) -> bool:
@@ -256,7 +264,8 @@ def test_deleting_deployment_collects_pods_and_kills_processes(
         message="stubborn pod Running",
     )
     (stub_pid,) = pids_of(stub)
-    time.sleep(1.0)  # let it install its SIGTERM handler
+    cluster.wait_for(lambda: ignores_sigterm(stub_pid), timeout=30, interval=0.05,
+                     message="the stubborn process ignoring SIGTERM")
 
     start = time.monotonic()
     cluster.kubectl("delete", "deployment", "gc", "-n", namespace, "--wait=false")
@@ -723,7 +732,7 @@ def test_an_apiserver_outage_changes_no_container(cluster: TestCluster, namespac
         time.sleep(30)
         assert alive(pid) and _start_ticks(pid) == started
     finally:
-        cluster.cluster.up()
+        cluster.cluster.up(binary=build.build())  # as start_test_cluster did
     back = cluster.wait_for(
         lambda: condition(p := cluster.get("pod", "outlast", namespace), "Ready") == "True" and p,
         timeout=90,

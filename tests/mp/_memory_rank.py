@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from dwdp.api.partition import expert_partition
 from dwdp.worker.attach import attach
 from dwdp.worker.backend.cpu import CpuBackend
+from dwdp.worker.engine.continuous import ContinuousEngine
 from dwdp.worker.engine.protocol import SamplingParams
 from dwdp.worker.loading.checkpoint import load_checkpoint, load_tokenizer
 from dwdp.worker.loading.sharded import load_sharded
@@ -31,7 +32,6 @@ from dwdp.worker.loading.validate import load_config, validate_checkpoint
 from dwdp.worker.models import require_adapter
 from dwdp.worker.transport.base import RendezvousConfig, read_secret
 from dwdp.worker.transport.tcp_store import TcpStoreTransport
-from dwdp_dev.worker.wave_engine import BatchingEngine
 
 WORLD = 4
 NUM_EXPERTS = 16
@@ -51,7 +51,7 @@ def memory() -> dict[str, int]:
 
 
 def generate(model, tok) -> list[list[int]]:
-    engine = BatchingEngine(model, tok, model_name="m")
+    engine = ContinuousEngine(model, tok, model_name="m")
     return [r.token_ids for r in engine.run_batch([tok(p)["input_ids"] for p in PROMPTS], PARAMS)]
 
 

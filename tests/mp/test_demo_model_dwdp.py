@@ -27,11 +27,11 @@ from conftest import RENDEZVOUS_SECRET, read_records, run_group  # noqa: E402
 from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.devcluster.paths import cache_dir  # noqa: E402
 from dwdp_dev.worker.demo_model import cached_demo_model  # noqa: E402
-from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
 WORLD = 4
 NUM_EXPERTS = 8
@@ -85,7 +85,7 @@ def _rank_main(rank: int, out: Path, group: str, port: int, checkpoint: str) -> 
             num_slots=2,
         )
         try:
-            engine = BatchingEngine(model, tok, model_name="demo")
+            engine = ContinuousEngine(model, tok, model_name="demo")
             results = engine.run_batch(_batch(tok, rank), PARAMS, keep_logits=True)
             status = attachment.status()
         finally:
@@ -119,7 +119,7 @@ def run(tmp_path_factory, checkpoint):
 def test_every_rank_answers_as_the_replicated_model(run, checkpoint):
     torch.set_num_threads(1)
     model, tok = load_checkpoint(checkpoint)
-    engine = BatchingEngine(model, tok, model_name="demo")
+    engine = ContinuousEngine(model, tok, model_name="demo")
     for rank in range(WORLD):
         want = engine.run_batch(_batch(tok, rank), PARAMS, keep_logits=True)
         got = torch.load(run / f"out.{rank}.pt")

@@ -27,11 +27,11 @@ from conftest import RENDEZVOUS_SECRET, read_records, run_group  # noqa: E402
 from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.loading.sharded import load_sharded  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
-from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
 WORLD = 4
 NUM_EXPERTS = 6
@@ -105,7 +105,7 @@ def _rank_main(rank: int, out: Path, group: str, port: int, checkpoints: dict[st
                 for m in adapter.moe_layers(model)
                 for name in ("gate_up_proj", "down_proj")
             )
-            engine = BatchingEngine(model, tok, model_name=arch)
+            engine = ContinuousEngine(model, tok, model_name=arch)
             results = engine.run_batch(_batch(tok, rank), PARAMS, keep_logits=True)
             status = attachment.status()
             torch.save(
@@ -130,7 +130,7 @@ def references(checkpoints):
     refs = {}
     for arch in ARCHS:
         model, tok = load_checkpoint(checkpoints[arch])
-        engine = BatchingEngine(model, tok, model_name=arch)
+        engine = ContinuousEngine(model, tok, model_name=arch)
         for rank in range(WORLD):
             results = engine.run_batch(_batch(tok, rank), PARAMS, keep_logits=True)
             refs[(arch, rank)] = [(r.token_ids, torch.stack(r.logits)) for r in results]

@@ -19,10 +19,10 @@ from conftest import RENDEZVOUS_SECRET, run_group  # noqa: E402
 from ports import free_port  # noqa: E402
 
 from dwdp.api.partition import expert_partition  # noqa: E402
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
-from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
 WORLD = 4
 NUM_EXPERTS = 7
@@ -45,7 +45,7 @@ def _update(model) -> dict[str, torch.Tensor]:
 
 
 def _run(model, tok):
-    engine = BatchingEngine(model, tok, model_name="x")
+    engine = ContinuousEngine(model, tok, model_name="x")
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     return [
         (r.token_ids, torch.stack(r.logits))

@@ -20,10 +20,10 @@ httpx = pytest.importorskip("httpx")
 from ports import free_port, free_port_block  # noqa: E402
 
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
-from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
 WORLD = 4
 PROMPT = "Hello world, the"
@@ -162,7 +162,7 @@ def test_every_rank_serves_the_replicated_greedy_tokens(pod):
     _proc, urls, ckpt, *_ = pod
     torch.set_num_threads(1)
     model, tok = load_checkpoint(ckpt)
-    want = BatchingEngine(model, tok, model_name="ref").run_batch(
+    want = ContinuousEngine(model, tok, model_name="ref").run_batch(
         [tok(PROMPT)["input_ids"]], SamplingParams(max_tokens=6, ignore_eos=True)
     )[0]
     body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import RENDEZVOUS_SECRET, run_group, run_worker_rank  # noqa: E402
 from ports import free_port  # noqa: E402
 
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.settings import DENSE_MIN_BYTES  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
-from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
 WORLD = 2
 PROMPTS = ("Hello world, the", "What is the capital")
@@ -144,7 +144,7 @@ def test_scalar_disagreement_fails_setup_on_every_rank(refusals, name):
 
 
 def _generate(model, tok) -> list[list[int]]:
-    engine = BatchingEngine(model, tok, model_name="x")
+    engine = ContinuousEngine(model, tok, model_name="x")
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     return [r.token_ids for r in engine.run_batch(ids, PARAMS)]
 

@@ -29,7 +29,8 @@ def test_the_hash_covers_what_the_dockerfile_copies(tmp_path: Path, monkeypatch)
         if src.is_symlink():
             dst.symlink_to(src.readlink())
         elif src.is_dir():
-            shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+            skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+            shutil.copytree(src, dst, symlinks=True, ignore=skip)
         else:
             dst.write_bytes(src.read_bytes())
     first = images.input_hash("operator")

@@ -17,10 +17,10 @@ from _http_helpers import UvicornThread, schemathesis_run  # noqa: E402
 
 httpx = pytest.importorskip("httpx")
 
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.server.app import build_app  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
-from dwdp_dev.worker.wave_engine import BatchingEngine  # noqa: E402
 
 KEY = "sk-test-0123456789"
 
@@ -30,7 +30,7 @@ def keyed(tmp_path_factory):
     torch.set_num_threads(1)
     path = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "m", seed=5)
     model, tok = load_checkpoint(path)
-    engine = BatchingEngine(model, tok, model_name="m").start()
+    engine = ContinuousEngine(model, tok, model_name="m").start()
     app = build_app(engine, api_key=KEY, on_shutdown=engine.stop)
     with UvicornThread(app, graceful_shutdown_timeout_s=None) as base:
         yield base

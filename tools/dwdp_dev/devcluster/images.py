@@ -12,9 +12,10 @@ engine daemon:
    (``ghcr.io/dwdp/dwdp-<name>:<version>``, what the chart renders by default).
 
 ``<hash>`` covers the Dockerfile, images/constraints.txt, every file the Dockerfile COPYs
-from the repository (``__pycache__`` and ``*.pyc`` left out), the base and the recipe
-version, so an unchanged input never rebuilds; the labels' revision and creation time are
-those of the first build of these inputs. The store (``<cache>/images``, the cache of
+from the repository (bytecode and ``*.egg-info`` left out, as .dockerignore leaves them out of
+the build context), the base and the recipe version, so an unchanged input never rebuilds, in
+this checkout or in a clean clone of it; the labels' revision and creation time are those of
+the first build of these inputs. The store (``<cache>/images``, the cache of
 :mod:`dwdp_dev.devcluster.paths`) is what the process kubelet runs images from
 (:func:`lookup`, :func:`unpack`). An OCI layout is pushed to any registry with
 ``skopeo copy oci:<layout>:<tag> docker://<registry>/<name>:<tag>``.
@@ -56,6 +57,10 @@ RECIPE = "2"
 REGISTRY = "ghcr.io/dwdp"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SKIP = ("__pycache__",)
+_SKIP_SUFFIXES = (".pyc", ".egg-info")
+"""Never hashed (nor in the build context: .dockerignore): bytecode and the ``*.egg-info``
+that ``pip install -e .`` writes into src/, so an installed checkout and a clean clone of the
+same inputs share their images."""
 BASE_ARG = "{base}"
 """In :data:`BUILD_ARGS`, replaced by the local base's name in the build's storage."""
 BUILD_ARGS: dict[str, dict[str, str]] = {
@@ -139,7 +144,7 @@ def _hash_tree(h: hashlib._Hash, root: Path, rel: str) -> None:
         h.update(f"L {rel} {os.readlink(path)}\0".encode())
     elif path.is_dir():
         for child in sorted(path.iterdir()):
-            if child.name in _SKIP or child.suffix == ".pyc":
+            if child.name in _SKIP or child.suffix in _SKIP_SUFFIXES:
                 continue
             _hash_tree(h, root, f"{rel}/{child.name}")
     elif path.is_file():
