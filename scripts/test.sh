@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. From nothing on a fresh machine: installs the system packages
-# the tests need (MPI, the image build tools), makes the virtual environment .venv with every Python package,
+# the tests need (MPI, the image build tools), makes the virtual environment .venv (the product
+# and the development distribution in tools/, every Python package),
 # builds the local control plane and the operator image, checks lint and types, and runs every test but the `gpu` ones.
 # Extra arguments go to pytest (e.g. scripts/test.sh -m unit -x).
 set -euo pipefail
@@ -44,9 +45,12 @@ fi
 # 4. Lint and types.
 log "ruff check"
 ruff check .
-log "mypy (the package dwdp under src/; configuration in pyproject.toml)"
+log "mypy (the packages dwdp and dwdp_dev; configuration in pyproject.toml)"
 mypy
 
-# 5. Tests: everything but gpu.
+# 5. Tests: everything but gpu. The total is printed last (the README quotes it).
 log "pytest -m 'not gpu'"
-exec pytest -m "not gpu" "$@"
+status=0
+pytest -m "not gpu" "$@" || status=$?
+log "scripts/test.sh: pytest exit status $status; total $((SECONDS / 60)) min $((SECONDS % 60)) s"
+exit "$status"
