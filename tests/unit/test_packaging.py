@@ -123,3 +123,31 @@ def test_one_version_for_the_package_the_command_the_chart_and_the_images() -> N
     chart = yaml.safe_load((REPO / "charts" / "dwdp-operator" / "Chart.yaml").read_text())
     assert chart["appVersion"] == dwdp.__version__
     assert 'dynamic = ["version"]' in (REPO / "pyproject.toml").read_text()
+
+
+def test_nothing_at_the_repository_root_hides_a_standard_library_module() -> None:
+    """A Python started in the repository root (``sys.path[0]`` is the current folder) imports
+    the standard library's ``operator``, not the operator's folder, and no top-level entry of
+    the repository is importable under a standard-library name."""
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", "import operator; print(operator.__file__)"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )
+    assert not Path(out.stdout.strip()).resolve().is_relative_to(REPO), out.stdout
+    shadows = sorted(
+        p.name
+        for p in REPO.iterdir()
+        if (p.stem if p.suffix == ".py" else p.name) in sys.stdlib_module_names
+        and (p.suffix == ".py" or (p / "__init__.py").exists())
+    )
+    assert shadows == []
+
+
+def test_the_repository_holds_no_symbolic_link() -> None:
+    """Tools that read imports as written see the real files: ``git ls-files`` lists no
+    symbolic link (mode 120000)."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    links = [line.split("\t", 1)[1] for line in listing.splitlines() if line.startswith("120000")]
+    assert links == []
