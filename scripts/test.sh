@@ -48,9 +48,11 @@ ruff check .
 log "mypy (the packages dwdp and dwdp_dev; configuration in pyproject.toml)"
 mypy
 
-# 5. Tests: everything but gpu. The total is printed last (the README quotes it).
-log "pytest -m 'not gpu'"
+# 5. Tests: everything but gpu, on two workers: one runs the cluster and multi-process tests in
+# order, the other the unit tests meanwhile (tests/conftest.py). The total is printed last (the
+# README quotes it).
+log "pytest -m 'not gpu' -n 2 --dist loadgroup"
 status=0
-pytest -m "not gpu" "$@" || status=$?
+pytest -m "not gpu" -n 2 --dist loadgroup "$@" || status=$?
 log "scripts/test.sh: pytest exit status $status; total $((SECONDS / 60)) min $((SECONDS % 60)) s"
 exit "$status"
