@@ -25,6 +25,7 @@ SERIAL_GROUP = "cluster-and-mp"
 """The pytest-xdist group of every test under tests/cluster and tests/mp."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         try:
