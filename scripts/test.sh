@@ -3,7 +3,7 @@
 # the tests need (MPI, the image build tools), makes the virtual environment .venv (the product
 # and the development distribution in tools/, every Python package),
 # builds the local control plane and the operator image, checks lint and types, and runs every test but the `gpu` ones.
-# Extra arguments go to pytest (e.g. scripts/test.sh -m unit -x).
+# Extra arguments go to one pytest (e.g. scripts/test.sh -m unit -x); see step 5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,11 +48,28 @@ ruff check .
 log "mypy (the packages dwdp and dwdp_dev; configuration in pyproject.toml)"
 mypy
 
-# 5. Tests: everything but gpu, on two workers: one runs the cluster and multi-process tests in
-# order, the other the unit tests meanwhile (tests/conftest.py). The total is printed last (the
-# README quotes it).
-log "pytest -m 'not gpu' -n 2 --dist loadgroup"
+# 5. Tests: everything but gpu. Without arguments, two pytest processes run side by side: the
+# cluster and multi-process tests (in order, as one session: they share the control plane and
+# the images, and several assert on timing windows; mostly they wait on the control plane) and
+# the unit tests (CPU-bound; their output is printed when both end). With arguments (pytest
+# options, test paths), one pytest runs everything they select, in order. The total is printed
+# last (the README quotes it).
 status=0
-pytest -m "not gpu" -n 2 --dist loadgroup "$@" || status=$?
+if [ $# -eq 0 ]; then
+  log "pytest -m 'not gpu': tests/cluster tests/mp here, tests/unit beside them"
+  unit_log=$(mktemp /tmp/dwdp-unit-tests.XXXXXX.log)
+  pytest -m "not gpu" tests/unit > "$unit_log" 2>&1 &
+  unit_pid=$!
+  pytest -m "not gpu" tests/cluster tests/mp || status=$?
+  unit_status=0
+  wait "$unit_pid" || unit_status=$?
+  log "pytest -m 'not gpu' tests/unit (ran beside the others; exit status $unit_status)"
+  cat "$unit_log"
+  rm -f "$unit_log"
+  [ "$status" -ne 0 ] || status=$unit_status
+else
+  log "pytest -m 'not gpu' $*"
+  pytest -m "not gpu" "$@" || status=$?
+fi
 log "scripts/test.sh: pytest exit status $status; total $((SECONDS / 60)) min $((SECONDS % 60)) s"
 exit "$status"

@@ -3,12 +3,6 @@
 tests/unit -> unit, tests/mp -> mp, tests/cluster -> cluster, tests/gpu -> gpu, so
 ``pytest -m "not gpu"`` (the README test command) and ``pytest -m gpu`` select by folder
 without each module repeating its marker.
-
-The test command runs two pytest-xdist workers (``-n 2 --dist loadgroup``): the cluster and
-multi-process tests form one group (:data:`SERIAL_GROUP`) that a single worker runs in order,
-one at a time, as before (they share the session's control plane and images, and several
-assert on timing windows); the unit tests fill the other worker meanwhile. Most of a cluster
-test's time is waiting on the control plane, so the two overlap.
 """
 
 from __future__ import annotations
@@ -21,11 +15,8 @@ import pytest
 
 _FOLDER_MARKERS = ("unit", "mp", "cluster", "gpu")
 _TESTS = Path(__file__).parent
-SERIAL_GROUP = "cluster-and-mp"
-"""The pytest-xdist group of every test under tests/cluster and tests/mp."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         try:
@@ -34,8 +25,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if folder in _FOLDER_MARKERS:
             item.add_marker(getattr(pytest.mark, folder))
-        if folder in ("cluster", "mp"):
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
