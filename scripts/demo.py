@@ -122,9 +122,9 @@ def install_operator(tc: Any, namespace: str = OPERATOR_NAMESPACE, *, watch: str
     if watch:
         args += ["--set", f"watchNamespaces[0]={watch}"]
     tc.helm(*args, "--wait", "--timeout", "180s", timeout=240)
-    tc.kubectl(
-        "wait", "--for=condition=Established", "crd/dwdpdeployments.dwdp.io", "--timeout=60s"
-    )
+    from dwdp_dev.operator.cluster import wait_established
+
+    wait_established(tc, "dwdpdeployments.dwdp.io")
 
 
 def group_phases(tc: Any, ns: str, name: str) -> tuple[str, str]:

@@ -18,6 +18,7 @@ import pytest
 
 from dwdp.api.crd import crd_manifest, crd_yaml
 from dwdp.api.deployment import GROUP, PLURAL, VERSION
+from dwdp_dev.operator.cluster import wait_established
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +31,7 @@ CRD_NAME = crd_manifest()["metadata"]["name"]
 def crd_installed(cluster):
     """The generated CRD, applied and Established (left installed: later tests use it)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    wait_established(cluster, CRD_NAME)
     # Discovery lags the Established condition a little; wait until the kind resolves.
     cluster.wait_for(
         lambda: cluster.kubectl("get", PLURAL, "-A", check=False).returncode == 0,

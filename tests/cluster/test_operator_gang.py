@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dwdp_dev.devcluster.testing import TestCluster
-from dwdp_dev.operator.cluster import install_crd
+from dwdp_dev.operator.cluster import install_crd, wait_established
 from dwdp_dev.operator.process import OperatorProcess
 
 
@@ -70,12 +70,7 @@ def test_gang_podgroup_and_compute_domain_per_incarnation(
     ns, name = namespace, "fabric"
     install_crd(cluster)  # this module may run first in a session: nothing installed it yet
     cluster.kubectl("apply", "-f", "-", input=json.dumps(COMPUTE_DOMAIN_CRD))
-    cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "crd/computedomains.resource.nvidia.com",
-        "--timeout=30s",
-    )
+    wait_established(cluster, "computedomains.resource.nvidia.com", timeout=30)
     log = tmp_path_factory.mktemp("operator-cd") / "operator.log"
     op = OperatorProcess(cluster.env, log, compute_domains="auto", extra_args=("-n", ns))
     op.start()

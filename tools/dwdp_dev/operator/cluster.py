@@ -25,16 +25,21 @@ def install_crd(cluster: Any) -> None:
 
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd_yaml())
 
+    wait_established(cluster, "dwdpdeployments.dwdp.io", timeout=30)
+
+
+def wait_established(cluster: Any, name: str, timeout: float = 60) -> None:
+    """Wait until CRD ``name`` is Established. Not `kubectl wait`: on a CRD created a moment
+    ago it fails on the absent .status.conditions instead of waiting for them."""
+
     def established() -> bool:
-        # not `kubectl wait`: on a CRD created a moment ago it fails on the absent
-        # .status.conditions instead of waiting for them
-        conditions = cluster.get("crd", "dwdpdeployments.dwdp.io").get("status") or {}
+        conditions = cluster.get("crd", name).get("status") or {}
         return any(
             c.get("type") == "Established" and c.get("status") == "True"
             for c in conditions.get("conditions") or ()
         )
 
-    cluster.wait_for(established, timeout=30, message="the DwdpDeployment CRD Established")
+    cluster.wait_for(established, timeout=timeout, message=f"the CRD {name} Established")
 
 
 @contextmanager
