@@ -49,7 +49,9 @@ class EngineConfig:
     prompt + generated tokens (default: the model's ``max_position_embeddings``);
     ``kv_capacity_tokens``: the KV cache pool (``dwdp.worker.engine.kv_pool``; ``None``: see
     ``continuous.DEFAULT_POOL_TOKENS``; no bound in the wave engine); ``block_size``: tokens
-    per KV block (continuous engine).
+    per KV block (continuous engine); ``cuda_graphs``: decode-only steps replay CUDA graphs
+    captured by ``ContinuousEngine.capture_cuda_graphs`` (CUDA only; the worker resolves the
+    setting, ``engine.cudaGraphs``).
     """
 
     max_batch_size: int = MAX_BATCH_SIZE
@@ -57,6 +59,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_capacity_tokens: int | None = None
     block_size: int = KV_BLOCK_SIZE
+    cuda_graphs: bool = False
 
 
 @dataclass(slots=True)

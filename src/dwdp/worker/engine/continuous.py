@@ -21,6 +21,7 @@ from typing import Any
 
 from dwdp.worker.engine.base import EngineBase
 from dwdp.worker.engine.blocks import BlockAllocator
+from dwdp.worker.engine.graphs import CudaGraphError, GraphStats
 from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
 from dwdp.worker.engine.paged import Chunk, PagedKVCache, StepLayout, use_paged_attention
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
@@ -88,6 +89,13 @@ class ContinuousEngine(EngineBase):
         self.runner = ModelRunner(self, cache)
         self._sequences: dict[int, SchedSequence] = {}
         self._step_lock = threading.Lock()
+
+    def capture_cuda_graphs(self) -> GraphStats:
+        """Capture the decode graphs (``dwdp.worker.engine.graphs``) after the KV pool exists
+        (call after ``attach_kv_transfer``, before ``start``); returns what was captured.
+        Raises ``CudaGraphError`` (one line, the reason) when the model is not on CUDA or
+        the capture fails."""
+        raise CudaGraphError("CUDA graph capture is not built yet")
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """``EngineBase.validate``, and the request must fit the KV cache pool alone: prompt
