@@ -23,7 +23,7 @@ from dwdp.worker.engine.base import EngineBase
 from dwdp.worker.engine.blocks import BlockAllocator
 from dwdp.worker.engine.graphs import CudaGraphError, GraphStats
 from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
-from dwdp.worker.engine.paged import Chunk, PagedKVCache, StepLayout, use_paged_attention
+from dwdp.worker.engine.paged import Chunk, PagedKVCache, use_paged_attention
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
@@ -56,7 +56,7 @@ class ModelRunner:
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
     def execute(self, chunks: Sequence[Chunk]) -> Any:
-        layout = StepLayout.build(chunks, self.cache, self.device)
+        layout = self.cache.layout(chunks)
         with self.cache.step(layout):
             out = self._engine._forward(
                 input_ids=layout.input_ids,

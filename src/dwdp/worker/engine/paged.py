@@ -15,7 +15,16 @@ model runs unchanged; two of transformers' extension points carry the packing:
   bottom-right causal mask). On a GPU ``dwdp.worker.gpu.cuda_path.sdpa_backends`` picks the
   kernels per call.
 
-Outside an engine step (no ``StepLayout`` active: a plain forward, ``generate``, the wave engine)
+On CUDA the cache is read where it lies instead (``KernelLayout``): ``update`` only writes the
+new entries and returns them, and ``dwdp_paged`` runs the step's decode tokens and the chunks
+that follow earlier chunks through one call of ``dwdp.worker.gpu.paged_attention`` (block
+tables and context lengths, no packing copy; DeepSeek's MLA attends to the latent cache through
+the absorbed query), while chunks that start a prompt attend to their new entries through SDPA.
+Every index of a decode-only step is a device tensor, so ``dwdp.worker.engine.graphs`` can
+capture it. The cache then holds one more block, ``scratch_block``, that no request owns: the
+padding rows of a captured batch write and read only it.
+
+Outside an engine step (no layout active: a plain forward, ``generate``, the wave engine)
 ``dwdp_paged`` is transformers' SDPA attention with SDPA's masks, so a model switched to it
 still serves every other caller unchanged.
 
@@ -31,11 +40,14 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dwdp.worker.gpu.paged_attention import PagedRequests
 
 ATTENTION_NAME = "dwdp_paged"
 
-_STEP: contextvars.ContextVar[StepLayout | None] = contextvars.ContextVar(
+_STEP: contextvars.ContextVar[StepLayout | KernelLayout | None] = contextvars.ContextVar(
     "dwdp_paged_step", default=None
 )
 
@@ -52,10 +64,35 @@ class Chunk:
     sample: bool
 
 
+class _Masks:
+    """Causal masks of a step's prefill chunks, built once per shape and reused by every layer."""
+
+    __slots__ = ()
+    _masks: dict[Any, Any]
+
+    def chunk_mask(self, n: int, total: int, window: int | None, device: Any) -> Any:
+        """[n, total] bool, bottom-right causal: query ``i`` (position ``total - n + i``) sees
+        keys up to its own position (and inside its sliding window); ``None`` when plain
+        top-left causal attention is the same (``n == total``, no window in reach)."""
+        if n == total and (window is None or total <= window):
+            return None
+        key = (n, total, window)
+        if key not in self._masks:
+            import torch
+
+            i = torch.arange(n, device=device)[:, None] + (total - n)
+            j = torch.arange(total, device=device)[None, :]
+            ok = j <= i
+            if window is not None:
+                ok &= j > i - window
+            self._masks[key] = ok
+        return self._masks[key]
+
+
 @dataclass(slots=True)
-class StepLayout:
-    """Where one step's tokens go and what each query attends to (all index tensors on the
-    model's device). Built by ``StepLayout.build``."""
+class StepLayout(_Masks):
+    """Where one step's tokens go and what each query attends to, the context packed (the CPU
+    path; all index tensors on the model's device). Built by ``StepLayout.build``."""
 
     input_ids: Any  # [1, T]
     position_ids: Any  # [1, T]
@@ -143,41 +180,107 @@ class StepLayout:
             self._masks[key] = ok[:, None, None, :]
         return self._masks[key]
 
-    def chunk_mask(self, n: int, total: int, window: int | None, device: Any) -> Any:
-        """[n, total] bool, bottom-right causal: query ``i`` (position ``total - n + i``) sees
-        keys up to its own position (and inside its sliding window); ``None`` when plain
-        top-left causal attention is the same (``n == total``, no window in reach)."""
-        if n == total and (window is None or total <= window):
-            return None
-        key = (n, total, window)
-        if key not in self._masks:
-            import torch
 
-            i = torch.arange(n, device=device)[:, None] + (total - n)
-            j = torch.arange(total, device=device)[None, :]
-            ok = j <= i
-            if window is not None:
-                ok &= j > i - window
-            self._masks[key] = ok
-        return self._masks[key]
+@dataclass(slots=True)
+class KernelLayout(_Masks):
+    """One step's layout for the paged kernel (CUDA): where the new tokens go, the chunks that
+    start a prompt (``fresh``: (q0, q1) row ranges, attended over their new entries), and every
+    other chunk as ``paged`` rows of the kernel (``None``: none this step). Built by
+    ``KernelLayout.build``, or over static tensors by ``dwdp.worker.engine.graphs``."""
+
+    input_ids: Any  # [1, T]
+    position_ids: Any  # [1, T]
+    slots: Any  # [T] int64 cache slot of each new token
+    logits_index: Any  # [R] position in T of each sampled request's last token
+    fresh: list[tuple[int, int]]
+    paged: PagedRequests | None
+    cache: PagedKVCache
+    _masks: dict[Any, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, chunks: Sequence[Chunk], cache: PagedKVCache, device: Any) -> KernelLayout:
+        """The layout of ``chunks`` (at least one), in their order: one copy to the device for
+        the token data, one for the kernel's request rows."""
+        import torch
+
+        from dwdp.worker.gpu.paged_attention import requests_on
+
+        bs = cache.block_size
+        ids: list[int] = []
+        small: list[int] = []  # positions then slots of single-token chunks, flushed in order
+        parts: list[Any] = []
+        fresh: list[tuple[int, int]] = []
+        q_start: list[int] = []
+        q_len: list[int] = []
+        seq_len: list[int] = []
+        tables: list[Sequence[int]] = []
+        sample_at: list[int] = []
+        q = 0
+        for c in chunks:
+            n = len(c.token_ids)
+            end = c.start + n
+            ids.extend(c.token_ids)
+            if n == 1:
+                small.append(c.start)
+                small.append(c.blocks[c.start // bs] * bs + c.start % bs)
+            else:
+                if small:
+                    parts.append(torch.tensor(small, dtype=torch.long).view(-1, 2).T)
+                    small = []
+                pos = torch.arange(c.start, end)
+                table = torch.tensor(list(c.blocks[: -(-end // bs)]), dtype=torch.long)
+                parts.append(torch.stack([pos, table[pos // bs] * bs + pos % bs]))
+            if c.start == 0:
+                fresh.append((q, q + n))
+            else:
+                q_start.append(q)
+                q_len.append(n)
+                seq_len.append(end)
+                tables.append(c.blocks[: -(-end // bs)])
+            q += n
+            if c.sample:
+                sample_at.append(q - 1)
+        if small:
+            parts.append(torch.tensor(small, dtype=torch.long).view(-1, 2).T)
+        host = torch.cat(
+            [torch.tensor([ids, sample_at + [0] * (len(ids) - len(sample_at))],
+                          dtype=torch.long), torch.cat(parts, dim=1)]
+        )
+        dev = host.to(device)  # rows: ids, sample index (padded), positions, slots
+        return cls(
+            input_ids=dev[0:1],
+            position_ids=dev[2:3],
+            slots=dev[3],
+            logits_index=dev[1, : len(sample_at)],
+            fresh=fresh,
+            paged=requests_on(device, q_start, q_len, seq_len, tables) if q_len else None,
+            cache=cache,
+        )
 
 
 class PagedKVCache:
     """The KV cache of every layer in ``num_blocks`` blocks of ``block_size`` tokens.
 
     transformers calls ``update`` (the ``Cache`` protocol's write-and-read); ``layers`` holds,
-    per layer, the pair of slot tensors ([num_blocks x block_size, heads, dim] each) once the
-    layer first wrote. ``step`` (a context manager) makes a ``StepLayout`` the active one for
-    the forward it wraps.
+    per layer, the pair of slot tensors ([slots, heads, dim] each) once the layer first wrote.
+    ``step`` (a context manager) makes a layout the active one for the forward it wraps.
+    ``kernel``: read the cache in place through the paged kernel (default: on a CUDA device);
+    the tensors then hold ``num_blocks + 1`` blocks, the last one ``scratch_block``.
     """
 
     is_compileable = False
 
-    def __init__(self, num_blocks: int, block_size: int, *, dtype: Any, device: Any) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, dtype: Any, device: Any,
+        kernel: bool | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        self.kernel = kernel_for(device) if kernel is None else kernel
+        self.scratch_block = num_blocks
+        """A block no request owns (kernel mode): padding rows of a captured batch use it."""
         self.layers: dict[int, tuple[Any, Any]] = {}
 
     @property
@@ -189,8 +292,13 @@ class PagedKVCache:
         """0: a packed step has no single sequence length (positions come in explicitly)."""
         return 0
 
+    def layout(self, chunks: Sequence[Chunk]) -> StepLayout | KernelLayout:
+        """The layout of one step of ``chunks`` for this cache's attention path."""
+        kind = KernelLayout if self.kernel else StepLayout
+        return kind.build(chunks, self, self.device)
+
     @contextlib.contextmanager
-    def step(self, layout: StepLayout) -> Iterator[StepLayout]:
+    def step(self, layout: StepLayout | KernelLayout) -> Iterator[StepLayout | KernelLayout]:
         """Make ``layout`` the active step of this thread while the forward runs."""
         token = _STEP.set(layout)
         try:
@@ -201,8 +309,9 @@ class PagedKVCache:
     def update(
         self, first: Any, second: Any, layer_idx: int, *_: Any, **__: Any
     ) -> tuple[Any, Any]:
-        """Write the step's new entries ([1, heads, T, dim] each) and return every request's
-        context, packed ([1, heads, S, dim] each). Raises ``RuntimeError`` outside a step."""
+        """Write the step's new entries ([1, heads, T, dim] each) and return, on the packed
+        path, every request's context packed ([1, heads, S, dim] each); on the kernel path
+        the new entries themselves. Raises ``RuntimeError`` outside a step."""
         layout = _STEP.get()
         if layout is None or layout.cache is not self:
             raise RuntimeError("PagedKVCache.update outside an engine step")
@@ -214,8 +323,8 @@ class PagedKVCache:
         for store, new in zip(pair, (first, second), strict=True):
             rows = new[0].transpose(0, 1)  # [T, heads, dim]
             store.index_copy_(0, layout.slots, rows.to(store.dtype))
-            if layout.context_slots is None:
-                out.append(new)  # every request starts here: its context is the new tokens
+            if isinstance(layout, KernelLayout) or layout.context_slots is None:
+                out.append(new)  # the kernel reads the cache; or every request starts here
             else:
                 out.append(store.index_select(0, layout.context_slots).transpose(0, 1)[None])
         return out[0], out[1]
@@ -224,10 +333,15 @@ class PagedKVCache:
         import torch
 
         heads, dim = like.shape[1], like.shape[3]
-        slots = self.num_blocks * self.block_size
+        slots = (self.num_blocks + (1 if self.kernel else 0)) * self.block_size
         # empty, not zeros: a slot is always written before it is read, and on the host the
         # pages of blocks never used stay uncommitted (the pool is a budget there)
         return torch.empty((slots, heads, dim), dtype=self.dtype, device=self.device)
+
+
+def kernel_for(device: Any) -> bool:
+    """Whether a cache on ``device`` is read through the paged kernel: on CUDA."""
+    return str(device).startswith("cuda")
 
 
 def paged_attention(
@@ -258,6 +372,8 @@ def paged_attention(
                 **kwargs,
             )
     window = sliding_window
+    if isinstance(layout, KernelLayout):
+        return _kernel_attention(module, layout, query, key, value, scaling, window), None
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty((query.shape[2], query.shape[1], value.shape[3]))  # [T, Hq, Dv]
     for q0, q1, k0, k1 in layout.prefills:
@@ -277,6 +393,73 @@ def paged_attention(
                      enable_gqa=gqa)
         out.index_copy_(0, layout.decode_q, o[:, :, 0].to(out.dtype))
     return out[None], None
+
+
+def _kernel_attention(
+    module: Any, layout: KernelLayout, query: Any, key: Any, value: Any,
+    scaling: float | None, window: int | None,
+) -> Any:
+    """The kernel path of ``paged_attention``: ``query`` [1, Hq, T, D], ``key``/``value`` the
+    step's new entries [1, Hkv, T, D]; returns [1, T, Hq, Dv]. Paged rows read the layer's
+    cache through the kernel; fresh chunks attend to their new entries through SDPA."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from dwdp.worker.gpu.cuda_path import sdpa_backends
+
+    tokens, heads = query.shape[2], query.shape[1]
+    out = query.new_empty((tokens, heads, value.shape[3]))  # [T, Hq, Dv]
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    if layout.paged is not None:
+        first, second = layout.cache.layers[module.layer_idx]
+        if _is_mla(module):
+            _mla_paged(module, layout, query, (first, second), out, scale, window)
+        else:
+            from dwdp.worker.gpu.paged_attention import paged_attention as kernel
+
+            kernel(query[0].transpose(0, 1), (first,), second, out, layout.paged,
+                   block_size=layout.cache.block_size, scale=scale, window=window)
+    gqa = heads != key.shape[1]
+    for q0, q1 in layout.fresh:
+        mask = layout.chunk_mask(q1 - q0, q1 - q0, window, query.device)
+        q = query[:, :, q0:q1]
+        with sdpa_backends(q):
+            o = sdpa(q, key[:, :, q0:q1], value[:, :, q0:q1], attn_mask=mask,
+                     is_causal=mask is None, scale=scaling, enable_gqa=gqa)
+        out[q0:q1] = o[0].transpose(0, 1)
+    return out[None]
+
+
+def _is_mla(module: Any) -> bool:
+    """DeepSeek's multi-head latent attention: the cache holds the latent and the rotary key."""
+    return hasattr(module, "kv_b_proj") and hasattr(module, "kv_lora_rank")
+
+
+def _mla_paged(
+    module: Any, layout: KernelLayout, query: Any, caches: tuple[Any, Any], out: Any,
+    scale: float, window: int | None,
+) -> None:
+    """MLA's paged rows over the latent cache, absorbed (DeepSeek-V2's inference form): the
+    no-rope query goes through the key half of ``kv_b_proj`` ([H, nope, rank]) into the latent
+    space, the kernel attends to the latent [slots, 1, rank] (also the value) plus the rotary
+    key [slots, 1, rope], and the latent output goes through the value half ([H, v, rank]).
+    Writes ``out`` [T, H, v] at the paged rows (the others get garbage, overwritten after)."""
+    import torch
+
+    from dwdp.worker.gpu.paged_attention import paged_attention as kernel
+
+    latent, rotary = caches
+    assert layout.paged is not None
+    heads, nope = query.shape[1], module.qk_nope_head_dim
+    rank, v_dim = latent.shape[2], out.shape[2]
+    w = module.kv_b_proj.weight.view(heads, nope + v_dim, rank)
+    q = query[0]  # [H, T, nope + rope]
+    q_latent = torch.matmul(q[..., :nope], w[:, :nope])  # [H, T, rank]
+    q_all = torch.cat([q_latent, q[..., nope:]], dim=-1).transpose(0, 1)  # [T, H, rank+rope]
+    o_latent = q_all.new_empty((q_all.shape[0], heads, rank))
+    kernel(q_all, (latent, rotary), latent, o_latent, layout.paged,
+           block_size=layout.cache.block_size, scale=scale, window=window)
+    o = torch.matmul(o_latent.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]
+    out.copy_(o.transpose(0, 1))
 
 
 def use_paged_attention(model: Any) -> None:

@@ -1,0 +1,84 @@
+"""The paged attention kernel (``dwdp.worker.gpu.paged_attention``) against SDPA over the same
+context packed: decode rows, prefill chunks after earlier chunks, grouped-query heads, a
+sliding window, a value head dim unlike the key's, and MLA's split key (latent + rotary) with
+the latent as value. Blocks are scattered through the cache in a random order and the cache's
+page size differs between cases. Triton's interpreter runs the kernel on the CPU
+(``TRITON_INTERPRET=1``, set before triton is imported, hence a child process); its ``tl.dot``
+is wrong for bf16 operands (a plain 16x16 bf16 dot is off by 1e10 there), so the cases run in
+fp32 and fp16; bf16 runs on the GPU (tests/gpu)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHILD = textwrap.dedent(
+    """
+    import math
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    from dwdp.worker.gpu.paged_attention import paged_attention, requests_on
+
+    g = torch.Generator().manual_seed(0)
+
+    def case(hq, hkv, d1, d2, dv, page, reqs, window, dtype, mla):
+        nblocks = sum(-(-s // page) for s, _ in reqs) + 3
+        k1 = torch.randn(nblocks * page, hkv, d1, generator=g).to(dtype)
+        k2 = torch.randn(nblocks * page, hkv, d2, generator=g).to(dtype) if d2 else None
+        v = k1 if mla else torch.randn(nblocks * page, hkv, dv, generator=g).to(dtype)
+        perm = torch.randperm(nblocks, generator=g).tolist()
+        total = sum(n for _, n in reqs)
+        q = torch.randn(total, hq, d1 + d2, generator=g).to(dtype)
+        out = torch.full((total, hq, v.shape[2]), 7.0, dtype=dtype)
+        tables, starts, t0 = [], [], 0
+        for s, n in reqs:
+            tables.append([perm.pop() for _ in range(-(-s // page))])
+            starts.append(t0)
+            t0 += n
+        req = requests_on("cpu", starts, [n for _, n in reqs], [s for s, _ in reqs], tables)
+        scale = 1 / math.sqrt(d1 + d2)
+        keys = (k1,) if k2 is None else (k1, k2)
+        paged_attention(q, keys, v, out, req, block_size=page, scale=scale, window=window)
+        for (s, n), table, start in zip(reqs, tables, starts):
+            slot = torch.tensor([table[t // page] * page + t % page for t in range(s)])
+            key = torch.cat([k[slot] for k in keys], -1).transpose(0, 1)[None].float()
+            val = v[slot].transpose(0, 1)[None].float()
+            i = torch.arange(n)[:, None] + (s - n)
+            j = torch.arange(s)[None]
+            mask = j <= i
+            if window:
+                mask &= j > i - window
+            want = sdpa(q[start:start + n].transpose(0, 1)[None].float(), key, val,
+                        attn_mask=mask, scale=scale, enable_gqa=hq != hkv)[0].transpose(0, 1)
+            tol = 1e-4 if dtype == torch.float32 else 5e-3
+            torch.testing.assert_close(out[start:start + n].float(), want, atol=tol, rtol=tol)
+
+    for dtype in (torch.float32, torch.float16):
+        case(8, 2, 64, 0, 64, 16, [(5, 1), (37, 1), (100, 1)], None, dtype, False)  # decode
+        case(8, 2, 64, 0, 64, 16, [(40, 40), (70, 23), (9, 1)], None, dtype, False)  # chunks
+        case(4, 4, 48, 0, 32, 4, [(33, 1), (20, 7)], 8, dtype, False)  # window, dv != dk
+        case(16, 1, 64, 16, 64, 16, [(30, 1), (50, 5)], None, dtype, True)  # MLA
+    try:
+        paged_attention(torch.zeros(1, 3, 8), (torch.zeros(4, 2, 8),), torch.zeros(4, 2, 8),
+                        torch.zeros(1, 3, 8), requests_on("cpu", [0], [1], [1], [[0]]),
+                        block_size=4, scale=1.0)
+    except ValueError as exc:
+        assert "do not match" in str(exc), exc
+    else:
+        raise AssertionError("no ValueError for 3 query heads over 2 KV heads")
+    print("ok")
+    """
+)
+
+
+def test_paged_attention_equals_sdpa_over_the_packed_context():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

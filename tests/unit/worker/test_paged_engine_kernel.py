@@ -1,0 +1,63 @@
+"""The continuous engine on the paged kernel's path (what runs on CUDA: the cache read in place,
+MLA through the absorbed latent form, fresh chunks through SDPA over their new entries) gives
+the tokens of the packed SDPA path (what runs on the CPU), for the three architectures, with
+chunked prefill (chunks after earlier chunks go through the kernel) and decode steps of
+several requests. Triton's interpreter runs the kernel on the CPU (``TRITON_INTERPRET=1``, set
+before triton is imported, hence a child process); fp32 models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHILD = textwrap.dedent(
+    """
+    import random
+    import sys
+    import tempfile
+
+    import torch
+
+    import dwdp.worker.engine.paged as paged
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.engine.protocol import SamplingParams
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    torch.set_num_threads(1)
+    arch = sys.argv[1]
+    model, tok = load_checkpoint(make_checkpoint(arch, tempfile.mkdtemp() + "/m", num_experts=5))
+    vocab = model.config.get_text_config().vocab_size
+    rng = random.Random(1)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (1, 7, 19, 40)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = EngineConfig(max_model_len=96, max_num_tokens=16, block_size=4)
+
+    def tokens(kernel):
+        paged.kernel_for = lambda device: kernel
+        engine = ContinuousEngine(model, tok, model_name="tiny", config=config)
+        assert engine.runner.cache.kernel is kernel
+        out = [r.token_ids for r in engine.run_batch(prompts, params)]
+        assert engine.allocator.num_in_use == 0
+        return out
+
+    packed, kernel = tokens(False), tokens(True)
+    assert kernel == packed, (kernel, packed)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_the_kernel_path_gives_the_packed_paths_tokens(arch):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CHILD, arch], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
