@@ -85,6 +85,8 @@ class EngineStats:
     """Remote-decode prefills whose blocks wait for the generation side (a gauge)."""
     remote_prefill_tokens: int = 0
     """Prompt tokens whose KV was read from a context server (a counter)."""
+    graph_replays: int = 0
+    """Decode steps run as a CUDA graph replay (a counter; ``EngineConfig.cuda_graphs``)."""
 
 
 class EngineBase:
@@ -333,14 +335,19 @@ class EngineBase:
 
     def _forward(self, **inputs: Any) -> Any:
         """One model forward under the forward lock (the KV cache under its kwarg name)."""
-        import torch
-
         cache = inputs.pop("cache", None)
         if cache is not None:
             inputs[self._cache_kwarg] = cache
+        return self._timed(lambda: self.model(**inputs, use_cache=True))
+
+    def _timed(self, run: Callable[[], Any]) -> Any:
+        """``run()`` (a forward, or a graph replay) under the forward lock and inference mode,
+        counted in ``stats``; returns what it returns."""
+        import torch
+
         start = time.perf_counter()
         with self._forward_lock, torch.inference_mode():
-            out = self.model(**inputs, use_cache=True)
+            out = run()
         self.stats.forward_passes += 1
         self.stats.forward_seconds += time.perf_counter() - start
         return out

@@ -21,9 +21,15 @@ from typing import Any
 
 from dwdp.worker.engine.base import EngineBase
 from dwdp.worker.engine.blocks import BlockAllocator
-from dwdp.worker.engine.graphs import CudaGraphError, GraphStats
+from dwdp.worker.engine.graphs import DecodeGraphs, GraphStats
 from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
-from dwdp.worker.engine.paged import Chunk, PagedKVCache, use_paged_attention
+from dwdp.worker.engine.paged import (
+    Chunk,
+    KernelLayout,
+    PagedKVCache,
+    StepLayout,
+    use_paged_attention,
+)
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
@@ -44,7 +50,8 @@ DEFAULT_POOL_TOKENS = 65536
 
 class ModelRunner:
     """Runs one packed step of ``Chunk``s through the model and returns the logits of the
-    chunks that sample: [number of sampling chunks, vocab] on the model's device."""
+    chunks that sample: [number of sampling chunks, vocab] on the model's device. A decode-only
+    step replays a captured CUDA graph when ``graphs`` holds one that fits."""
 
     def __init__(self, engine: ContinuousEngine, cache: PagedKVCache) -> None:
         import torch
@@ -52,18 +59,31 @@ class ModelRunner:
         self._engine = engine
         self.cache = cache
         self.device = engine.model.device
+        self.graphs: DecodeGraphs | None = None
         # a prepared 4D mask makes transformers skip its own mask building: dwdp_paged needs none
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
     def execute(self, chunks: Sequence[Chunk]) -> Any:
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(chunks):
+            logits = self._engine._timed(lambda: graphs.replay(chunks))
+            self._engine.stats.graph_replays = graphs.replays
+            return logits
         layout = self.cache.layout(chunks)
+        return self._engine._timed(lambda: self.forward(layout))
+
+    def forward(self, layout: StepLayout | KernelLayout) -> Any:
+        """The model over ``layout`` (the forward lock and inference mode are the caller's):
+        logits [rows of ``layout.logits_index``, vocab]."""
+        engine = self._engine
         with self.cache.step(layout):
-            out = self._engine._forward(
+            out = engine.model(
                 input_ids=layout.input_ids,
                 position_ids=layout.position_ids,
                 attention_mask=self._no_mask,
-                cache=self.cache,
                 logits_to_keep=layout.logits_index,
+                use_cache=True,
+                **{engine._cache_kwarg: self.cache},
             )
         return out.logits[0]
 
@@ -95,7 +115,20 @@ class ContinuousEngine(EngineBase):
         (call after ``attach_kv_transfer``, before ``start``); returns what was captured.
         Raises ``CudaGraphError`` (one line, the reason) when the model is not on CUDA or
         the capture fails."""
-        raise CudaGraphError("CUDA graph capture is not built yet")
+        import torch
+
+        if not self.runner.cache.layers:  # the pool's tensors first: they are not graph memory
+            self._warm_up()
+        device = self.model.device
+        before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        graphs = DecodeGraphs.capture(
+            self.runner.cache,
+            self.runner.forward,
+            max_batch_size=self.config.max_batch_size,
+            max_model_len=self.max_model_len,
+        )
+        self.runner.graphs = graphs
+        return GraphStats(graphs.buckets, int(torch.cuda.memory_reserved(device)) - before)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """``EngineBase.validate``, and the request must fit the KV cache pool alone: prompt
@@ -114,10 +147,23 @@ class ContinuousEngine(EngineBase):
     def attach_kv_transfer(self, make: Callable[[PagedKVCache], KvConnector]) -> KvConnector:
         """Run one warm-up step (it allocates every layer's cache), then build the server's
         KV connector over the cache with ``make``; call before ``start``. Returns it."""
-        self.run_batch([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
-        self.stats = type(self.stats)()  # the warm-up is no served request
+        self._warm_up()
         self.kv = make(self.runner.cache)
         return self.kv
+
+    def start(self) -> ContinuousEngine:
+        """``EngineBase.start``; with ``config.cuda_graphs`` the graphs are captured first
+        (``capture_cuda_graphs``, unless done already: its ``CudaGraphError`` is raised here,
+        before the engine serves)."""
+        if self.config.cuda_graphs and self.runner.graphs is None and self._thread is None:
+            self.capture_cuda_graphs()
+        super().start()
+        return self
+
+    def _warm_up(self) -> None:
+        """One step of one token, not counted: it allocates every layer's cache tensors."""
+        self.run_batch([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
+        self.stats = type(self.stats)()
 
     def validate_kv_transfer(
         self, prompt_token_ids: Sequence[int], kv_transfer: KvTransferParams | None

@@ -15,7 +15,11 @@ naming the reason; the worker stops the rank with it before serving.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from dwdp.worker.engine.paged import Chunk, KernelLayout, PagedKVCache
 
 
 class CudaGraphError(RuntimeError):
@@ -44,3 +48,162 @@ def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
         b *= 2
     sizes.append(max_batch_size)
     return tuple(sizes)
+
+
+def is_decode_only(chunks: Sequence[Chunk]) -> bool:
+    """Every chunk adds one token to a context already cached (a decode step)."""
+    return all(len(c.token_ids) == 1 and c.start > 0 for c in chunks)
+
+
+class DecodeGraphs:
+    """The captured decode steps of one ``PagedKVCache`` (kernel mode) and their static inputs.
+
+    Static device tensors, shared by every bucket (bucket ``b`` uses their first ``b`` rows):
+    ``longs`` [3, B] int64 (token ids, positions, slots) and ``ints`` int32
+    ``[q_start B | q_len B | seq_len B | block table B x W]``, W = the blocks of one
+    ``max_model_len`` request; pinned host twins are filled per step and copied in. Build with
+    ``DecodeGraphs.capture``.
+    """
+
+    def __init__(self, cache: PagedKVCache, *, max_batch_size: int, max_model_len: int) -> None:
+        import torch
+
+        self.cache = cache
+        self.buckets = bucket_sizes(max_batch_size)
+        size, device = self.buckets[-1], cache.device
+        self.width = -(-max_model_len // cache.block_size)
+        self.scratch_slot = cache.scratch_block * cache.block_size
+        self.longs = torch.zeros((3, size), dtype=torch.long, device=device)
+        self.ints = torch.zeros(3 * size + size * self.width, dtype=torch.int32, device=device)
+        self.ints[:size] = torch.arange(size, dtype=torch.int32, device=device)  # q_start
+        self.ints[size : 2 * size] = 1  # q_len
+        self.ints[2 * size : 3 * size] = 1  # seq_len of a padding row
+        self.table = self.ints[3 * size :].view(size, self.width)
+        self.table[:, 0] = cache.scratch_block
+        pin = self.longs.is_cuda  # pinned host memory: the copies in run asynchronously
+        self.host_longs = torch.zeros((3, size), dtype=torch.long, pin_memory=pin)
+        self.host_seq = torch.ones(size, dtype=torch.int32, pin_memory=pin)
+        self.host_table = torch.zeros((size, self.width), dtype=torch.int32, pin_memory=pin)
+        self.host_table[:, 0] = cache.scratch_block
+        self._row_blocks: list[Any] = [None] * size  # the block list each host row holds
+        self._row_filled = [1] * size
+        self.graphs: dict[int, Any] = {}
+        self.logits: dict[int, Any] = {}
+        self.replays = 0
+
+    def layout(self, batch: int) -> KernelLayout:
+        """The static layout of bucket ``batch``: views of the shared static tensors."""
+        import torch
+
+        from dwdp.worker.gpu.paged_attention import PagedRequests
+
+        size = self.buckets[-1]
+        requests = PagedRequests(
+            self.ints[:batch], self.ints[size : size + batch],
+            self.ints[2 * size : 2 * size + batch], self.table[:batch], 1,
+        )
+        return KernelLayout(
+            input_ids=self.longs[0:1, :batch],
+            position_ids=self.longs[1:2, :batch],
+            slots=self.longs[2, :batch],
+            logits_index=torch.arange(batch, device=self.cache.device),
+            fresh=[],
+            paged=requests,
+            cache=self.cache,
+        )
+
+    @classmethod
+    def capture(
+        cls,
+        cache: PagedKVCache,
+        forward: Callable[[KernelLayout], Any],
+        *,
+        max_batch_size: int,
+        max_model_len: int,
+    ) -> DecodeGraphs:
+        """Capture one graph per bucket, largest first, in one memory pool. ``forward(layout)``
+        runs the model over a layout and returns its logits [rows, vocab]. Raises
+        ``CudaGraphError`` naming the bucket and the first line of the failure."""
+        import torch
+
+        if not str(cache.device).startswith("cuda") or not cache.kernel:
+            raise CudaGraphError(
+                f"engine.cudaGraphs: the model is on {cache.device}; CUDA graphs need a CUDA "
+                "device"
+            )
+        self = cls(cache, max_batch_size=max_batch_size, max_model_len=max_model_len)
+        self.longs[2].fill_(self.scratch_slot)  # capture writes and reads the scratch block only
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=cache.device)
+        for batch in reversed(self.buckets):
+            layout = self.layout(batch)
+            try:
+                side.wait_stream(torch.cuda.current_stream(cache.device))
+                with torch.cuda.stream(side), torch.inference_mode():
+                    for _ in range(2):  # warm-up: lazy initialisations happen outside capture
+                        forward(layout)
+                torch.cuda.current_stream(cache.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                    self.logits[batch] = forward(layout)
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise CudaGraphError(
+                    f"engine.cudaGraphs: capturing the decode step of batch {batch} failed: "
+                    f"{type(exc).__name__}: {first}"
+                ) from exc
+            self.graphs[batch] = graph
+            pool = graph.pool()
+        torch.cuda.synchronize(cache.device)
+        return self
+
+    def fits(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether the step of ``chunks`` replays a graph: decode-only, within the buckets."""
+        return 0 < len(chunks) <= self.buckets[-1] and is_decode_only(chunks)
+
+    def replay(self, chunks: Sequence[Chunk]) -> Any:
+        """Copy the step's inputs into the smallest bucket holding it and replay; returns the
+        logits [len(chunks), vocab] (a view of the graph's output, valid until the next
+        replay)."""
+        import torch
+
+        n = len(chunks)
+        batch = next(b for b in self.buckets if b >= n)
+        bs = self.cache.block_size
+        pad = batch - n
+        ids = [c.token_ids[0] for c in chunks] + [0] * pad
+        pos = [c.start for c in chunks] + [0] * pad
+        slots = [c.blocks[c.start // bs] * bs + c.start % bs for c in chunks]
+        self.host_longs[:, :batch] = torch.tensor(
+            [ids, pos, slots + [self.scratch_slot] * pad], dtype=torch.long)
+        self.host_seq[:batch] = torch.tensor([c.start + 1 for c in chunks] + [1] * pad,
+                                             dtype=torch.int32)
+        width = max(self._fill_table(row, c.blocks, c.start // bs + 1)
+                    for row, c in enumerate(chunks))
+        for row in range(n, batch):
+            self._fill_table(row, None, 1)
+        size = self.buckets[-1]
+        self.longs[:, :batch].copy_(self.host_longs[:, :batch], non_blocking=True)
+        self.ints[2 * size : 2 * size + batch].copy_(self.host_seq[:batch], non_blocking=True)
+        self.table[:batch, :width].copy_(self.host_table[:batch, :width], non_blocking=True)
+        self.graphs[batch].replay()
+        self.replays += 1
+        return self.logits[batch][:n]
+
+    def _fill_table(self, row: int, blocks: Any, count: int) -> int:
+        """Make host row ``row`` hold the first ``count`` blocks of ``blocks`` (``None``: the
+        scratch block), writing only what changed since the row's last step; returns
+        ``count``."""
+        import torch
+
+        if blocks is None:
+            if self._row_blocks[row] is not None:
+                self.host_table[row, 0] = self.cache.scratch_block
+                self._row_blocks[row], self._row_filled[row] = None, 1
+            return count
+        start = self._row_filled[row] if self._row_blocks[row] is blocks else 0
+        if start < count:
+            self.host_table[row, start:count] = torch.tensor(blocks[start:count],
+                                                             dtype=torch.int32)
+        self._row_blocks[row], self._row_filled[row] = blocks, count
+        return count
