@@ -54,8 +54,12 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
     """The token of each row of ``logits`` ([len(states), vocab], any float dtype)."""
     import torch
 
+    tokens = torch.argmax(logits, dim=-1)  # float32 is exact for bf16/fp16: the same argmax
+    plain = all(s.params.greedy and s.params.logprobs is None and not s.keep_logits
+                for s in states)
+    if plain:  # the decode hot path: one argmax, one copy
+        return [Choice(t) for t in tokens.tolist()]
     rows = logits.float()
-    tokens = torch.argmax(rows, dim=-1)
     for i, state in enumerate(states):
         if state.keep_logits:
             state.logits.append(rows[i].cpu().clone())
@@ -72,11 +76,20 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
     logp = torch.log_softmax(rows[want], dim=-1)
     chosen = logp.gather(1, tokens[want].unsqueeze(1))[:, 0]
     k = max(states[i].params.logprobs or 0 for i in want)
-    top = torch.topk(logp, k, dim=-1) if k else None
-    host_tokens = tokens.tolist()
-    host_chosen = chosen.tolist()
-    top_vals = top.values.tolist() if top is not None else [[] for _ in want]
-    top_ids = top.indices.tolist() if top is not None else [[] for _ in want]
+    top = torch.topk(logp, k, dim=-1)  # k = 0: empty [len(want), 0]
+    # one copy to the host: tokens, then per wanted row its logprob, top ids, top values
+    # (float64 holds every token id exactly)
+    packed = torch.cat([
+        tokens.double(),
+        torch.cat([chosen.double()[:, None], top.indices.double(), top.values.double()],
+                  dim=1).reshape(-1),
+    ]).tolist()
+    host_tokens = [int(t) for t in packed[: len(states)]]
+    width = 1 + 2 * k
+    rest = packed[len(states) :]
+    host_chosen = [rest[r * width] for r in range(len(want))]
+    top_ids = [[int(t) for t in rest[r * width + 1 : r * width + 1 + k]] for r in range(len(want))]
+    top_vals = [rest[r * width + 1 + k : (r + 1) * width] for r in range(len(want))]
     out = [Choice(t) for t in host_tokens]
     for row, i in enumerate(want):
         n = states[i].params.logprobs or 0

@@ -50,9 +50,13 @@ class Sequence:
 
     def chunk(self, n: int) -> Chunk:
         """The next ``n`` pending tokens as a step chunk."""
-        known = self.state.prompt + self.state.tokens
-        end = self.computed + n
-        return Chunk(known[self.computed : end], self.computed, self.blocks, end == len(known))
+        prompt, tokens = self.state.prompt, self.state.tokens
+        start, end, cut = self.computed, self.computed + n, len(prompt)
+        if start >= cut:  # decoding: no copy of the whole context per step
+            ids = tokens[start - cut : end - cut]
+        else:
+            ids = prompt[start:end] + tokens[: max(0, end - cut)]
+        return Chunk(ids, start, self.blocks, end == cut + len(tokens))
 
 
 @dataclass(frozen=True, slots=True)
