@@ -1,7 +1,8 @@
 """The paged attention kernel (``dwdp.worker.gpu.paged_attention``) against SDPA over the same
 context packed: decode rows, prefill chunks after earlier chunks, grouped-query heads, a
-sliding window, a value head dim unlike the key's, and MLA's split key (latent + rotary) with
-the latent as value. Blocks are scattered through the cache in a random order and the cache's
+sliding window, a value head dim unlike the key's, MLA's split key (latent + rotary) with
+the latent as value, and decode rows whose contexts are split over several programs and
+combined (the interpreter counts 8 SMs, so a few rows split). Blocks are scattered through the cache in a random order and the cache's
 page size differs between cases. Triton's interpreter runs the kernel on the CPU
 (``TRITON_INTERPRET=1``, set before triton is imported, hence a child process); its ``tl.dot``
 is wrong for bf16 operands (a plain 16x16 bf16 dot is off by 1e10 there), so the cases run in
@@ -61,6 +62,8 @@ CHILD = textwrap.dedent(
 
     for dtype in (torch.float32, torch.float16):
         case(8, 2, 64, 0, 64, 16, [(5, 1), (37, 1), (100, 1)], None, dtype, False)  # decode
+        case(8, 2, 64, 0, 64, 16, [(300, 1), (2, 1)], None, dtype, False)  # split in 5
+        case(8, 2, 64, 0, 64, 16, [(300, 1)], 100, dtype, False)  # splits outside the window
         case(8, 2, 64, 0, 64, 16, [(40, 40), (70, 23), (9, 1)], None, dtype, False)  # chunks
         case(4, 4, 48, 0, 32, 4, [(33, 1), (20, 7)], 8, dtype, False)  # window, dv != dk
         case(16, 1, 64, 16, 64, 16, [(30, 1), (50, 5)], None, dtype, True)  # MLA

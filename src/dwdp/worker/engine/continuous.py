@@ -120,7 +120,11 @@ class ContinuousEngine(EngineBase):
         if not self.runner.cache.layers:  # the pool's tensors first: they are not graph memory
             self._warm_up()
         device = self.model.device
-        before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        before = 0
+        if device.type == "cuda":  # the capture empties the allocator's cache: so do we first
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved(device)
         graphs = DecodeGraphs.capture(
             self.runner.cache,
             self.runner.forward,

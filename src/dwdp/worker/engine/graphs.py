@@ -89,6 +89,8 @@ class DecodeGraphs:
         self._row_filled = [1] * size
         self.graphs: dict[int, Any] = {}
         self.logits: dict[int, Any] = {}
+        self.layouts: dict[int, KernelLayout] = {}
+        """Each bucket's layout: a graph reads its tensors by address, so they live as long."""
         self.replays = 0
 
     def layout(self, batch: int) -> KernelLayout:
@@ -101,6 +103,7 @@ class DecodeGraphs:
         requests = PagedRequests(
             self.ints[:batch], self.ints[size : size + batch],
             self.ints[2 * size : 2 * size + batch], self.table[:batch], 1,
+            self.width * self.cache.block_size,
         )
         return KernelLayout(
             input_ids=self.longs[0:1, :batch],
@@ -136,7 +139,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=cache.device)
         for batch in reversed(self.buckets):
-            layout = self.layout(batch)
+            layout = self.layouts[batch] = self.layout(batch)
             try:
                 side.wait_stream(torch.cuda.current_stream(cache.device))
                 with torch.cuda.stream(side), torch.inference_mode():

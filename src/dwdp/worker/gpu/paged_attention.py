@@ -29,6 +29,7 @@ not use it. Source: written for this project.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,35 +42,44 @@ BLOCK_N = 32
 """Keys per inner iteration (gathered slot by slot, so any page size works)."""
 MAX_TILE_ELEMENTS = 128 * 128
 """Bound on a program's query rows x padded head dim: the fp32 accumulator stays in registers."""
+PROGRAMS_PER_SM = 4
+"""Decode splits each context until the grid has about this many programs per SM."""
+MIN_SPLIT_KEYS = 64
+"""Keys of one split at least (a split shorter than this costs more to combine than it saves)."""
+PARTIAL_BYTES = 1 << 26
+"""Bound on the fp32 partial outputs of one split call (bytes): fewer splits beyond it."""
 
 
 @dataclass(frozen=True, slots=True)
 class PagedRequests:
     """The requests of one call, on the cache's device: ``q_start``, ``q_len``, ``seq_len``
     [R] int32 and ``block_table`` [R, W] int32 (W blocks of ``block_size`` tokens at least
-    cover the longest ``seq_len``); ``max_q_len``: the longest ``q_len`` (host int)."""
+    cover the longest ``seq_len``); ``max_q_len`` and ``max_seq_len``: bounds of ``q_len``
+    and ``seq_len`` (host ints; a captured graph passes the bounds of any step it replays)."""
 
     q_start: Any
     q_len: Any
     seq_len: Any
     block_table: Any
     max_q_len: int
+    max_seq_len: int
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k1_ptr, k2_ptr, v_ptr, out_ptr,
+    q_ptr, k1_ptr, k2_ptr, v_ptr, out_ptr, part_o_ptr, part_ml_ptr,
     q_start_ptr, q_len_ptr, seq_len_ptr, table_ptr,
-    scale, window,
+    scale, window, num_splits, split_keys, heads_q,
     stride_qt, stride_qh, stride_k1s, stride_k1h, stride_k2s, stride_k2h,
     stride_vs, stride_vh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     D1: tl.constexpr, D1P: tl.constexpr, D2: tl.constexpr, D2P: tl.constexpr,
-    DV: tl.constexpr, DVP: tl.constexpr,
+    DV: tl.constexpr, DVP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     r = tl.program_id(0)
-    tile = tl.program_id(1)
+    tile = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
     head_tiles: tl.constexpr = GROUP // HEADS
     kv_head = tl.program_id(2) // head_tiles
     first_head = kv_head * GROUP + (tl.program_id(2) % head_tiles) * HEADS
@@ -105,6 +115,9 @@ def _paged_attention_kernel(
     if window > 0:
         lo = tl.maximum(seq_len - q_len + tile * BLOCK_Q - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    if SPLIT:  # this program's share of the keys (split_keys is a multiple of BLOCK_N)
+        lo = tl.maximum(lo, split * split_keys)
+        hi = tl.minimum(hi, (split + 1) * split_keys)
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         key_ok = kpos < hi
@@ -113,11 +126,11 @@ def _paged_attention_kernel(
         slot = page.to(tl.int64) * PAGE + kpos % PAGE
         k1 = tl.load(k1_ptr + slot[:, None] * stride_k1s + kv_head * stride_k1h + d1[None, :],
                      mask=key_ok[:, None] & (d1[None, :] < D1), other=0.0)
-        s = tl.dot(q1, tl.trans(k1))
+        s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         if D2 > 0:
             k2 = tl.load(k2_ptr + slot[:, None] * stride_k2s + kv_head * stride_k2h
                          + d2[None, :], mask=key_ok[:, None] & (d2[None, :] < D2), other=0.0)
-            s += tl.dot(q2, tl.trans(k2))
+            s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
         s = s * scale
         ok = key_ok[None, :] & (kpos[None, :] <= qpos[:, None])
         if window > 0:
@@ -130,13 +143,44 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :],
                     mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    o_row = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(out_ptr + o_row[:, None] + dv[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
+    if SPLIT:  # partials of row (r, head, split): o normalised by its own sum, m and that sum
+        part = (r.to(tl.int64) * heads_q + head) * num_splits + split
+        tl.store(part_o_ptr + part[:, None] * DVP + dv[None, :], o, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        o_row = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_row[:, None] + dv[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_o_ptr, part_ml_ptr, out_ptr, q_start_ptr, num_splits, heads_q,
+    stride_ot, stride_oh, DV: tl.constexpr, DVP: tl.constexpr, SP: tl.constexpr,
+):
+    r = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SP)
+    ok = splits < num_splits
+    part = (r.to(tl.int64) * heads_q + head) * num_splits + splits
+    m = tl.load(part_ml_ptr + part * 2, mask=ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(l_s > 0.0, l_s * tl.exp(m - m_safe), 0.0)
+    total = tl.sum(w, 0)
+    dv = tl.arange(0, DVP)
+    o = tl.load(part_o_ptr + part[:, None] * DVP + dv[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(tl.where(w[:, None] > 0.0, o * w[:, None], 0.0), 0) / tl.where(
+        total == 0.0, 1.0, total)
+    row = tl.load(q_start_ptr + r).to(tl.int64)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
+             mask=dv < DV)
 
 
 def _pow2(n: int) -> int:
@@ -156,6 +200,30 @@ def _tiling(group: int, max_q_len: int, width: int) -> tuple[int, int, int]:
     return heads, block_q, _pow2(block_q * heads)
 
 
+@functools.cache
+def _sm_count(device: Any) -> int:
+    if torch.device(device).type != "cuda":
+        return 8
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _splits(requests: PagedRequests, programs: int, heads_q: int, dvp: int,
+            device: Any) -> tuple[int, int]:
+    """(splits, keys per split) of a decode call (every ``q_len`` 1): enough splits that the
+    grid fills the SMs, none shorter than ``MIN_SPLIT_KEYS``, the partials within
+    ``PARTIAL_BYTES``; (1, 0) when one program per row already fills the device."""
+    if requests.max_q_len != 1:
+        return 1, 0
+    want = -(-PROGRAMS_PER_SM * _sm_count(device) // max(1, programs))
+    cap_len = -(-requests.max_seq_len // MIN_SPLIT_KEYS)
+    cap_mem = PARTIAL_BYTES // max(1, requests.q_len.shape[0] * heads_q * dvp * 4)
+    splits = max(1, min(want, cap_len, cap_mem))
+    if splits == 1:
+        return 1, 0
+    keys = -(-requests.max_seq_len // splits)
+    return splits, -(-keys // BLOCK_N) * BLOCK_N
+
+
 def paged_attention(
     query: Any,
     key_caches: tuple[Any, ...],
@@ -168,8 +236,10 @@ def paged_attention(
     window: int | None = None,
 ) -> Any:
     """Attention of ``requests``' query rows to their paged contexts, written into ``out``
-    (module docstring for shapes). Returns ``out``. Raises ``ValueError`` for caches or a
-    query whose head counts or dims do not match."""
+    (module docstring for shapes). A decode call (every ``q_len`` 1) on a device its rows
+    do not fill splits each context over several programs and combines their softmax
+    partials in a second kernel (flash-decoding). Returns ``out``. Raises ``ValueError`` for
+    caches or a query whose head counts or dims do not match."""
     k1 = key_caches[0]
     k2 = key_caches[1] if len(key_caches) > 1 else None
     heads_q, kv_heads = query.shape[1], k1.shape[1]
@@ -189,20 +259,37 @@ def paged_attention(
     group = heads_q // kv_heads
     width = max(_pow2(d1), _pow2(dv))
     heads, block_q, block_m = _tiling(group, max(1, requests.max_q_len), width)
-    grid = (num, triton.cdiv(max(1, requests.max_q_len), block_q),
-            kv_heads * (group // heads))
+    tiles = triton.cdiv(max(1, requests.max_q_len), block_q)
+    head_programs = kv_heads * (group // heads)
+    dvp = _pow2(dv)
+    splits, split_keys = _splits(requests, num * tiles * head_programs, heads_q, dvp,
+                                 query.device)
+    part_o = part_ml = out  # unused without splits
+    if splits > 1:
+        part_o = torch.empty((num, heads_q, splits, dvp), dtype=torch.float32,
+                             device=query.device)
+        part_ml = torch.empty((num, heads_q, splits, 2), dtype=torch.float32,
+                              device=query.device)
     k2_arg = k2 if k2 is not None else k1
-    _paged_attention_kernel[grid](
-        query, k1, k2_arg, value_cache, out,
+    exact = query.dtype == torch.float32  # fp32 models: no TF32 rounding in the dots
+    _paged_attention_kernel[(num, tiles * splits, head_programs)](
+        query, k1, k2_arg, value_cache, out, part_o, part_ml,
         requests.q_start, requests.q_len, requests.seq_len, requests.block_table,
-        float(scale), int(window or 0),
+        float(scale), int(window or 0), splits, split_keys, heads_q,
         query.stride(0), query.stride(1), k1.stride(0), k1.stride(1),
         k2_arg.stride(0), k2_arg.stride(1), value_cache.stride(0), value_cache.stride(1),
         out.stride(0), out.stride(1), requests.block_table.stride(0),
         GROUP=group, HEADS=heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         PAGE=block_size, D1=d1, D1P=_pow2(d1), D2=d2, D2P=_pow2(d2) if d2 else 16,
-        DV=dv, DVP=_pow2(dv), num_warps=4 if block_m * width <= 64 * 128 else 8,
+        DV=dv, DVP=dvp, SPLIT=splits > 1, PRECISION="ieee" if exact else "tf32",
+        num_warps=4 if block_m * width <= 64 * 128 else 8,
     )
+    if splits > 1:
+        _combine_splits_kernel[(num, heads_q)](
+            part_o, part_ml, out, requests.q_start, splits, heads_q,
+            out.stride(0), out.stride(1), DV=dv, DVP=dvp,
+            SP=max(2, triton.next_power_of_2(splits)),
+        )
     return out
 
 
@@ -220,4 +307,5 @@ def requests_on(device: Any, q_start: list[int], q_len: list[int], seq_len: list
                       table.reshape(-1)])
     dev = host.to(device)
     return PagedRequests(dev[:num], dev[num : 2 * num], dev[2 * num : 3 * num],
-                         dev[3 * num :].view(num, width), max(q_len, default=0))
+                         dev[3 * num :].view(num, width), max(q_len, default=0),
+                         max(seq_len, default=0))
