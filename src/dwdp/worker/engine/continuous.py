@@ -108,6 +108,8 @@ class ContinuousEngine(EngineBase):
         )
         self.runner = ModelRunner(self, cache)
         self._sequences: dict[int, SchedSequence] = {}
+        self._unsettled: list[SchedSequence] = []
+        """Requests whose last token is taken, its text not yet (``_settle``)."""
         self._step_lock = threading.Lock()
 
     def capture_cuda_graphs(self) -> GraphStats:
@@ -286,7 +288,8 @@ class ContinuousEngine(EngineBase):
         self.scheduler.add(seq)
 
     def _step(self) -> None:
-        """Schedule, run one forward, deliver the chosen tokens."""
+        """Schedule and launch one forward, settle the previous step's tokens while the GPU
+        runs it, then take this step's tokens (module docstring: the host's share)."""
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.state.aborted:
                 self._end(seq, "abort")
@@ -297,12 +300,14 @@ class ContinuousEngine(EngineBase):
             if p.seq.pull is None or (kv is not None and self._pull(p.seq, kv))
         ]
         if not plan:
+            self._settle()
             self._count_kv()  # aborts and releases may have emptied the engine
             return
         self.stats.waves += 1
         self.stats.preemptions = self.scheduler.preemptions
         self._count_kv()
-        logits = self.runner.execute([p.chunk for p in plan])
+        logits = self.runner.execute([p.chunk for p in plan])  # queued; the host goes on
+        self._settle()
         sampled = [p.seq for p in plan if p.chunk.sample]
         for p in plan:
             seq, n = p.seq, len(p.chunk.token_ids)
@@ -311,15 +316,39 @@ class ContinuousEngine(EngineBase):
             )
             seq.computed += n
         for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
-            params, rid = seq.state.kv_transfer, seq.state.request_id
+            state = seq.state
+            if state.finished:
+                continue  # a stop string ended it while this step ran: its token is dropped
+            params, rid = state.kv_transfer, state.request_id
             if kv is not None and params is not None and params.do_remote_decode:
-                seq.state.kv_transfer_out = kv.request_finished(rid, seq.blocks)
-            if self._deliver(seq.state, choice):
+                state.kv_transfer_out = kv.request_finished(rid, seq.blocks)
+            self.stats.generation_tokens += 1
+            reason = state.take(choice.token, eos_token_ids=self.eos_token_ids,
+                                max_model_len=self.max_model_len, logprob=choice.logprob)
+            if reason is not None:
+                if reason != "stop" and state.settle(self._tokenizer):
+                    reason = "stop"
+                self._finish(state, reason)
                 self._lease_or_end(seq)
-            elif kv is not None and seq.state.kv_transfer_out is not None:
+                continue
+            if kv is not None and state.kv_transfer_out is not None:
                 kv.cancel_hold(rid)  # it goes on (max_tokens > 1): no lease
-                seq.state.kv_transfer_out = None
+                state.kv_transfer_out = None
+            self._unsettled.append(seq)
         self._count_kv()
+
+    def _settle(self) -> None:
+        """Detokenise and stream the tokens the last step took (``RequestState.settle``); a
+        stop string found here ends its request (the step just launched wasted one token)."""
+        pending, self._unsettled = self._unsettled, []
+        for seq in pending:
+            if seq.state.finished:
+                continue
+            if seq.state.settle(self._tokenizer):
+                self._finish(seq.state, "stop")
+                self._lease_or_end(seq)
+            else:
+                self._send(seq.state)
 
     def _end(self, seq: SchedSequence, reason: str | None) -> None:
         """Take a finished (``reason`` None: ``_deliver`` finished it) or aborted request out."""

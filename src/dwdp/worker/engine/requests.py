@@ -42,6 +42,8 @@ class RequestState:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     sent_text: int = 0
+    settled: int = 0
+    """Tokens detokenised so far (``settle``); the others are taken, their text pending."""
     sent_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None
@@ -72,36 +74,64 @@ class RequestState:
         max_model_len: int,
         logprob: TokenLogprob | None = None,
     ) -> str | None:
-        """Take one chosen token; returns the finish reason when the request ends with it
-        (``"stop"`` or ``"length"``), else ``None`` (module docstring gives the rules)."""
+        """Take one chosen token and detokenise it (``take`` then ``settle``); returns the
+        finish reason when the request ends with it (``"stop"`` or ``"length"``), else
+        ``None`` (module docstring gives the rules)."""
+        reason = self.take(token, eos_token_ids=eos_token_ids, max_model_len=max_model_len,
+                           logprob=logprob)
+        if reason == "stop":
+            return reason  # a stop token: nothing new to detokenise
+        return "stop" if self.settle(tokenizer) else reason
+
+    def take(
+        self,
+        token: int,
+        *,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        logprob: TokenLogprob | None = None,
+    ) -> str | None:
+        """The rules that need no text: a stop token ends the request (``"stop"``, not kept),
+        else the token is kept and ``max_tokens`` or the model's context may end it
+        (``"length"``). Its text comes with ``settle`` (the engine runs the next step first)."""
         p = self.params
         if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"  # the stop token is not part of the output
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
-        self.text = self._detokenize(tokenizer, token)
-        stable = self.text.rstrip("\ufffd")  # an incomplete UTF-8 tail may still change
-        for s in p.stop:
-            cut = stable.find(s)
-            if cut >= 0:
-                self.text = self.text[:cut]
-                return "stop"
         if len(self.tokens) >= p.max_tokens or self.length >= max_model_len:
             return "length"
         return None
 
-    def _detokenize(self, tokenizer: Any, token: int) -> str:
-        """The text of ``tokens`` after ``token`` joined: incrementally with a fast tokenizer
-        (O(1) per token, held back while a UTF-8 sequence is incomplete), else decoded whole."""
+    def settle(self, tokenizer: Any) -> bool:
+        """Detokenise the tokens taken since the last call, one by one; True when a stop
+        string ended the request (the text is cut before it, later tokens dropped)."""
+        while self.settled < len(self.tokens):
+            self.settled += 1
+            self.text = self._detokenize(tokenizer)
+            stable = self.text.rstrip("\ufffd")  # an incomplete UTF-8 tail may still change
+            for s in self.params.stop:
+                cut = stable.find(s)
+                if cut >= 0:
+                    self.text = self.text[:cut]
+                    del self.tokens[self.settled :]
+                    del self.logprobs[self.settled :]
+                    return True
+        return False
+
+    def _detokenize(self, tokenizer: Any) -> str:
+        """The text of the first ``settled`` tokens, given that of one fewer: incrementally
+        with a fast tokenizer (O(1) per token, held back while a UTF-8 sequence is
+        incomplete), else decoded whole."""
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None:
-            return str(tokenizer.decode(self.tokens, skip_special_tokens=True))
+            return str(tokenizer.decode(self.tokens[: self.settled], skip_special_tokens=True))
         if self.detok is None:
             from tokenizers.decoders import DecodeStream
 
             self.detok = DecodeStream(skip_special_tokens=True)
-        return self.text + (self.detok.step(backend, token) or "")
+        return self.text + (self.detok.step(backend, self.tokens[self.settled - 1]) or "")
 
     def update(self, *, final: bool) -> RequestOutput | None:
         """What the client has not yet received, or ``None`` when nothing new can be sent.
