@@ -131,6 +131,12 @@ def test_stop_conditions(engine):
     res = engine.run_batch([prompt], SamplingParams(max_tokens=8, stop=(needle,)))[0]
     assert res.finish_reason == "stop"
     assert res.text == text[: text.find(needle)]
+    # ... and the tokens end with the one that completed it (the continuous engine decides
+    # stop strings one step late: the token its next step made is dropped)
+    tok = engine.tokenizer
+    k = next(k for k in range(1, 9) if needle in tok.decode(full.token_ids[:k],
+                                                             skip_special_tokens=True))
+    assert res.token_ids == full.token_ids[:k]
     # EOS stops unless ignored
     eos = next(iter(engine.eos_token_ids))
     engine.eos_token_ids.add(full.token_ids[0])
