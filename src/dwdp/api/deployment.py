@@ -33,7 +33,14 @@ from dwdp.api.errors import (
     first_per_field,
     problems_from_validation_error,
 )
-from dwdp.api.launch import Dtype, KvCacheConfig, LaunchConfig, LaunchModel, launch_problems
+from dwdp.api.launch import (
+    Dtype,
+    EngineSpec,
+    KvCacheConfig,
+    LaunchConfig,
+    LaunchModel,
+    launch_problems,
+)
 from dwdp.api.names import (
     ABSOLUTE_PATH,
     DNS1123_SUBDOMAIN,
@@ -374,6 +381,7 @@ class _ServingSection(ApiModel):
     kv_cache: KvCacheConfig = Field(
         default_factory=KvCacheConfig, json_schema_extra=_EMPTY_DEFAULT
     )
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=_EMPTY_DEFAULT)
 
     def kv_problems(self) -> list[Problem]:
         """``kvCache.maxTokens`` below ``maxModelLen`` when the section sets both."""
@@ -421,8 +429,9 @@ class ContextSpec(_ServingSection):
             transport=self.transport,
             handle_type=self.handle_type,
             dwdp=self.dwdp,
+            engine=self.engine,
         )
-        view = SectionView(self.transport, self.dwdp, self.handle_type)
+        view = SectionView(self.transport, self.dwdp, self.handle_type, self.engine.cuda_graphs)
         problems = first_per_field(
             [*worker_limit_problems(view, Scope.CONTEXT), *launch_problems(probe)]
         )
@@ -1149,5 +1158,6 @@ def launch_config_for(
         max_batch_size=section.max_batch_size,
         max_model_len=section.max_model_len,
         kv_cache=section.kv_cache,
+        engine=section.engine,
         server_port=spec.server.port,
     )

@@ -3,8 +3,10 @@
 Earlier specs had a ``parallel`` section (tensor, pipeline and context parallel sizes,
 attention data parallelism) and an ``engine`` section (six engine switches) in the context
 and generation sections of a DwdpDeployment and in a worker's launch config. This worker
-accepted only their defaults (every rank serves one whole model through the plain eager
-forward pass of the base checkpoint), so the fields are gone from the models and the CRD.
+accepted only their defaults (every rank serves one whole model through the eager forward
+pass of the base checkpoint), so the fields are gone from the models and the CRD, except
+``engine.cudaGraphs``, which came back as a real setting (:class:`dwdp.api.launch.EngineSpec`):
+the ``engine`` section is known again, and its five other switches are dropped fields in it.
 A document that still writes one, at any value, is refused as an unknown field: the models
 forbid unknown fields, and the apiserver refuses them under strict field validation (what
 ``kubectl apply`` asks for) or prunes them otherwise (the CRD's schema is structural).
@@ -31,7 +33,7 @@ UNKNOWN_FIELD = "unknown field"
 """The words every unknown-field refusal starts with (the apiserver's say the same)."""
 
 _ONE_MODEL = "each rank serves one whole model"
-_EAGER = "the engine runs the plain eager forward pass"
+_EAGER = "the engine runs the model's own forward pass"
 
 DROPPED_FIELDS: Mapping[tuple[str, ...], str] = {
     ("parallel",): f"the parallel layout is not configurable yet; {_ONE_MODEL}",
@@ -45,8 +47,6 @@ DROPPED_FIELDS: Mapping[tuple[str, ...], str] = {
     ("parallel", "attentionDP"): (
         f"attention data parallelism is not supported yet; {_ONE_MODEL}"
     ),
-    ("engine",): f"no engine switch is supported yet; {_EAGER} of the base checkpoint",
-    ("engine", "cudaGraphs"): f"CUDA graph capture is not supported yet; {_EAGER}",
     ("engine", "torchCompile"): f"torch.compile of the model is not supported yet; {_EAGER}",
     ("engine", "overlapScheduler"): (
         "the overlap scheduler is not supported yet; each step is scheduled after the "
@@ -61,7 +61,7 @@ DROPPED_FIELDS: Mapping[tuple[str, ...], str] = {
     ),
 }
 """Every dropped field, by its path (camelCase) under one of :data:`DROPPED_UNDER`, with
-why it is gone; a section (``parallel``, ``engine``) is dropped with all its fields."""
+why it is gone; a section (``parallel``) is dropped with all its fields."""
 
 DROPPED_UNDER: tuple[tuple[str, ...], ...] = ((), ("spec", "context"), ("spec", "generation"))
 """Where the dropped fields were: a launch config's root and a DwdpDeployment's serving

@@ -11,8 +11,8 @@ which alone knows whether the model declares dense roots (``dense_roots``).
 Rule order: role, the settings this worker does not run (:mod:`dwdp.api.support`), dense
 DWDP mode, dense roots; one problem per field, the first rule that names it. Paths are
 relative to the launch config (``dwdp.dwdpSize``); the DwdpDeployment prefixes them with
-``spec.context``. Every rank serves one whole model through the plain eager forward pass:
-the launch has no parallel layout and no engine switches (:mod:`dwdp.api.dropped`).
+``spec.context``. Every rank serves one whole model: the launch has no parallel layout, and
+its one engine switch is ``engine.cudaGraphs`` (the others are :mod:`dwdp.api.dropped`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from dwdp.api.base import ApiModel, PosInt
+from dwdp.api.base import ApiModel, Bool, PosInt
 from dwdp.api.config import DwdpConfig
 from dwdp.api.defaults import (
     KV_BLOCK_SIZE,
@@ -41,6 +41,7 @@ __all__ = [
     "LEGACY_ROLES",
     "ROLE_ENV",
     "Dtype",
+    "EngineSpec",
     "KvCacheConfig",
     "LaunchConfig",
     "LaunchError",
@@ -102,6 +103,19 @@ class KvCacheConfig(ApiModel):
     )
 
 
+class EngineSpec(ApiModel):
+    """Engine switches of a rank; the other switches of earlier specs (torchCompile,
+    overlapScheduler, lora, speculativeDecoding, sleepMode) are refused as dropped fields."""
+
+    cuda_graphs: Bool | None = Field(
+        default=None,
+        description="Replay decode-only steps from CUDA graphs captured per batch-size bucket "
+        "at startup (their memory comes out of the KV cache pool); unset: on for a generation "
+        "server on CUDA, off otherwise. True needs CUDA and is refused with DWDP on (the "
+        "prefetch schedule runs host hooks around every MoE layer).",
+    )
+
+
 class LaunchModel(ApiModel):
     """Where a worker finds the checkpoint (a local Hugging Face directory)."""
 
@@ -156,6 +170,7 @@ class LaunchConfig(ApiModel):
         "model's max_position_embeddings.",
     )
     kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
     server_port: int = Field(
         default=SERVER_PORT,
         strict=True,
@@ -203,7 +218,7 @@ def launch_problems(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> li
         dense_roots: whether the model's architecture declares dense roots; None (not
             known yet, as when the operator builds the launch) skips that rule.
     """
-    view = SectionView(cfg.transport, cfg.dwdp, cfg.handle_type)
+    view = SectionView(cfg.transport, cfg.dwdp, cfg.handle_type, cfg.engine.cuda_graphs)
     return first_per_field(
         [
             *_role_problems(cfg),

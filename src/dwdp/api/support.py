@@ -1,8 +1,9 @@
 """What this worker runs: the settings it refuses, each written once for the models and the CRD.
 
 docs/design.md §3.2 gives the reference's launch rules; this worker runs a subset of them. It runs
-dense DWDP attached to expert DWDP only, has no gather kernel on the cpu backend, and its
-pods start their ranks with ``dwdp launch``, never under an MPI launcher. Each such limit
+dense DWDP attached to expert DWDP only, has no gather kernel on the cpu backend, its
+pods start their ranks with ``dwdp launch``, never under an MPI launcher, and it captures no
+CUDA graph with DWDP on (the prefetch schedule's host hooks cannot be replayed). Each such limit
 here is one field, one Python test and one CEL condition sharing one message that says "not
 supported by this worker", so the pydantic models (``dwdp validate``, the operator's
 webhook) and the CRD refuse the same specs with the same words before any pod starts, and no
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from dwdp.api.config import DwdpConfig
 
 __all__ = [
+    "CUDA_GRAPHS_WITH_DWDP",
     "NOT_SUPPORTED",
     "WORKER_LIMITS",
     "Scope",
@@ -57,6 +59,8 @@ class SectionView:
     transport: Transport
     dwdp: DwdpConfig
     handle_type: HandleType
+    cuda_graphs: bool | None = None
+    """``engine.cudaGraphs`` (None: unset)."""
 
 
 Refused = Callable[[SectionView], object | None]
@@ -106,7 +110,26 @@ def _mpi_with_dwdp(view: SectionView) -> str | None:
     return view.transport.value if view.transport is Transport.MPI and _dwdp_on(view) else None
 
 
+def _graphs_with_dwdp(view: SectionView) -> bool | None:
+    return True if view.cuda_graphs is True and _dwdp_on(view) else None
+
+
 _WITH_DWDP = frozenset({Scope.LAUNCH, Scope.CONTEXT})
+_DWDP_ON_CEL = "((self.dwdp.enableExperts && self.dwdp.dwdpSize > 1) || self.dwdp.enableDense)"
+
+CUDA_GRAPHS_WITH_DWDP = WorkerLimit(
+    ("engine", "cudaGraphs"),
+    "engine.cudaGraphs true with DWDP on",
+    "the prefetch schedule runs host hooks around every MoE layer, which a CUDA graph "
+    "cannot replay; leave it unset or false",
+    "!has(self.engine) || !has(self.engine.cudaGraphs) || !self.engine.cudaGraphs || "
+    f"!{_DWDP_ON_CEL}",
+    _graphs_with_dwdp,
+    _WITH_DWDP,
+)
+"""CUDA graphs on a rank with DWDP on (expert DWDP over more than one rank, or dense DWDP);
+the worker's own resolution (``dwdp.worker.settings.resolve_cuda_graphs``) refuses it with
+the same words."""
 
 WORKER_LIMITS: tuple[WorkerLimit, ...] = (
     WorkerLimit(
@@ -133,11 +156,11 @@ WORKER_LIMITS: tuple[WorkerLimit, ...] = (
         "transport mpi with DWDP on",
         "the pods start their ranks with dwdp launch, not under an MPI launcher, so no rank "
         "would find its group; use tcpStore",
-        "self.transport != 'mpi' || !((self.dwdp.enableExperts && self.dwdp.dwdpSize > 1) "
-        "|| self.dwdp.enableDense)",
+        f"self.transport != 'mpi' || !{_DWDP_ON_CEL}",
         _mpi_with_dwdp,
         frozenset({Scope.CONTEXT}),
     ),
+    CUDA_GRAPHS_WITH_DWDP,
 )
 """Every limit, in the order their problems are reported."""
 

@@ -4,11 +4,14 @@ Startup order (docs/design.md §6.1): read and validate the launch (role rules f
 server refuses dense DWDP before anything loads) -> check the checkpoint's headers, its
 architecture adapter and the expert partition (one line naming the tensor or field) -> with
 DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the copy operations)
-and the copy settings resolved once (``dwdp.worker.settings``) -> join the group
+and the copy settings resolved once (``dwdp.worker.settings``), and whether the engine
+captures CUDA graphs (``resolve_cuda_graphs``: ``engine.cudaGraphs`` on a device that cannot
+run them stops the rank here) -> join the group
 (rendezvous) -> load the model (with expert DWDP only what the rank keeps: ``load_model``;
 with a group every rank votes on the load, and a rank that failed fails the group together:
-``dwdp.worker.loading.vote``) -> DWDP setup (dense first, then experts; commit) -> start
-the engine -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
+``dwdp.worker.loading.vote``) -> DWDP setup (dense first, then experts; commit) -> size the KV pool
+(beside the graphs' memory when they are on) -> the engine: KV transfer, the CUDA graph capture,
+start -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
 termination message path and exits non-zero; the engine is stopped whatever happens.
 """
 
@@ -24,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.api.contract import Env, Stage
 from dwdp.api.enums import Role
-from dwdp.worker.memory import MemoryWatch, RankMemory, size_rank_memory
+from dwdp.worker.memory import MemoryLedger, MemoryWatch, RankMemory, size_rank_memory
 from dwdp.worker.server.guard import check_api_key
 from dwdp.worker.server.status import rank_identity, server_identity
 from dwdp.worker.settings import (
     CopySettings,
+    resolve_cuda_graphs,
     resolve_dense_min_bytes,
     resolve_torch_threads,
 )
@@ -320,6 +324,25 @@ def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: str
     )
 
 
+def capture_cuda_graphs(engine: Any, ledger: MemoryLedger, watch: MemoryWatch) -> MemoryLedger:
+    """Capture the engine's decode graphs (after the KV transfer, before ``start``) and put
+    their measured pool in the ledger in place of the estimate the KV pool was sized beside;
+    ``watch`` keeps it. Raises ``CudaGraphError`` (one line)."""
+    stats = engine.capture_cuda_graphs()
+    estimate = ledger.cuda_graphs.device or 0
+    ledger = ledger.with_cuda_graphs(stats.pool_bytes)
+    watch.record(ledger)
+    log.info(
+        "CUDA graphs: decode buckets %s, pool %d bytes (%.2f GiB; %.2f GiB reserved before "
+        "the KV pool was sized)",
+        ",".join(map(str, stats.buckets)),
+        stats.pool_bytes,
+        stats.pool_bytes / 2**30,
+        estimate / 2**30,
+    )
+    return ledger
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
@@ -327,6 +350,8 @@ def run_worker(opts: WorkerOptions) -> int:
     stage: dict[str, str] = {"now": Stage.CONFIG}
     watch = MemoryWatch("cpu")
     try:
+        from dwdp.api.launch import dwdp_active
+
         cfg = check_launch(load_launch_config(opts.config), opts.role)
         local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
         port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
@@ -334,6 +359,12 @@ def run_worker(opts: WorkerOptions) -> int:
         plan = check_model(cfg)
         settings = resolve_host_settings(cfg, local_rank, stage)
         stage["now"] = Stage.CONFIG
+        cuda_graphs = resolve_cuda_graphs(
+            cfg.engine.cuda_graphs,
+            role=cfg.role,
+            device=_device_for(cfg, local_rank),
+            dwdp_enabled=dwdp_active(cfg),
+        )
         dense_min_bytes = resolve_dense_min_bytes(os.environ)
         api_key = check_api_key(os.environ.get(Env.API_KEY), Env.API_KEY)
         _torch_threads(resolve_torch_threads(os.environ))
@@ -378,6 +409,8 @@ def run_worker(opts: WorkerOptions) -> int:
             max_num_tokens=cfg.max_num_tokens,
             max_model_len=plan.max_model_len,
             host_sharers=int(os.environ.get(Env.LOCAL_WORLD_SIZE) or 1),
+            cuda_graphs=cuda_graphs,
+            max_batch_size=cfg.max_batch_size,
         )
         fatal: list[BaseException] = []
         server_holder: dict[str, Any] = {}
@@ -400,6 +433,7 @@ def run_worker(opts: WorkerOptions) -> int:
                 max_model_len=plan.max_model_len,
                 kv_capacity_tokens=pool.capacity_tokens,
                 block_size=cfg.kv_cache.block_size,
+                cuda_graphs=cuda_graphs,
             ),
             on_fatal=on_fatal,
         )
@@ -407,6 +441,9 @@ def run_worker(opts: WorkerOptions) -> int:
             stage["now"] = Stage.ENGINE
             attach_kv_transfer(engine, cfg, opts.host, port, api_key)
         stop_engine = engine.stop
+        if cuda_graphs:
+            stage["now"] = Stage.ENGINE
+            ledger = capture_cuda_graphs(engine, ledger, watch)
         engine.start()
         app = build_app(
             engine,

@@ -14,13 +14,19 @@ not estimated:
 - ``activations_headroom``: on a GPU, the peak a forward of ``maxNumTokens`` tokens adds
   above the weights (``max_memory_allocated`` around one profiling forward); not measured on
   the host (``None``);
+- ``cuda_graphs``: with ``engine.cudaGraphs`` on, the device memory of the decode graphs'
+  pool: before the capture, the estimate the KV pool is sized without (the peak one forward
+  of ``maxBatchSize`` tokens adds: the largest bucket's decode step holds that many tokens'
+  activations, and every bucket shares its pool), then the pool's measured bytes
+  (``GraphStats.pool_bytes``, :meth:`MemoryLedger.with_cuda_graphs`); zero when off;
 - ``kv_pool``: the KV cache pool's budget (``dwdp.worker.engine.kv_pool``).
 
 Bytes are integers; ``None`` means not measured. ``free_for_kv_bytes`` is the memory the pool
 may take: on a GPU the device's total minus what this rank holds (weights, DWDP buffers,
 headroom), so ranks sharing one GPU (tests) each size their pool as on a GPU of their own (a
 warning says so when the pool exceeds what is free now); on the host the kernel's
-``MemAvailable``.
+``MemAvailable``. With CUDA graphs on, their estimate is taken out of it too, so the graphs'
+memory comes out of the KV pool, never on top of it.
 """
 
 from __future__ import annotations
@@ -66,7 +72,13 @@ class MemoryLedger:
     dense_store: Placed
     slot_rings: Placed
     activations_headroom: Placed
+    cuda_graphs: Placed
     kv_pool: Placed
+
+    def with_cuda_graphs(self, pool_bytes: int) -> MemoryLedger:
+        """The ledger with the graphs' measured pool (``GraphStats.pool_bytes``, device bytes)
+        in place of the estimate the KV pool was sized with."""
+        return replace(self, cuda_graphs=Placed.on(DEVICE, pool_bytes))
 
     def as_dict(self) -> dict[str, dict[str, int | None]]:
         """``{part: {"host": bytes, "device": bytes}}``."""
@@ -285,6 +297,7 @@ def measure_ledger(
     peak_load: Placed,
     headroom: Placed,
     kv_pool: Placed,
+    cuda_graphs: Placed | None = None,
 ) -> MemoryLedger:
     """The ledger after the commit (module docstring); ``dwdp``'s ``buffer_ranges`` are
     left out of the weights."""
@@ -296,6 +309,7 @@ def measure_ledger(
         dense_store=dense,
         slot_rings=slots,
         activations_headroom=headroom,
+        cuda_graphs=Placed(0, 0) if cuda_graphs is None else cuda_graphs,
         kv_pool=kv_pool,
     )
 
@@ -309,28 +323,36 @@ def size_rank_memory(
     max_num_tokens: int,
     max_model_len: int,
     host_sharers: int = 1,
+    cuda_graphs: bool = False,
+    max_batch_size: int = 1,
 ) -> tuple[KvPool, MemoryLedger]:
     """After the commit, before the engine starts: the activation headroom (on a GPU, one
-    profiling forward of ``min(max_num_tokens, max_model_len)`` tokens), the KV pool from the
-    memory left (``dwdp.worker.engine.kv_pool.size_kv_pool``) and the ledger, which
-    ``watch`` keeps. ``host_sharers``: the ranks of the pod, which share the host's memory
-    (a pool on the host takes its share). Raises ``KvPoolError`` for a pool below one
-    ``max_model_len`` request; the termination message then lists every part measured."""
+    profiling forward of ``min(max_num_tokens, max_model_len)`` tokens), with ``cuda_graphs``
+    the graphs' estimate (one more profiling forward, of ``min(max_batch_size,
+    max_model_len)`` tokens: module docstring), the KV pool from the memory left
+    (``dwdp.worker.engine.kv_pool.size_kv_pool``) and the ledger, which ``watch`` keeps.
+    ``host_sharers``: the ranks of the pod, which share the host's memory (a pool on the
+    host takes its share). Raises ``KvPoolError`` for a pool below one ``max_model_len``
+    request; the termination message then lists every part measured."""
     _, expert, dense, _ = dwdp_buffers(dwdp.status())
     headroom = Placed(host=None, device=0)
+    graphs = Placed(0, 0)
     if watch.on_gpu:
         tokens = min(max_num_tokens, max_model_len)
         headroom = Placed(host=None, device=activation_headroom(model, tokens))
+        if cuda_graphs:
+            decode = min(max_batch_size, max_model_len)
+            graphs = Placed.on(DEVICE, activation_headroom(model, decode))
     free = free_for_kv_bytes(
         watch.device,
         # the stores are VMM allocations torch does not count; the slots are torch's
         dwdp_device_bytes=(expert.device or 0) + (dense.device or 0),
-        headroom=headroom.device or 0,
+        headroom=(headroom.device or 0) + (graphs.device or 0),
         host_sharers=host_sharers,
     )
     peak_load = watch.parts.get("peak_load", Placed(None, None))
     before = measure_ledger(model, dwdp, peak_load=peak_load, headroom=headroom,
-                            kv_pool=Placed(0, 0))
+                            kv_pool=Placed(0, 0), cuda_graphs=graphs)
     watch.record(before)  # a refused pool's termination message lists every part
     pool = size_kv_pool(
         kv,
@@ -339,7 +361,7 @@ def size_rank_memory(
         max_model_len=max_model_len,
         where=DEVICE if watch.on_gpu else HOST,
     )
-    warn_if_shared(watch.device, pool.nbytes, headroom.device or 0)
+    warn_if_shared(watch.device, pool.nbytes, (headroom.device or 0) + (graphs.device or 0))
     ledger = replace(before, kv_pool=Placed.on(pool.where, pool.nbytes))
     watch.record(ledger)
     log.info(

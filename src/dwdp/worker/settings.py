@@ -18,6 +18,10 @@ expert), and nothing on the way defaults, coerces or re-checks them again:
 
 A setting the host cannot run (``gather`` on the cpu backend) raises
 :class:`CopySettingsError` naming the field.
+
+:func:`resolve_cuda_graphs` is the only place that turns ``engine.cudaGraphs`` into whether
+the engine captures CUDA graphs of its decode-only steps (:class:`CudaGraphsError` when it
+cannot).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from dataclasses import dataclass
 
 from dwdp.api.config import DwdpConfig
 from dwdp.api.contract import ENV_DENSE_MIN_BYTES, ENV_TORCH_THREADS
-from dwdp.api.enums import CopyMode, GatherKernel
+from dwdp.api.enums import CopyMode, GatherKernel, Role
+from dwdp.api.errors import Problem
+from dwdp.api.support import CUDA_GRAPHS_WITH_DWDP
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +146,44 @@ def resolve_torch_threads(environ: Mapping[str, str]) -> int | None:
     """Intra-op threads of this rank's torch (``DWDP_TORCH_THREADS``, >= 1); None: torch's
     default. Raises :class:`WorkerEnvError`."""
     return _env_int(environ, ENV_TORCH_THREADS, minimum=1)
+
+
+class CudaGraphsError(ValueError):
+    """``engine.cudaGraphs: true`` on a rank that cannot capture graphs; the message names
+    the field, the value and why (one line)."""
+
+
+def resolve_cuda_graphs(
+    setting: bool | None, *, role: Role | None, device: str, dwdp_enabled: bool
+) -> bool:
+    """Whether this rank captures CUDA graphs of its decode-only steps.
+
+    Args:
+        setting: ``engine.cudaGraphs`` (None: unset).
+        role: the resolved role.
+        device: where the model runs (``cpu`` or ``cuda:N``).
+        dwdp_enabled: DWDP is on (``dwdp.api.launch.dwdp_active``): the prefetch schedule
+            runs host hooks around every MoE layer.
+
+    Unset: on for a generation server on CUDA without DWDP, off otherwise; false: off;
+    true: on.
+
+    Raises:
+        CudaGraphsError: true with DWDP on (the words of the API's refusal,
+            ``dwdp.api.support.CUDA_GRAPHS_WITH_DWDP``), or true off CUDA.
+    """
+    on_cuda = device.startswith("cuda")
+    if setting is None:
+        return role is Role.GENERATION and on_cuda and not dwdp_enabled
+    if not setting:
+        return False
+    limit = CUDA_GRAPHS_WITH_DWDP
+    if dwdp_enabled:
+        raise CudaGraphsError(str(Problem(limit.path, True, limit.rule)))
+    if not on_cuda:
+        rule = (
+            f"CUDA graphs need a CUDA device; this rank runs on {device}; leave it unset or "
+            "false"
+        )
+        raise CudaGraphsError(str(Problem(limit.path, True, rule)))
+    return True

@@ -94,6 +94,7 @@ def test_attached_dense_needs_a_group() -> None:
     [
         ({"dwdp": {"enableExperts": False, "enableDense": True}}, "dwdp.enableDense"),
         ({"handleType": "shm", "dwdp": {"dwdpSize": 2, "copyMode": "gather"}}, "dwdp.copyMode"),
+        ({"dwdp": {"dwdpSize": 2}, "engine": {"cudaGraphs": True}}, "engine.cudaGraphs"),
     ],
 )
 def test_worker_limits_refuse_the_launch_first(fields, where) -> None:
@@ -115,6 +116,22 @@ def test_a_dropped_field_is_unknown_to_the_launch(path) -> None:
     shown = [str(p) for p in problems]
     assert [p.where for p in problems] == [".".join(path)], shown
     assert f"unknown field (dropped: {DROPPED_FIELDS[path]})" in shown[0]
+
+
+def test_cuda_graphs_launch_rules() -> None:
+    """``engine.cudaGraphs``: unset by default; true or false without DWDP, and false with
+    it, pass; true with DWDP on is refused naming the field, the value and why."""
+    assert launch().engine.cuda_graphs is None
+    validate_launch(launch(role="generation", engine={"cudaGraphs": True}))
+    validate_launch(launch(role="context", engine={"cudaGraphs": True}))
+    validate_launch(launch(role="context", dwdp={"dwdpSize": 4}, engine={"cudaGraphs": False}))
+    problem = launch_problem(launch(role="context", dwdp={"dwdpSize": 4},
+                                    engine={"cudaGraphs": True}))
+    assert str(problem) == (
+        "engine.cudaGraphs: engine.cudaGraphs true with DWDP on is not supported by this "
+        "worker: the prefetch schedule runs host hooks around every MoE layer, which a CUDA "
+        "graph cannot replay; leave it unset or false (got true)"
+    )
 
 
 def test_launch_may_use_mpi() -> None:
@@ -204,8 +221,12 @@ def test_launch_config_rendered_from_a_deployment() -> None:
                 "image": "img",
                 "gracefulShutdownTimeoutSeconds": 45,
                 "server": {"port": 9000},
-                "context": {"dwdp": {"dwdpSize": 4, "enableDense": True}, "maxNumTokens": 4096},
-                "generation": {"replicas": 1, "maxBatchSize": 16},
+                "context": {
+                    "dwdp": {"dwdpSize": 4, "enableDense": True},
+                    "maxNumTokens": 4096,
+                    "engine": {"cudaGraphs": False},
+                },
+                "generation": {"replicas": 1, "maxBatchSize": 16, "engine": {"cudaGraphs": True}},
             },
         }
     )
@@ -217,6 +238,7 @@ def test_launch_config_rendered_from_a_deployment() -> None:
     gen = launch_config_for(dep.spec, Role.GENERATION)
     assert gen.role is Role.GENERATION and gen.dwdp == DwdpConfig()
     assert gen.max_batch_size == 16
+    assert ctx.engine.cuda_graphs is False and gen.engine.cuda_graphs is True  # per section
     validate_launch(gen)
     # The rendered launch round-trips through its YAML view (the worker's config file).
     again = LaunchConfig.model_validate(ctx.to_yaml_dict())

@@ -144,6 +144,35 @@ def test_a_kv_pool_below_one_request_fails_the_rank_naming_the_numbers(
     assert "replicated_weights " in line and "kv_pool 0.00/0.00" in line
 
 
+def test_cuda_graphs_on_a_cpu_rank_stop_it_before_the_rendezvous(
+    tmp_path, checkpoint, monkeypatch
+):
+    """engine.cudaGraphs true where the model runs on the cpu: one config line naming the
+    field and the device, before the group is joined and the model loads; with DWDP on, the
+    launch rule refuses it first, with the API's words."""
+    monkeypatch.setenv("DWDP_ROLE", "generation")
+
+    def no_rendezvous(*args, **kwargs):
+        raise AssertionError("the rank joined its group: cudaGraphs must refuse first")
+
+    monkeypatch.setattr("dwdp.worker.group.join_group", no_rendezvous)
+    config = _config(tmp_path, model=str(checkpoint), engine={"cudaGraphs": True})
+    code, line = _run(tmp_path, config)
+    assert code == 1
+    assert line == (
+        "config: CudaGraphsError: engine.cudaGraphs: CUDA graphs need a CUDA device; this "
+        "rank runs on cpu; leave it unset or false (got true)\n"
+    ), line
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    config = _config(
+        tmp_path, model=str(checkpoint), engine={"cudaGraphs": True}, dwdp={"dwdpSize": 2}
+    )
+    code, line = _run(tmp_path, config)
+    assert code == 1
+    assert line.startswith("config: LaunchError: launch refused: engine.cudaGraphs: "), line
+    assert "the prefetch schedule runs host hooks around every MoE layer" in line
+
+
 def test_bad_launch_config_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {path: /x}\ndwdp: {numPrefetchSlots: 1}\n")

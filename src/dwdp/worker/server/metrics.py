@@ -36,8 +36,8 @@ class _ScrapeCollector:
         parts = GaugeMetricFamily(
             "dwdp_memory_bytes",
             "The rank's memory ledger: bytes by part (peak_load, replicated_weights, "
-            "expert_store, dense_store, slot_rings, activations_headroom, kv_pool) and "
-            "where (host, device); parts not measured are left out.",
+            "expert_store, dense_store, slot_rings, activations_headroom, cuda_graphs, kv_pool) "
+            "and where (host, device); parts not measured are left out.",
             labels=["part", "where"],
         )
         for part, placed in self.memory.ledger.as_dict().items():
