@@ -183,7 +183,6 @@ def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: in
     params = SamplingParams(max_tokens=warmup + steps + 16, ignore_eos=True)
     prompts = [[rng.randrange(engine.vocab_size) for _ in range(context)] for _ in range(batch)]
     states = [RequestState(f"d{batch}x{context}-{i}", p, params) for i, p in enumerate(prompts)]
-    stats = engine.stats
     with engine._step_lock:
         for state in states:
             engine.validate(state.prompt, params)
@@ -197,6 +196,7 @@ def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: in
                 raise RuntimeError(f"prefill of {batch} x {context} tokens did not end")
             for _ in range(warmup):
                 engine._step()
+            stats = engine.stats
             replays = getattr(stats, "graph_replays", None)
             tokens, preempted = stats.generation_tokens, stats.preemptions
             _sync(device)
@@ -217,11 +217,15 @@ def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: in
 
 
 def _end_all(engine: Any, states: list) -> None:
-    """Abort ``states`` and let one step take them out (their blocks go back)."""
+    """Abort ``states`` and step until the scheduler holds no request (their blocks go back;
+    at most 4 steps)."""
     for state in states:
         state.aborted = True
     try:
-        engine._step()
+        for _ in range(4):
+            engine._step()
+            if not engine.scheduler.has_work:
+                break
     except Exception as exc:  # the row already failed; its error is the one reported
         print(f"cleanup step failed: {exc!r}", file=sys.stderr)
 
