@@ -96,8 +96,10 @@ async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) 
     }
 
 
-def serve_and_drive(engine, per_slot: int, vocab: int) -> list[dict]:
-    """The engine behind the OpenAI app on a free loopback port, at every level."""
+def serve_and_drive(engine, per_slot: int, vocab: int,
+                    levels: tuple[int, ...] = LEVELS) -> list[dict]:
+    """The engine behind the OpenAI app on a free loopback port, at every concurrency of
+    ``levels``."""
     import uvicorn
 
     from dwdp.worker.server.app import build_app
@@ -112,18 +114,20 @@ def serve_and_drive(engine, per_slot: int, vocab: int) -> list[dict]:
     try:
         asyncio.run(drive(base, workload(2, vocab, 99), 2))  # warm-up
         return [asyncio.run(drive(base, workload(max(4, c * per_slot), vocab, c), c))
-                for c in LEVELS]
+                for c in levels]
     finally:
         server.should_exit = True
         thread.join(60)
 
 
-def generate_baseline(model, per_slot: int, vocab: int) -> list[dict]:
-    """transformers' ``generate`` over the same work: batches of ``c`` left-padded prompts."""
+def generate_baseline(model, per_slot: int, vocab: int,
+                      levels: tuple[int, ...] = LEVELS) -> list[dict]:
+    """transformers' ``generate`` over the same work: batches of ``c`` left-padded prompts
+    (``c`` each concurrency of ``levels``), on the model's device."""
     import torch
 
     rows = []
-    for c in LEVELS:
+    for c in levels:
         work = workload(max(4, c * per_slot), vocab, c)
         start, tokens = time.perf_counter(), 0
         for i in range(0, len(work), c):
@@ -136,7 +140,8 @@ def generate_baseline(model, per_slot: int, vocab: int) -> list[dict]:
                 mask[j, width - len(p):] = 1
             n = max(n for _, n in batch)
             with torch.inference_mode():
-                model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=n,
+                model.generate(input_ids=ids.to(model.device),
+                               attention_mask=mask.to(model.device), max_new_tokens=n,
                                min_new_tokens=n, do_sample=False)
             tokens += sum(n for _, n in batch)  # what the requests asked for
         wall = time.perf_counter() - start

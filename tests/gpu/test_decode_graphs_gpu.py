@@ -1,0 +1,160 @@
+"""CUDA graphs of decode-only steps (``ContinuousEngine.capture_cuda_graphs``) on tiny models of
+the three architectures with the worker's GPU kernels (``use_cuda_kernels``), float32 on cuda:0:
+
+- replayed steps give the greedy tokens (and, within float32 rounding, the logits) of the same
+  engine without graphs, and every decode-only step replays a graph;
+- a decode batch between buckets (3 of 1, 2, 4) is padded into the next bucket without
+  touching the requests' cache; steps holding prefill chunks run eagerly, with the same tokens;
+- a forward that cannot be captured (a host read inside it) makes the capture raise
+  ``CudaGraphError`` with one line naming the reason, not a silent fallback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dwdp.worker.engine.base import EngineConfig  # noqa: E402
+from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
+from dwdp.worker.engine.graphs import bucket_sizes  # noqa: E402
+from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
+MAX_BATCH = 4  # buckets 1, 2, 4
+# four prompts of different lengths; one prefill step (69 tokens) then decode-only steps
+PROMPTS = [list(range(5, 8)), list(range(20, 37)), list(range(40, 80)), list(range(100, 109))]
+NEW_TOKENS = 8
+# three prompts through a 16-token step budget: chunked prefill beside decode tokens. The
+# schedule (scheduler.py's policy; chunk sizes per step): [3, 13] [1, 15] [1, 12, 3]
+# [1, 1, 14] [1, 1, 3], then 5 decode-only steps of 3 requests (padded into bucket 4),
+# 2 of 2 and 2 of 1: 14 steps, 9 of them decode-only.
+MIXED_PROMPTS = [list(range(5, 8)), list(range(20, 60)), list(range(100, 120))]
+MIXED_NEW_TOKENS = [14, 10, 6]
+MIXED_STEPS, MIXED_DECODE_ONLY = 14, 9
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def loaded(request, tmp_path_factory):
+    """A tiny float32 checkpoint of the architecture on cuda:0 with the worker's kernels."""
+    from dwdp.worker.gpu.cuda_path import use_cuda_kernels
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    path = make_checkpoint(request.param, tmp_path_factory.mktemp("ck") / request.param,
+                           num_experts=6, seed=9)
+    model, tok = load_checkpoint(path)
+    model.to("cuda:0")
+    use_cuda_kernels(model)
+    return model, tok
+
+
+def _engine(loaded, graphs: bool, **limits) -> ContinuousEngine:
+    model, tok = loaded
+    config = EngineConfig(max_batch_size=MAX_BATCH, max_model_len=128, cuda_graphs=graphs,
+                          **limits)
+    engine = ContinuousEngine(model, tok, model_name="tiny", config=config)
+    if graphs:
+        captured = engine.capture_cuda_graphs()
+        assert captured.buckets == bucket_sizes(MAX_BATCH) == (1, 2, 4)
+        assert captured.pool_bytes > 0
+    return engine
+
+
+def _params(counts: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, ignore_eos=True) for n in counts]
+
+
+def _assert_same(got, want) -> None:
+    """Greedy tokens equal; logits equal within float32 rounding (a graph runs the eager
+    step's kernels, a padded one at the bucket's batch size)."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i}"
+        torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits),
+                                   rtol=1e-3, atol=1e-3, msg=lambda m, i=i: f"request {i}: {m}")
+
+
+def test_replayed_decode_steps_give_the_eager_tokens(loaded):
+    params = _params([NEW_TOKENS] * len(PROMPTS))
+    eager = _engine(loaded, graphs=False)
+    want = eager.run_batch(PROMPTS, params, keep_logits=True)
+    assert eager.stats.graph_replays == 0
+    graphs = _engine(loaded, graphs=True)
+    got = graphs.run_batch(PROMPTS, params, keep_logits=True)
+    _assert_same(got, want)
+    # one prefill step, then every one of the NEW_TOKENS - 1 decode-only steps replays
+    assert graphs.stats.waves == eager.stats.waves == NEW_TOKENS
+    assert graphs.stats.graph_replays == NEW_TOKENS - 1
+    # served: the engine's own thread replays what this thread captured
+    with graphs:
+        served = graphs.run_batch(PROMPTS, params, keep_logits=True)
+    _assert_same(served, want)
+    assert graphs.stats.graph_replays > NEW_TOKENS - 1
+
+
+def test_a_batch_between_buckets_is_padded_and_prefill_steps_run_eagerly(loaded):
+    params = _params(MIXED_NEW_TOKENS)
+    eager = _engine(loaded, graphs=False, max_num_tokens=16)
+    want = eager.run_batch(MIXED_PROMPTS, params, keep_logits=True)
+    graphs = _engine(loaded, graphs=True, max_num_tokens=16)
+    got = graphs.run_batch(MIXED_PROMPTS, params, keep_logits=True)
+    _assert_same(got, want)
+    assert graphs.stats.waves == eager.stats.waves == MIXED_STEPS
+    # the 5 steps with a prefill chunk ran eagerly; the decode-only ones (3 requests in
+    # bucket 4, then 2, then 1) replayed
+    assert graphs.stats.graph_replays == MIXED_DECODE_ONLY
+    assert graphs.allocator.num_in_use == 0
+
+
+UNCAPTURABLE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.engine.graphs import CudaGraphError
+    from dwdp.worker.gpu.cuda_path import use_cuda_kernels
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+
+    model, tok = load_checkpoint(sys.argv[1])
+    model.to("cuda:0")
+    use_cuda_kernels(model)
+    norm = model.model.norm
+    plain = norm.forward
+
+    def forward(hidden):  # a host read of a device value: no graph can hold it
+        if hidden.float().abs().sum().item() < 0:
+            raise AssertionError("unreachable")
+        return plain(hidden)
+
+    norm.forward = forward
+    config = EngineConfig(max_batch_size=4, max_model_len=128, cuda_graphs=True)
+    engine = ContinuousEngine(model, tok, model_name="tiny", config=config)
+    try:
+        engine.capture_cuda_graphs()
+    except CudaGraphError as exc:
+        print("RESULT " + json.dumps({"error": str(exc)}), flush=True)
+    else:
+        print("RESULT " + json.dumps({"error": None}), flush=True)
+    """
+)
+
+
+def test_a_forward_that_cannot_be_captured_raises_cuda_graph_error(tmp_path):
+    """In a child process: a failed capture may leave the CUDA context unusable, and the
+    worker stops the rank on it anyway."""
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    path = make_checkpoint("qwen3_moe", tmp_path / "q", num_experts=6, seed=9)
+    child = subprocess.run([sys.executable, "-c", UNCAPTURABLE, str(path)],
+                           capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert child.returncode == 0 and lines, child.stderr[-4000:]
+    error = json.loads(lines[-1][len("RESULT "):])["error"]
+    assert error is not None, "the capture succeeded with a host read inside the forward"
+    assert error.strip() and "\n" not in error, repr(error)
+    assert "not built yet" not in error
+    assert "captur" in error.lower(), error  # it names the capture as what failed
