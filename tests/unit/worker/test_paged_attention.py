@@ -2,11 +2,12 @@
 context packed: decode rows, prefill chunks after earlier chunks, grouped-query heads, a
 sliding window, a value head dim unlike the key's, MLA's split key (latent + rotary) with
 the latent as value, and decode rows whose contexts are split over several programs and
-combined (the interpreter counts 8 SMs, so a few rows split). Blocks are scattered through the cache in a random order and the cache's
-page size differs between cases. Triton's interpreter runs the kernel on the CPU
-(``TRITON_INTERPRET=1``, set before triton is imported, hence a child process); its ``tl.dot``
-is wrong for bf16 operands (a plain 16x16 bf16 dot is off by 1e10 there), so the cases run in
-fp32 and fp16; bf16 runs on the GPU (tests/gpu)."""
+combined (the interpreter counts 8 SMs, so a few rows split). Blocks are scattered through
+the cache in a random order and the cache's page size differs between cases. Triton's
+interpreter runs the kernel on the CPU (``TRITON_INTERPRET=1``, set before triton is
+imported, hence a child process); its ``tl.dot`` is wrong for bf16 operands (a plain 16x16
+bf16 dot is off by 1e10 there), so the cases run in fp32 and fp16; bf16 runs on the GPU
+(tests/gpu)."""
 
 from __future__ import annotations
 
