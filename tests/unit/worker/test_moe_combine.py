@@ -6,14 +6,13 @@ where the GPU rounds to nearest, so the comparison allows one bf16 ULP."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("triton")
+
+from _triton import run_interpreted
 
 CHILD = textwrap.dedent(
     """
@@ -43,7 +42,4 @@ CHILD = textwrap.dedent(
 
 
 def test_combine_sums_each_tokens_rows_like_the_eager_combine():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_interpreted(CHILD)

@@ -11,14 +11,13 @@ bf16 dot is off by 1e10 there), so the cases run in fp32 and fp16; bf16 runs on 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("triton")
+
+from _triton import run_interpreted
 
 CHILD = textwrap.dedent(
     """
@@ -82,7 +81,4 @@ CHILD = textwrap.dedent(
 
 
 def test_paged_attention_equals_sdpa_over_the_packed_context():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_interpreted(CHILD)

@@ -7,14 +7,13 @@ before triton is imported, hence a child process); fp32 models."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("triton")
+
+from _triton import run_interpreted
 
 CHILD = textwrap.dedent(
     """
@@ -57,10 +56,7 @@ CHILD = textwrap.dedent(
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_the_kernel_path_gives_the_packed_paths_tokens(arch):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", CHILD, arch], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_interpreted(CHILD, arch)
 
 
 REPLAY_CHILD = textwrap.dedent(
@@ -121,7 +117,4 @@ def test_decode_steps_through_the_static_graph_inputs_give_the_eager_tokens():
     1, 2, 4: three rows padded to four, then two, then one as requests end), and get the
     tokens of the eager kernel path. The capture itself needs CUDA (tests/gpu); here each
     bucket's "graph" runs the forward over the bucket's static layout."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", REPLAY_CHILD], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_interpreted(REPLAY_CHILD)

@@ -376,13 +376,7 @@ def paged_attention(
         return _kernel_attention(module, layout, query, key, value, scaling, window), None
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty((query.shape[2], query.shape[1], value.shape[3]))  # [T, Hq, Dv]
-    for q0, q1, k0, k1 in layout.prefills:
-        mask = layout.chunk_mask(q1 - q0, k1 - k0, window, query.device)
-        q = query[:, :, q0:q1]
-        with sdpa_backends(q):
-            o = sdpa(q, key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=mask,
-                     is_causal=mask is None, scale=scaling, enable_gqa=gqa)
-        out[q0:q1] = o[0].transpose(0, 1)
+    _attend_chunks(layout, layout.prefills, query, key, value, out, scaling, window)
     if layout.decode_q is not None:
         idx = layout.decode_k
         q = query[0].index_select(1, layout.decode_q).transpose(0, 1)[:, :, None]  # [B,Hq,1,D]
@@ -402,10 +396,6 @@ def _kernel_attention(
     """The kernel path of ``paged_attention``: ``query`` [1, Hq, T, D], ``key``/``value`` the
     step's new entries [1, Hkv, T, D]; returns [1, T, Hq, Dv]. Paged rows read the layer's
     cache through the kernel; fresh chunks attend to their new entries through SDPA."""
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    from dwdp.worker.gpu.cuda_path import sdpa_backends
-
     tokens, heads = query.shape[2], query.shape[1]
     out = query.new_empty((tokens, heads, value.shape[3]))  # [T, Hq, Dv]
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
@@ -418,15 +408,30 @@ def _kernel_attention(
 
             kernel(query[0].transpose(0, 1), (first,), second, out, layout.paged,
                    block_size=layout.cache.block_size, scale=scale, window=window)
-    gqa = heads != key.shape[1]
-    for q0, q1 in layout.fresh:
-        mask = layout.chunk_mask(q1 - q0, q1 - q0, window, query.device)
+    fresh = [(q0, q1, q0, q1) for q0, q1 in layout.fresh]
+    _attend_chunks(layout, fresh, query, key, value, out, scaling, window)
+    return out[None]
+
+
+def _attend_chunks(
+    layout: StepLayout | KernelLayout, chunks: list[tuple[int, int, int, int]], query: Any,
+    key: Any, value: Any, out: Any, scaling: float | None, window: int | None,
+) -> None:
+    """SDPA of each prefill chunk ``(q0, q1, k0, k1)``: queries ``[q0, q1)`` of ``query``
+    [1, Hq, T, D] to keys ``[k0, k1)`` of ``key``/``value`` [1, Hkv, S, D] (bottom-right
+    causal), written into ``out`` [T, Hq, Dv]."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from dwdp.worker.gpu.cuda_path import sdpa_backends
+
+    gqa = query.shape[1] != key.shape[1]
+    for q0, q1, k0, k1 in chunks:
+        mask = layout.chunk_mask(q1 - q0, k1 - k0, window, query.device)
         q = query[:, :, q0:q1]
         with sdpa_backends(q):
-            o = sdpa(q, key[:, :, q0:q1], value[:, :, q0:q1], attn_mask=mask,
+            o = sdpa(q, key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=mask,
                      is_causal=mask is None, scale=scaling, enable_gqa=gqa)
         out[q0:q1] = o[0].transpose(0, 1)
-    return out[None]
 
 
 def _is_mla(module: Any) -> bool:
