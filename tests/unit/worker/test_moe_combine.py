@@ -6,12 +6,15 @@ where the GPU rounds to nearest, so the comparison allows one bf16 ULP."""
 
 from __future__ import annotations
 
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
+sys.path.insert(0, str(Path(__file__).parent))
 from _triton import run_interpreted
 
 CHILD = textwrap.dedent(

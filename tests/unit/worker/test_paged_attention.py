@@ -11,12 +11,15 @@ bf16 dot is off by 1e10 there), so the cases run in fp32 and fp16; bf16 runs on 
 
 from __future__ import annotations
 
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
+sys.path.insert(0, str(Path(__file__).parent))
 from _triton import run_interpreted
 
 CHILD = textwrap.dedent(

@@ -7,12 +7,15 @@ before triton is imported, hence a child process); fp32 models."""
 
 from __future__ import annotations
 
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
+sys.path.insert(0, str(Path(__file__).parent))
 from _triton import run_interpreted
 
 CHILD = textwrap.dedent(
