@@ -180,7 +180,9 @@ def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: in
     from dwdp.worker.engine.requests import RequestState
 
     rng = random.Random(batch * 100003 + context)
-    params = SamplingParams(max_tokens=warmup + steps + 16, ignore_eos=True)
+    prefill_steps = batch * context // MAX_NUM_TOKENS + batch + 8
+    # the first requests decode while the last ones still prefill: room for those steps too
+    params = SamplingParams(max_tokens=prefill_steps + warmup + steps + 16, ignore_eos=True)
     prompts = [[rng.randrange(engine.vocab_size) for _ in range(context)] for _ in range(batch)]
     states = [RequestState(f"d{batch}x{context}-{i}", p, params) for i, p in enumerate(prompts)]
     with engine._step_lock:
@@ -188,7 +190,7 @@ def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: in
             engine.validate(state.prompt, params)
             engine._add(state)
         try:
-            for _ in range(batch * context // MAX_NUM_TOKENS + batch + 8):
+            for _ in range(prefill_steps):
                 if all(s.tokens for s in states):
                     break
                 engine._step()

@@ -1,7 +1,8 @@
 """CUDA graphs of decode-only steps (``ContinuousEngine.capture_cuda_graphs``) on tiny models of
-the three architectures with the worker's GPU kernels (``use_cuda_kernels``), float32 on cuda:0:
+the three architectures with the worker's GPU kernels (``use_cuda_kernels``), bf16 on cuda:0 (the
+experts' grouped GEMMs take bf16 only):
 
-- replayed steps give the greedy tokens (and, within float32 rounding, the logits) of the same
+- replayed steps give the greedy tokens (and, within bf16 rounding, the logits) of the same
   engine without graphs, and every decode-only step replays a graph;
 - a decode batch between buckets (3 of 1, 2, 4) is padded into the next bucket without
   touching the requests' cache; steps holding prefill chunks run eagerly, with the same tokens;
@@ -26,6 +27,7 @@ from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 MAX_BATCH = 4  # buckets 1, 2, 4
+TINY = {"num_experts": 8, "seed": 9, "dtype": "bfloat16", "hidden_size": 128, "moe_width": 64}
 # four prompts of different lengths; one prefill step (69 tokens) then decode-only steps
 PROMPTS = [list(range(5, 8)), list(range(20, 37)), list(range(40, 80)), list(range(100, 109))]
 NEW_TOKENS = 8
@@ -40,13 +42,13 @@ MIXED_STEPS, MIXED_DECODE_ONLY = 14, 9
 
 @pytest.fixture(scope="module", params=ARCHS)
 def loaded(request, tmp_path_factory):
-    """A tiny float32 checkpoint of the architecture on cuda:0 with the worker's kernels."""
+    """A tiny bf16 checkpoint of the architecture on cuda:0 with the worker's kernels."""
     from dwdp.worker.gpu.cuda_path import use_cuda_kernels
     from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp_dev.worker.checkpoint import make_checkpoint
 
     path = make_checkpoint(request.param, tmp_path_factory.mktemp("ck") / request.param,
-                           num_experts=6, seed=9)
+                           **TINY)
     model, tok = load_checkpoint(path)
     model.to("cuda:0")
     use_cuda_kernels(model)
@@ -70,12 +72,12 @@ def _params(counts: list[int]) -> list[SamplingParams]:
 
 
 def _assert_same(got, want) -> None:
-    """Greedy tokens equal; logits equal within float32 rounding (a graph runs the eager
-    step's kernels, a padded one at the bucket's batch size)."""
+    """Greedy tokens equal; logits equal within bf16 rounding (a graph runs the eager step's
+    kernels, a padded one at the bucket's batch size, where a GEMM may tile differently)."""
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids, f"request {i}"
         torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits),
-                                   rtol=1e-3, atol=1e-3, msg=lambda m, i=i: f"request {i}: {m}")
+                                   rtol=2e-2, atol=2e-2, msg=lambda m, i=i: f"request {i}: {m}")
 
 
 def test_replayed_decode_steps_give_the_eager_tokens(loaded):
@@ -148,7 +150,7 @@ def test_a_forward_that_cannot_be_captured_raises_cuda_graph_error(tmp_path):
     worker stops the rank on it anyway."""
     from dwdp_dev.worker.checkpoint import make_checkpoint
 
-    path = make_checkpoint("qwen3_moe", tmp_path / "q", num_experts=6, seed=9)
+    path = make_checkpoint("qwen3_moe", tmp_path / "q", **TINY)
     child = subprocess.run([sys.executable, "-c", UNCAPTURABLE, str(path)],
                            capture_output=True, text=True, timeout=300)
     lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
