@@ -65,6 +65,7 @@ def test_the_kernel_path_gives_the_packed_paths_tokens(arch):
 REPLAY_CHILD = textwrap.dedent(
     """
     import random
+    import sys
     import tempfile
 
     import torch
@@ -83,9 +84,17 @@ REPLAY_CHILD = textwrap.dedent(
                                                  num_experts=5))
     vocab = model.config.get_text_config().vocab_size
     rng = random.Random(2)
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 18, 9)]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (21, 6, 13)]
-    config = EngineConfig(max_model_len=64, max_batch_size=4, block_size=4)
+    lengths, max_tokens, max_num_tokens, replays = {
+        # three rows padded to four, then two, then one as requests end
+        "decode": ((3, 18, 9), (21, 6, 13), 512, 20),
+        # a budget of 4 tokens: three requests decode while the fourth's prompt comes one
+        # token at a time (start > 0, not sampling): those steps are not decode steps
+        "budget": ((3, 2, 2, 18), (30, 30, 30, 4), 4, 10),
+    }[sys.argv[1]]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    config = EngineConfig(max_model_len=64, max_batch_size=4, block_size=4,
+                          max_num_tokens=max_num_tokens)
     eager = ContinuousEngine(model, tok, model_name="tiny", config=config)
     want = [r.token_ids for r in eager.run_batch(prompts, params)]
 
@@ -108,16 +117,18 @@ REPLAY_CHILD = textwrap.dedent(
     engine.runner.graphs = graphs
     got = [r.token_ids for r in engine.run_batch(prompts, params)]
     assert got == want, (got, want)
-    assert engine.stats.graph_replays >= 20, engine.stats.graph_replays  # 3, then 2, then 1 rows
+    assert engine.stats.graph_replays >= replays, engine.stats.graph_replays
     assert engine.allocator.num_in_use == 0
     print("ok")
     """
 )
 
 
-def test_decode_steps_through_the_static_graph_inputs_give_the_eager_tokens():
-    """Three requests of different lengths decode through the graphs' static inputs (buckets
-    1, 2, 4: three rows padded to four, then two, then one as requests end), and get the
-    tokens of the eager kernel path. The capture itself needs CUDA (tests/gpu); here each
-    bucket's "graph" runs the forward over the bucket's static layout."""
-    run_interpreted(REPLAY_CHILD)
+@pytest.mark.parametrize("case", ["decode", "budget"])
+def test_decode_steps_through_the_static_graph_inputs_give_the_eager_tokens(case):
+    """Requests of different lengths decode through the graphs' static inputs (buckets 1, 2,
+    4) and get the tokens of the eager kernel path: as requests end (``decode``), and beside a
+    prompt fed one token per step by a 4-token budget (``budget``: those steps run eagerly,
+    a replay would return a row the step has no sampler for). The capture itself needs CUDA
+    (tests/gpu); here each bucket's "graph" runs the forward over the bucket's static layout."""
+    run_interpreted(REPLAY_CHILD, case)

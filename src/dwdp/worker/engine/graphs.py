@@ -51,8 +51,10 @@ def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
 
 
 def is_decode_only(chunks: Sequence[Chunk]) -> bool:
-    """Every chunk adds one token to a context already cached (a decode step)."""
-    return all(len(c.token_ids) == 1 and c.start > 0 for c in chunks)
+    """Every chunk adds one token to a context already cached and samples the next (a decode
+    step). A one-token piece of a prompt that does not end the prompt (``sample`` false: the
+    budget's last token went to a prefill) is not decode: its step keeps no logits row for it."""
+    return all(len(c.token_ids) == 1 and c.start > 0 and c.sample for c in chunks)
 
 
 class DecodeGraphs:

@@ -20,9 +20,12 @@ Shapes (``T`` query rows, ``Hq`` query heads, ``Hkv`` KV heads, ``Hq % Hkv == 0`
 - ``value_cache`` [slots, Hkv, DV] (MLA: the latent cache itself);
 - ``out`` [T, Hq, DV], written at the rows the requests name; other rows are left as they are.
 
-Every index the kernel reads is a device tensor and the grid depends only on ``R`` and the
-longest ``q_len`` (a host integer), so a decode step's launch is the same at every step of a
-batch size: CUDA graphs capture it. Softmax in fp32 (online, flash-attention style); the output
+Every index the kernel reads is a device tensor; the grid depends only on host integers: ``R``,
+the longest ``q_len``, and for a decode call the number of splits (from ``max_seq_len`` and the
+device's SM count, ``_splits``). A decode step's launch is therefore the same at every step of a
+batch size when ``max_seq_len`` is held fixed: the CUDA graphs pass the model's maximum length
+(programs past a context's end find no keys and write an empty partial), so one capture serves
+every context length. Softmax in fp32 (online, flash-attention style); the output
 in ``out``'s dtype. On the CPU, Triton's interpreter runs it (tests); the engine's CPU path does
 not use it. Source: written for this project.
 """
