@@ -51,7 +51,9 @@ class EngineConfig:
     ``continuous.DEFAULT_POOL_TOKENS``; no bound in the wave engine); ``block_size``: tokens
     per KV block (continuous engine); ``cuda_graphs``: decode-only steps replay CUDA graphs
     captured by ``ContinuousEngine.capture_cuda_graphs`` (CUDA only; the worker resolves the
-    setting, ``engine.cudaGraphs``).
+    setting, ``engine.cudaGraphs``); ``prefix_caching``: keep computed full blocks cached by
+    their tokens' chain hash and share them with later requests (``kvCache.prefixCaching``;
+    ``dwdp.worker.engine.blocks``).
     """
 
     max_batch_size: int = MAX_BATCH_SIZE
@@ -60,6 +62,7 @@ class EngineConfig:
     kv_capacity_tokens: int | None = None
     block_size: int = KV_BLOCK_SIZE
     cuda_graphs: bool = False
+    prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -87,6 +90,12 @@ class EngineStats:
     """Prompt tokens whose KV was read from a context server (a counter)."""
     graph_replays: int = 0
     """Decode steps run as a CUDA graph replay (a counter; ``EngineConfig.cuda_graphs``)."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens of requests looked up in the prefix cache (a counter; vLLM's name)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached and not computed again (a counter; vLLM's name)."""
+    kv_blocks_cached: int = 0
+    """Blocks the prefix cache holds, in use or free (a gauge)."""
 
 
 class EngineBase:

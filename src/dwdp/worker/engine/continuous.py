@@ -98,7 +98,8 @@ class ContinuousEngine(EngineBase):
         capacity = cfg.kv_capacity_tokens or max(
             self.max_model_len, min(cfg.max_batch_size * self.max_model_len, DEFAULT_POOL_TOKENS)
         )
-        self.allocator = BlockAllocator(max(1, capacity // cfg.block_size), cfg.block_size)
+        self.allocator = BlockAllocator(max(1, capacity // cfg.block_size), cfg.block_size,
+                                        prefix_caching=cfg.prefix_caching)
         self.scheduler = Scheduler(
             self.allocator, max_num_seqs=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens
         )
@@ -314,7 +315,7 @@ class ContinuousEngine(EngineBase):
             self.stats.prompt_tokens += max(
                 0, min(seq.computed + n, len(seq.state.prompt)) - seq.computed
             )
-            seq.computed += n
+            self.scheduler.commit(seq, n)
         for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
             state = seq.state
             if state.finished:
@@ -362,6 +363,9 @@ class ContinuousEngine(EngineBase):
         if self.kv is not None:
             self.stats.kv_leases = self.kv.leases
         self.stats.kv_tokens_in_use = self.allocator.num_in_use * self.allocator.block_size
+        self.stats.kv_blocks_cached = self.allocator.num_cached
+        self.stats.prefix_cache_queries = self.scheduler.prefix_queries
+        self.stats.prefix_cache_hits = self.scheduler.prefix_hits
         self.stats.requests_running = len(self.scheduler.running)
         self.stats.requests_waiting = len(self.scheduler.waiting) + self._queue.qsize()
 

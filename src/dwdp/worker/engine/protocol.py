@@ -43,7 +43,8 @@ class SamplingParams:
     generator seeded by ``seed`` when set.
     A request stops at ``max_tokens`` new tokens, at the tokenizer's EOS token (unless
     ``ignore_eos``), at any of ``stop_token_ids``, or when its text contains one of ``stop``
-    (the text is cut before it).
+    (the text is cut before it). ``cache_salt`` (vLLM's field) keys the request's prefix in
+    the prefix cache: requests share cached blocks only with requests of the same salt.
     """
 
     max_tokens: int = 16
@@ -55,6 +56,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +110,8 @@ class RequestOutput:
     kv_transfer_params: KvTransferParams | None = None
     """On the last update of a remote-decode prefill: where its KV blocks wait
     (``KvConnector.request_finished``)."""
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (``usage.prompt_tokens_details.cached_tokens``)."""
 
 
 @dataclass(slots=True)

@@ -59,6 +59,8 @@ class RequestState:
     """What the last update answers as ``kv_transfer_params`` (a remote-decode prefill)."""
     detok: Any = None
     """The incremental detokeniser (``tokenizers.decoders.DecodeStream``) of a fast tokenizer."""
+    cached_tokens: int = 0
+    """Prompt tokens its first step found in the prefix cache."""
 
     @property
     def length(self) -> int:
@@ -160,6 +162,7 @@ class RequestState:
             if self.params.logprobs is not None
             else None,
             kv_transfer_params=self.kv_transfer_out if final else None,
+            cached_tokens=self.cached_tokens,
         )
         self.sent_text = max(self.sent_text, len(text))
         self.sent_tokens = len(self.tokens)

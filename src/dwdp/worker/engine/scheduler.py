@@ -15,6 +15,11 @@ A request whose prompt's KV comes from a context server (``Sequence.pull``) join
 prompt token but the last counted as computed: its first step recomputes that token, which gives
 the logits of its first output token (vLLM's NIXL connector does the same).
 
+With prefix caching (``BlockAllocator.prefix_caching``), a joining request first takes the
+longest run of cached full blocks its known tokens hash to (never its last token, whose logits
+it needs; never for a request that pulls its prompt, whose blocks the transfer writes) and
+counts those tokens as computed; ``commit`` caches each block a step fills.
+
 A request never holds more than one request of ``max_model_len`` tokens of blocks, and the
 engine refuses one that could not fit the pool alone, so the oldest request always progresses.
 """
@@ -24,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from dwdp.worker.engine.blocks import BlockAllocator
+from dwdp.worker.engine.blocks import BlockAllocator, BlockHash, block_hashes, root_hash
 from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.paged import Chunk
 from dwdp.worker.engine.requests import RequestState
@@ -42,11 +47,29 @@ class Sequence:
     """The remote prompt KV to read before its first step (a remote prefill): the engine's
     business (``KvConnector.load``); the scheduler only treats every prompt token but the last
     as computed when it joins."""
+    hashes: list[BlockHash] = field(default_factory=list)
+    """Chain hashes of the request's full blocks of known tokens (as far as hashed so far)."""
+    registered: int = 0
+    """Its first blocks known to the prefix cache (shared at its join, or cached by ``commit``)."""
+    cached_tokens: int | None = None
+    """Prompt tokens its first join found in the prefix cache (``None`` before it joins)."""
 
     @property
     def pending(self) -> int:
         """Known tokens (prompt and generated) not yet in the cache."""
         return self.state.length - self.computed
+
+    def token_ids(self) -> list[int]:
+        """Prompt and generated tokens."""
+        return self.state.prompt + self.state.tokens
+
+    def extend_hashes(self, upto_tokens: int, block_size: int) -> None:
+        """Hash the full blocks of the first ``upto_tokens`` known tokens not hashed yet."""
+        want = min(upto_tokens, self.state.length) // block_size - len(self.hashes)
+        if want > 0:
+            parent = self.hashes[-1] if self.hashes else root_hash(self.state.params.cache_salt)
+            self.hashes += block_hashes(self.token_ids(), block_size, parent,
+                                        start=len(self.hashes), count=want)
 
     def chunk(self, n: int) -> Chunk:
         """The next ``n`` pending tokens as a step chunk."""
@@ -78,6 +101,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.prefix_queries = 0
+        """Prompt tokens looked up in the prefix cache (vLLM's ``prefix_cache_queries``)."""
+        self.prefix_hits = 0
+        """Of those, tokens found cached (vLLM's ``prefix_cache_hits``)."""
 
     @property
     def has_work(self) -> bool:
@@ -117,15 +144,53 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.pull is not None:  # its prompt's KV arrives; only the last token runs
                 seq.computed = max(0, len(seq.state.prompt) - 1)
-            n = min(seq.pending, budget)
-            need = self.allocator.blocks_for(seq.computed + n) - len(seq.blocks)
+            hits = self._cached_prefix(seq)
+            start = max(seq.computed, len(hits) * self.allocator.block_size)
+            n = min(seq.state.length - start, budget)
+            new = self.allocator.blocks_for(start + n) - len(hits)
+            need = new + self.allocator.evictable(hits)  # shared free blocks stop being free
             if not self.allocator.can_allocate(need + (self.watermark if self.running else 0)):
                 break
-            seq.blocks.extend(self.allocator.allocate(need))
+            self._take_prefix(seq, hits)
+            seq.blocks.extend(self.allocator.allocate(new))
             self.running.append(self.waiting.popleft())
             plan.append(Scheduled(seq, seq.chunk(n)))
             budget -= n
         return plan
+
+    def commit(self, seq: Sequence, n: int) -> None:
+        """A step computed ``seq``'s next ``n`` tokens: count them and cache the blocks they
+        filled (with prefix caching)."""
+        seq.computed += n
+        if not self.allocator.prefix_caching:
+            return
+        full = seq.computed // self.allocator.block_size
+        seq.extend_hashes(seq.computed, self.allocator.block_size)
+        for b in range(seq.registered, full):
+            self.allocator.register(seq.blocks[b], seq.hashes[b])
+        seq.registered = max(seq.registered, full)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a joining ``seq`` can share: its known tokens but the last, in
+        full blocks (none for a pulled prompt or without prefix caching)."""
+        if seq.pull is not None or not self.allocator.prefix_caching or seq.blocks:
+            return []
+        seq.extend_hashes(seq.state.length - 1, self.allocator.block_size)
+        usable = (seq.state.length - 1) // self.allocator.block_size
+        return self.allocator.cached_prefix(seq.hashes[:usable])
+
+    def _take_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        """Share ``hits`` (from ``_cached_prefix``) as ``seq``'s first blocks; the first join
+        counts the lookup (vLLM's queries and hits, in prompt tokens)."""
+        if seq.pull is not None or not self.allocator.prefix_caching:
+            return
+        self.allocator.acquire(hits)
+        seq.blocks, seq.registered = list(hits), len(hits)
+        seq.computed = len(hits) * self.allocator.block_size
+        if seq.cached_tokens is None:
+            seq.cached_tokens = seq.state.cached_tokens = min(seq.computed, len(seq.state.prompt))
+            self.prefix_queries += len(seq.state.prompt)
+            self.prefix_hits += seq.cached_tokens
 
     def _grow(self, seq: Sequence, tokens: int) -> bool:
         """Give ``seq`` the blocks for ``tokens`` tokens, preempting newer requests as needed;
