@@ -101,6 +101,14 @@ class KvCacheConfig(ApiModel):
         description="Tokens per block of the paged KV cache (vLLM's --block-size); the pool "
         "is cut into capacity / blockSize blocks.",
     )
+    prefix_caching: Bool = Field(
+        default=True,
+        description="Automatic prefix caching (vLLM's --enable-prefix-caching): full KV "
+        "blocks stay cached by their tokens' hash after their request ends, while the pool "
+        "has room, and a later request with the same prefix (and cache_salt) skips their "
+        "prefill; answers report usage.prompt_tokens_details.cached_tokens. False computes "
+        "every prompt from its first token.",
+    )
 
 
 class EngineSpec(ApiModel):

@@ -434,6 +434,7 @@ def run_worker(opts: WorkerOptions) -> int:
                 kv_capacity_tokens=pool.capacity_tokens,
                 block_size=cfg.kv_cache.block_size,
                 cuda_graphs=cuda_graphs,
+                prefix_caching=cfg.kv_cache.prefix_caching,
             ),
             on_fatal=on_fatal,
         )

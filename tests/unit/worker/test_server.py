@@ -110,6 +110,7 @@ def test_completion_greedy_matches_engine(served):
         "prompt_tokens": len(ids),
         "completion_tokens": 6,
         "total_tokens": len(ids) + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert out["model"] == "tiny-ds" and out["object"] == "text_completion"
     # token-id prompts and echo

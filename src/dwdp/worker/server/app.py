@@ -36,6 +36,7 @@ from dwdp.worker.server.status import (
     NoDwdp,
     engine_failure,
     kv_tokens_in_use,
+    prefix_cache_status,
     with_identity,
 )
 
@@ -226,6 +227,9 @@ def build_app(
         status = serving.dwdp.status()
         if memory is not None:
             status.update(memory.status(kv_tokens_in_use(serving.engine)))
+        cache = prefix_cache_status(serving.engine)
+        if cache is not None:
+            status["prefix_cache"] = cache
         kv = serving.engine.kv
         if kv is not None:  # a disaggregated server: its KV transfer counters
             stats = getattr(serving.engine, "stats", None)

@@ -19,6 +19,9 @@ from dwdp.worker.server.status import DwdpStatusSource, kv_tokens_in_use
 if TYPE_CHECKING:
     from dwdp.worker.memory import RankMemory
 
+PREFIX_QUERIES_DOC = "Prompt tokens looked up in the prefix cache, as vLLM's prefix_cache_queries."
+PREFIX_HITS_DOC = "Of those, tokens found cached (not prefilled again), as vLLM's hits."
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -58,6 +61,18 @@ class _ScrapeCollector:
             value=kv_tokens_in_use(self.engine) / capacity,
         )
 
+    def _vllm_prefix_cache(self, stats: object) -> Iterator[Metric]:
+        """The prefix-cache counters under vLLM's names and ``model_name`` label, which
+        dashboards and routers built for vLLM read."""
+        model = str(getattr(self.engine, "model_name", ""))
+        for name, doc, field in (
+            ("vllm:prefix_cache_queries", PREFIX_QUERIES_DOC, "prefix_cache_queries"),
+            ("vllm:prefix_cache_hits", PREFIX_HITS_DOC, "prefix_cache_hits"),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], getattr(stats, field))
+            yield family
+
     def collect(self) -> Iterator[Metric]:
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
@@ -70,8 +85,11 @@ class _ScrapeCollector:
                  "later), as vLLM's num_preemptions.", stats.preemptions),
                 ("dwdp_remote_prefill_tokens", "Prompt tokens whose KV was read from a context "
                  "server (disaggregated serving).", stats.remote_prefill_tokens),
+                ("dwdp_prefix_cache_queries", PREFIX_QUERIES_DOC, stats.prefix_cache_queries),
+                ("dwdp_prefix_cache_hits", PREFIX_HITS_DOC, stats.prefix_cache_hits),
             ):
                 yield CounterMetricFamily(name, doc, value=value)
+            yield from self._vllm_prefix_cache(stats)
             for name, doc, value in (
                 ("dwdp_num_requests_running", "Requests in the engine's running set, as "
                  "vLLM's num_requests_running.", stats.requests_running),
@@ -79,6 +97,8 @@ class _ScrapeCollector:
                  "num_requests_waiting.", stats.requests_waiting),
                 ("dwdp_kv_leases", "Prefilled requests whose KV blocks wait for their "
                  "generation server.", stats.kv_leases),
+                ("dwdp_kv_blocks_cached", "KV blocks the prefix cache holds (in use or free).",
+                 stats.kv_blocks_cached),
             ):
                 yield GaugeMetricFamily(name, doc, value=value)
         status = self.dwdp.status()

@@ -60,6 +60,13 @@ class _Request(BaseModel):
     kv_transfer_params: KvTransferParams | None = Field(
         None, description="Prefill/decode disaggregation (vLLM's NIXL connector contract)."
     )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="vLLM's field: requests share prefix-cached KV blocks only with requests "
+        "of the same salt (keeps tenants' prefixes apart).",
+    )
 
     def stop_list(self) -> tuple[str, ...]:
         """``stop`` as a tuple; raises ``ValueError`` for more than 4 strings."""
@@ -141,12 +148,29 @@ class ChatCompletionRequest(_Request):
         return self.top_logprobs or 0
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's breakdown of the prompt tokens."""
+
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+
+
 class Usage(BaseModel):
     """Token counts of one request."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        """The usage of a request: ``cached_tokens`` of its prompt came from the cache."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
 
 
 class CompletionLogprobs(BaseModel):

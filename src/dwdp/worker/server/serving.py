@@ -170,6 +170,7 @@ class OpenAIServing:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            cache_salt=req.cache_salt,
         )
 
     def _check_model(self, name: str | None) -> None:
@@ -374,13 +375,7 @@ class OpenAIServing:
                 await s.aclose()
         if fmt.include_usage:
             completion = sum(o.completion_tokens for o in last)
-            yield fmt.usage_event(
-                Usage(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion,
-                    total_tokens=prompt_tokens + completion,
-                )
-            )
+            yield fmt.usage_event(Usage.of(prompt_tokens, completion, last[0].cached_tokens))
         yield "data: [DONE]\n\n"
 
 
@@ -392,20 +387,21 @@ class _Result:
     completion_tokens: int
     logprobs: list[TokenLogprob]
     kv_transfer_params: KvTransferParams | None = None
+    cached_tokens: int = 0
 
 
 async def _collect(stream: AsyncGenerator[RequestOutput, None]) -> _Result:
     text: list[str] = []
     tokens: list[int] = []
     logprobs: list[TokenLogprob] = []
-    reason, completion, kv = None, 0, None
+    reason, completion, kv, cached = None, 0, None, 0
     async for out in stream:
         text.append(out.text)
         tokens.extend(out.token_ids)
         logprobs.extend(out.logprobs or ())
         reason, completion = out.finish_reason, out.completion_tokens
-        kv = out.kv_transfer_params or kv
-    return _Result("".join(text), tokens, reason, completion, logprobs, kv)
+        kv, cached = out.kv_transfer_params or kv, out.cached_tokens
+    return _Result("".join(text), tokens, reason, completion, logprobs, kv, cached)
 
 
 async def _merge(
@@ -436,12 +432,10 @@ async def _merge(
 
 
 def _usage(prompt_tokens: int, results: list[_Result]) -> Usage:
+    """The usage of a request of ``results`` (its choices); the cached tokens are the first
+    choice's (one prefill's, as vLLM reports them)."""
     completion = sum(r.completion_tokens for r in results)
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion,
-        total_tokens=prompt_tokens + completion,
-    )
+    return Usage.of(prompt_tokens, completion, results[0].cached_tokens)
 
 
 @dataclass(slots=True)

@@ -73,6 +73,24 @@ def kv_tokens_in_use(engine: Any) -> int:
     return int(getattr(stats, "kv_tokens_in_use", 0))
 
 
+def prefix_cache_status(engine: Any) -> dict[str, Any] | None:
+    """The prefix cache's books for ``/dwdp/status`` (None when the engine keeps none):
+    ``enabled``, ``cached_blocks``, ``queries`` and ``hits`` (prompt tokens, since start) and
+    ``hit_rate`` (hits / queries; None before the first query)."""
+    stats = getattr(engine, "stats", None)
+    config = getattr(engine, "config", None)
+    if stats is None or not hasattr(stats, "prefix_cache_queries"):
+        return None
+    queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    return {
+        "enabled": bool(getattr(config, "prefix_caching", False)),
+        "cached_blocks": stats.kv_blocks_cached,
+        "queries": queries,
+        "hits": hits,
+        "hit_rate": hits / queries if queries else None,
+    }
+
+
 def with_identity(
     status: dict[str, Any], identity: Mapping[str, Any] | None, failure: str | None = None
 ) -> dict[str, Any]:
