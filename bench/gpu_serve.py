@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import random
@@ -29,6 +30,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -96,10 +98,9 @@ async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) 
     }
 
 
-def serve_and_drive(engine, per_slot: int, vocab: int,
-                    levels: tuple[int, ...] = LEVELS) -> list[dict]:
-    """The engine behind the OpenAI app on a free loopback port, at every concurrency of
-    ``levels``."""
+@contextlib.contextmanager
+def serving(engine) -> Iterator[str]:
+    """The (started) engine behind the OpenAI app on a free loopback port; yields its URL."""
     import uvicorn
 
     from dwdp.worker.server.app import build_app
@@ -110,14 +111,21 @@ def serve_and_drive(engine, per_slot: int, vocab: int,
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     try:
-        asyncio.run(drive(base, workload(2, vocab, 99), 2))  # warm-up
-        return [asyncio.run(drive(base, workload(max(4, c * per_slot), vocab, c), c))
-                for c in levels]
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def serve_and_drive(engine, per_slot: int, vocab: int,
+                    levels: tuple[int, ...] = LEVELS) -> list[dict]:
+    """The engine behind the OpenAI app on a free loopback port, at every concurrency of
+    ``levels``."""
+    with serving(engine) as base:
+        asyncio.run(drive(base, workload(2, vocab, 99), 2))  # warm-up
+        return [asyncio.run(drive(base, workload(max(4, c * per_slot), vocab, c), c))
+                for c in levels]
 
 
 def generate_baseline(model, per_slot: int, vocab: int,

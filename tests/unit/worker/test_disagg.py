@@ -112,6 +112,24 @@ def test_routed_requests_decode_from_the_context_servers_kv(pair):
     _wait(lambda: "dwdp_kv_leases 0.0" in ctx.client.get("/metrics").text, "lease gauge")
 
 
+def test_a_prefix_cached_on_the_context_server_is_leased_and_decoded_alike(pair):
+    """The same prompt routed twice: the second prefill finds its blocks in the context
+    server's prefix cache (all but the one holding its last token), leases the shared blocks,
+    and the generation server decodes the same tokens from them; every block comes back."""
+    ctx, gen = pair
+    body = {"prompt": list(range(3, 40)), "max_tokens": 6, "ignore_eos": True}
+    _, first = _routed(ctx, gen, "/v1/completions", body)
+    hits = ctx.engine.stats.prefix_cache_hits
+    _, second = _routed(ctx, gen, "/v1/completions", body)
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    assert ctx.engine.stats.prefix_cache_hits - hits == 36  # 9 blocks of 4 of 37 tokens
+    tokens = [r.json()["choices"][0]["token_ids"] for r in (first, second)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    _wait(lambda: ctx.engine.kv.leases == 0, "the context side's leases were not released")
+    _wait(lambda: ctx.engine.allocator.num_in_use == 0, "context blocks still held")
+    _wait(lambda: gen.engine.allocator.num_in_use == 0, "generation blocks still held")
+
+
 def test_a_routed_stream_decodes_and_streams(pair):
     ctx, gen = pair
     body = {"prompt": "The quick brown fox", "max_tokens": 6, "ignore_eos": True}

@@ -1,0 +1,189 @@
+"""Prefix caching through HTTP: the engine with ``prefix_caching`` on against the same engine
+with it off, on one device, in one run.
+
+Two workloads, each served by both engines (uvicorn on 127.0.0.1, the OpenAI app):
+
+- ``sequential``: six requests sharing a ``--prefix``-token prefix (1536) plus 16 unique tokens
+  each, answered one after another (greedy, 4 output tokens). Reported: each request's latency
+  and ``usage.prompt_tokens_details.cached_tokens``, the warm requests' median latency over the
+  first one's, and whether every answer equals the engine without caching.
+- ``shared`` (a shared system prompt): ``--shared-requests`` (64) requests of a 2048-token shared
+  prefix plus 128 unique tokens, 64 output tokens, EOS ignored, at concurrency 16 (streaming
+  clients of ``bench/gpu_serve.py``). Reported: time to first token p50/p99 and output
+  tokens/s with and without caching, and their TTFT ratio.
+
+The model: on a GPU the Qwen3-MoE slice of the other GPU benches (``--layers`` layers of 128
+experts, bf16, the worker's kernels); on the CPU a small float32 Qwen3-MoE (hidden 256, 16
+experts of 128, 4 layers), big enough that a prefill costs more than an HTTP round trip.
+
+Usage: python bench/prefix_cache.py [--device cuda|cpu] [--layers 4] [--out bench/results]
+                                    [--skip sequential,shared]
+Writes OUT/prefix_cache.json and OUT/prefix_cache.txt (OUT/prefix_cache-cpu.* on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import load, write_result
+from gpu_serve import drive, serving
+
+UNIQUE, SEQUENTIAL_REQUESTS, SEQUENTIAL_OUTPUT = 16, 6, 4
+SHARED_PREFIX, SHARED_UNIQUE, SHARED_OUTPUT, SHARED_CONCURRENCY = 2048, 128, 64, 16
+
+
+def model_and_tokenizer(args: argparse.Namespace, work: Path) -> tuple[Any, Any]:
+    """The bench's model on ``args.device`` (module docstring)."""
+    from dwdp_dev.worker.large_checkpoint import Qwen3MoeShape, write_qwen3_moe_checkpoint
+
+    cuda = args.device.startswith("cuda")
+    shape = Qwen3MoeShape(num_layers=args.layers) if cuda else Qwen3MoeShape(
+        num_layers=4, hidden_size=256, num_experts=16, moe_intermediate_size=128,
+        num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        dtype="float32")
+    ckpt = write_qwen3_moe_checkpoint(work / "ck", shape, seed=3,
+                                      device="cuda:0" if cuda else "cpu")
+    if cuda:
+        model, tok, _ = load(str(ckpt))
+        return model, tok
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+
+    return load_checkpoint(str(ckpt))
+
+
+def engine(model: Any, tok: Any, *, caching: bool) -> Any:
+    """A started continuous engine (blocks of 16, 4096 tokens a request, 64 requests)."""
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.continuous import ContinuousEngine
+
+    config = EngineConfig(max_batch_size=64, max_num_tokens=8192, max_model_len=4096,
+                          kv_capacity_tokens=64 * 4096, prefix_caching=caching)
+    return ContinuousEngine(model, tok, model_name="bench", config=config).start()
+
+
+def sequential(model: Any, tok: Any, args: argparse.Namespace) -> dict:
+    """The ``sequential`` workload against both engines (module docstring)."""
+    import httpx
+
+    rng = random.Random(1)
+    vocab = model.config.vocab_size
+    prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
+    prompts = [prefix + [rng.randrange(vocab) for _ in range(UNIQUE)]
+               for _ in range(SEQUENTIAL_REQUESTS)]
+    out: dict[str, Any] = {}
+    for name, caching in (("off", False), ("on", True)):
+        eng = engine(model, tok, caching=caching)
+        rows = []
+        try:
+            with serving(eng) as base, httpx.Client(base_url=base, timeout=600) as client:
+                client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+                for prompt in prompts:
+                    start = time.perf_counter()
+                    r = client.post("/v1/completions", json={
+                        "prompt": prompt, "max_tokens": SEQUENTIAL_OUTPUT, "ignore_eos": True})
+                    r.raise_for_status()
+                    body = r.json()
+                    rows.append({
+                        "latency_s": time.perf_counter() - start,
+                        "cached_tokens": body["usage"]["prompt_tokens_details"]["cached_tokens"],
+                        "token_ids": body["choices"][0]["token_ids"],
+                    })
+        finally:
+            eng.stop()
+        out[name] = rows
+    on, off = out["on"], out["off"]
+    out["warm_over_first"] = (statistics.median(r["latency_s"] for r in on[1:])
+                              / on[0]["latency_s"])
+    out["answers_equal"] = [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
+    return out
+
+
+def shared(model: Any, tok: Any, args: argparse.Namespace) -> dict:
+    """The ``shared`` workload against both engines (module docstring)."""
+    rng = random.Random(2)
+    vocab = model.config.vocab_size
+    prefix = [rng.randrange(vocab) for _ in range(SHARED_PREFIX)]
+    work = [(prefix + [rng.randrange(vocab) for _ in range(SHARED_UNIQUE)], SHARED_OUTPUT)
+            for _ in range(args.shared_requests)]
+    warm = [([rng.randrange(vocab) for _ in range(64)], 4) for _ in range(2)]
+    out: dict[str, Any] = {}
+    for name, caching in (("off", False), ("on", True)):
+        eng = engine(model, tok, caching=caching)
+        try:
+            with serving(eng) as base:
+                asyncio.run(drive(base, warm, 2))
+                out[name] = asyncio.run(drive(base, work, SHARED_CONCURRENCY))
+        finally:
+            eng.stop()
+    out["ttft_p50_off_over_on"] = out["off"]["ttft_p50_s"] / out["on"]["ttft_p50_s"]
+    return out
+
+
+def report(result: dict, args: argparse.Namespace) -> str:
+    lines = [f"prefix caching on {result.get('device_name', args.device)}: {result['model']}"]
+    seq = result.get("sequential")
+    if seq:
+        lines.append(f"sequential: {SEQUENTIAL_REQUESTS} requests of a {args.prefix}-token "
+                     f"prefix + {UNIQUE} unique tokens, {SEQUENTIAL_OUTPUT} output tokens")
+        lines.append(f"{'request':>8} {'off ms':>9} {'on ms':>9} {'cached':>7}")
+        for i, (a, b) in enumerate(zip(seq["off"], seq["on"], strict=True)):
+            lines.append(f"{i:>8} {a['latency_s'] * 1e3:>9.1f} {b['latency_s'] * 1e3:>9.1f} "
+                         f"{b['cached_tokens']:>7}")
+        lines.append(f"warm median / first (on) = {seq['warm_over_first']:.3f}; answers equal "
+                     f"to caching off: {seq['answers_equal']}")
+    sh = result.get("shared")
+    if sh:
+        lines.append(f"shared system prompt: {args.shared_requests} requests of a "
+                     f"{SHARED_PREFIX}-token prefix + {SHARED_UNIQUE} unique, {SHARED_OUTPUT} "
+                     f"output tokens, concurrency {SHARED_CONCURRENCY}")
+        lines.append(f"{'caching':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'out tok/s':>10}")
+        for name in ("off", "on"):
+            r = sh[name]
+            lines.append(f"{name:>8} {r['ttft_p50_s'] * 1e3:>8.1f}ms "
+                         f"{r['ttft_p99_s'] * 1e3:>8.1f}ms {r['output_tokens_per_s']:>10.1f}")
+        lines.append(f"TTFT p50 off / on = {sh['ttft_p50_off_over_on']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--layers", type=int, default=4, help="GPU model's layers")
+    ap.add_argument("--prefix", type=int, default=1536, help="sequential: shared prefix tokens")
+    ap.add_argument("--shared-requests", type=int, default=64)
+    ap.add_argument("--skip", default="", help="workloads to leave out: sequential,shared")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.manual_seed(0)
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="dwdp-prefix-") as work:
+        model, tok = model_and_tokenizer(args, Path(work))
+        text = model.config.get_text_config()
+        result["model"] = (f"Qwen3-MoE {text.num_hidden_layers} layers x {text.num_experts} "
+                           f"experts (hidden {text.hidden_size}, {model.dtype})")
+        if args.device == "cuda":
+            result["device_name"] = torch.cuda.get_device_name(0)
+        else:
+            result["threads"] = torch.get_num_threads()
+        if "sequential" not in args.skip:
+            result["sequential"] = sequential(model, tok, args)
+        if "shared" not in args.skip:
+            result["shared"] = shared(model, tok, args)
+    name = "prefix_cache" if args.device == "cuda" else "prefix_cache-cpu"
+    write_result(args, name, report(result, args), result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
