@@ -1,9 +1,9 @@
 """The continuous engine on the paged kernel's path (what runs on CUDA: the cache read in place,
 MLA through the absorbed latent form, fresh chunks through SDPA over their new entries) gives
 the tokens of the packed SDPA path (what runs on the CPU), for the three architectures, with
-chunked prefill (chunks after earlier chunks go through the kernel) and decode steps of
-several requests. Triton's interpreter runs the kernel on the CPU (``TRITON_INTERPRET=1``, set
-before triton is imported, hence a child process); fp32 models."""
+chunked prefill (chunks after earlier chunks go through the kernel), prompts whose prefix is
+cached, and decode steps of several requests. Triton's interpreter runs the kernel on the CPU
+(``TRITON_INTERPRET=1``, set before triton is imported, hence a child process); fp32 models."""
 
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ CHILD = textwrap.dedent(
         engine = ContinuousEngine(model, tok, model_name="tiny", config=config)
         assert engine.runner.cache.kernel is kernel
         out = [r.token_ids for r in engine.run_batch(prompts, params)]
+        # then prompts whose prefixes the first batch left cached: their first chunk starts
+        # after shared blocks (the kernel reads them in place)
+        again = [prompts[3][:33] + [5, 6], prompts[2]]
+        out += [r.token_ids for r in engine.run_batch(again, params)]
+        assert engine.stats.prefix_cache_hits >= 32 + 16, engine.stats
         assert engine.allocator.num_in_use == 0
         return out
 
