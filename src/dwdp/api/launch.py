@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
-from dwdp.api.base import ApiModel, Bool, PosInt
+from dwdp.api.base import ApiModel, Bool, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
 from dwdp.api.defaults import (
     KV_BLOCK_SIZE,
@@ -34,7 +34,7 @@ from dwdp.api.defaults import (
     SERVER_PORT,
 )
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
-from dwdp.api.errors import Problem, first_per_field
+from dwdp.api.errors import Problem, RuleViolations, first_per_field
 from dwdp.api.support import Scope, SectionView, worker_limit_problems
 
 __all__ = [
@@ -69,10 +69,77 @@ letter case: ``ctx0``, ``CTX1``, ``Gen3``) name a context or generation server."
 _LEGACY_ROLE = re.compile(r"(ctx|gen)[0-9]+")
 
 
+KV_EVENTS_TOPIC = "kv@{pod_ip}@{model}"
+"""The default topic: llm-d's convention (its endpoint picker reads the pod and the model from
+it); ``{pod_ip}`` and ``{model}`` are filled in by the worker."""
+
+_ZMQ_TCP = r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+|\*):[0-9]{1,5}$"
+
+
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
+_NO_WILDCARD = (
+    "a wildcard address would listen on every interface, and the events carry prompt token "
+    "ids: give the subscriber's address (the rank connects to it) or a loopback address"
+)
+
+
+class KvEventsConfig(ApiModel):
+    """KV cache events in vLLM's format (``--kv-events-config``): every block the prefix cache
+    stores or evicts, batched per engine step, msgpack over a ZMQ PUB socket, for a
+    prefix-cache-aware router such as llm-d's precise prefix-cache scorer."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel_rules([cel_rule(
+            " && ".join(f"!self.endpoint.startsWith('tcp://{h}:')" for h in _WILDCARD_HOSTS),
+            _NO_WILDCARD, field_path=".endpoint")])
+    )
+
+    endpoint: Annotated[str, Field(pattern=_ZMQ_TCP, max_length=256)] = Field(
+        description="Where the events go: tcp://HOST:PORT. A subscriber's address (the rank "
+        "connects to it, as llm-d's endpoint picker expects), or a loopback address the rank "
+        "binds for a subscriber beside it. Wildcard addresses (*, 0.0.0.0, ::) are refused: "
+        "the events carry prompt token ids, and a listening socket would hand them to any peer.",
+    )
+    topic: Annotated[str, Field(max_length=256)] = Field(
+        default=KV_EVENTS_TOPIC,
+        description="The topic frame of every message; {pod_ip} and {model} are replaced by "
+        "the rank's address and served model name (default: llm-d's kv@{pod_ip}@{model}).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> KvEventsConfig:
+        if self.host in _WILDCARD_HOSTS:
+            raise RuleViolations([Problem(("endpoint",), self.endpoint, _NO_WILDCARD)])
+        return self
+
+    @property
+    def host(self) -> str:
+        """The endpoint's host (brackets kept for IPv6)."""
+        return self.endpoint[len("tcp://"):].rsplit(":", 1)[0]
+
+    @property
+    def binds(self) -> bool:
+        """Whether the rank binds the endpoint (a loopback address) rather than connects."""
+        host = self.host.strip("[]")
+        return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+_EVENTS_NEED_CACHE = (
+    "events describe the prefix cache, and prefixCaching is false: set prefixCaching true "
+    "or leave events unset"
+)
+
+
 class KvCacheConfig(ApiModel):
     """How a rank sizes its KV cache pool after the DWDP commit: freeMemoryFraction of the
     memory left after weights, DWDP buffers and one forward's activations, bounded by
     maxTokens; a pool below one maxModelLen request is refused."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel_rules([cel_rule(
+            "!has(self.events) || !has(self.prefixCaching) || self.prefixCaching",
+            _EVENTS_NEED_CACHE, field_path=".events")])
+    )
 
     free_memory_fraction: float = Field(
         default=0.9,
@@ -109,6 +176,17 @@ class KvCacheConfig(ApiModel):
         "prefill; answers report usage.prompt_tokens_details.cached_tokens. False computes "
         "every prompt from its first token.",
     )
+    events: KvEventsConfig | None = Field(
+        default=None,
+        description="Publish KV cache events (vLLM's BlockStored / BlockRemoved / "
+        "AllBlocksCleared) for a prefix-cache-aware router; unset: none. Needs prefixCaching.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> KvCacheConfig:
+        if self.events is not None and not self.prefix_caching:
+            raise RuleViolations([Problem(("events",), self.events.endpoint, _EVENTS_NEED_CACHE)])
+        return self
 
 
 class EngineSpec(ApiModel):

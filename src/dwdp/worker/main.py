@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ from dwdp.worker.termination import write_termination_message
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from dwdp.api.launch import LaunchConfig
+    from dwdp.api.launch import KvEventsConfig, LaunchConfig
     from dwdp.api.partition import ExpertPartition
     from dwdp.worker.expert.layout import LoadedExperts
     from dwdp.worker.models.base import ArchitectureAdapter
@@ -297,15 +297,40 @@ def load_model(
     return model, tokenizer, None
 
 
+def advertised_host(host: str) -> str:
+    """The rank's address for its peers: ``DWDP_POD_IP``; outside a pod the bind address, or
+    loopback for a wildcard bind."""
+    return os.environ.get(Env.POD_IP) or (
+        host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    )
+
+
+def attach_kv_events(engine: Any, events: KvEventsConfig | None,
+                     host: str) -> Callable[[], None] | None:
+    """Publish the engine's KV cache events (``kvCache.events``) before it starts; returns
+    the publisher's ``close`` (None when unset). ``{pod_ip}`` and ``{model}`` in the topic
+    become the rank's address and served name. Raises ``KvEventsError`` naming the endpoint
+    when it cannot bind or connect."""
+    from dwdp.worker.engine.kv_events import KvEventPublisher
+
+    if events is None:
+        return None
+    topic = events.topic.replace("{pod_ip}", advertised_host(host)).replace(
+        "{model}", engine.model_name)
+    medium = "GPU" if str(engine.model.device).startswith("cuda") else "CPU"
+    publisher = KvEventPublisher(events.endpoint, topic, bind=events.binds,
+                                 block_size=engine.allocator.block_size, medium=medium)
+    engine.attach_kv_events(publisher)
+    return publisher.close
+
+
 def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: str | None) -> None:
     """Give a context or generation rank its NIXL KV transfer; it advertises the pod's address
     (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod)."""
     from dwdp.worker.disagg.agent import KvAgent
     from dwdp.worker.disagg.transfer import KvTransfer
 
-    advertise = os.environ.get(Env.POD_IP) or (
-        host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    )
+    advertise = advertised_host(host)
     layers = int(engine.model.config.get_text_config().num_hidden_layers)
     engine.attach_kv_transfer(
         lambda cache: KvTransfer(
@@ -346,6 +371,7 @@ def capture_cuda_graphs(engine: Any, ledger: MemoryLedger, watch: MemoryWatch) -
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
+    close_events: Callable[[], None] | None = None
     group: Any = None
     stage: dict[str, str] = {"now": Stage.CONFIG}
     watch = MemoryWatch("cpu")
@@ -442,6 +468,7 @@ def run_worker(opts: WorkerOptions) -> int:
             stage["now"] = Stage.ENGINE
             attach_kv_transfer(engine, cfg, opts.host, port, api_key)
         stop_engine = engine.stop
+        close_events = attach_kv_events(engine, cfg.kv_cache.events, opts.host)
         if cuda_graphs:
             stage["now"] = Stage.ENGINE
             ledger = capture_cuda_graphs(engine, ledger, watch)
@@ -489,6 +516,8 @@ def run_worker(opts: WorkerOptions) -> int:
     finally:
         if stop_engine is not None:
             stop_engine()
+        if close_events is not None:
+            close_events()
         if group is not None:
             # after a failure too: rank 0 hosts the rendezvous store, and the other ranks
             # still read the collective that failed (they must see its SetupError, not a

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from dwdp.api.defaults import KV_BLOCK_SIZE
+from dwdp.worker.engine.kv_events import BlockRemoved, BlockStored
 
 BlockHash = bytes
 """A block's chain hash: SHA-256 (32 bytes) of its parent's hash and its token ids."""
@@ -76,6 +77,9 @@ class BlockAllocator:
         self._by_hash: dict[BlockHash, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         """Cached blocks no request holds, least recently freed first."""
+        self.events: list[BlockStored | BlockRemoved] | None = None
+        """With KV events on (a list): what the cache stored and evicted since it was taken
+        (``take_events``)."""
 
     @property
     def num_free(self) -> int:
@@ -116,7 +120,10 @@ class BlockAllocator:
                 block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._by_hash[self._hash_of.pop(block)]
+                evicted = self._hash_of.pop(block)
+                del self._by_hash[evicted]
+                if self.events is not None:
+                    self.events.append(BlockRemoved((evicted,)))
             self._refs[block] = 1
             out.append(block)
         return out
@@ -163,9 +170,18 @@ class BlockAllocator:
                 del self._evictable[block]
             self._refs[block] += 1
 
-    def register(self, block: int, block_hash: BlockHash) -> None:
-        """Cache held ``block`` under ``block_hash`` (its tokens are all computed). A hash
-        already cached keeps its block (two requests computed the same prefix at once)."""
+    def register(self, block: int, block_hash: BlockHash, *, parent: BlockHash | None = None,
+                 token_ids: Sequence[int] = ()) -> None:
+        """Cache held ``block`` under ``block_hash`` (its tokens, ``token_ids``, are all
+        computed; ``parent``: the previous block's hash, for the events). A hash already
+        cached keeps its block (two requests computed the same prefix at once)."""
         if self.prefix_caching and block_hash not in self._by_hash and block not in self._hash_of:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
+            if self.events is not None:
+                self.events.append(BlockStored((block_hash,), parent, tuple(token_ids)))
+
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """The events since the last call (empty without KV events)."""
+        events, self.events = self.events or [], ([] if self.events is not None else None)
+        return events

@@ -23,6 +23,7 @@ from dwdp.worker.engine.base import EngineBase
 from dwdp.worker.engine.blocks import BlockAllocator
 from dwdp.worker.engine.graphs import DecodeGraphs, GraphStats
 from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
+from dwdp.worker.engine.kv_events import KvEventPublisher
 from dwdp.worker.engine.paged import (
     Chunk,
     KernelLayout,
@@ -109,6 +110,7 @@ class ContinuousEngine(EngineBase):
         )
         self.runner = ModelRunner(self, cache)
         self._sequences: dict[int, SchedSequence] = {}
+        self.kv_events: KvEventPublisher | None = None
         self._unsettled: list[SchedSequence] = []
         """Requests whose last token is taken, its text not yet (``_settle``)."""
         self._step_lock = threading.Lock()
@@ -157,6 +159,14 @@ class ContinuousEngine(EngineBase):
         self._warm_up()
         self.kv = make(self.runner.cache)
         return self.kv
+
+    def attach_kv_events(self, publisher: KvEventPublisher) -> None:
+        """Publish the prefix cache's events through ``publisher`` (``dwdp.worker.engine
+        .kv_events``), starting with ``AllBlocksCleared``; call before ``start``. The owner
+        closes the publisher after ``stop``."""
+        self.kv_events = publisher
+        self.allocator.events = []
+        publisher.publish([])
 
     def start(self) -> ContinuousEngine:
         """``EngineBase.start``; with ``config.cuda_graphs`` the graphs are captured first
@@ -303,6 +313,7 @@ class ContinuousEngine(EngineBase):
         if not plan:
             self._settle()
             self._count_kv()  # aborts and releases may have emptied the engine
+            self._publish_kv_events()
             return
         self.stats.waves += 1
         self.stats.preemptions = self.scheduler.preemptions
@@ -337,6 +348,7 @@ class ContinuousEngine(EngineBase):
                 state.kv_transfer_out = None
             self._unsettled.append(seq)
         self._count_kv()
+        self._publish_kv_events()
 
     def _settle(self) -> None:
         """Detokenise and stream the tokens the last step took (``RequestState.settle``); a
@@ -357,6 +369,13 @@ class ContinuousEngine(EngineBase):
             self._finish(seq.state, reason)
         self.scheduler.remove(seq)
         self._sequences.pop(id(seq.state), None)
+
+    def _publish_kv_events(self) -> None:
+        """With KV events attached: one batch of what the step cached and evicted."""
+        if self.kv_events is not None:
+            events = self.allocator.take_events()
+            if events:
+                self.kv_events.publish(events)
 
     def _count_kv(self) -> None:
         """The gauges: KV tokens held, requests running and waiting, leases."""

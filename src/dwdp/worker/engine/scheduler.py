@@ -164,11 +164,17 @@ class Scheduler:
         seq.computed += n
         if not self.allocator.prefix_caching:
             return
-        full = seq.computed // self.allocator.block_size
-        seq.extend_hashes(seq.computed, self.allocator.block_size)
+        size = self.allocator.block_size
+        full = seq.computed // size
+        if full <= seq.registered:
+            return
+        seq.extend_hashes(seq.computed, size)
+        ids = seq.token_ids() if self.allocator.events is not None else None
         for b in range(seq.registered, full):
-            self.allocator.register(seq.blocks[b], seq.hashes[b])
-        seq.registered = max(seq.registered, full)
+            self.allocator.register(
+                seq.blocks[b], seq.hashes[b], parent=seq.hashes[b - 1] if b else None,
+                token_ids=ids[b * size : (b + 1) * size] if ids is not None else ())
+        seq.registered = full
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a joining ``seq`` can share: its known tokens but the last, in
