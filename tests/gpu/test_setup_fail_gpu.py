@@ -1,6 +1,6 @@
 """Fail-together through the real setup on the cuda backend: 4 rank processes on one GPU
-attach expert + dense DWDP to a DeepSeek-V3-family checkpoint with ``DWDP_FAIL_AT`` set to
-fail rank 2 at dense P3, at dense P6 (the commit) and at the expert map step. Every rank
+attach expert + dense DWDP to a DeepSeek-V3-family checkpoint with a failure injected (on
+rank 2) at dense P3, at dense P6 (the commit) and at the expert map step. Every rank
 must raise ``SetupError`` naming that phase and rank 2, and leave no VMM handle, import,
 reservation, mapping or exported fd behind (``live_handles()`` counted before and after).
 A P3 failure restores the original tensors (the forward is bitwise the one before setup).
@@ -38,7 +38,7 @@ CHILD = textwrap.dedent(
     from dwdp.worker.backend.cuda_vmm import LEDGER
     from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp.worker.models import adapter_for
-    from dwdp.worker.setup.phases import ENV_FAIL_AT, SetupError
+    from dwdp.worker.setup.phases import FailAt, FailureInjector, SetupError
     from dwdp.worker.settings import CopySettings
     from dwdp.worker.transport.base import RendezvousConfig, read_secret
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
@@ -53,10 +53,7 @@ CHILD = textwrap.dedent(
     records = []
     with TcpStoreTransport(config) as transport:
         for scenario in scenarios:
-            if scenario == "none":
-                os.environ.pop(ENV_FAIL_AT, None)
-            else:
-                os.environ[ENV_FAIL_AT] = f"{scenario}:rank{fail_rank}"
+            points = () if scenario == "none" else (FailAt(scenario, fail_rank),)
             model, tok = load_checkpoint(ckpt)
             model.to("cuda:0")
             ids = torch.tensor([tok("Hello world, the")["input_ids"]], device="cuda:0")
@@ -69,7 +66,8 @@ CHILD = textwrap.dedent(
                 att = attach(model, adapter, backend=backend, transport=transport,
                              partition=expert_partition(e, 4), enable_dense=True,
                              num_slots=2,
-                             settings=CopySettings(copy_mode=CopyMode.BATCHED))
+                             settings=CopySettings(copy_mode=CopyMode.BATCHED),
+                             injector=FailureInjector(points))
             except SetupError as exc:
                 rec.update(raised=True, phase=str(exc.phase), failed=list(exc.failed_ranks),
                            restored=exc.restored, error=str(exc)[:400])
@@ -86,7 +84,6 @@ CHILD = textwrap.dedent(
             rec["after"] = LEDGER.snapshot()
             transport.barrier(label=f"end-{scenario}")
             records.append(rec)
-    os.environ.pop(ENV_FAIL_AT, None)
     backend.close()
     records.append({"closed": LEDGER.snapshot()})
     (out / f"fail.{rank}.json").write_text(json.dumps(records))
@@ -102,7 +99,7 @@ def records(tmp_path_factory):
     ckpt = str(make_checkpoint("deepseek_v3", root / "ds", num_experts=6, seed=9))
     script = root / "child.py"
     script.write_text(CHILD)
-    env = {k: v for k, v in os.environ.items() if k != "DWDP_FAIL_AT"}
+    env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["DWDP_RENDEZVOUS_SECRET_FILE"] = str(make_secret_file(root))
     port, group = free_port(), f"g{uuid.uuid4().hex[:8]}"

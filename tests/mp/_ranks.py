@@ -29,7 +29,7 @@ from dwdp.worker.backend.cpu import CpuBackend, leftover_segments
 from dwdp.worker.dense.layout import Segment
 from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
 from dwdp.worker.setup.expert import ExpertLayerWeights, setup_experts
-from dwdp.worker.setup.phases import FailureInjector, SetupError, parse_fail_at
+from dwdp.worker.setup.phases import FailAt, FailureInjector, SetupError
 
 FAIL_RANK = 2
 SCENARIOS = (
@@ -94,14 +94,14 @@ def run_dense(scenario: str, transport, backend, rank: int) -> dict:
     ids = torch.arange(12).reshape(2, 6) % 64
     reference = model(ids)
     before = snapshot(model)
-    fail = f"P{scenario[-1]}:rank{FAIL_RANK}" if scenario.startswith("fail-P") else ""
+    fail = (FailAt(f"P{scenario[-1]}", FAIL_RANK),) if scenario.startswith("fail-P") else ()
     record: dict = {"scenario": scenario, "rank": rank}
     try:
         dense = setup_dense(
             model, TOY_ARCH.moe_layers(model), backend=backend, transport=transport,
             enable_dense=not (scenario == "enable-dense-mismatch" and rank == 1),
             options=DenseSetupOptions(min_bytes=0),  # the toy's storages are all under 1 MiB
-            injector=FailureInjector(parse_fail_at(fail)))
+            injector=FailureInjector(fail))
     except SetupError as exc:
         record.update(ok=False, phase=exc.phase, failed=list(exc.failed_ranks),
                       restored=exc.restored, error=str(exc))
@@ -136,14 +136,14 @@ def run_expert(scenario: str, transport, backend, rank: int) -> dict:
         if scenario == "expert-shape-mismatch" and rank == 1 and index == 0:
             tensors["down_proj"] = tensors["down_proj"][:, :, :-1].contiguous()
         layers.append(ExpertLayerWeights(f"model.layers.{index + 1}", tensors))
-    fail = ""
+    fail: tuple[FailAt, ...] = ()
     if scenario.startswith("expert-fail-"):
-        fail = f"{scenario.removeprefix('expert-fail-')}:rank{FAIL_RANK}"
+        fail = (FailAt(scenario.removeprefix("expert-fail-"), FAIL_RANK),)
     record: dict = {"scenario": scenario, "rank": rank}
     try:
         experts = setup_experts(layers, partition=partition, backend=backend,
                                 transport=transport, num_slots=2,
-                                injector=FailureInjector(parse_fail_at(fail)))
+                                injector=FailureInjector(fail))
     except SetupError as exc:
         record.update(ok=False, phase=exc.phase, failed=list(exc.failed_ranks), error=str(exc))
         return record

@@ -54,14 +54,13 @@ def _run(model, tok):
 
 
 def _rank_main(rank: int, out: Path, group: str, port: int, ckpt: str) -> None:
-    import os
 
     torch.set_num_threads(1)
     from dwdp.worker.attach import attach
     from dwdp.worker.attachment import WeightsShardedError
     from dwdp.worker.backend.cpu import CpuBackend
     from dwdp.worker.models import adapter_for
-    from dwdp.worker.setup.phases import SetupError
+    from dwdp.worker.setup.phases import FailAt, FailureInjector, SetupError
     from dwdp.worker.transport.base import RendezvousConfig
     from dwdp.worker.transport.tcp_store import TcpStoreTransport
 
@@ -141,7 +140,6 @@ def _rank_main(rank: int, out: Path, group: str, port: int, ckpt: str) -> None:
 
         # 4. expert setup fails on one rank: every rank raises after the same collective and
         #    keeps its replicated tables
-        os.environ["DWDP_FAIL_AT"] = f"allocate:rank{FAIL_RANK}"
         model, tok = load_checkpoint(ckpt)
         try:
             attach(
@@ -151,11 +149,11 @@ def _rank_main(rank: int, out: Path, group: str, port: int, ckpt: str) -> None:
                 transport=transport,
                 partition=partition,
                 enable_dense=False,
+                injector=FailureInjector((FailAt("allocate", FAIL_RANK),)),
             )
             record["setup_failed"] = None
         except SetupError as exc:
             record["setup_failed"] = {"phase": str(exc.phase), "ranks": list(exc.failed_ranks)}
-        del os.environ["DWDP_FAIL_AT"]
         torch.save(_run(model, tok), out / f"after_fail.{rank}.pt")
     (out / f"guards.{rank}.json").write_text(json.dumps(record))
 

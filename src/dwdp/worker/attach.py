@@ -33,6 +33,7 @@ from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
 from dwdp.worker.server.status import DwdpStatusSource, NoDwdp
 from dwdp.worker.settings import DENSE_MIN_BYTES, CopySettings
 from dwdp.worker.setup.expert import ExpertDwdp
+from dwdp.worker.setup.phases import FailureInjector
 from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ def attach(
     checkpoint_dtypes: Mapping[str, str] | None = None,
     dense_min_bytes: int = DENSE_MIN_BYTES,
     loaded: LoadedExperts | None = None,
+    injector: FailureInjector | None = None,
 ) -> DwdpAttachment:
     """Set DWDP up on ``model`` over ``transport`` (a collective: every rank calls it with
     the same arguments) and attach the schedules; returns the committed attachment.
@@ -127,7 +129,8 @@ def attach(
     name -> checkpoint dtype name, for the scalar exchange's one-ULP rule (``None``: unknown,
     every scalar bitwise); ``dense_min_bytes``: dense storages below it stay replicated
     (default 1 MiB, the reference's); ``loaded``: the expert rows of a sharded load (the
-    managed layers' tables are meta until the repoint), ``None`` for a model loaded whole.
+    managed layers' tables are meta until the repoint), ``None`` for a model loaded whole;
+    ``injector``: setup failures to inject (tests only: the worker never passes one).
     MoE layers DWDP cannot manage keep their full expert table
     (``dwdp.worker.expert.managed``); the adapter's repeated layers keep their slot across
     repeats. Raises ``SetupError`` on every rank alike, ``UnsupportedArchitectureError`` when
@@ -167,6 +170,7 @@ def attach(
         settings=settings if settings is not None else CopySettings(),
         dense_min_bytes=dense_min_bytes,
         loaded=loaded,
+        injector=injector,
     )
     counters = CopyCounters()
     expert_schedule, dense_schedule = _schedules(

@@ -102,17 +102,16 @@ def test_attach_resolves_the_gather_once_per_manager_and_sets_up_on_created_stre
     assert not leftover_segments(group)
 
 
-def test_expert_failure_after_the_dense_commit_says_not_restored(monkeypatch):
+def test_expert_failure_after_the_dense_commit_says_not_restored():
     """Dense DWDP committed (originals dropped), then expert setup fails on rank 1: every
     rank raises the expert phase with ``restored=False`` and leaves no store behind."""
     from dwdp.worker.attach import attach
     from dwdp.worker.models import adapter_for
-    from dwdp.worker.setup.phases import ENV_FAIL_AT, SetupError
+    from dwdp.worker.setup.phases import FailAt, FailureInjector, SetupError
 
     group = f"u{uuid.uuid4().hex[:8]}"
     torch.set_num_threads(1)
     models = [_model(), _model()]
-    monkeypatch.setenv(ENV_FAIL_AT, "map:rank1")
 
     def body(transport):
         model = models[transport.rank]
@@ -125,6 +124,7 @@ def test_expert_failure_after_the_dense_commit_says_not_restored(monkeypatch):
                 transport=transport,
                 partition=expert_partition(NUM_EXPERTS, 2),
                 enable_dense=True,
+                injector=FailureInjector((FailAt("map", 1),)),
             )
         return info.value
 

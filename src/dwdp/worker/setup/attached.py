@@ -26,7 +26,7 @@ from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.dense import DenseSetupOptions, setup_dense
 from dwdp.worker.setup.expert import ExpertDwdp, setup_experts
 from dwdp.worker.setup.expert_repoint import check_expert_gather, repoint_experts
-from dwdp.worker.setup.phases import ExpertPhase, SetupError
+from dwdp.worker.setup.phases import ExpertPhase, FailureInjector, SetupError
 from dwdp.worker.transport.base import GroupTransport
 
 
@@ -53,6 +53,7 @@ def setup_attached(
     settings: CopySettings,
     dense_min_bytes: int = DENSE_MIN_BYTES,
     loaded: LoadedExperts | None = None,
+    injector: FailureInjector | None = None,
 ) -> AttachedSetup:
     """Dense setup, expert setup, the expert gather check and the repoint (module
     docstring). Raises ``SetupError`` on every rank alike.
@@ -60,7 +61,7 @@ def setup_attached(
     ``loaded``: the expert rows a sharded load read (``dwdp.worker.loading.sharded``; on the
     host, and the layers' own tables are then meta tensors): expert setup writes the store
     from them instead of slicing the full tables, and the gather check compares the rank's
-    range."""
+    range. ``injector``: failures to inject (tests only; ``dwdp.worker.setup.phases``)."""
     device = layers[0].experts.gate_up_proj.device
     if loaded is not None:  # the tables are meta and the rows on the host: the model's device
         device = next(t.device for t in model.parameters() if not t.is_meta)
@@ -73,6 +74,7 @@ def setup_attached(
             transport=transport,
             enable_dense=True,
             options=DenseSetupOptions(copy=settings, device=device, min_bytes=dense_min_bytes),
+            injector=injector,
         )
     experts = _setup_experts(
         layers,
@@ -83,6 +85,7 @@ def setup_attached(
         settings=settings,
         dense=dense,
         loaded=loaded,
+        injector=injector,
     )
     check_expert_gather(experts, layers, transport, dense=dense, loaded=loaded)
     repointed = repoint_experts(experts, layers, rank=transport.rank, loaded=loaded)
@@ -99,6 +102,7 @@ def _setup_experts(
     settings: CopySettings,
     dense: DenseDwdp | None,
     loaded: LoadedExperts | None,
+    injector: FailureInjector | None,
 ) -> ExpertDwdp:
     """This rank's range of every MoE layer's tables into its store (expert setup): the
     loaded rows, or slices of the full tables."""
@@ -118,6 +122,7 @@ def _setup_experts(
             transport=transport,
             num_slots=num_slots,
             settings=settings,
+            injector=injector,
         )
     except SetupError as exc:
         if dense is None:

@@ -109,7 +109,7 @@ def setup_dense(
     transport errors (a rank that vanished) propagate after a local rollback.
     """
     options = options or DenseSetupOptions()
-    injector = injector if injector is not None else FailureInjector.from_env()
+    injector = injector if injector is not None else FailureInjector()
     rank, n = transport.rank, transport.world_size
     dense: DenseDwdp | None = None
     try:

@@ -172,7 +172,7 @@ def setup_experts(
     at the allocate step. Returns the committed :class:`ExpertDwdp`; raises
     :class:`SetupError` on every rank alike.
     """
-    injector = injector if injector is not None else FailureInjector.from_env()
+    injector = injector if injector is not None else FailureInjector()
     copy = settings if settings is not None else CopySettings()
     rank = transport.rank
     experts: ExpertDwdp | None = None

@@ -10,14 +10,9 @@ taking part in the collectives up to the verdict; it never leaves its peers bloc
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-ENV_FAIL_AT = "DWDP_FAIL_AT"
-"""Failure injection for tests: ``PHASE:rankR`` (or ``PHASE:R``, ``PHASE:*``), comma
-separated, e.g. ``DWDP_FAIL_AT=P3:rank2`` or ``DWDP_FAIL_AT=handshake:rank0``."""
 
 
 class DensePhase(enum.StrEnum):
@@ -112,35 +107,19 @@ class FailAt:
     rank: int | None
 
 
-def parse_fail_at(text: str) -> tuple[FailAt, ...]:
-    """``"P3:rank2,P6:*"`` -> the injection points; raises ``ValueError`` naming the bad
-    entry."""
-    points = []
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        phase, sep, who = item.partition(":")
-        who = who.strip().removeprefix("rank")
-        if not sep or not phase or not (who == "*" or who.isdigit()):
-            raise ValueError(f"{ENV_FAIL_AT} entry {item!r} is not PHASE:rankN or PHASE:*")
-        points.append(FailAt(phase.strip(), None if who == "*" else int(who)))
-    return tuple(points)
-
-
 class FailureInjector:
     """Raises :class:`InjectedFailure` at the chosen (phase, rank) points.
 
-    Built from ``DWDP_FAIL_AT`` (:meth:`from_env`), from explicit points, or around a
-    callable hook. ``check(phase, rank)`` is called by setup at the end of each phase's
-    local work, just before the phase's collective.
+    Built from explicit points or around a callable hook, and handed to setup only by tests
+    (``attach(..., injector=...)``): a worker never builds one from its environment or
+    configuration, so nothing outside the test suite can make setup fail on purpose; setup's
+    default has no points. ``check(phase, rank)`` is called by setup at the end of each
+    phase's local work, just before the phase's collective.
     """
 
     def __init__(self, points: tuple[FailAt, ...] = (), hook: FailHook | None = None) -> None:
         self.points = points
         self.hook = hook
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> FailureInjector:
-        env = os.environ if environ is None else environ
-        return cls(parse_fail_at(env.get(ENV_FAIL_AT, "")))
 
     def check(self, phase: str, rank: int) -> None:
         for point in self.points:
