@@ -62,13 +62,18 @@ def check_expert_gather(
             experts.launch(m.moe_index, slot, stream)
             stream.synchronize()  # setup only: the host compares the bytes below
             views = experts.slot_views(slot, m.moe_index)
+            first = loaded.start if loaded is not None else 0
             for p, original in _originals(m, loaded).items():
                 if loaded is not None:
                     views[p] = views[p][loaded.start : loaded.end]
                 # a sharded load's rows are on the host: compared there (no device copy)
-                if not torch.equal(views[p].to(original.device), original.detach()):
+                gathered = views[p].to(original.device)
+                if not torch.equal(gathered, original.detach()):
                     raise RuntimeError(
-                        f"{m.prefix} {p}: the gathered slot differs from the original"
+                        f"{m.prefix} {p}: the gathered slot differs from the original in "
+                        f"experts {_differing(gathered, original, first)} (each copied from "
+                        "the lowest rank that stores it: with a redundant partition, ranks "
+                        "that share an expert hold other bytes for it)"
                     )
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -80,6 +85,12 @@ def check_expert_gather(
         raise SetupError(
             CHECK_PHASE, "check the expert gather", verdict.errors, restored=dense is None
         )
+
+
+def _differing(gathered: torch.Tensor, original: torch.Tensor, first: int) -> list[int]:
+    """The expert indices (at most 4) whose rows differ; row 0 is expert ``first``."""
+    rows = (gathered != original.detach()).flatten(1).any(1).nonzero().flatten()
+    return [first + int(i) for i in rows[:4]]
 
 
 def _originals(m: MoeLayer, loaded: LoadedExperts | None) -> dict[str, torch.Tensor]:
