@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
@@ -30,8 +30,8 @@ from dwdp.api.errors import (
     DwdpValidationError,
     Problem,
     RuleViolations,
+    all_problems,
     first_per_field,
-    problems_from_validation_error,
 )
 from dwdp.api.launch import (
     Dtype,
@@ -1097,11 +1097,7 @@ def deployment_problems(data: object) -> list[Problem]:
     """
     if not isinstance(data, Mapping):
         return [Problem((), data, "a DwdpDeployment must be a mapping of fields")]
-    try:
-        DwdpDeployment.model_validate(data)
-    except ValidationError as exc:
-        return problems_from_validation_error(exc, model=DwdpDeployment)
-    return []
+    return all_problems(DwdpDeployment, data)
 
 
 def parse_deployment(data: object) -> DwdpDeployment:

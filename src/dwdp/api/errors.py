@@ -9,11 +9,12 @@ prints one line per problem and callers never parse pydantic output.
 
 from __future__ import annotations
 
+import copy
 import json
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
 
@@ -176,6 +177,55 @@ def problems_from_validation_error(
         rule = _PLAIN_WORDS.get(kind) or _lower_first(err["msg"])
         problems.append(Problem((*prefix, *loc), value, rule))
     return problems
+
+
+MAX_PASSES = 4
+"""Validation passes of :func:`all_problems` at most (each drops the fields found broken)."""
+
+
+def all_problems(model: type[BaseModel], data: object) -> list[Problem]:
+    """Every problem of ``data`` as ``model``, in one report (no rounds).
+
+    pydantic checks a model's cross-field rules only once its fields validated, so a broken
+    field hides the rules of the object around it until it is fixed. Each pass validates a
+    copy of ``data`` without the fields the earlier passes found broken (they take their
+    defaults), and adds the problems at paths not reported yet; a field whose default breaks
+    a rule reports at its own path, already reported, so a dropped field adds no problem of
+    its own. Stops when a pass adds nothing (at most ``MAX_PASSES``)."""
+    found: dict[tuple[PathPart, ...], Problem] = {}
+    doc = copy.deepcopy(data)
+    for _ in range(MAX_PASSES):
+        try:
+            model.model_validate(doc)
+            break
+        except ValidationError as exc:
+            new = [p for p in problems_from_validation_error(exc, model=model)
+                   if not _related(p.path, found)]
+        if not new:
+            break
+        for problem in new:
+            found.setdefault(problem.path, problem)
+            _drop(doc, problem.path)
+    return list(found.values())
+
+
+def _related(path: tuple[PathPart, ...], found: Mapping[tuple[PathPart, ...], Problem]) -> bool:
+    """Whether ``path`` lies under, is, or holds a field already reported broken (an object
+    left empty by a drop reports at its own path what its dropped field already said)."""
+    return any(path[: len(p)] == p or p[: len(path)] == path for p in found)
+
+
+def _drop(doc: object, path: Sequence[PathPart]) -> None:
+    """Remove the field at ``path`` from ``doc`` in place (nothing when it is not there)."""
+    *parents, leaf = path or (None,)
+    node: Any = doc
+    for part in parents:
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if not (in_list or (isinstance(node, Mapping) and part in node)):
+            return
+        node = node[part]
+    if isinstance(node, dict) and leaf in node:
+        del node[leaf]
 
 
 def _field_names(model: type[BaseModel] | None, loc: Sequence[PathPart]) -> list[str]:
