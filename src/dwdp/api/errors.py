@@ -10,6 +10,7 @@ prints one line per problem and callers never parse pydantic output.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -70,6 +71,9 @@ class Problem:
     path: tuple[PathPart, ...]
     value: object
     rule: str
+    cross_field: bool = field(default=False, compare=False)
+    """Found by a model's rule over several fields (its fields each validated), not by one
+    field's own type or range."""
 
     @property
     def where(self) -> str:
@@ -78,7 +82,7 @@ class Problem:
 
     def under(self, prefix: Sequence[PathPart]) -> Problem:
         """The same problem seen from a parent object at ``prefix``."""
-        return Problem((*prefix, *self.path), self.value, self.rule)
+        return Problem((*prefix, *self.path), self.value, self.rule, self.cross_field)
 
     def __str__(self) -> str:
         shown = "" if self.value is UNSET else f" (got {_show(self.value)})"
@@ -165,7 +169,8 @@ def problems_from_validation_error(
         ctx = err.get("ctx") or {}
         inner = ctx.get("error")
         if isinstance(inner, RuleViolations):
-            problems.extend(p.under((*prefix, *loc)) for p in inner.problems)
+            problems.extend(dataclasses.replace(p.under((*prefix, *loc)), cross_field=True)
+                            for p in inner.problems)
             continue
         kind = err["type"]
         if kind == "extra_forbidden":
@@ -186,12 +191,13 @@ MAX_PASSES = 4
 def all_problems(model: type[BaseModel], data: object) -> list[Problem]:
     """Every problem of ``data`` as ``model``, in one report (no rounds).
 
-    pydantic checks a model's cross-field rules only once its fields validated, so a broken
-    field hides the rules of the object around it until it is fixed. Each pass validates a
-    copy of ``data`` without the fields the earlier passes found broken (they take their
-    defaults), and adds the problems at paths not reported yet; a field whose default breaks
-    a rule reports at its own path, already reported, so a dropped field adds no problem of
-    its own. Stops when a pass adds nothing (at most ``MAX_PASSES``)."""
+    pydantic checks a model's cross-field rules only once its fields validated, so a field
+    of the wrong type or out of range hides the rules of the object around it until it is
+    fixed. Each pass validates a copy of ``data`` without the fields the earlier passes found
+    broken on their own (they take their defaults), and adds the problems at paths not
+    reported yet (nor above or below one). Fields that only break a cross-field rule are kept
+    (a default in their place could break another rule the document does not break). Stops
+    when a pass adds nothing or drops nothing (at most ``MAX_PASSES``)."""
     found: dict[tuple[PathPart, ...], Problem] = {}
     doc = copy.deepcopy(data)
     for _ in range(MAX_PASSES):
@@ -201,11 +207,13 @@ def all_problems(model: type[BaseModel], data: object) -> list[Problem]:
         except ValidationError as exc:
             new = [p for p in problems_from_validation_error(exc, model=model)
                    if not _related(p.path, found)]
-        if not new:
-            break
         for problem in new:
             found.setdefault(problem.path, problem)
-            _drop(doc, problem.path)
+        broken = [p.path for p in new if not p.cross_field]
+        if not broken:
+            break
+        for path in broken:
+            _drop(doc, path)
     return list(found.values())
 
 

@@ -46,3 +46,12 @@ def test_a_valid_document_and_a_document_with_one_problem_are_reported_as_before
     assert deployment_problems(_doc()) == []
     (only,) = deployment_problems(_doc(maxBatchSize=0))
     assert only.where == "spec.context.maxBatchSize"
+
+
+def test_a_field_refused_by_a_rule_is_not_replaced_by_its_default():
+    """enableDense without enableExperts is refused by a rule of the section; replacing it
+    by its default (false) would break another rule (both false) the document does not
+    break: one problem only."""
+    doc = _doc(dwdp={"enableDense": True, "enableExperts": False})
+    (only,) = deployment_problems(doc)
+    assert only.where == "spec.context.dwdp.enableDense", only
