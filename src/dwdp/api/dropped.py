@@ -82,10 +82,21 @@ def _dropped(reason: str) -> str:
     return f"{UNKNOWN_FIELD} (dropped: {reason})"
 
 
+CONTEXT_ONLY: Mapping[str, str] = {
+    "dwdp": "DWDP runs on context servers only (spec.context.dwdp): a generation server holds "
+    "the whole model and decodes from the context servers' KV cache",
+    "handleType": "the handle type of DWDP's stores is a context-server setting "
+    "(spec.context.handleType): a generation server runs no DWDP",
+}
+"""The context section's fields a generation section does not take, with why."""
+
+
 def _rule(path: tuple[str | int, ...], known: Iterable[str]) -> str:
     reason = dropped_reason(path)
     if reason is not None:
         return _dropped(reason)
+    if len(path) == 3 and path[:2] == ("spec", "generation") and str(path[2]) in CONTEXT_ONLY:
+        return f"{UNKNOWN_FIELD} here: {CONTEXT_ONLY[str(path[2])]}"
     near = difflib.get_close_matches(str(path[-1]), list(known), n=1) if path else []
     hint = f"did you mean {near[0]}? " if near else ""
     return f"{UNKNOWN_FIELD} ({hint}check its spelling and indentation)"

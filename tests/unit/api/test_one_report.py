@@ -55,3 +55,11 @@ def test_a_field_refused_by_a_rule_is_not_replaced_by_its_default():
     doc = _doc(dwdp={"enableDense": True, "enableExperts": False})
     (only,) = deployment_problems(doc)
     assert only.where == "spec.context.dwdp.enableDense", only
+
+
+def test_dwdp_settings_on_a_generation_server_are_refused_saying_why():
+    doc = yaml.safe_load((EXAMPLE.parent / "03-context-and-generation.yaml").read_text())
+    doc["spec"]["generation"]["dwdp"] = {"enableDense": True}
+    (only,) = deployment_problems(doc)
+    assert only.where == "spec.generation.dwdp"
+    assert "DWDP runs on context servers only" in only.rule, only

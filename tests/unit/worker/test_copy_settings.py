@@ -219,4 +219,5 @@ def test_a_prefetch_ring_too_big_for_free_memory_is_refused_before_allocating():
         assert exc.phase == "allocate" and exc.failed_ranks == (0, 1) and exc.restored
         assert "PrefetchRingMemoryError" in str(exc) and "are free" in str(exc)
         assert f"{num_slots} prefetch slots" in str(exc)
+        assert "lower dwdp.numPrefetchSlots" in str(exc) and "raise dwdp.dwdpSize" in str(exc)
     assert not leftover_segments(name)

@@ -169,7 +169,9 @@ def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: 
             if need > free:
                 raise MemoryFitError(
                     f"the row store ({rows.nbytes} bytes) and the prefetch slots "
-                    f"({need - rows.nbytes} bytes) need {need} bytes but {free} bytes are free")
+                    f"({need - rows.nbytes} bytes) need {need} bytes but {free} bytes are free: "
+                    "raise dwdp.dwdpSize (a smaller row shard per rank), turn dwdp.enableDense "
+                    "off, or free the device memory other processes hold")
             gather = backend.resolve_gather(options.copy.gather_kernel,
                                             options.copy.gather_blocks)
             dense = DenseDwdp(backend=backend, layout=layout, rows=rows, rank=transport.rank,

@@ -272,7 +272,9 @@ def _allocate(experts: ExpertDwdp, layers: Sequence[ExpertLayerWeights]) -> None
         raise PrefetchRingMemoryError(
             f"the expert store ({layout.store_bytes[rank]} bytes) and {experts.num_slots} "
             f"prefetch slots of {layout.slot_bytes} bytes need {need} bytes but {free} bytes "
-            "are free")
+            "are free: lower dwdp.numPrefetchSlots (at least 2), raise dwdp.dwdpSize (a "
+            "smaller range of experts per rank), or free the device memory other processes "
+            "hold")
     experts.store = backend.allocate_store(layout.store_bytes[rank], tag="experts")
     data = experts.store.tensor()
     for index, layer in enumerate(layers):
