@@ -130,8 +130,10 @@ def references(checkpoints):
     refs = {}
     for arch in ARCHS:
         model, tok = load_checkpoint(checkpoints[arch])
-        engine = ContinuousEngine(model, tok, model_name=arch)
         for rank in range(WORLD):
+            # a fresh engine per rank, as each rank's: a prefix one rank's batch left cached
+            # would change another's logits in the last bits (tokens stay equal)
+            engine = ContinuousEngine(model, tok, model_name=arch)
             results = engine.run_batch(_batch(tok, rank), PARAMS, keep_logits=True)
             refs[(arch, rank)] = [(r.token_ids, torch.stack(r.logits)) for r in results]
     return refs

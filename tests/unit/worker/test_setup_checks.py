@@ -126,3 +126,28 @@ def test_a_wrong_expert_byte_fails_the_expert_check():
     for exc in _attach_all(corrupt=corrupt):
         assert exc.failed_ranks == (BAD_RANK,), exc
         assert "gathered slot differs from the original" in str(exc)
+
+
+def test_ranks_that_disagree_on_dense_dwdp_fail_with_that_verdict():
+    """One rank with dense DWDP on, the other off: every rank raises at P1 naming the
+    disagreement (not a mismatched collective)."""
+    from dwdp.worker.attach import attach
+    from dwdp.worker.models import adapter_for
+
+    group = f"u{uuid.uuid4().hex[:8]}"
+    torch.set_num_threads(1)
+    models = [_model(), _model()]
+
+    def body(transport):
+        model = models[transport.rank]
+        backend = CpuBackend(group=group, incarnation="1", rank=transport.rank)
+        with pytest.raises(SetupError) as info:
+            attach(model, adapter_for(model), backend=backend, transport=transport,
+                   partition=expert_partition(NUM_EXPERTS, 2),
+                   enable_dense=transport.rank == 0, dense_min_bytes=0)
+        return info.value
+
+    for exc in run_threads(2, body):
+        assert exc.phase == "P1" and exc.restored, exc
+        assert "ranks disagree on enable_dense (on: [0], off: [1])" in str(exc), exc
+    assert not leftover_segments(group)

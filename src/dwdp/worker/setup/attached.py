@@ -65,17 +65,17 @@ def setup_attached(
     device = layers[0].experts.gate_up_proj.device
     if loaded is not None:  # the tables are meta and the rows on the host: the model's device
         device = next(t.device for t in model.parameters() if not t.is_meta)
-    dense = None
-    if enable_dense:
-        dense = setup_dense(
-            model,
-            layers,
-            backend=backend,
-            transport=transport,
-            enable_dense=True,
-            options=DenseSetupOptions(copy=settings, device=device, min_bytes=dense_min_bytes),
-            injector=injector,
-        )
+    # every rank runs dense P1 (its collective carries each rank's enable_dense), so ranks
+    # that disagree fail with that verdict instead of mismatched collectives
+    dense = setup_dense(
+        model,
+        layers,
+        backend=backend,
+        transport=transport,
+        enable_dense=enable_dense,
+        options=DenseSetupOptions(copy=settings, device=device, min_bytes=dense_min_bytes),
+        injector=injector,
+    )
     experts = _setup_experts(
         layers,
         backend=backend,
