@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dwdp.worker.server.guard import MAX_BODY_BYTES, ApiKeyError, check_api_key
+from dwdp.worker.apikey import ApiKeyError, check_api_key
+from dwdp.worker.server.guard import MAX_BODY_BYTES
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))

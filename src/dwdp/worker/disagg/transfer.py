@@ -29,6 +29,7 @@ from typing import Any
 from dwdp.api.defaults import KV_TRANSFER_LEASE_S
 from dwdp.worker.disagg.agent import KV_AGENT_PATH, KvAgent, RemoteEngine, TransferError
 from dwdp.worker.engine.kv_connector import KvEndpoint, KvTransferParams
+from dwdp.worker.apikey import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class KvTransfer:
     """One engine's KV transfer, a ``KvConnector`` (see the module docstring).
 
     ``agent``: its ``KvAgent``; ``host``/``port``: where generation servers reach this server's
-    side channel (its HTTP address); ``api_key``: sent on side-channel fetches.
+    side channel (its HTTP address); ``api_key``: sent on side-channel fetches (an ``ApiKey``,
+    asked at each fetch so a rotated key is used, or a fixed key).
     """
 
     def __init__(
@@ -48,13 +50,13 @@ class KvTransfer:
         *,
         host: str,
         port: int,
-        api_key: str | None = None,
+        api_key: ApiKey | str | None = None,
         lease_s: float = KV_TRANSFER_LEASE_S,
     ) -> None:
         self.agent = agent
         self.host = host
         self.port = port
-        self.api_key = api_key
+        self.api_key = api_key if isinstance(api_key, ApiKey) else ApiKey(api_key)
         self.lease_s = lease_s
         self._lock = threading.Lock()  # the agent's calls
         self._lease_lock = threading.Lock()  # the lease table (engine thread and side channel)
@@ -153,7 +155,8 @@ class KvTransfer:
 
         engine_id = str(params.remote_engine_id)
         url = f"http://{_host_for_url(str(params.remote_host))}:{params.remote_port}{KV_AGENT_PATH}"
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        key = self.api_key.current()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:  # every request claims its lease; the answer also carries the agent
             async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S) as client:
                 r = await client.get(

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dwdp.worker.disagg.agent import KV_AGENT_PATH
 from dwdp.worker.engine.protocol import EngineClient
+from dwdp.worker.apikey import ApiKey
 from dwdp.worker.server.guard import RequestGuard
 from dwdp.worker.server.metrics import ServerMetrics
 from dwdp.worker.server.protocol import (
@@ -107,7 +108,7 @@ def build_app(
     on_shutdown: Any = None,
     identity: dict[str, Any] | None = None,
     memory: RankMemory | None = None,
-    api_key: str | None = None,
+    api_key: ApiKey | str | None = None,
     server: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app of one rank.
