@@ -124,8 +124,8 @@ def _launch(args: argparse.Namespace) -> int:
 def _router_gate(args: argparse.Namespace) -> int:
     from dwdp.api.contract import Env
     from dwdp.cli import UserError
-    from dwdp.worker.gate.run import main
     from dwdp.worker.apikey import ApiKey, ApiKeyError
+    from dwdp.worker.gate.run import main
 
     router = args.router[1:] if args.router[:1] == ["--"] else args.router
     if not router:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.api.contract import Env, Stage
 from dwdp.api.enums import Role
-from dwdp.worker.memory import MemoryLedger, MemoryWatch, RankMemory, size_rank_memory
 from dwdp.worker.apikey import ApiKey
+from dwdp.worker.memory import MemoryLedger, MemoryWatch, RankMemory, size_rank_memory
 from dwdp.worker.server.status import rank_identity, server_identity
 from dwdp.worker.settings import (
     CopySettings,

@@ -27,9 +27,9 @@ import time
 from typing import Any
 
 from dwdp.api.defaults import KV_TRANSFER_LEASE_S
+from dwdp.worker.apikey import ApiKey
 from dwdp.worker.disagg.agent import KV_AGENT_PATH, KvAgent, RemoteEngine, TransferError
 from dwdp.worker.engine.kv_connector import KvEndpoint, KvTransferParams
-from dwdp.worker.apikey import ApiKey
 
 log = logging.getLogger(__name__)
 

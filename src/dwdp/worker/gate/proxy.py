@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-from dwdp.worker.gate.child import GateError, RouterChild
 from dwdp.worker.apikey import ApiKey
+from dwdp.worker.gate.child import GateError, RouterChild
 from dwdp.worker.server.guard import Receive, Scope, Send, openai_error
 
 log = logging.getLogger(__name__)

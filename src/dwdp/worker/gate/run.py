@@ -14,9 +14,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from dwdp.worker.apikey import ApiKey
 from dwdp.worker.gate.child import GateError
 from dwdp.worker.gate.proxy import Gate, needs_key
-from dwdp.worker.apikey import ApiKey
 from dwdp.worker.server.guard import RequestGuard
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dwdp.worker.apikey import ApiKey
 from dwdp.worker.disagg.agent import KV_AGENT_PATH
 from dwdp.worker.engine.protocol import EngineClient
-from dwdp.worker.apikey import ApiKey
 from dwdp.worker.server.guard import RequestGuard
 from dwdp.worker.server.metrics import ServerMetrics
 from dwdp.worker.server.protocol import (
