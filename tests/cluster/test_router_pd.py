@@ -143,7 +143,7 @@ def test_requests_through_the_router_decode_from_remote_kv_of_every_rank(deploye
     assert env["DWDP_API_KEY_FILE"]["value"] == "/var/run/secrets/dwdp/api-key/key"
     (volume,) = [v for v in router_pod["spec"]["volumes"] if v["name"] == "api-key"]
     assert volume["secret"]["secretName"] == demo.API_KEY_SECRET
-    assert ctr["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": 8000}
+    assert ctr["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": 8000, "scheme": "HTTP"}
     assert demo.API_KEY not in json.dumps(router_pod)
     url = f"http://{router_pod['status']['podIP']}:8000"
     (ctx_pod,) = _pods(tc, "dwdp.io/role=context")

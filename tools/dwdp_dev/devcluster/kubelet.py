@@ -40,7 +40,8 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
   its own process group, stdout+stderr to a log file (``kubectl logs`` works through the
   kubelet's HTTPS port). PATH starts with ``--path-prepend`` (the repo's .venv/bin), so a
   console script of the environment is a container command as it is in the worker image
-  (``dwdp launch`` of worker pods, ``vllm-router`` of the operator's router pods).
+  (``dwdp launch`` of worker pods, ``dwdp router-gate`` and its ``vllm-router`` of the
+  operator's router pods).
 - Init containers, startup/readiness/liveness probes (httpGet, tcpSocket, exec), readiness
   gates, restartPolicy with back-off, terminationMessagePath/Policy, phase, podIP and
   container states with exit codes.
