@@ -122,7 +122,7 @@ class Gate:
     async def close(self) -> None:
         """Stop the child and the client (the gate is stopping)."""
         if self.child is not None:
-            await asyncio.to_thread(self.child.stop)
+            await asyncio.to_thread(self.child.stop, 5.0)
         await self.client.aclose()
 
     # -- requests ----------------------------------------------------------------------------

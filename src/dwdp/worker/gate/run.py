@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 
 async def serve(
     argv: Sequence[str], *, host: str, port: int, api_key: ApiKey,
-    graceful_shutdown_s: int = 30,
+    graceful_shutdown_s: int = 20,
 ) -> int:
     """Serve the gate on ``host:port`` in front of a vllm-router child (``argv``) until a stop
-    signal (0) or the child's failure (1)."""
+    signal (0) or the child's failure (1). After a stop signal, requests in flight get
+    ``graceful_shutdown_s`` seconds, then the child 5 s to stop: within the router pod's
+    termination grace (30 s)."""
     import uvicorn
 
     gate = Gate(argv, api_key)
