@@ -434,3 +434,23 @@ def test_the_dwdp_field_survives_vllm_router_and_names_prefill_and_decode(pair, 
     alone = gen.client.post("/v1/completions", json=body).json()["dwdp"]
     assert alone == {"prefill": _where(gen, GEN), "decode": _where(gen, GEN)}
     _wait(lambda: ctx.engine.kv.leases == 0, "leases not released")
+
+
+def test_a_failed_nixl_read_releases_the_lease_at_once(checkpoint):
+    """The context server's KV memory is deregistered from NIXL after its prefill (a fault
+    injected into the real agent): the generation server's READ fails (502 naming the read),
+    and the lease ends at once instead of at its expiry."""
+    with _server(checkpoint) as ctx, _server(checkpoint) as gen:
+        body = {"prompt": list(range(3, 25)), "max_tokens": 3, "ignore_eos": True}
+        params = _lease(ctx, body["prompt"])
+        agent = ctx.engine.kv.agent
+        agent._agent.deregister_memory(agent._registered)  # the fault
+        agent._registered = None
+        r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": params})
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["type"] == "kv_transfer_error"
+        assert r.json()["error"]["message"].startswith(f"KV read from {params['remote_engine_id']}")
+        _wait(lambda: ctx.engine.kv.leases == 0 and ctx.engine.allocator.num_in_use == 0,
+              "the failed read's lease still holds blocks", timeout=1.0)
+        assert ctx.engine.kv.leases_refused == 1 and ctx.engine.kv.leases_expired == 0
+        assert gen.engine.kv.blocks_received == 0
