@@ -43,6 +43,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _metrics_args() -> list[str]:
+    """vllm-router's Prometheus listener on a free loopback port: its default (29000 on every
+    address) collides with any other vllm-router on the host, and it exits when it cannot bind."""
+    return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+
+
 class UvicornThread:
     """uvicorn in a thread on 127.0.0.1 and an OS-chosen free port; ``__enter__`` returns
     its base URL. Raises ``TimeoutError`` when it does not start within 30 s."""
@@ -139,7 +145,8 @@ class VllmRouter:
                  prefill_policy: str = "round_robin", timeout: float = 60.0) -> None:
         self.port = free_port()
         binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-        args = [binary, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        args = [binary, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+                *_metrics_args()]
         if decode:
             args += ["--vllm-pd-disaggregation", "--prefill-policy", prefill_policy]
             args += [a for url in prefill for a in ("--prefill", url)]
@@ -187,7 +194,7 @@ class RouterGate:
                  timeout: float = 60.0) -> None:
         self.port = free_port()
         binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-        router = [binary, "--vllm-pd-disaggregation", "--log-level", "warning"]
+        router = [binary, "--vllm-pd-disaggregation", "--log-level", "warning", *_metrics_args()]
         router += [a for url in prefill for a in ("--prefill", url)]
         router += [a for url in decode for a in ("--decode", url)]
         self.args = [sys.executable, "-m", "dwdp", "router-gate", "--host", "127.0.0.1",
