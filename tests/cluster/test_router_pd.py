@@ -250,6 +250,37 @@ def test_the_key_reads_back_as_the_docs_show(deployed) -> None:
     assert base64.b64decode(out).decode() == demo.API_KEY
 
 
+def test_a_refused_decode_frees_the_context_ranks_blocks_within_a_second(deployed) -> None:
+    """A request the generation server refuses after its prefill (max_tokens beyond the
+    model's context): a 4xx through the router, and every context rank's leases are back to 0
+    within 1 s; what was leased was released as refused, nothing waits for its expiry."""
+    import time
+
+    import httpx
+
+    tc, _want, _st = deployed
+    url, servers = _servers(tc)
+    ranks = servers[:-1]
+    before = [_status(r)["kv_transfer"] for r in ranks]
+    path, req = demo.requests_of()[0]
+    r = httpx.post(url + path, json={**req, "max_tokens": 999_999},
+                   headers={"Authorization": f"Bearer {demo.API_KEY}"}, timeout=120)
+    assert 400 <= r.status_code < 500, r.text
+    start = time.monotonic()
+    tc.wait_for(lambda: all(_status(x)["kv_transfer"]["leases"] == 0 for x in ranks),
+                timeout=1.0, interval=0.05, message="context leases back to 0 within 1 s")
+    assert time.monotonic() - start <= 1.0
+    after = [_status(r)["kv_transfer"] for r in ranks]
+    pairs = list(zip(after, before, strict=True))
+    granted = sum(a["leases_granted"] - b["leases_granted"] for a, b in pairs)
+    refused = sum(a["leases_refused"] - b["leases_refused"] for a, b in pairs)
+    # a context rank prefilled it (the router sent it max_tokens 1); should the context ranks
+    # ever refuse such a request first, this test needs a refusal only a decode server makes
+    assert granted >= 1
+    assert refused == granted  # each lease the refused request got was released at once
+    assert [a["leases_expired"] for a in after] == [b["leases_expired"] for b in before]
+
+
 ROTATION_BOUND_S = 60.0
 """The local bound (docs/operations.md, "Rotating the key"): the process kubelet's volume
 resync (5 s), the servers' look at the file (1 s), the router's restart behind its gate."""
