@@ -662,7 +662,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         locked = without_key(ctx[0].url)
-        say(f"   a rank asked without the API key (Secret {API_KEY_SECRET}): HTTP {locked}")
+        gated = without_key(at.url)
+        say(
+            f"   asked without the API key (Secret {API_KEY_SECRET}): a rank HTTP {locked}, "
+            f"the router HTTP {gated}"
+        )
         tp = routed_throughput(at.url, want[0], count=args.requests)
         spread = (
             f"{len(tp.prefill)} ranks, {next(iter(tp.prefill.values()))} each"
@@ -684,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
             and tp.failed == 0
             and len(groups) == spec["replicas"]
             and locked == 401
+            and gated == 401
         )
         say(f"   answers equal to the reference: {sum(r.same for r in rows)}/{len(rows)}")
         say(
@@ -709,10 +714,13 @@ def main(argv: list[str] | None = None) -> int:
                 "'{.items[0].endpoints[0].addresses[0]}:"
                 '{.items[0].ports[?(@.name=="http")].port}\''
             )
+            say(  # the key the router and the ranks check (the Secret holds it base64)
+                f"  KEY=$(kubectl get secret {API_KEY_SECRET} -n {NAMESPACE} "
+                "-o jsonpath='{.data.api-key}' | base64 -d)"
+            )
             say(
                 "  curl http://<that address:port>/v1/completions -H 'content-type: "
-                "application/json' -H 'authorization: Bearer <the key of Secret "
-                f"{API_KEY_SECRET}>' "
+                "application/json' -H \"authorization: Bearer $KEY\" "
                 '-d \'{"prompt": "Hello", "max_tokens": 8}\''
             )
             say("Stop it with:")

@@ -87,6 +87,11 @@ class Env(enum.StrEnum):
     """The key clients send as ``Authorization: Bearer <key>`` on ``/v1/*`` (unset or empty:
     no key). The operator fills it from the Secret ``spec.server.apiKeySecretRef`` names
     (``valueFrom.secretKeyRef``: ``kubectl describe`` shows the reference, not the key)."""
+    API_KEY_FILE = "DWDP_API_KEY_FILE"
+    """Path of a file holding that key (it wins over ``DWDP_API_KEY``); re-read when it
+    changes, so a rotated Secret takes effect without a restart. The operator mounts the Secret
+    key ``spec.server.apiKeySecretRef`` names at :data:`API_KEY_PATH` in every worker and
+    router pod."""
     RENDEZVOUS_SECRET_FILE = "DWDP_RENDEZVOUS_SECRET_FILE"
     """Path of a file holding the group incarnation's rendezvous secret (at least 32 bytes,
     raw): every connection to the rendezvous store proves it knows the secret. The operator
@@ -94,6 +99,10 @@ class Env(enum.StrEnum):
     :data:`RENDEZVOUS_SECRET_PATH`; ``dwdp launch`` makes one for a local run."""
 
 
+API_KEY_DIR = "/var/run/secrets/dwdp/api-key"
+"""Where the operator mounts the API key's Secret in worker and router pods (read-only)."""
+API_KEY_PATH = f"{API_KEY_DIR}/key"
+"""The file ``DWDP_API_KEY_FILE`` names in an operator-made pod."""
 RENDEZVOUS_SECRET_DIR = "/var/run/secrets/dwdp/rendezvous"
 """Where the operator mounts an incarnation's rendezvous Secret in its pods (read-only)."""
 RENDEZVOUS_SECRET_KEY = "secret"

@@ -533,8 +533,9 @@ class ServerSpec(ApiModel):
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description="A Secret key holding the API key clients must send as 'Authorization: "
-        "Bearer <key>' on /v1/* (like vLLM's --api-key); /health, /ready, /metrics and "
-        "/dwdp/status stay open. Unset: no key.",
+        "Bearer <key>' on /v1/* of the ranks (like vLLM's --api-key) and on every path of the "
+        "router but its probes; /health, /ready, /metrics and /dwdp/status stay open. Mounted "
+        "as a file: a changed Secret takes effect without a restart. Unset: no key.",
     )
 
 
@@ -583,8 +584,9 @@ class RouterSpec(ApiModel):
     )
     image: Annotated[str, IMAGE_REFERENCE] | None = Field(
         default=None,
-        description="Router image (it runs the vllm-router console script); unset: the worker "
-        "image, which ships it.",
+        description="Router image (it runs 'dwdp router-gate', the gate that checks the API "
+        "key, and the vllm-router console script behind it); unset: the worker image, which "
+        "ships both.",
     )
     resources: ResourceRequirements | None = Field(
         default=None, description="Resources of the router container."

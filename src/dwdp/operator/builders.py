@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 
 from dwdp.api.contract import (
+    API_KEY_DIR,
+    API_KEY_PATH,
     RENDEZVOUS_SECRET_DIR,
     RENDEZVOUS_SECRET_KEY,
     RENDEZVOUS_SECRET_PATH,
@@ -395,6 +397,7 @@ def role_template(
     """
     shape = role_shapes(spec)[role]
     volumes, mounts = _model_volumes(spec)
+    key_volumes, key_mounts = api_key_volumes(spec)
     template: dict[str, Any] = {
         "role": role.value,
         "image": spec.image,
@@ -410,8 +413,8 @@ def role_template(
         "resources": _container_resources(spec, shape.ranks_per_pod),
         "nodeSelector": dict(spec.node_selector or {}),
         "tolerations": [t.to_yaml_dict() for t in spec.tolerations or ()],
-        "volumes": volumes + _WRITABLE_VOLUMES,
-        "volumeMounts": mounts + _WRITABLE_MOUNTS,
+        "volumes": volumes + key_volumes + _WRITABLE_VOLUMES,
+        "volumeMounts": mounts + key_mounts + _WRITABLE_MOUNTS,
         "serverPort": spec.server.port,
         "rendezvousPort": spec.rendezvous.port,
         "rendezvousTimeoutSeconds": spec.rendezvous.timeout_seconds,
@@ -490,13 +493,33 @@ def revisions(
 
 
 def api_key_env(spec: DwdpDeploymentSpec) -> list[dict[str, Any]]:
-    """``DWDP_API_KEY`` from the Secret key ``spec.server.apiKeySecretRef`` names (a
-    reference: the key never appears in the pod spec), or nothing without one."""
+    """``DWDP_API_KEY_FILE``, the path of the mounted API key (``api_key_volumes``), or nothing
+    without ``spec.server.apiKeySecretRef``: the key itself never appears in the pod spec."""
+    if spec.server.api_key_secret_ref is None:
+        return []
+    return [{"name": Env.API_KEY_FILE.value, "value": API_KEY_PATH}]
+
+
+def api_key_volumes(
+    spec: DwdpDeploymentSpec,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of the API key: the Secret key ``spec.server.apiKeySecretRef``
+    names as the file ``API_KEY_PATH`` (mode 0400, read-only), or nothing without one. A
+    Secret volume rather than a ``secretKeyRef``: the kubelet writes a rotated key into the
+    running pod, where the servers re-read it (``dwdp.worker.apikey``)."""
     ref = spec.server.api_key_secret_ref
     if ref is None:
-        return []
-    selector = {"name": ref.name, "key": ref.key}
-    return [{"name": Env.API_KEY.value, "valueFrom": {"secretKeyRef": selector}}]
+        return [], []
+    volume = {
+        "name": c.API_KEY_VOLUME,
+        "secret": {
+            "secretName": ref.name,
+            "defaultMode": c.API_KEY_MODE,
+            "items": [{"key": ref.key, "path": API_KEY_PATH.rsplit("/", 1)[1]}],
+        },
+    }
+    mount = {"name": c.API_KEY_VOLUME, "mountPath": API_KEY_DIR, "readOnly": True}
+    return [volume], [mount]
 
 
 def worker_pod(

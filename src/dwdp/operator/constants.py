@@ -100,6 +100,11 @@ RENDEZVOUS_VOLUME = "rendezvous-secret"
 """Volume of a worker pod holding its incarnation's rendezvous Secret."""
 RENDEZVOUS_SECRET_MODE = 0o400
 """File mode of the mounted rendezvous secret (read by the worker's user only)."""
+API_KEY_VOLUME = "api-key"
+"""Volume of a worker or router pod holding the API key (``spec.server.apiKeySecretRef``); a
+Secret volume, so the kubelet writes a rotated key into the running pod."""
+API_KEY_MODE = 0o400
+"""File mode of the mounted API key."""
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 TMP_VOLUME = "tmp"
 """Writable emptyDir of a worker pod at ``/tmp`` (the root filesystem is read-only)."""
@@ -118,14 +123,16 @@ DEFAULT_WORKER_COMMAND = ("dwdp", "launch", "--host", f"$({Env.POD_IP.value})")
 """Container command of a worker pod (``dwdp launch`` binds the pod's own address)."""
 
 # ----------------------------------------------------------------------------- router
-ROUTER_COMMAND = ("vllm-router",)
-"""Container command of a router pod: the console script of the ``vllm-router`` package (in
-the worker image, and in the local control plane's virtual environment)."""
+ROUTER_COMMAND = ("dwdp", "router-gate")
+"""Container command of a router pod: the gate (``dwdp.worker.gate``), which checks the API key
+and starts vllm-router behind it (the worker image ships both)."""
+VLLM_ROUTER = "vllm-router"
+"""The console script of the ``vllm-router`` package, the gate's child (in the worker image,
+and in the local control plane's virtual environment)."""
+ROUTER_LIVENESS_PATH = "/liveness"
+"""The gate's liveness path: the gate answers and its vllm-router child answers."""
 ROUTER_CONTAINER = "router"
 """Name of the one container of a router pod."""
-ROUTER_API_KEY_ENV = "OPENAI_API_KEY"
-"""The variable vllm-router reads the bearer token of its calls to the workers from (its
-``--api-key`` flag does not reach the PD calls)."""
 ROUTER_POD_IP_ENV = "POD_IP"
 """The router pod's own address (a fieldRef), which it binds."""
 ROUTER_GRACE_S = 30

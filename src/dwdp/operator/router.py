@@ -2,10 +2,13 @@
 
 The router (``spec.router``) is a Deployment and a Service ``NAME-router`` running
 ``vllm-router --vllm-pd-disaggregation`` with one ``--prefill URL`` per committed rank of every
-committed context group and one ``--decode URL`` per rank of every ready generation server;
-its pods call the workers with the deployment's API key (``OPENAI_API_KEY`` from the Secret,
-a reference: never in the arguments). Invariant, as for every builder: nothing here reads the
-cluster or the clock; the same servers give the same objects, byte for byte.
+committed context group and one ``--decode URL`` per rank of every ready generation server,
+behind the gate (``dwdp router-gate``, ``dwdp.worker.gate``) on the router's port: vllm-router
+authenticates no client and calls the workers with its own key, so the gate checks the
+deployment's API key on every request but the probes' and runs vllm-router on a loopback port
+with that key (the mounted Secret file, never in the arguments; a rotated key restarts it).
+Invariant, as for every builder: nothing here reads the cluster or the clock; the same
+servers give the same objects, byte for byte.
 
 [Note: static router URLs] vllm-router's label discovery (``--service-discovery`` with
 ``--prefill-selector``) counts one server per Ready pod, at ``podIP:port`` for one port, while
@@ -33,6 +36,8 @@ from dwdp.operator.builders import (
     _finish,
     _ingress_policy,
     _labels,
+    api_key_env,
+    api_key_volumes,
     image_pull_secrets,
     router_selector,
 )
@@ -55,6 +60,8 @@ READINESS_PATH = "/readiness"
 """vllm-router's readiness endpoint: 200 once its servers passed their health checks."""
 READINESS_PERIOD_S = 2
 """Seconds between readiness probes of a router pod."""
+LIVENESS_PERIOD_S = 10
+"""Seconds between liveness probes of a router pod (3 failures in a row restart it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,18 +96,21 @@ def rank_urls(pods: Iterable[ObservedPod], *, base_port: int) -> tuple[str, ...]
 
 
 def router_args(spec: DwdpDeploymentSpec, servers: RouterServers) -> list[str]:
-    """The arguments of ``vllm-router`` (after the command): PD mode, bound to the pod's
-    address (``$(POD_IP)``: on the local control plane pods share one network namespace),
-    the policies, the request bound, then ``--prefill URL`` per prefill server and
-    ``--decode URL`` per decode server."""
+    """The arguments of the gate (after its command): where it listens (the pod's address,
+    ``$(POD_IP)``: on the local control plane pods share one network namespace, and
+    ``router.port``), then ``--`` and vllm-router's command line: PD mode, its metrics on the
+    pod's address, the policies, the request bound, ``--prefill URL`` per prefill server and
+    ``--decode URL`` per decode server (the gate adds the loopback ``--host``/``--port``)."""
     r = spec.router
     host = f"$({c.ROUTER_POD_IP_ENV})"
     args = [
-        "--vllm-pd-disaggregation",
         "--host",
         host,
         "--port",
         str(r.port),
+        "--",
+        c.VLLM_ROUTER,
+        "--vllm-pd-disaggregation",
         "--prometheus-host",
         host,
         "--prometheus-port",
@@ -122,16 +132,12 @@ def router_args(spec: DwdpDeploymentSpec, servers: RouterServers) -> list[str]:
 
 
 def _router_env(spec: DwdpDeploymentSpec) -> list[dict[str, Any]]:
-    """The pod's address, and ``OPENAI_API_KEY`` from ``server.apiKeySecretRef`` (a
-    secretKeyRef: the key never appears in the pod spec) when the workers require a key."""
+    """The pod's address, and ``DWDP_API_KEY_FILE`` (the mounted key) when the workers
+    require a key."""
     env: list[dict[str, Any]] = [
         {"name": c.ROUTER_POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     ]
-    ref = spec.server.api_key_secret_ref
-    if ref is not None:
-        selector = {"name": ref.name, "key": ref.key}
-        env.append({"name": c.ROUTER_API_KEY_ENV, "valueFrom": {"secretKeyRef": selector}})
-    return env
+    return env + api_key_env(spec)
 
 
 def router_deployment(
@@ -139,11 +145,14 @@ def router_deployment(
 ) -> dict[str, Any]:
     """The router's Deployment: ``router.replicas`` pods once ``servers`` is complete (else
     0), rolled one surge pod at a time (never below the wanted count), each with the
-    restrictive security context of the workers, no service-account token and a read-only
-    root with a writable /tmp. Running the worker image (``router.image`` unset), the pods
-    pull it with the workers' ``spec.imagePullSecrets``; another image gets none of them."""
+    restrictive security context of the workers, no service-account token, a read-only
+    root with a writable /tmp, the API key's Secret mounted, a readiness probe (the gate
+    forwards it to vllm-router's ``/readiness``) and a liveness probe (the gate's
+    ``/liveness``). Running the worker image (``router.image`` unset), the pods pull it with
+    the workers' ``spec.imagePullSecrets``; another image gets none of them."""
     r = spec.router
     labels = _labels(owner, c.Component.ROUTER)
+    key_volumes, key_mounts = api_key_volumes(spec)
     container = {
         "name": c.ROUTER_CONTAINER,
         "image": r.image or spec.image,
@@ -160,9 +169,15 @@ def router_deployment(
             "periodSeconds": READINESS_PERIOD_S,
             "failureThreshold": 3,
         },
+        "livenessProbe": {
+            "httpGet": {"path": c.ROUTER_LIVENESS_PATH, "port": r.port},
+            "periodSeconds": LIVENESS_PERIOD_S,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
         "resources": (r.resources.to_yaml_dict() if r.resources else {}) or {},
         "securityContext": spec.security_context.to_yaml_dict(),
-        "volumeMounts": [{"name": c.TMP_VOLUME, "mountPath": c.TMP_DIR}],
+        "volumeMounts": [{"name": c.TMP_VOLUME, "mountPath": c.TMP_DIR}, *key_mounts],
     }
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
@@ -170,7 +185,7 @@ def router_deployment(
         "terminationGracePeriodSeconds": c.ROUTER_GRACE_S,
         "securityContext": spec.pod_security_context.to_yaml_dict(),
         "containers": [container],
-        "volumes": [{"name": c.TMP_VOLUME, "emptyDir": {}}],
+        "volumes": [{"name": c.TMP_VOLUME, "emptyDir": {}}, *key_volumes],
     }
     if r.image is None and spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = image_pull_secrets(spec)
@@ -232,8 +247,8 @@ def router_service(spec: DwdpDeploymentSpec, owner: Owner) -> dict[str, Any]:
 
 def router_policy(spec: DwdpDeploymentSpec, owner: Owner) -> dict[str, Any]:
     """The router pods' NetworkPolicy: ingress on its API and metrics ports only, from
-    ``spec.networkPolicy.servingFrom`` (unset: any source, as for the serving ports).
-    vllm-router authenticates no client (docs/security.md): narrow it there."""
+    ``spec.networkPolicy.servingFrom`` (unset: any source, as for the serving ports). The
+    gate checks the API key; the metrics port is open, like the workers'."""
     r = spec.router
     rule: dict[str, Any] = {
         "ports": [

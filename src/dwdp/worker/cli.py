@@ -1,4 +1,4 @@
-"""The worker's sub-commands of ``dwdp``: ``worker`` and ``launch``.
+"""The worker's sub-commands of ``dwdp``: ``worker``, ``launch`` and ``router-gate``.
 
 Top-level imports stay light (no torch): each command imports its implementation when it runs.
 """
@@ -47,6 +47,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     launch.add_argument("--port", type=int, default=None, help="base HTTP port")
     launch.set_defaults(func=_launch)
+
+    gate = subparsers.add_parser(
+        "router-gate",
+        help="the router pod's authenticating front: check the API key, forward to vllm-router",
+        description=(
+            "Listen on --host:--port, refuse every request but the probes' (/health, "
+            "/liveness, /readiness) without 'Authorization: Bearer <key>' (401, OpenAI's error "
+            "shape), and forward the others to the vllm-router command after '--', which the "
+            "gate starts on a free loopback port with OPENAI_API_KEY set to the key. The key: "
+            "the file DWDP_API_KEY_FILE names (re-read when it changes; a changed key restarts "
+            "the router with it), else DWDP_API_KEY; neither: no key is checked."
+        ),
+    )
+    gate.add_argument("--host", required=True, help="address to listen on (the pod's)")
+    gate.add_argument("--port", type=int, required=True, help="port to listen on")
+    gate.add_argument("router", nargs=argparse.REMAINDER,
+                      help="-- vllm-router ARGS (without --host/--port)")
+    gate.set_defaults(func=_router_gate)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -101,3 +119,19 @@ def _launch(args: argparse.Namespace) -> int:
             termination_log=args.termination_log,
         )
     )
+
+
+def _router_gate(args: argparse.Namespace) -> int:
+    from dwdp.api.contract import Env
+    from dwdp.cli import UserError
+    from dwdp.worker.apikey import ApiKey, ApiKeyError
+    from dwdp.worker.gate.run import main
+
+    router = args.router[1:] if args.router[:1] == ["--"] else args.router
+    if not router:
+        raise UserError("router-gate: give the router command after '--' (-- vllm-router ...)")
+    try:
+        key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
+    except ApiKeyError as exc:
+        raise UserError(str(exc)) from None
+    return main(router, host=args.host, port=args.port, api_key=key)

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.api.contract import Env, Stage
 from dwdp.api.enums import Role
+from dwdp.worker.apikey import ApiKey
 from dwdp.worker.memory import MemoryLedger, MemoryWatch, RankMemory, size_rank_memory
-from dwdp.worker.server.guard import check_api_key
 from dwdp.worker.server.status import rank_identity, server_identity
 from dwdp.worker.settings import (
     CopySettings,
@@ -324,7 +324,7 @@ def attach_kv_events(engine: Any, events: KvEventsConfig | None,
     return publisher.close
 
 
-def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: str | None) -> None:
+def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: ApiKey) -> None:
     """Give a context or generation rank its NIXL KV transfer; it advertises the pod's address
     (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod)."""
     from dwdp.worker.disagg.agent import KvAgent
@@ -392,7 +392,7 @@ def run_worker(opts: WorkerOptions) -> int:
             dwdp_enabled=dwdp_active(cfg),
         )
         dense_min_bytes = resolve_dense_min_bytes(os.environ)
-        api_key = check_api_key(os.environ.get(Env.API_KEY), Env.API_KEY)
+        api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
         _torch_threads(resolve_torch_threads(os.environ))
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.base import EngineConfig

@@ -317,22 +317,31 @@ def test_generation_shape_and_pod() -> None:
 
 
 @pytest.mark.parametrize("role", [Role.CONTEXT, Role.GENERATION])
-def test_the_api_key_reaches_every_worker_pod_as_a_secret_reference(role: Role) -> None:
-    """spec.server.apiKeySecretRef becomes DWDP_API_KEY from a secretKeyRef: the pod spec
-    (what kubectl describe shows) names the Secret, never the key; without it, no variable."""
+def test_the_api_key_reaches_every_worker_pod_as_a_mounted_secret(role: Role) -> None:
+    """spec.server.apiKeySecretRef becomes a Secret volume (that key only, read-only, so the
+    kubelet writes a rotated key into the pod) and DWDP_API_KEY_FILE naming the file: the pod
+    spec (what kubectl describe shows) names the Secret, never the key; without it, neither."""
     ref = {"name": "serving-keys", "key": "openai"}
     spec = parse_deployment(doc(server={"apiKeySecretRef": ref}, generation={})).spec
     pod = builders.worker_pod(
         spec, OWNER, role=role, group_index=0, incarnation=0, pod_index=0, revision="r"
     )
-    env = pod["spec"]["containers"][0]["env"]
-    (entry,) = [e for e in env if e["name"] == "DWDP_API_KEY"]
-    assert entry == {"name": "DWDP_API_KEY", "valueFrom": {"secretKeyRef": ref}}
+    ctr = pod["spec"]["containers"][0]
+    (entry,) = [e for e in ctr["env"] if e["name"].startswith("DWDP_API_KEY")]
+    assert entry == {"name": "DWDP_API_KEY_FILE", "value": "/var/run/secrets/dwdp/api-key/key"}
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "api-key"]
+    assert volume["secret"] == {
+        "secretName": "serving-keys", "defaultMode": 0o400,
+        "items": [{"key": "openai", "path": "key"}],
+    }
+    assert {"name": "api-key", "mountPath": "/var/run/secrets/dwdp/api-key",
+            "readOnly": True} in ctr["volumeMounts"]
     plain = parse_deployment(doc(generation={})).spec
     pod = builders.worker_pod(
         plain, OWNER, role=role, group_index=0, incarnation=0, pod_index=0, revision="r"
     )
-    assert "DWDP_API_KEY" not in {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+    assert not [e for e in pod["spec"]["containers"][0]["env"] if "API_KEY" in e["name"]]
+    assert "api-key" not in {v["name"] for v in pod["spec"]["volumes"]}
 
 
 @pytest.mark.parametrize(

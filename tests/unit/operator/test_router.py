@@ -66,41 +66,56 @@ def test_rank_urls_list_every_local_rank_of_every_pod() -> None:
     )
 
 
+def _split(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The gate's options (before ``--``) and the vllm-router command line (after)."""
+    cut = args.index("--")
+    return dict(zip(args[:cut:2], args[1:cut:2], strict=True)), args[cut + 1 :]
+
+
 def test_the_arguments_name_every_server_and_the_pd_mode() -> None:
-    args = router.router_args(spec(), SERVERS)
-    assert args[0] == "--vllm-pd-disaggregation"
+    gate, args = _split(router.router_args(spec(), SERVERS))
+    assert gate == {"--host": "$(POD_IP)", "--port": "8000"}  # the gate listens there
+    assert args[:2] == ["vllm-router", "--vllm-pd-disaggregation"]
+    assert "--host" not in args and "--port" not in args  # vllm-router: loopback, the gate's
     prefill = [args[i + 1] for i, a in enumerate(args) if a == "--prefill"]
     decode = [args[i + 1] for i, a in enumerate(args) if a == "--decode"]
     assert prefill == list(SERVERS.prefill) and decode == list(SERVERS.decode)
-    pairs = dict(zip(args[1::2], args[2::2], strict=False))
-    assert pairs["--host"] == "$(POD_IP)" == pairs["--prometheus-host"]
-    assert pairs["--port"] == "8000" and pairs["--prometheus-port"] == "29000"
+    pairs = dict(zip(args[2::2], args[3::2], strict=False))
+    assert pairs["--prometheus-host"] == "$(POD_IP)" and pairs["--prometheus-port"] == "29000"
     assert pairs["--prefill-policy"] == "round_robin" == pairs["--decode-policy"]
 
 
-def test_the_deployment_runs_vllm_router_with_the_key_by_reference() -> None:
+def test_the_deployment_runs_the_gate_with_the_key_mounted_by_reference() -> None:
     s = spec(server={"apiKeySecretRef": {"name": "demo-key", "key": "token"}})
     dep = router.router_deployment(s, OWNER, SERVERS)
     assert dep["metadata"]["name"] == "demo-router" and dep["spec"]["replicas"] == 1
     pod = dep["spec"]["template"]
     ctr = pod["spec"]["containers"][0]
-    assert ctr["command"] == ["vllm-router"] and ctr["image"] == "worker:1"
+    assert ctr["command"] == ["dwdp", "router-gate"] and ctr["image"] == "worker:1"
     env = {e["name"]: e for e in ctr["env"]}
-    assert env["OPENAI_API_KEY"]["valueFrom"] == {
-        "secretKeyRef": {"name": "demo-key", "key": "token"}
+    assert env["DWDP_API_KEY_FILE"] == {
+        "name": "DWDP_API_KEY_FILE", "value": "/var/run/secrets/dwdp/api-key/key"
     }
-    assert "--api-key" not in ctr["args"]
+    assert "OPENAI_API_KEY" not in env and "--api-key" not in ctr["args"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "api-key"]
+    assert volume["secret"] == {
+        "secretName": "demo-key", "defaultMode": 0o400, "items": [{"key": "token", "path": "key"}]
+    }
+    assert {"name": "api-key", "mountPath": "/var/run/secrets/dwdp/api-key",
+            "readOnly": True} in ctr["volumeMounts"]
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": 8000}
+    assert ctr["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": 8000}
+    assert ctr["livenessProbe"]["failureThreshold"] * ctr["livenessProbe"]["periodSeconds"] >= 30
     labels = pod["metadata"]["labels"]
     assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert labels[c.LABEL_MANAGED_BY] == c.MANAGED_BY  # its pods wake the deployment's loop
     assert c.LABEL_ROLE not in labels  # not a worker pod
     assert pod["metadata"]["annotations"][c.ANNOTATION_ROUTER_SERVERS] == SERVERS.digest
-    no_key = router.router_deployment(spec(), OWNER, SERVERS)
-    names = [e["name"] for e in no_key["spec"]["template"]["spec"]["containers"][0]["env"]]
-    assert names == ["POD_IP"]
+    no_key = router.router_deployment(spec(), OWNER, SERVERS)["spec"]["template"]["spec"]
+    assert [e["name"] for e in no_key["containers"][0]["env"]] == ["POD_IP"]
+    assert [v["name"] for v in no_key["volumes"]] == ["tmp"]
 
 
 def test_without_servers_the_router_waits_at_zero_replicas() -> None:
@@ -139,9 +154,11 @@ def test_router_settings_reach_the_pod() -> None:
         }
     )
     ctr = router.router_deployment(s, OWNER, SERVERS)["spec"]["template"]["spec"]["containers"][0]
-    pairs = dict(zip(ctr["args"][1::2], ctr["args"][2::2], strict=False))
+    gate, args = _split(ctr["args"])
+    pairs = dict(zip(args[2::2], args[3::2], strict=False))
     assert ctr["image"] == "router:2" and ctr["resources"] == {"requests": {"cpu": "500m"}}
-    assert (pairs["--port"], pairs["--prometheus-port"]) == ("9000", "9100")
+    assert (gate["--port"], pairs["--prometheus-port"]) == ("9000", "9100")
+    assert ctr["livenessProbe"]["httpGet"]["port"] == 9000
     assert (pairs["--prefill-policy"], pairs["--decode-policy"]) == ("cache_aware", "power_of_two")
     assert pairs["--request-timeout-secs"] == "60"
     svc = router.router_service(s, OWNER)
@@ -178,9 +195,13 @@ def test_only_the_router_and_the_listed_sources_reach_the_serving_ports() -> Non
 
 
 def test_the_router_never_carries_a_key_value() -> None:
+    """The objects name the Secret; the only plain env value is the key file's path."""
     s = spec(server={"apiKeySecretRef": {"name": "demo-key"}})
-    text = json.dumps(router.router_objects(s, OWNER, SERVERS))
-    assert "demo-key" in text and '"value"' not in text
+    objs = router.router_objects(s, OWNER, SERVERS)
+    assert "demo-key" in json.dumps(objs)
+    ctr = objs[0]["spec"]["template"]["spec"]["containers"][0]
+    values = [e["value"] for e in ctr["env"] if "value" in e]
+    assert values == ["/var/run/secrets/dwdp/api-key/key"]
 
 
 def test_only_ready_router_pods_of_the_current_list_count() -> None:

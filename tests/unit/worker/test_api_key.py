@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dwdp.worker.server.guard import MAX_BODY_BYTES, ApiKeyError, check_api_key
+from dwdp.worker.apikey import ApiKey, ApiKeyError, check_api_key
+from dwdp.worker.server.guard import MAX_BODY_BYTES
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -96,6 +97,46 @@ def test_the_key_setting_is_checked():
     for bad in ("  ", " k1", "k1\n"):
         with pytest.raises(ApiKeyError, match="DWDP_API_KEY: the API key has leading"):
             check_api_key(bad, "DWDP_API_KEY")
+
+
+def _swap(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def test_a_key_file_is_re_read_when_it_changes_and_a_broken_one_keeps_the_key(tmp_path, caplog):
+    """DWDP_API_KEY_FILE wins over DWDP_API_KEY; a changed file is the key from its next look
+    on; an empty, blank-padded or deleted file keeps the last key (an ERROR naming the file),
+    so a broken rotation never turns the key off."""
+    path = tmp_path / "key"
+    path.write_text("k1")
+    env = {"DWDP_API_KEY_FILE": str(path), "DWDP_API_KEY": "from-env"}
+    key = ApiKey.from_env(env, file_var="DWDP_API_KEY_FILE", value_var="DWDP_API_KEY")
+    key.recheck_s = 0.0
+    assert key.required and key.current() == "k1"
+    _swap(path, "k2")
+    assert key.current() == "k2"
+    for broken in ("", "k3\n"):
+        _swap(path, broken)
+        assert key.current() == "k2"
+    path.unlink()
+    assert key.current() == "k2"
+    assert f"API key not changed: {path}" in caplog.text
+    _swap(path, "k4")
+    assert key.current() == "k4"
+    slow = ApiKey(path=path, recheck_s=3600.0)
+    _swap(path, "k5")
+    assert slow.current() == "k4"  # looked at most once per recheck_s
+    with pytest.raises(ApiKeyError, match=f"{tmp_path / 'none'}: cannot read the API key"):
+        ApiKey(path=tmp_path / "none")
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ApiKeyError, match="the API key file is empty"):
+        ApiKey(path=tmp_path / "empty")
+    plain = ApiKey.from_env({"DWDP_API_KEY": "v"}, file_var="DWDP_API_KEY_FILE",
+                            value_var="DWDP_API_KEY")
+    assert plain.current() == "v" and not ApiKey.from_env(
+        {}, file_var="DWDP_API_KEY_FILE", value_var="DWDP_API_KEY").required
 
 
 def test_schemathesis_with_the_key_finds_no_server_error(keyed):

@@ -159,6 +159,7 @@ def test_a_routed_stream_decodes_and_streams(pair):
                 "remote_block_ids": [0],
                 "remote_host": "127.0.0.1",
                 "remote_port": 1,
+                "remote_lease_token": "t",
             },
             "remote_block_ids: 1 blocks, the prompt of",
         ),
@@ -192,53 +193,121 @@ def test_remote_decode_needs_no_stream_and_one_sequence(pair):
         assert r.status_code == 400 and message.startswith(field) and "do_remote_decode" in message
 
 
-def test_only_the_leased_blocks_can_be_read(pair):
-    """Params naming blocks other than their request's lease (another request's KV) are
-    refused before any read; the lease stays for its real reader, who then decodes."""
+@pytest.fixture(scope="module")
+def other_ctx(checkpoint):
+    """A second context server (another engine), which the generation server reads from once
+    first, so it knows that engine when params name it."""
+    with _server(checkpoint) as other:
+        yield other
+
+
+def _lease(ctx: EngineServer, prompt: list[int]) -> dict:
+    """A prefill on ``ctx`` for a remote decode: its answer's ``kv_transfer_params``."""
+    pre = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+    r = ctx.client.post("/v1/completions", json=pre)
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def _read_counters(gen: EngineServer) -> tuple[int, int]:
+    kv = gen.client.get("/dwdp/status").json()["kv_transfer"]
+    return kv["blocks_received"], kv["remote_prefill_tokens"]
+
+
+def test_crafted_params_read_nothing_and_name_the_field(pair, other_ctx):
+    """Each crafted ``kv_transfer_params`` (another engine's id with a real lease, block ids
+    outside the lease, another request's lease token, a misspelled flag beside the lease's
+    fields) is a 4xx naming the field, and the generation server reads no block. A lease whose
+    token was not shown stays for its real reader, who then decodes."""
     ctx, gen = pair
     body = {"prompt": list(range(3, 30)), "max_tokens": 3, "ignore_eos": True}
-    pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
-    victim = ctx.client.post("/v1/completions", json=pre).json()["kv_transfer_params"]
-    other_prompt = list(range(40, 67))
-    other = ctx.client.post(
-        "/v1/completions", json={**pre, "prompt": other_prompt}
-    ).json()["kv_transfer_params"]
-    before = gen.engine.kv.blocks_received
-    for blocks in (victim["remote_block_ids"], [2**31 - 1] * len(victim["remote_block_ids"])):
-        forged = {**other, "remote_block_ids": blocks}
-        r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": forged})
-        assert r.status_code == 502, r.text
-        assert "remote_block_ids: not the blocks of request" in r.json()["error"]["message"]
-    assert gen.engine.kv.blocks_received == before  # nothing was read
-    for params, prompt in ((victim, body["prompt"]), (other, other_prompt)):
-        r = gen.client.post(
-            "/v1/completions", json={**body, "prompt": prompt, "kv_transfer_params": params}
-        )
-        assert r.status_code == 200, r.text
+    _, r = _routed(other_ctx, gen, "/v1/completions", body)  # gen knows the other engine now
+    assert r.status_code == 200, r.text
+    other_engine = other_ctx.engine.kv.agent.engine_id
+    before = _read_counters(gen)
+    victim = _lease(ctx, list(range(40, 67)))  # another request's KV, on the same server
+    cases = [
+        (lambda p: {**p, "remote_engine_id": other_engine}, 400,
+         f"kv_transfer_params.remote_engine_id: {other_engine!r}, but the side channel"),
+        (lambda p: {**p, "remote_block_ids": victim["remote_block_ids"]}, 400,
+         "kv_transfer_params.remote_block_ids: not the blocks of request"),
+        (lambda p: {**p, "remote_block_ids": [2**31 - 1] * len(p["remote_block_ids"])}, 400,
+         "kv_transfer_params.remote_block_ids: not the blocks of request"),
+        (lambda p: {**p, "remote_lease_token": victim["remote_lease_token"]}, 403,
+         "kv_transfer_params.remote_lease_token: not the token of"),
+        (lambda p: {**{k: v for k, v in p.items() if k != "do_remote_prefill"},
+                    "do_remote_prefil": True}, 400,
+         "kv_transfer_params.remote_engine_id: only with do_remote_prefill: true"),
+    ]
+    for craft, status, needle in cases:
+        real = _lease(ctx, body["prompt"])
+        r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": craft(real)})
+        assert r.status_code == status, (needle, r.text)
+        assert r.json()["error"]["message"].startswith(needle), r.text
+        assert _read_counters(gen) == before  # not one block read
+        if status == 403 or "do_remote_prefil" in craft(real):  # the token was not shown
+            ok = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": real})
+            assert ok.status_code == 200, ok.text  # the lease waited for its reader
+            before = _read_counters(gen)
+    ok = gen.client.post("/v1/completions", json={**body, "prompt": list(range(40, 67)),
+                                                  "kv_transfer_params": victim})
+    assert ok.status_code == 200, ok.text
     _wait(lambda: ctx.engine.kv.leases == 0, "leases not released")
     _wait(lambda: gen.engine.allocator.num_in_use == 0, "generation blocks still held")
 
 
-def test_foreign_engine_and_released_lease_are_clear_errors(pair):
-    """A second read of released blocks is refused (410 from the side channel: 502 here),
-    as are params naming another engine; nothing is leaked either way."""
+def test_a_refused_decode_releases_the_lease_at_once(pair, router):
+    """A generation server that refuses a routed request after its prefill (max_tokens over
+    the context; max_tokens over the schema's bound, a validation error) releases the lease:
+    the context server's leased blocks are back within 1 s, counted as refused, not expired.
+    The same through the real vllm-router."""
+    ctx, gen = pair
+    prompt = list(range(3, 103))
+    refusals = [{"max_tokens": 1000}, {"max_tokens": 2_000_000}]
+    for extra in refusals:
+        params = _lease(ctx, prompt)
+        assert ctx.engine.kv.leases == 1
+        refused = ctx.engine.kv.leases_refused
+        r = gen.client.post("/v1/completions",
+                            json={"prompt": prompt, **extra, "kv_transfer_params": params})
+        assert r.status_code == 400, r.text
+        start = time.monotonic()
+        _wait(lambda: ctx.engine.kv.leases == 0 and ctx.engine.allocator.num_in_use == 0,
+              "the refused request's lease still holds blocks", timeout=1.0)
+        assert time.monotonic() - start < 1.0
+        assert ctx.engine.kv.leases_refused == refused + 1
+    expired = ctx.engine.kv.leases_expired
+    r = httpx.post(router + "/v1/completions",
+                   json={"model": "m", "prompt": prompt, "max_tokens": 1000}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "exceeds the model's context" in r.text
+    _wait(lambda: ctx.engine.kv.leases == 0 and ctx.engine.allocator.num_in_use == 0,
+          "the lease of the request refused through the router still holds blocks", timeout=1.0)
+    assert ctx.engine.kv.leases_expired == expired
+    _wait(lambda: gen.engine.allocator.num_in_use == 0, "generation blocks still held")
+
+
+def test_a_released_lease_and_an_unknown_engine_are_clear_errors(pair):
+    """A second read of released blocks is a 410 naming remote_request_id; a side channel
+    refuses a release without the lease's token; nothing is leaked either way."""
     ctx, gen = pair
     body = {"prompt": list(range(5, 30)), "max_tokens": 3, "ignore_eos": True}
     params, r = _routed(ctx, gen, "/v1/completions", body)
     assert r.status_code == 200
     _wait(lambda: ctx.engine.kv.leases == 0, "lease not released")
     again = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": params})
-    assert again.status_code == 502
-    assert "lease expired or was released" in again.json()["error"]["message"]
-    pre = {**body, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
-    fresh = ctx.client.post("/v1/completions", json=pre).json()["kv_transfer_params"]
-    foreign = {**fresh, "remote_engine_id": "dwdp-someone-else"}
-    r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": foreign})
-    assert r.status_code == 502 and "dwdp-someone-else" in r.json()["error"]["message"]
-    assert (
-        gen.client.post("/v1/completions", json={**body, "kv_transfer_params": fresh}).status_code
-        == 200
-    )
+    assert again.status_code == 410, again.text
+    assert again.json()["error"]["message"].startswith(
+        f"kv_transfer_params.remote_request_id: no KV lease of {params['remote_request_id']!r}")
+    fresh = _lease(ctx, body["prompt"])
+    r = ctx.client.delete("/v1/dwdp/kv_agent", params={"claim": fresh["remote_request_id"],
+                                                        "token": "guess"})
+    assert r.status_code == 403 and ctx.engine.kv.leases == 1
+    assert httpx.delete(ctx.base + "/v1/dwdp/kv_agent", params={
+        "claim": fresh["remote_request_id"], "token": fresh["remote_lease_token"]}
+    ).status_code == 401  # the side channel needs the API key
+    ok = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": fresh})
+    assert ok.status_code == 200, ok.text
     _wait(lambda: ctx.engine.allocator.num_in_use == 0, "context blocks still held")
     _wait(lambda: gen.engine.allocator.num_in_use == 0, "generation blocks still held")
 
@@ -252,7 +321,7 @@ def test_an_expired_lease_frees_the_blocks_and_the_late_reader_gets_an_error(che
         _wait(lambda: ctx.engine.kv.leases == 0, "the lease never expired", timeout=10)
         assert ctx.engine.allocator.num_in_use == 0 and ctx.engine.kv.leases_expired == 1
         r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": params})
-        assert r.status_code == 502 and "lease expired" in r.json()["error"]["message"]
+        assert r.status_code == 410 and "it expired" in r.json()["error"]["message"]
         _wait(lambda: gen.engine.allocator.num_in_use == 0, "generation blocks still held")
 
 
@@ -365,3 +434,23 @@ def test_the_dwdp_field_survives_vllm_router_and_names_prefill_and_decode(pair, 
     alone = gen.client.post("/v1/completions", json=body).json()["dwdp"]
     assert alone == {"prefill": _where(gen, GEN), "decode": _where(gen, GEN)}
     _wait(lambda: ctx.engine.kv.leases == 0, "leases not released")
+
+
+def test_a_failed_nixl_read_releases_the_lease_at_once(checkpoint):
+    """The context server's KV memory is deregistered from NIXL after its prefill (a fault
+    injected into the real agent): the generation server's READ fails (502 naming the read),
+    and the lease ends at once instead of at its expiry."""
+    with _server(checkpoint) as ctx, _server(checkpoint) as gen:
+        body = {"prompt": list(range(3, 25)), "max_tokens": 3, "ignore_eos": True}
+        params = _lease(ctx, body["prompt"])
+        agent = ctx.engine.kv.agent
+        agent._agent.deregister_memory(agent._registered)  # the fault
+        agent._registered = None
+        r = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": params})
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["type"] == "kv_transfer_error"
+        assert r.json()["error"]["message"].startswith(f"KV read from {params['remote_engine_id']}")
+        _wait(lambda: ctx.engine.kv.leases == 0 and ctx.engine.allocator.num_in_use == 0,
+              "the failed read's lease still holds blocks", timeout=1.0)
+        assert ctx.engine.kv.leases_refused == 1 and ctx.engine.kv.leases_expired == 0
+        assert gen.engine.kv.blocks_received == 0

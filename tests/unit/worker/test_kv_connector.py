@@ -67,6 +67,21 @@ def edge():
              "remote_block_ids": [0], "remote_host": "h"},
             "kv_transfer_params.remote_port: required with do_remote_prefill",
         ),
+        (
+            {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
+             "remote_block_ids": [0], "remote_host": "h", "remote_port": 1},
+            "kv_transfer_params.remote_lease_token: required with do_remote_prefill",
+        ),
+        (  # a misspelled flag beside a lease's fields: never a silent local prefill
+            {"do_remote_prefil": True, "remote_engine_id": "e", "remote_request_id": "r"},
+            "kv_transfer_params.remote_engine_id: only with do_remote_prefill: true",
+        ),
+        (
+            {"do_remote_decode": True, "remote_block_ids": [1]},
+            "kv_transfer_params.remote_block_ids: only with do_remote_prefill: true",
+        ),
+        ({"do_remote_prefill": False, "remote_lease_token": "t"},
+         "kv_transfer_params.remote_lease_token: only with do_remote_prefill: true"),
         ({"remote_port": "8001"}, "kv_transfer_params.remote_port: "),
         ({"remote_block_ids": [True]}, "kv_transfer_params.remote_block_ids.0: "),
         ({"tp_size": 2}, "kv_transfer_params.tp_size: "),
@@ -91,6 +106,7 @@ def test_kv_transfer_params_reach_the_engine_typed_with_unknown_fields_dropped(e
         "remote_block_ids": [3, 4],
         "remote_host": "10.0.0.1",
         "remote_port": 8001,
+        "remote_lease_token": "t0k",
         "no_stop_trim": True,  # a router's extra field
     }
     r = client.post("/v1/completions", json={"prompt": [1, 2], "kv_transfer_params": sent})
@@ -102,7 +118,8 @@ def test_kv_transfer_params_reach_the_engine_typed_with_unknown_fields_dropped(e
 
 
 def test_a_prefill_answer_dumps_vllms_field_names():
-    """What a context server answers is vLLM's object, every field present."""
+    """What a context server answers is vLLM's object, every field present, and the lease's
+    token beside them."""
     out = KvTransferParams(
         do_remote_prefill=True,
         remote_engine_id="e",
@@ -110,6 +127,7 @@ def test_a_prefill_answer_dumps_vllms_field_names():
         remote_block_ids=[0, 1],
         remote_host="h",
         remote_port=1,
+        remote_lease_token="t",
     ).model_dump(exclude_none=True)
     assert out == {
         "do_remote_decode": False,
@@ -119,5 +137,6 @@ def test_a_prefill_answer_dumps_vllms_field_names():
         "remote_block_ids": [0, 1],
         "remote_host": "h",
         "remote_port": 1,
+        "remote_lease_token": "t",
         "tp_size": 1,
     }

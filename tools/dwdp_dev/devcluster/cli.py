@@ -155,20 +155,26 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if up else 3
 
 
-def _kubeconfig(args: argparse.Namespace) -> int:
+def _existing(state_dir: Path | None):
+    """The cluster of ``state_dir`` (``None``: the default folder); a ``UserError`` naming
+    the folder when no cluster was ever started there (no admin kubeconfig)."""
     from dwdp_dev.devcluster import cluster
 
-    c = cluster.Cluster(args.state_dir)
+    c = cluster.Cluster(state_dir)
     if not c.kubeconfig.exists():
         raise _user_error(RuntimeError(f"no cluster in {c.state_dir}; run `dwdp dev up`"))
-    print(c.kubeconfig)
+    return c
+
+
+def _kubeconfig(args: argparse.Namespace) -> int:
+    print(_existing(args.state_dir).kubeconfig)
     return 0
 
 
 def _env(args: argparse.Namespace) -> int:
-    from dwdp_dev.devcluster import cluster, tools
+    from dwdp_dev.devcluster import tools
 
-    c = cluster.Cluster(args.state_dir)
+    c = _existing(args.state_dir)
     print(f"export KUBECONFIG={c.kubeconfig}")
     print(f"export PATH={tools.tools_bin_dir()}:$PATH")
     return 0

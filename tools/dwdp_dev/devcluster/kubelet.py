@@ -16,7 +16,10 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
   at their mount paths (a mount over a folder above a host path the pod still needs, such
   as an emptyDir at /tmp above the state folder or the virtual environment, is made last;
   such an emptyDir is an overlay whose lower layer is the host folder, since the host is
-  this kubelet's "image"). The service-account token therefore sits at
+  this kubelet's "image"; configMap, secret and projected volumes are re-read every
+  ``VOLUME_SYNC_S`` and rewritten atomically when their content changed, as the kubelet's
+  periodic sync does, so a rotated Secret reaches running pods). The service-account token
+  therefore sits at
   /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT point at
   the apiserver, so in-cluster clients work and RBAC applies.
 - A container whose image is in the local OCI store (``dwdp dev images``, see
@@ -37,7 +40,8 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
   its own process group, stdout+stderr to a log file (``kubectl logs`` works through the
   kubelet's HTTPS port). PATH starts with ``--path-prepend`` (the repo's .venv/bin), so a
   console script of the environment is a container command as it is in the worker image
-  (``dwdp launch`` of worker pods, ``vllm-router`` of the operator's router pods).
+  (``dwdp launch`` of worker pods, ``dwdp router-gate`` and its ``vllm-router`` of the
+  operator's router pods).
 - Init containers, startup/readiness/liveness probes (httpGet, tcpSocket, exec), readiness
   gates, restartPolicy with back-off, terminationMessagePath/Policy, phase, podIP and
   container states with exit codes.
@@ -65,6 +69,7 @@ import base64
 import contextlib
 import copy
 import datetime as dt
+import hashlib
 import http.client
 import http.server
 import json
@@ -93,6 +98,9 @@ log = logging.getLogger("dwdp_dev.devcluster.kubelet")
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 TICK_S = 0.2
+VOLUME_SYNC_S = 5.0
+"""Seconds between two re-reads of a running pod's configMap/secret/projected volumes (the
+real kubelet: its sync period, 1 minute by default, plus its Secret cache's delay)."""
 HEARTBEAT_S = 10.0
 BACKOFF_INITIAL_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -237,6 +245,16 @@ def parse_quantity(q: Any) -> float:
         if s.endswith(suf):
             return float(s[: -len(suf)]) * suffixes[suf]
     return float(s)
+
+
+def _files_digest(files: dict[str, tuple[bytes, int | None]]) -> bytes:
+    """A digest of a volume's files (paths, modes, contents): equal for equal volumes."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        content, mode = files[rel]
+        h.update(f"{rel}\0{mode}\0{len(content)}\0".encode())
+        h.update(content)
+    return h.digest()
 
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
@@ -550,6 +568,9 @@ class PodWorker(threading.Thread):
         self.last_status: dict | None = None
         self.condition_times: dict[str, tuple[str, str]] = {}
         self.token_refresh: list[tuple[float, dict, Path]] = []
+        self.synced_volumes: dict[str, tuple[dict, Path, bytes]] = {}
+        """Volume name -> (its spec, its folder, a digest of the files last written)."""
+        self.volumes_synced_at = time.monotonic()
         self.terminating_since: float | None = None
         self.grace_deadline: float | None = None
         self.stop_event = threading.Event()
@@ -684,6 +705,7 @@ class PodWorker(threading.Thread):
             elif any(k in vol for k in ("configMap", "secret", "downwardAPI", "projected")):
                 files = self._volume_files(pod, vol)
                 self._write_files(target, files, vol, _fs_group(pod))
+                self.synced_volumes[name] = (vol, target, _files_digest(files))
                 out[name] = target
             else:
                 kinds = sorted(k for k in vol if k != "name")
@@ -867,6 +889,29 @@ class PodWorker(threading.Thread):
                 link.symlink_to(f"..data/{top}")
         if old and old != stamp:
             shutil.rmtree(target / old, ignore_errors=True)
+
+    def _resync_volumes(self) -> None:
+        """Every ``VOLUME_SYNC_S``: re-read the configMap/secret/projected volumes and rewrite
+        those whose content changed (a missing source keeps the files last written)."""
+        now = time.monotonic()
+        if now - self.volumes_synced_at < VOLUME_SYNC_S or not self.synced_volumes:
+            return
+        self.volumes_synced_at = now
+        pod = self.snapshot()
+        for name, (vol, target, digest) in list(self.synced_volumes.items()):
+            if "projected" in vol and any(
+                "serviceAccountToken" in src for src in vol["projected"].get("sources") or []
+            ):
+                continue  # tokens have their own refresh (_refresh_tokens)
+            try:
+                files = self._volume_files(pod, vol)
+            except SetupError as exc:
+                log.warning("%s: volume %s not resynced: %s", self.name, name, exc)
+                continue
+            if _files_digest(files) != digest:
+                self._write_files(target, files, vol, _fs_group(pod))
+                self.synced_volumes[name] = (vol, target, _files_digest(files))
+                log.info("%s: volume %s updated", self.name, name)
 
     def _refresh_tokens(self) -> None:
         now = time.monotonic()
@@ -1592,8 +1637,9 @@ class PodWorker(threading.Thread):
                 return
             try:
                 self._refresh_tokens()
+                self._resync_volumes()
             except ApiUnreachable as exc:
-                log.info("%s: token refresh waits for the apiserver: %s", self.name, exc)
+                log.info("%s: volume refresh waits for the apiserver: %s", self.name, exc)
             self.kubelet.wait(self, TICK_S)
 
     def _step(self, pod: dict) -> None:

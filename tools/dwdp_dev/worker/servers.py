@@ -5,7 +5,9 @@ thread), optionally with its NIXL KV transfer, and vllm-router's binary in front
 transfer for a context or generation role), without the rest of a pod; ``VllmRouter`` runs
 the ``vllm-router`` binary that the PyPI package installs next to the interpreter, in PD mode
 (``--vllm-pd-disaggregation`` with static ``--prefill``/``--decode`` URLs) or plain
-(``--worker-urls``), and waits for its ``/health``.
+(``--worker-urls``), and waits for its ``/health``; ``RouterGate`` runs ``dwdp router-gate``
+(the router pod's authenticating front) in front of vllm-router in PD mode, as the operator's
+router pod does.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dwdp.api.defaults import KV_TRANSFER_LEASE_S
+from dwdp.worker.apikey import ApiKey
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -38,6 +41,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _metrics_args() -> list[str]:
+    """vllm-router's Prometheus listener on a free loopback port: its default (29000 on every
+    address) collides with any other vllm-router on the host, and it exits when it cannot bind."""
+    return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
 
 
 class UvicornThread:
@@ -70,9 +79,10 @@ class EngineServer:
     ``lease_s`` seconds, on ``device`` (``cuda:N``: the worker's GPU kernels too, as
     ``dwdp.worker.main`` sets them). ``server``: its identity in the ``dwdp`` response field
     (``status.server_identity``). ``limits`` go to ``EngineConfig``. A context manager:
-    ``base`` is its URL and ``client`` an ``httpx.Client`` carrying the key once entered."""
+    ``base`` is its URL and ``client`` an ``httpx.Client`` carrying the key once entered (an
+    ``ApiKey`` of a file: the key when entered; the server checks the current one)."""
 
-    def __init__(self, path: Path, *, api_key: str, kv: bool = True,
+    def __init__(self, path: Path, *, api_key: str | ApiKey, kv: bool = True,
                  lease_s: float = KV_TRANSFER_LEASE_S, model_name: str = "m", device: str = "cpu",
                  server: dict[str, Any] | None = None, **limits: Any) -> None:
         from dwdp.worker.engine.base import EngineConfig
@@ -99,8 +109,9 @@ class EngineServer:
         if self.kv:
             self._attach_kv(int(self.base.rsplit(":", 1)[1]))
         self.engine.start()
+        key = self.api_key.current() if isinstance(self.api_key, ApiKey) else self.api_key
         self.client = httpx.Client(base_url=self.base, timeout=60,
-                                   headers={"Authorization": f"Bearer {self.api_key}"})
+                                   headers={"Authorization": f"Bearer {key}"})
         return self
 
     def _attach_kv(self, port: int) -> None:
@@ -134,7 +145,8 @@ class VllmRouter:
                  prefill_policy: str = "round_robin", timeout: float = 60.0) -> None:
         self.port = free_port()
         binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-        args = [binary, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        args = [binary, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+                *_metrics_args()]
         if decode:
             args += ["--vllm-pd-disaggregation", "--prefill-policy", prefill_policy]
             args += [a for url in prefill for a in ("--prefill", url)]
@@ -161,6 +173,54 @@ class VllmRouter:
 
         try:
             wait_for(up, "vllm-router did not come up", timeout=self.timeout)
+        except BaseException:
+            self.__exit__()
+            raise
+        return base
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+class RouterGate:
+    """``dwdp router-gate`` on a free loopback port in front of vllm-router in PD mode over
+    ``prefill`` and ``decode`` URLs, with the key of the file ``key_file``
+    (``DWDP_API_KEY_FILE``). ``__enter__`` returns its base URL once ``/readiness`` answers
+    200; raises ``RuntimeError`` when the gate exits and ``TimeoutError`` after ``timeout``."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, key_file: Path,
+                 timeout: float = 60.0) -> None:
+        self.port = free_port()
+        binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        router = [binary, "--vllm-pd-disaggregation", "--log-level", "warning", *_metrics_args()]
+        router += [a for url in prefill for a in ("--prefill", url)]
+        router += [a for url in decode for a in ("--decode", url)]
+        self.args = [sys.executable, "-m", "dwdp", "router-gate", "--host", "127.0.0.1",
+                     "--port", str(self.port), "--", *router]
+        self.env = {**os.environ, "DWDP_API_KEY_FILE": str(key_file)}
+        self.env.pop("OPENAI_API_KEY", None)
+        self.timeout = timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> str:
+        import httpx
+
+        self.proc = subprocess.Popen(self.args, env=self.env)
+        base = f"http://127.0.0.1:{self.port}"
+
+        def up() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dwdp router-gate exited with {self.proc.returncode}")
+            try:
+                return httpx.get(base + "/readiness", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_for(up, "dwdp router-gate did not become ready", timeout=self.timeout)
         except BaseException:
             self.__exit__()
             raise

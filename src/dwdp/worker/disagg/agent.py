@@ -39,6 +39,16 @@ class TransferError(RuntimeError):
     """A KV transfer that cannot happen or failed (one line naming the cause)."""
 
 
+class LeaseError(TransferError):
+    """``kv_transfer_params`` that name no lease this reader may read, found before any block
+    is read: the client's error, answered ``status`` (400 contradictory params, 403 another
+    lease's token, 410 no such lease) with a message naming the field."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def release_message(request_id: str) -> bytes:
     """The NIXL notification that ends a request's lease on the context side."""
     return RELEASE + request_id.encode()

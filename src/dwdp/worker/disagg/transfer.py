@@ -3,15 +3,21 @@
 the side-channel fetch of a context server's agent.
 
 Context role: a request with ``do_remote_decode`` is prefilled; ``request_finished`` answers
-its ``kv_transfer_params`` (``do_remote_prefill`` and where the blocks are) and its blocks stay
-under a lease of ``lease_s`` seconds (vLLM: 30 s by default); the lease ends when the
-generation side's release notification arrives or it expires (a WARNING), and
-``finished_blocks`` gives the blocks back to the engine. Generation role: ``prepare_load``
-fetches the context server's ``describe()`` from its side channel (``GET /v1/dwdp/kv_agent`` on
-the ``remote_host:remote_port`` of the params, with this server's API key: both sides of one
-deployment share it), claiming the request's lease there (which extends it, or answers 410
-when it is gone, so a late reader gets a clear error instead of blocks reused by another
-request), and ``load`` reads the blocks.
+its ``kv_transfer_params`` (``do_remote_prefill``, where the blocks are, and the lease's token,
+a random secret only that answer carries) and its blocks stay under a lease of ``lease_s``
+seconds (vLLM: 30 s by default); the lease ends when the generation side's release notification
+arrives (the NIXL READ's, or ``DELETE`` on the side channel when it refused the request), or it
+expires (a WARNING), and ``finished_blocks`` gives the blocks back to the engine. Generation
+role: ``prepare_load`` fetches the context server's ``describe()`` from its side channel
+(``GET /v1/dwdp/kv_agent`` on the ``remote_host:remote_port`` of the params, with this server's
+API key: both sides of one deployment share it), claiming the request's lease there with its
+token (which extends it; 410 when it is gone, 403 for another token); before any block is read
+the side channel's engine must be the params' ``remote_engine_id`` and the lease's blocks their
+``remote_block_ids`` (``LeaseError`` naming the field otherwise); ``load`` reads the blocks.
+
+[Note: lease binding] A reader gets blocks only from the engine that granted the lease, only
+the lease's blocks, and only with the lease's token: params mixing a real lease with another
+engine's id, other block ids, or another request's token read nothing.
 
 Thread use: ``prepare_load`` runs on the server's event loop (the fetch) and a worker thread
 (the NIXL call); every other method but ``describe`` runs on the engine thread. Agent calls are
@@ -21,25 +27,48 @@ serialised by a lock.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from dwdp.api.defaults import KV_TRANSFER_LEASE_S
-from dwdp.worker.disagg.agent import KV_AGENT_PATH, KvAgent, RemoteEngine, TransferError
+from dwdp.worker.apikey import ApiKey
+from dwdp.worker.disagg.agent import (
+    KV_AGENT_PATH,
+    KvAgent,
+    LeaseError,
+    RemoteEngine,
+    TransferError,
+)
 from dwdp.worker.engine.kv_connector import KvEndpoint, KvTransferParams
 
 log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 10.0
+TOKEN_BYTES = 18
+"""Random bytes of a lease's token (24 URL-safe characters)."""
+
+
+@dataclass(slots=True)
+class Lease:
+    """A prefilled request's blocks held for its reader: ``token`` proves the reader got the
+    prefill answer; ``deadline`` is ``time.monotonic()`` seconds."""
+
+    blocks: list[int]
+    token: str
+    deadline: float
 
 
 class KvTransfer:
     """One engine's KV transfer, a ``KvConnector`` (see the module docstring).
 
     ``agent``: its ``KvAgent``; ``host``/``port``: where generation servers reach this server's
-    side channel (its HTTP address); ``api_key``: sent on side-channel fetches.
+    side channel (its HTTP address); ``api_key``: sent on side-channel fetches (an ``ApiKey``,
+    asked at each fetch so a rotated key is used, or a fixed key).
     """
 
     def __init__(
@@ -48,20 +77,22 @@ class KvTransfer:
         *,
         host: str,
         port: int,
-        api_key: str | None = None,
+        api_key: ApiKey | str | None = None,
         lease_s: float = KV_TRANSFER_LEASE_S,
     ) -> None:
         self.agent = agent
         self.host = host
         self.port = port
-        self.api_key = api_key
+        self.api_key = api_key if isinstance(api_key, ApiKey) else ApiKey(api_key)
         self.lease_s = lease_s
         self._lock = threading.Lock()  # the agent's calls
         self._lease_lock = threading.Lock()  # the lease table (engine thread and side channel)
-        self._leases: dict[str, tuple[list[int], float]] = {}
+        self._leases: dict[str, Lease] = {}
+        self._refused: list[list[int]] = []  # leases the decode side refused, blocks to free
         self.blocks_received = 0
         self.leases_granted = 0
         self.leases_expired = 0
+        self.leases_refused = 0
         self._servers: dict[str, dict[str, Any]] = {}  # engine id -> its "server" identity
 
     @property
@@ -72,11 +103,13 @@ class KvTransfer:
     def status(self) -> dict[str, int]:
         """The counters of ``/dwdp/status``'s ``kv_transfer``: ``leases`` (held now),
         ``leases_granted`` (requests prefilled here for a remote decode), ``leases_expired``
-        (never read), ``blocks_received`` (KV blocks this server read from context servers)."""
+        (never read), ``leases_refused`` (released unread by a generation server that refused
+        the request), ``blocks_received`` (KV blocks this server read from context servers)."""
         return {
             "leases": self.leases,
             "leases_granted": self.leases_granted,
             "leases_expired": self.leases_expired,
+            "leases_refused": self.leases_refused,
             "blocks_received": self.blocks_received,
         }
 
@@ -89,9 +122,11 @@ class KvTransfer:
     def request_finished(self, request_id: str, blocks: list[int]) -> KvTransferParams:
         """Hold ``blocks`` until the generation side releases them or ``lease_s`` passes; the
         lease exists before the answer leaves, so a fast generation server always finds it.
-        Returns the answer's ``kv_transfer_params`` (``do_remote_prefill`` and where)."""
+        Returns the answer's ``kv_transfer_params`` (``do_remote_prefill``, where, and the
+        lease's token)."""
+        token = secrets.token_urlsafe(TOKEN_BYTES)
         with self._lease_lock:
-            self._leases[request_id] = (list(blocks), time.monotonic() + self.lease_s)
+            self._leases[request_id] = Lease(list(blocks), token, time.monotonic() + self.lease_s)
             self.leases_granted += 1
         return KvTransferParams(
             do_remote_prefill=True,
@@ -101,6 +136,7 @@ class KvTransfer:
             remote_block_ids=list(blocks),
             remote_host=self.host,
             remote_port=self.port,
+            remote_lease_token=token,
             tp_size=1,
         )
 
@@ -109,16 +145,42 @@ class KvTransfer:
         with self._lease_lock:
             self._leases.pop(request_id, None)
 
-    def claim(self, request_id: str) -> list[int] | None:
-        """Extend a held lease by ``lease_s`` (the generation side is about to read it) and
-        return its block ids; ``None`` when no lease of that request is held (expired,
-        released or unknown)."""
+    def _held(self, request_id: str, token: str | None) -> Lease:
+        """The lease of ``request_id`` if ``token`` is its token (the lease lock held);
+        ``LeaseError`` 410 when no such lease is held, 403 for another token."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise LeaseError(
+                410,
+                f"kv_transfer_params.remote_request_id: no KV lease of {request_id!r} is held "
+                f"on {self.agent.engine_id} (it expired, was released, or was never granted)",
+            )
+        if token is None or not hmac.compare_digest(token.encode(), lease.token.encode()):
+            raise LeaseError(
+                403,
+                f"kv_transfer_params.remote_lease_token: not the token of {request_id!r}'s "
+                f"lease on {self.agent.engine_id}",
+            )
+        return lease
+
+    def claim(self, request_id: str, token: str | None) -> list[int]:
+        """Extend the lease of ``request_id`` by ``lease_s`` (its reader is about to read it)
+        and return its block ids; ``LeaseError`` as ``_held``."""
         with self._lease_lock:
-            held = self._leases.get(request_id)
-            if held is None:
-                return None
-            self._leases[request_id] = (held[0], time.monotonic() + self.lease_s)
-            return list(held[0])
+            lease = self._held(request_id, token)
+            lease.deadline = time.monotonic() + self.lease_s
+            return list(lease.blocks)
+
+    def release_lease(self, request_id: str, token: str | None) -> None:
+        """The generation side refused the request: end its lease now; the engine frees the
+        blocks at its next ``finished_blocks`` (milliseconds). ``LeaseError`` as ``_held``."""
+        with self._lease_lock:
+            lease = self._held(request_id, token)
+            del self._leases[request_id]
+            self._refused.append(lease.blocks)
+            self.leases_refused += 1
+        log.info("KV lease of request %s released unread: the decode side refused it",
+                 request_id)
 
     def finished_blocks(self) -> list[list[int]]:
         """Block tables whose lease ended since the last call (the engine frees them)."""
@@ -126,64 +188,83 @@ class KvTransfer:
             released = self.agent.released()
         now = time.monotonic()
         with self._lease_lock:
-            out = [self._leases.pop(rid)[0] for rid in released if rid in self._leases]
-            for rid in [r for r, (_, deadline) in self._leases.items() if deadline < now]:
+            out, self._refused = self._refused, []
+            out += [self._leases.pop(rid).blocks for rid in released if rid in self._leases]
+            for rid in [r for r, lease in self._leases.items() if lease.deadline < now]:
                 log.warning("KV lease of request %s expired after %.0f s unread", rid, self.lease_s)
                 self.leases_expired += 1
-                out.append(self._leases.pop(rid)[0])
+                out.append(self._leases.pop(rid).blocks)
         return out
 
-    def describe(self, claim: str | None = None) -> dict[str, Any] | None:
-        """The side channel's answer (``KvAgent.describe``); with ``claim``, ``None`` unless
-        that request's lease is held (and then extended), and ``lease_block_ids``: the blocks
-        of that lease, the only ones its reader may read."""
-        blocks = self.claim(claim) if claim is not None else []
-        if blocks is None:
-            return None
+    def describe(self, claim: str | None = None, token: str | None = None) -> dict[str, Any]:
+        """The side channel's answer (``KvAgent.describe``); with ``claim`` and the lease's
+        ``token``, ``lease_block_ids``: the blocks of that lease, the only ones its reader may
+        read (the lease is extended). ``LeaseError`` as ``_held``."""
+        blocks = self.claim(claim, token) if claim is not None else None
         with self._lock:
             described = self.agent.describe()
-        return {**described, "lease_block_ids": blocks} if claim is not None else described
+        return {**described, "lease_block_ids": blocks} if blocks is not None else described
 
     # -- generation side -----------------------------------------------------------------------
     async def prepare_load(self, params: KvTransferParams) -> None:
         """Claim the lease of ``params`` on its context server and connect to that server
-        (once per engine id). Raises ``TransferError`` naming the server when it cannot be
-        reached or does not match, or the lease is gone or holds other blocks."""
-        import httpx
-
+        (once per engine id); see [Note: lease binding]. Raises ``LeaseError`` (a 4xx naming
+        the field) when the params name no lease this server may read, ``TransferError`` when
+        the server cannot be reached or does not match."""
         engine_id = str(params.remote_engine_id)
-        url = f"http://{_host_for_url(str(params.remote_host))}:{params.remote_port}{KV_AGENT_PATH}"
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        try:  # every request claims its lease; the answer also carries the agent
-            async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S) as client:
-                r = await client.get(
-                    url, headers=headers, params={"claim": str(params.remote_request_id)}
-                )
-        except httpx.HTTPError as exc:
-            raise TransferError(f"KV side channel {url}: {exc!r}") from exc
-        if r.status_code == 410:
-            raise TransferError(
-                f"KV blocks of request {params.remote_request_id} on {engine_id}: the lease "
-                "expired or was released before this server read them"
+        url = self._side_channel(params)
+        described = await self._call("GET", url, params)
+        if described.get("engine_id") != engine_id:
+            raise LeaseError(
+                400,
+                f"kv_transfer_params.remote_engine_id: {engine_id!r}, but the side channel "
+                f"{params.remote_host}:{params.remote_port} is engine "
+                f"{described.get('engine_id')!r}: the lease belongs to that engine",
             )
-        if r.status_code != 200:
-            raise TransferError(f"KV side channel {url}: HTTP {r.status_code}")
-        described = r.json()
         if described.get("lease_block_ids") != params.remote_block_ids:
             # only the blocks leased to this request: other ids are other requests' KV
-            raise TransferError(
+            raise LeaseError(
+                400,
                 f"kv_transfer_params.remote_block_ids: not the blocks of request "
-                f"{params.remote_request_id}'s lease on {engine_id}"
+                f"{params.remote_request_id}'s lease on {engine_id}",
             )
         if self.agent.known(engine_id) is not None:
             return
-        if described.get("engine_id") != engine_id:
-            raise TransferError(
-                f"KV side channel {url}: engine {described.get('engine_id')!r}, the params "
-                f"name {engine_id!r} (the context server restarted?)"
-            )
         await asyncio.to_thread(self._connect, described)
         self._servers[engine_id] = _identity(described.get("server"))
+
+    async def release(self, params: KvTransferParams) -> None:
+        """Tell the context server of ``params`` that this server refused the request, so
+        its lease ends now (``DELETE`` on its side channel, with the lease's token). Best
+        effort: a lease already gone, or a server out of reach, is logged at INFO."""
+        try:
+            await self._call("DELETE", self._side_channel(params), params)
+        except TransferError as exc:
+            log.info("KV lease of %s not released: %s", params.remote_request_id, exc)
+
+    def _side_channel(self, params: KvTransferParams) -> str:
+        host = _host_for_url(str(params.remote_host))
+        return f"http://{host}:{params.remote_port}{KV_AGENT_PATH}"
+
+    async def _call(self, method: str, url: str, params: KvTransferParams) -> dict[str, Any]:
+        """``method`` on the side channel ``url`` for the lease of ``params``; its JSON answer.
+        A 403/410 answer is the side channel's ``LeaseError``; others ``TransferError``."""
+        import httpx
+
+        key = self.api_key.current()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        query = {"claim": str(params.remote_request_id),
+                 "token": str(params.remote_lease_token or "")}
+        try:
+            async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S) as client:
+                r = await client.request(method, url, headers=headers, params=query)
+        except httpx.HTTPError as exc:
+            raise TransferError(f"KV side channel {url}: {exc!r}") from exc
+        if r.status_code in (403, 410):
+            raise LeaseError(r.status_code, _message(r))
+        if r.status_code not in (200, 204):
+            raise TransferError(f"KV side channel {url}: HTTP {r.status_code}")
+        return r.json() if r.status_code == 200 else {}
 
     def server_of(self, engine_id: str) -> dict[str, Any]:
         """The identity a connected context server gave in its side channel's ``server``
@@ -222,6 +303,14 @@ def _identity(server: Any) -> dict[str, Any]:
         for k in IDENTITY_KEYS
         if isinstance(server.get(k), str | int) and not isinstance(server.get(k), bool)
     }
+
+
+def _message(r: Any) -> str:
+    """The ``error.message`` of a side channel's answer (its status when it has none)."""
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"KV side channel: HTTP {r.status_code}"
 
 
 def _host_for_url(host: str) -> str:

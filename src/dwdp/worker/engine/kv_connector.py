@@ -13,8 +13,10 @@ makes today:
 - worker side: ``load`` (vLLM's ``start_load_kv`` + ``wait_for_layer_load``, all layers at
   once) before the request's first step; ``finished_blocks`` (vLLM's ``get_finished``): block
   tables the engine may free now;
-- server side: ``describe`` (the side channel's answer), ``status`` (``/dwdp/status``
-  counters), ``endpoint`` and ``server_of`` (the ``dwdp`` response field).
+- server side: ``describe`` (the side channel's answer), ``release_lease`` (a generation server
+  refused the request: the lease ends now), ``release`` (the generation side of that),
+  ``status`` (``/dwdp/status`` counters), ``endpoint`` and ``server_of`` (the ``dwdp``
+  response field).
 
 ``KvTransferParams`` is vLLM's ``kv_transfer_params`` object. The HTTP request schema parses it
 (``dwdp.worker.server.protocol``) and every rule of its own fields is checked there, once: a
@@ -41,7 +43,9 @@ _NEEDED_FOR_REMOTE_PREFILL = (
     "remote_block_ids",
     "remote_host",
     "remote_port",
+    "remote_lease_token",
 )
+"""The fields that name a lease: required with ``do_remote_prefill``, refused without it."""
 
 
 class KvTransferParams(BaseModel):
@@ -52,9 +56,11 @@ class KvTransferParams(BaseModel):
     where they are: ``remote_engine_id`` (its NIXL agent), ``remote_request_id`` (the lease),
     ``remote_block_ids`` (block ids, in token order), ``remote_host``/``remote_port`` (its HTTP
     side channel), ``tp_size``. The router copies that object unchanged into the request it
-    sends a generation server, which reads the blocks and decodes. Fields routers add that this
-    contract does not use are ignored. Validation errors name ``kv_transfer_params.<field>``:
-    both flags true, or ``do_remote_prefill`` without one of the remote fields, is refused.
+    sends a generation server, which reads the blocks and decodes. ``remote_lease_token``
+    (dwdp's) is the lease's secret, which the generation server shows when it claims the
+    blocks. Fields routers add that this contract does not use are ignored. Validation errors
+    name ``kv_transfer_params.<field>``: both flags true, ``do_remote_prefill`` without one of
+    the lease's fields, or one of them without ``do_remote_prefill: true``, is refused.
     """
 
     # strict: "yes" is no bool, "8001" no port, true no block id (a 400 naming the field)
@@ -75,6 +81,11 @@ class KvTransferParams(BaseModel):
     )
     remote_host: str | None = Field(None, min_length=1, max_length=253, validate_default=True)
     remote_port: int | None = Field(None, ge=1, le=65535, validate_default=True)
+    remote_lease_token: str | None = Field(
+        None, min_length=1, max_length=256, validate_default=True,
+        description="The lease's secret: only the prefill answer carries it; the context "
+        "server hands the lease's blocks to no one else (dwdp's field, beside vLLM's).",
+    )
     tp_size: int = Field(1, ge=1, le=1, description="Tensor-parallel ranks of the context side.")
 
     @field_validator("do_remote_prefill")
@@ -86,9 +97,17 @@ class KvTransferParams(BaseModel):
 
     @field_validator(*_NEEDED_FOR_REMOTE_PREFILL)
     @classmethod
-    def _needed(cls, value: Any, info: ValidationInfo) -> Any:
-        if value in (None, []) and info.data.get("do_remote_prefill"):
+    def _lease_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        given = value not in (None, [])
+        if not given and info.data.get("do_remote_prefill"):
             raise PydanticCustomError("kv_transfer_params", "required with do_remote_prefill")
+        if given and info.data.get("do_remote_prefill") is not True:
+            raise PydanticCustomError(
+                "kv_transfer_params",
+                "only with do_remote_prefill: true (without it the prompt would be prefilled "
+                "here while the lease it names waits unread); send do_remote_prefill: true or "
+                "leave the remote_* fields out",
+            )
         return value
 
     @property
@@ -118,7 +137,8 @@ class KvConnector(Protocol):
 
     Blocks are ids in the engine's block table (``dwdp.worker.engine.blocks``), tokens in
     token order, ``block_size`` tokens each. Errors of a transfer raise
-    ``dwdp.worker.disagg.agent.TransferError`` (the server answers 502).
+    ``dwdp.worker.disagg.agent.TransferError`` (the server answers 502); params that name no
+    lease this server may read raise its subclass ``LeaseError`` (a 4xx naming the field).
     Thread use: ``prepare_load`` and ``describe`` run off the engine thread, the rest on it.
     """
 
@@ -155,9 +175,18 @@ class KvConnector(Protocol):
     def endpoint(self) -> KvEndpoint:
         """This connector's engine id and side-channel address."""
 
-    def describe(self, claim: str | None = None) -> dict[str, Any] | None:
-        """The side channel's JSON answer; with ``claim`` (a request id) ``None`` unless that
-        request's blocks are held (the hold is then extended)."""
+    def describe(self, claim: str | None = None, token: str | None = None) -> dict[str, Any]:
+        """The side channel's JSON answer; with ``claim`` (a request id) and the lease's
+        ``token``, that lease's blocks too (the hold is then extended). Raises ``LeaseError``
+        (410 no such lease, 403 another token)."""
+
+    def release_lease(self, request_id: str, token: str | None) -> None:
+        """The decode side refused the request: end its lease now (the blocks come back at the
+        engine's next ``finished_blocks``). Raises ``LeaseError`` as ``describe``."""
+
+    async def release(self, params: KvTransferParams) -> None:
+        """Generation side: tell the context server of ``params`` that this server will not
+        read its lease (it refused the request); best effort, errors are logged."""
 
     def status(self) -> dict[str, int]:
         """Counters of ``/dwdp/status``'s ``kv_transfer`` (integers)."""

@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dwdp.worker.disagg.agent import KV_AGENT_PATH
+from dwdp.worker.apikey import ApiKey
+from dwdp.worker.disagg.agent import KV_AGENT_PATH, LeaseError
+from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
 from dwdp.worker.engine.protocol import EngineClient
 from dwdp.worker.server.guard import RequestGuard
 from dwdp.worker.server.metrics import ServerMetrics
@@ -30,7 +32,7 @@ from dwdp.worker.server.protocol import (
     ErrorResponse,
     ModelList,
 )
-from dwdp.worker.server.serving import OpenAIServing, ServingError
+from dwdp.worker.server.serving import OpenAIServing, ServingError, lease_refusal
 from dwdp.worker.server.status import (
     DwdpStatusSource,
     NoDwdp,
@@ -48,6 +50,8 @@ log = logging.getLogger(__name__)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request."},
     404: {"model": ErrorResponse, "description": "Unknown model."},
+    403: {"model": ErrorResponse, "description": "Another lease's kv_transfer_params token."},
+    410: {"model": ErrorResponse, "description": "The KV lease is not held (any more)."},
     502: {"model": ErrorResponse, "description": "The KV transfer from the context server failed."},
     503: {"model": ErrorResponse, "description": "The engine cannot serve."},
 }
@@ -61,6 +65,51 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 def _serving(request: Request) -> OpenAIServing:
     return request.app.state.serving
+
+
+def _kv(request: Request) -> KvConnector:
+    kv = _serving(request).engine.kv
+    if kv is None:
+        raise ServingError(404, "no KV transfer on this server", kind="not_found_error")
+    return kv
+
+
+def _leased(params: Any) -> KvTransferParams | None:
+    """The ``kv_transfer_params`` of a request body (parsed, or the raw JSON of one that
+    failed validation) when they name a remote lease, else ``None``."""
+    if isinstance(params, dict):
+        try:
+            params = KvTransferParams.model_validate(params)
+        except ValueError:
+            return None
+    if isinstance(params, KvTransferParams) and params.do_remote_prefill:
+        return params
+    return None
+
+
+def _release_unread(request: Request, params: KvTransferParams | None) -> None:
+    """This server refuses a request whose KV waits under a lease on a context server: end
+    the lease there now (in the background; the answer does not wait for it)."""
+    kv = _serving(request).engine.kv
+    if params is None or kv is None:
+        return
+    tasks: set[asyncio.Task[None]] = request.app.state.releases
+    task = asyncio.ensure_future(kv.release(params))
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def _answer(request: Request, body: Any, work: Any) -> Response:
+    """Await ``work`` (``_unless_gone``); when it fails (an error answer, or the client
+    left) and ``body`` named a remote lease that was not read, release that lease."""
+    try:
+        result = _respond(await _unless_gone(request, work))
+    except BaseException:
+        _release_unread(request, _leased(body.kv_transfer_params))
+        raise
+    if result.status_code >= 400:  # 499: the client left
+        _release_unread(request, _leased(body.kv_transfer_params))
+    return result
 
 
 def _respond(result: Any) -> Response:
@@ -107,7 +156,7 @@ def build_app(
     on_shutdown: Any = None,
     identity: dict[str, Any] | None = None,
     memory: RankMemory | None = None,
-    api_key: str | None = None,
+    api_key: ApiKey | str | None = None,
     server: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app of one rank.
@@ -144,6 +193,7 @@ def build_app(
         engine, dwdp, metrics, served_name=served_name, server=server
     )
     app.state.metrics = metrics
+    app.state.releases = set()  # lease releases in flight (kept until done)
     app.add_middleware(RequestGuard, api_key=api_key)
 
     @app.exception_handler(ServingError)
@@ -152,6 +202,8 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, dict):  # a refused request may still name a real lease
+            _release_unread(request, _leased(exc.body.get("kv_transfer_params")))
         errors = exc.errors()
         if errors:
             first = max(errors, key=lambda e: len(e.get("loc", ())))  # the branch that got
@@ -180,7 +232,7 @@ def build_app(
         responses={**_ERRORS, 200: {"content": _SSE}},
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return _respond(await _unless_gone(request, _serving(request).completion(body)))
+        return await _answer(request, body, _serving(request).completion(body))
 
     @app.post(
         "/v1/chat/completions",
@@ -188,7 +240,7 @@ def build_app(
         responses={**_ERRORS, 200: {"content": _SSE}},
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return _respond(await _unless_gone(request, _serving(request).chat(body)))
+        return await _answer(request, body, _serving(request).chat(body))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> ModelList:
@@ -210,16 +262,28 @@ def build_app(
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @app.get(KV_AGENT_PATH, responses={404: _ERRORS[404]})
-    async def kv_agent(request: Request, claim: str | None = None) -> dict[str, Any]:
+    async def kv_agent(
+        request: Request, claim: str | None = None, token: str | None = None
+    ) -> dict[str, Any]:
         """The NIXL side channel of a disaggregated server (behind the API key); ``claim``:
-        a request id whose KV lease the caller is about to read (410 when it is not held)."""
-        kv = _serving(request).engine.kv
-        if kv is None:
-            raise ServingError(404, "no KV transfer on this server", kind="not_found_error")
-        described = await asyncio.to_thread(kv.describe, claim)  # the agent's lock may wait
-        if described is None:
-            raise ServingError(410, f"claim: no KV lease held for {claim!r}", kind="gone")
+        a request id whose KV lease the caller is about to read, ``token``: that lease's
+        (410 when it is not held, 403 for another token)."""
+        kv = _kv(request)
+        try:  # the agent's lock may wait
+            described = await asyncio.to_thread(kv.describe, claim, token)
+        except LeaseError as exc:
+            raise lease_refusal(exc) from exc
         return {**described, "server": _serving(request).server}
+
+    @app.delete(KV_AGENT_PATH, status_code=204, responses={404: _ERRORS[404]})
+    async def kv_release(request: Request, claim: str, token: str | None = None) -> Response:
+        """A generation server refused the request of lease ``claim`` (``token``: the
+        lease's): the lease ends now and its blocks come back (410 / 403 as the GET)."""
+        try:
+            _kv(request).release_lease(claim, token)
+        except LeaseError as exc:
+            raise lease_refusal(exc) from exc
+        return Response(status_code=204)
 
     @app.get("/dwdp/status")
     async def dwdp_status(request: Request) -> dict[str, Any]:

@@ -1,11 +1,12 @@
 """What a request must satisfy before a router sees it: the API key and the body's size.
 
-- **API key** (like vLLM's ``--api-key``): when the rank has one (``DWDP_API_KEY``, which the
-  operator fills from the Secret ``spec.server.apiKeySecretRef`` names), every ``/v1/*``
-  request must carry ``Authorization: Bearer <key>``; otherwise 401 in the OpenAI error shape
-  with ``WWW-Authenticate: Bearer``. The comparison takes constant time. ``/health``,
-  ``/ready``, ``/metrics`` and ``/dwdp/status`` stay open for probes, scrapers and the
-  operator.
+- **API key** (like vLLM's ``--api-key``): when the server has one (``DWDP_API_KEY_FILE`` or
+  ``DWDP_API_KEY``; the operator mounts the Secret ``spec.server.apiKeySecretRef`` names, see
+  ``dwdp.worker.apikey``), every protected request (a rank: ``/v1/*``) must carry
+  ``Authorization: Bearer <key>``; otherwise 401 in the OpenAI error shape with
+  ``WWW-Authenticate: Bearer``. The comparison takes constant time and uses the key current
+  at that moment (a rotated key file is re-read). On a rank ``/health``, ``/ready``,
+  ``/metrics`` and ``/dwdp/status`` stay open for probes, scrapers and the operator.
 - **Body size**: a request body over ``MAX_BODY_BYTES`` is refused with 413 naming the limit,
   from ``Content-Length`` when the client sends it, otherwise while the body streams in (the
   rest is never read).
@@ -20,6 +21,19 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from dwdp.worker.apikey import ApiKey, ApiKeyError, check_api_key
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "PROTECTED_PREFIX",
+    "ApiKey",
+    "ApiKeyError",
+    "RequestGuard",
+    "check_api_key",
+    "openai_error",
+    "v1_path",
+]
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -32,53 +46,52 @@ PROTECTED_PREFIX = "/v1/"
 """Paths that need the API key when the rank has one."""
 
 
-class ApiKeyError(ValueError):
-    """The configured API key cannot be used (one line naming the variable)."""
-
-
-def check_api_key(value: str | None, source: str) -> str | None:
-    """The API key from ``value`` (``None`` or empty: no key). Raises ``ApiKeyError`` for a
-    key made only of blanks or with blanks around it, which a client could not send back
-    (``source`` names where the value came from)."""
-    if not value:
-        return None
-    if value != value.strip() or not value.strip():
-        raise ApiKeyError(
-            f"{source}: the API key has leading or trailing blanks (or is only blanks); "
-            f"store the key without them"
-        )
-    return value
+def v1_path(path: str) -> bool:
+    """A rank's protected paths: the OpenAI API and the KV side channel (``/v1/*``)."""
+    return path.startswith(PROTECTED_PREFIX)
 
 
 class RequestGuard:
-    """ASGI middleware: the API key on ``/v1/*`` and the body bound (module docstring)."""
+    """ASGI middleware: the API key on protected paths and the body bound (module docstring).
+
+    ``api_key``: an ``ApiKey`` (asked on every request), a fixed key, or ``None`` (no key);
+    ``protected``: which paths need the key (default ``v1_path``).
+    """
 
     def __init__(
-        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES
+        self,
+        app: ASGIApp,
+        *,
+        api_key: ApiKey | str | None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        protected: Callable[[str], bool] = v1_path,
     ) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key if isinstance(api_key, ApiKey) else ApiKey(api_key)
         self.max_body_bytes = max_body_bytes
+        self.protected = protected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         if not self._authorized(scope):
-            await _reply(send, 401, "missing or wrong API key: send Authorization: "
-                         "Bearer <key>", "authentication_error",
-                         [(b"www-authenticate", b"Bearer")])
+            await openai_error(send, 401, "missing or wrong API key: send Authorization: "
+                               "Bearer <key>", "authentication_error",
+                               [(b"www-authenticate", b"Bearer")])
             return
         declared = _header(scope, b"content-length")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _reply(send, 413, self._too_large(int(declared)), "invalid_request_error")
+            await openai_error(send, 413, self._too_large(int(declared)),
+                               "invalid_request_error")
             return
         await self._bounded(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        if self._expected is None or not scope["path"].startswith(PROTECTED_PREFIX):
+        key = self.api_key.current()
+        if key is None or not self.protected(scope["path"]):
             return True
-        return hmac.compare_digest(_header(scope, b"authorization"), self._expected)
+        return hmac.compare_digest(_header(scope, b"authorization"), f"Bearer {key}".encode())
 
     def _too_large(self, size: int | None) -> str:
         got = f"{size} bytes" if size is not None else "more"
@@ -96,7 +109,7 @@ class RequestGuard:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.max_body_bytes:
-                await _reply(send, 413, self._too_large(None), "invalid_request_error")
+                await openai_error(send, 413, self._too_large(None), "invalid_request_error")
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -122,13 +135,14 @@ def _header(scope: Scope, name: bytes) -> bytes:
     return b""
 
 
-async def _reply(
+async def openai_error(
     send: Send,
     status: int,
     message: str,
     kind: str,
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
+    """Answer ``status`` with OpenAI's error body ``{"error": {"message", "type", "code"}}``."""
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
     await send(
         {

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dwdp.worker.disagg.agent import TransferError
+from dwdp.worker.disagg.agent import LeaseError, TransferError
 from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import (
     EngineClient,
@@ -53,6 +53,14 @@ class ServingError(Exception):
         self.status_code = status_code
         self.message = message
         self.kind = kind
+
+
+LEASE_ERROR_KINDS = {400: "invalid_request_error", 403: "permission_error", 410: "gone"}
+
+
+def lease_refusal(exc: LeaseError) -> ServingError:
+    """The answer to params that name no lease this server may read (``LeaseError``)."""
+    return ServingError(exc.status, str(exc), kind=LEASE_ERROR_KINDS.get(exc.status, "gone"))
 
 
 class OpenAIServing:
@@ -313,6 +321,8 @@ class OpenAIServing:
                 yield out
         except RequestError as exc:
             raise ServingError(400, str(exc)) from exc
+        except LeaseError as exc:  # the params name no lease this server may read
+            raise lease_refusal(exc) from exc
         except TransferError as exc:
             raise ServingError(502, str(exc), kind="kv_transfer_error") from exc
         except EngineError as exc:

@@ -1,0 +1,83 @@
+"""``dwdp router-gate``: the gate's process (listen, guard, forward; start and watch the child).
+
+Exit status: 0 after a stop signal (the child stopped too); 1 when the child exits on its own
+or cannot start (the kubelet restarts the container, the gate and a new child with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from dwdp.worker.apikey import ApiKey
+from dwdp.worker.gate.child import GateError
+from dwdp.worker.gate.proxy import Gate, needs_key
+from dwdp.worker.server.guard import RequestGuard
+
+log = logging.getLogger(__name__)
+
+
+async def serve(
+    argv: Sequence[str], *, host: str, port: int, api_key: ApiKey,
+    graceful_shutdown_s: int = 20,
+) -> int:
+    """Serve the gate on ``host:port`` in front of a vllm-router child (``argv``) until a stop
+    signal (0) or the child's failure (1). After a stop signal, requests in flight get
+    ``graceful_shutdown_s`` seconds, then the child 5 s to stop: within the router pod's
+    termination grace (30 s)."""
+    import uvicorn
+
+    gate = Gate(argv, api_key)
+    app = RequestGuard(gate, api_key=api_key, protected=needs_key)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="info",
+                       access_log=False, timeout_graceful_shutdown=graceful_shutdown_s)
+    )
+
+    async def supervise() -> None:
+        await gate.start()
+        await gate.watch()
+
+    child = asyncio.ensure_future(supervise())
+    serving = asyncio.ensure_future(server.serve())
+    status = 0
+    try:
+        await asyncio.wait({child, serving}, return_when=asyncio.FIRST_COMPLETED)
+        if child.done() and not child.cancelled():
+            exc = child.exception()
+            log.error("router gate stops: %s", exc if isinstance(exc, GateError) else repr(exc))
+            status = 1
+            server.should_exit = True
+        await serving
+        if not server.started:
+            log.error("router gate: could not listen on %s:%d", host, port)
+            status = 1
+    finally:
+        child.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await child
+        await gate.close()
+    return status
+
+
+def main(argv: Sequence[str], *, host: str, port: int, api_key: ApiKey) -> int:
+    """Run ``serve`` in this (main) thread. uvicorn re-raises a stop signal after its shutdown
+    to the handlers it found: ours turn that into a normal return, so the child is stopped."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _note_stop)
+    try:
+        return asyncio.run(serve(argv, host=host, port=port, api_key=api_key))
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _note_stop(signum: int, _frame: Any) -> None:
+    log.info("stop signal %d: the router gate has shut down", signum)
