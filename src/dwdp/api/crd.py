@@ -12,6 +12,7 @@ committed copy and a unit test fails when they differ.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,17 @@ def _is_null(node: Any) -> bool:
     return isinstance(node, dict) and node.get("type") == "null"
 
 
+def _string_pattern(branches: list[dict[str, Any]]) -> str:
+    """The pattern of an int-or-string field's strings: its words (a ``Literal``, e.g.
+    ``auto``), else a Kubernetes quantity. The integer branch's bounds are the model's CEL
+    rules' business (a structural schema keeps no type-specific bound in ``anyOf``)."""
+    text = next(b for b in branches if b.get("type") == "string")
+    words = [text["const"]] if "const" in text else text.get("enum")
+    if words:
+        return "^(" + "|".join(re.escape(str(w)) for w in words) + ")$"
+    return QUANTITY_PATTERN
+
+
 def _convert(node: Any) -> Any:
     """Rewrite one resolved JSON-schema node (recursively) as a structural schema node."""
     if isinstance(node, list):
@@ -78,7 +90,7 @@ def _convert(node: Any) -> Any:
             node = merged
         elif sorted(b.get("type", "") for b in branches) == ["integer", "string"]:
             node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-            node["pattern"] = QUANTITY_PATTERN
+            node["pattern"] = _string_pattern(branches)
             node["x-kubernetes-int-or-string"] = True
         else:
             raise ValueError(f"no structural form for anyOf {any_of!r}")

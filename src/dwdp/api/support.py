@@ -106,6 +106,10 @@ def _shm_gather(view: SectionView) -> str | None:
     return None
 
 
+def _shm_sm_reserve(view: SectionView) -> object | None:
+    return view.dwdp.sm_reserve if view.handle_type is HandleType.SHM else None
+
+
 def _mpi_with_dwdp(view: SectionView) -> str | None:
     return view.transport.value if view.transport is Transport.MPI and _dwdp_on(view) else None
 
@@ -149,6 +153,15 @@ WORKER_LIMITS: tuple[WorkerLimit, ...] = (
         "self.handleType != 'shm' || !has(self.dwdp) || !has(self.dwdp.copyMode) || "
         "self.dwdp.copyMode != 'gather'",
         _shm_gather,
+        _WITH_DWDP,
+    ),
+    WorkerLimit(
+        ("dwdp", "smReserve"),
+        "smReserve with handleType shm",
+        "shm is the cpu backend, which has no SMs to reserve; leave smReserve unset (or use "
+        "handleType posixFd or fabric)",
+        "self.handleType != 'shm' || !has(self.dwdp) || !has(self.dwdp.smReserve)",
+        _shm_sm_reserve,
         _WITH_DWDP,
     ),
     WorkerLimit(

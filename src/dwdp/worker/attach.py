@@ -198,7 +198,7 @@ def attach(
     attachment.install_hooks()
     attachment.install_guards()
     if state.experts.settings.reserve_model_sms:
-        attachment.reserve_model_sms()
+        attachment.reserve_model_sms(state.experts.settings.sm_reserve_sms)
     log.info(
         "DWDP rank %d of %d attached: %d MoE layers, partition %s, dense %s, %d expert slots",
         transport.rank,

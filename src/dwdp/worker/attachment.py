@@ -120,6 +120,8 @@ class DwdpAttachment:
         self._in_forward = False
         self._sms_before: int | None = None
         """The backend's SM reserve before ``reserve_model_sms`` (restored by ``close``)."""
+        self.model_sm_reserve = 0
+        """SMs the model's GEMMs leave free while attached (``reserve_model_sms``; 0: none)."""
 
     # -- DwdpStatusSource ----------------------------------------------------------------
     @property
@@ -169,6 +171,7 @@ class DwdpAttachment:
             copies=self.counters.copies,
             copy_mode=self.experts.settings.copy_mode.value,
             sm_reserve=self.sm_reserve,
+            sm_reserve_model=self.model_sm_reserve,
             resident=resident,
             unmanaged_moe_layers=dict(self.facts.unmanaged),
             repeated_moe_layers=list(self.facts.repeated),
@@ -353,11 +356,14 @@ class DwdpAttachment:
         self.experts.store.tensor()[offset : offset + source.numel()].copy_(source)
 
     # -- teardown --------------------------------------------------------------------------
-    def reserve_model_sms(self) -> None:
-        """Leave the gather's SM reserve free of the model's persistent GEMM grids until
-        ``close`` (``Backend.reserve_sms``; nothing without a gather kernel)."""
-        if self.sm_reserve and self._sms_before is None:
-            self._sms_before = self.backend.reserve_sms(self.sm_reserve)
+    def reserve_model_sms(self, sms: int | None = None) -> None:
+        """Leave ``sms`` SMs (``None``: the gather's SM reserve; nothing without a gather
+        kernel) free of the model's persistent GEMM grids until ``close``
+        (``Backend.reserve_sms``)."""
+        sms = self.sm_reserve if sms is None else sms
+        if sms and self._sms_before is None:
+            self._sms_before = self.backend.reserve_sms(sms)
+            self.model_sm_reserve = sms
 
     def close(self) -> None:
         """Remove the hooks and release every DWDP resource; safe to call twice. The reload
@@ -368,6 +374,7 @@ class DwdpAttachment:
         if self._sms_before is not None:
             self.backend.reserve_sms(self._sms_before)
             self._sms_before = None
+            self.model_sm_reserve = 0
         if self.phase == StatusPhase.RELEASED:
             return
         self.phase = StatusPhase.RELEASED

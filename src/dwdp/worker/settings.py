@@ -30,6 +30,7 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from dwdp.api.config import DwdpConfig
 from dwdp.api.contract import ENV_DENSE_MIN_BYTES, ENV_TORCH_THREADS
@@ -76,10 +77,13 @@ class CopySettings:
     contention_opt: bool = False
     gather_blocks: int = DEFAULT_GATHER_BLOCKS
     reserve_model_sms: bool = False
-    """Whether the model's persistent GEMM grids leave the gather's SM reserve free while
-    DWDP is attached (``Backend.reserve_sms``; no effect without a gather kernel). Off: on one
-    H200 it changed the 8K-token forward by under 1% and slowed the 16K one by 2%
+    """Whether the model's persistent GEMM grids leave SMs free while DWDP is attached
+    (``Backend.reserve_sms``; ``dwdp.smReserve`` set). Off by default: on one H200 it changed
+    the 8K-token forward by under 1% and slowed the 16K one by 2%
     (``bench/results/gpu_forward-sm-reserve.txt``)."""
+    sm_reserve_sms: int | None = None
+    """How many SMs (``dwdp.smReserve`` as a number); ``None`` with ``reserve_model_sms``:
+    the gather kernel's resident SMs (``auto``)."""
     notes: tuple[str, ...] = ()
     """The WARNING lines the resolution logged (a fallback), for the log and the tests."""
 
@@ -90,8 +94,9 @@ def resolve_copy_settings(dwdp: DwdpConfig, host: HostInfo) -> CopySettings:
     mode = dwdp.copy_mode
     if mode is None:
         mode = CopyMode.BATCHED if dwdp.contention_opt else CopyMode.PER_SLICE
+    reserve = _sm_reserve(dwdp, host)
     if mode is not CopyMode.GATHER:
-        return CopySettings(copy_mode=mode, contention_opt=dwdp.contention_opt)
+        return CopySettings(copy_mode=mode, contention_opt=dwdp.contention_opt, **reserve)
     if host.backend != "cuda":
         raise CopySettingsError(
             "dwdp.copyMode: gather needs a CUDA gather kernel; the cpu backend (handleType "
@@ -116,7 +121,29 @@ def resolve_copy_settings(dwdp: DwdpConfig, host: HostInfo) -> CopySettings:
         gather_kernel=kernel,
         contention_opt=dwdp.contention_opt,
         notes=notes,
+        **reserve,
     )
+
+
+def _sm_reserve(dwdp: DwdpConfig, host: HostInfo) -> dict[str, Any]:
+    """The ``reserve_model_sms`` / ``sm_reserve_sms`` fields of ``dwdp.smReserve`` on
+    ``host``. Raises :class:`CopySettingsError` on the cpu backend (no SMs) or for a number
+    that leaves the model no SM."""
+    reserve = dwdp.sm_reserve
+    if reserve is None:
+        return {}
+    if host.backend != "cuda":
+        raise CopySettingsError(
+            f"dwdp.smReserve: {reserve!r} needs a CUDA device; the cpu backend (handleType "
+            "shm) has no SMs to reserve; leave it unset"
+        )
+    if isinstance(reserve, int) and host.sm_count is not None and reserve >= host.sm_count:
+        raise CopySettingsError(
+            f"dwdp.smReserve: {reserve} SMs leave none of this device's {host.sm_count} to "
+            f"the model; give at most {host.sm_count - 1}"
+        )
+    return {"reserve_model_sms": True,
+            "sm_reserve_sms": reserve if isinstance(reserve, int) else None}
 
 
 class WorkerEnvError(ValueError):

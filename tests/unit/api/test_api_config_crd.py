@@ -149,6 +149,7 @@ def test_crd_has_enums_minimums_defaults_and_rules(schema) -> None:
     assert {r["fieldPath"] for r in context["x-kubernetes-validations"]} == {
         ".dwdp.enableDense",
         ".dwdp.copyMode",
+        ".dwdp.smReserve",
         ".transport",
         ".engine.cudaGraphs",
         ".dwdp.dwdpSize",

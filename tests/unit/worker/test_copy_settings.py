@@ -221,3 +221,20 @@ def test_a_prefetch_ring_too_big_for_free_memory_is_refused_before_allocating():
         assert f"{num_slots} prefetch slots" in str(exc)
         assert "lower dwdp.numPrefetchSlots" in str(exc) and "raise dwdp.dwdpSize" in str(exc)
     assert not leftover_segments(name)
+
+
+def test_sm_reserve_resolves_to_what_the_model_leaves_free():
+    """dwdp.smReserve: unset is off; auto takes the gather's resident SMs (no number here:
+    the loaded kernel's occupancy decides it); a number is kept; the cpu backend and a
+    number as large as the device's SM count are refused naming the field."""
+    off = resolve_copy_settings(_dwdp(copy_mode="gather"), H200)
+    assert (off.reserve_model_sms, off.sm_reserve_sms) == (False, None)
+    auto = resolve_copy_settings(_dwdp(copy_mode="gather", sm_reserve="auto"), H200)
+    assert (auto.reserve_model_sms, auto.sm_reserve_sms) == (True, None)
+    pinned = resolve_copy_settings(_dwdp(sm_reserve=16), H200)
+    assert (pinned.copy_mode, pinned.reserve_model_sms, pinned.sm_reserve_sms) == (
+        CopyMode.PER_SLICE, True, 16)
+    with pytest.raises(CopySettingsError, match=r"^dwdp.smReserve: 8 needs a CUDA device"):
+        resolve_copy_settings(_dwdp(sm_reserve=8), CPU)
+    with pytest.raises(CopySettingsError, match=r"^dwdp.smReserve: 132 SMs .* at most 131"):
+        resolve_copy_settings(_dwdp(sm_reserve=132), H200)

@@ -113,8 +113,9 @@ class DwdpStatusSource(Protocol):
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``phase``, ``rank``, ``dwdp_size``, ``layout_digest``,
         ``partition`` (every rank's expert range), ``bytes_stored``, ``bytes_moved``,
-        ``bytes_freed``, ``leaks``, ``slots``, ``slot_waits`` and ``sm_reserve`` (the SMs
-        the gather kernel holds) (bytes as integers)."""
+        ``bytes_freed``, ``leaks``, ``slots``, ``slot_waits``, ``sm_reserve`` (the SMs
+        the gather kernel holds) and ``sm_reserve_model`` (the SMs the model's GEMMs leave
+        free, ``dwdp.smReserve``) (bytes as integers)."""
 
     def buffer_ranges(self) -> list[tuple[int, int]]:
         """``(address, bytes)`` of every DWDP store and slot this rank allocated."""
@@ -148,4 +149,5 @@ class NoDwdp:
             slots={},
             slot_waits=0,
             sm_reserve=0,
+            sm_reserve_model=0,
         ).wire()
