@@ -165,6 +165,7 @@ def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode, kernel):
         # with reserve_model_sms (the gather scenarios) the model's persistent GEMMs leave
         # those SMs free while attached; close gives them back
         assert status["carveout"] == (status["sm_reserve"] if mode == "gather" else None)
+        assert status["sm_reserve_model"] == (status["sm_reserve"] if mode == "gather" else 0)
         assert status["carveout_after_close"] is None
         digests.add(status["layout_digest"])
     assert len(digests) == 1
