@@ -224,16 +224,24 @@ def _related(path: tuple[PathPart, ...], found: Mapping[tuple[PathPart, ...], Pr
 
 
 def _drop(doc: object, path: Sequence[PathPart]) -> None:
-    """Remove the field at ``path`` from ``doc`` in place (nothing when it is not there)."""
+    """Remove the field at ``path`` from ``doc`` in place (nothing when it is not there),
+    and each object above it that only held it (an unknown section of dropped fields)."""
     *parents, leaf = path or (None,)
+    chain: list[tuple[Any, PathPart]] = []
     node: Any = doc
     for part in parents:
         in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
         if not (in_list or (isinstance(node, Mapping) and part in node)):
             return
+        chain.append((node, part))
         node = node[part]
-    if isinstance(node, dict) and leaf in node:
-        del node[leaf]
+    if not (isinstance(node, dict) and leaf in node):
+        return
+    del node[leaf]
+    for parent, part in reversed(chain):
+        if not (isinstance(parent, dict) and parent[part] == {}):
+            break
+        del parent[part]
 
 
 def _field_names(model: type[BaseModel] | None, loc: Sequence[PathPart]) -> list[str]:

@@ -63,3 +63,33 @@ def test_dwdp_settings_on_a_generation_server_are_refused_saying_why():
     (only,) = deployment_problems(doc)
     assert only.where == "spec.generation.dwdp"
     assert "DWDP runs on context servers only" in only.rule, only
+
+
+SEED_INPUTS = {
+    # the specification's three DWDP snippets, as a DwdpDeployment's context section says them
+    "attached dense, DWDP16, gather tma": (
+        {"dwdp": {"dwdpSize": 16, "enableDense": True, "copyMode": "gather",
+                  "gatherKernel": "tma"}}, []),
+    "standalone dense on one DEP16 instance": (
+        {"parallel": {"tensorParallelSize": 16, "attentionDP": True},
+         "dwdp": {"enableExperts": False, "enableDense": True, "copyMode": "gather",
+                  "gatherKernel": "tma"}},
+        ["spec.context.parallel.tensorParallelSize", "spec.context.parallel.attentionDP",
+         "spec.context.dwdp.enableDense"]),
+    "balanced partition, DWDP12": (
+        {"dwdp": {"dwdpSize": 12, "numExpertsPerWorker": 0, "numPrefetchExperts": 0}}, []),
+}
+
+
+def test_the_specifications_inputs_are_run_or_refused_one_line_per_field():
+    """Each of the specification's DWDP snippets: the attached and balanced ones validate;
+    the standalone one (attention DP over tensor parallel ranks, which this worker does not
+    run) is refused in one report, one line per field, each saying why."""
+    for name, (context, refused) in SEED_INPUTS.items():
+        doc = yaml.safe_load(EXAMPLE.read_text())
+        doc["spec"]["context"] = context
+        problems = deployment_problems(doc)
+        assert [p.where for p in problems] == refused, (name, [str(p) for p in problems])
+        for problem in problems:
+            assert "\n" not in str(problem)
+            assert "dropped:" in problem.rule or "not supported by this worker" in problem.rule
