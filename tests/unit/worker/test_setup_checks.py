@@ -43,10 +43,12 @@ class SmallBackend(CpuBackend):
         return 4096
 
 
-def _attach_all(*, small_rank: int | None = None, corrupt=None) -> list[BaseException]:
+def _attach_all(*, small_rank: int | None = None, corrupt=None,
+                dense_off_rank: int | None = None) -> list[BaseException]:
     """attach on two ranks; ``corrupt(phase, rank, model)`` runs at the end of every phase's
-    local work (the injector's hook). Returns each rank's ``SetupError`` (the test fails if a
-    rank commits), after checking no store is left behind."""
+    local work (the injector's hook); ``dense_off_rank`` has dense DWDP off. Returns each
+    rank's ``SetupError`` (the test fails if a rank commits), after checking no store is left
+    behind."""
     from dwdp.worker.attach import attach
     from dwdp.worker.models import adapter_for
 
@@ -62,8 +64,9 @@ def _attach_all(*, small_rank: int | None = None, corrupt=None) -> list[BaseExce
         hook = None if corrupt is None else (lambda phase, r: corrupt(phase, r, model))
         with pytest.raises(SetupError) as info:
             attach(model, adapter_for(model), backend=backend, transport=transport,
-                   partition=expert_partition(NUM_EXPERTS, 2), enable_dense=True,
-                   dense_min_bytes=0, injector=FailureInjector(hook=hook))
+                   partition=expert_partition(NUM_EXPERTS, 2),
+                   enable_dense=rank != dense_off_rank, dense_min_bytes=0,
+                   injector=FailureInjector(hook=hook))
         return info.value
 
     errors = run_threads(2, body)
@@ -131,23 +134,6 @@ def test_a_wrong_expert_byte_fails_the_expert_check():
 def test_ranks_that_disagree_on_dense_dwdp_fail_with_that_verdict():
     """One rank with dense DWDP on, the other off: every rank raises at P1 naming the
     disagreement (not a mismatched collective)."""
-    from dwdp.worker.attach import attach
-    from dwdp.worker.models import adapter_for
-
-    group = f"u{uuid.uuid4().hex[:8]}"
-    torch.set_num_threads(1)
-    models = [_model(), _model()]
-
-    def body(transport):
-        model = models[transport.rank]
-        backend = CpuBackend(group=group, incarnation="1", rank=transport.rank)
-        with pytest.raises(SetupError) as info:
-            attach(model, adapter_for(model), backend=backend, transport=transport,
-                   partition=expert_partition(NUM_EXPERTS, 2),
-                   enable_dense=transport.rank == 0, dense_min_bytes=0)
-        return info.value
-
-    for exc in run_threads(2, body):
+    for exc in _attach_all(dense_off_rank=BAD_RANK):
         assert exc.phase == "P1" and exc.restored, exc
         assert "ranks disagree on enable_dense (on: [0], off: [1])" in str(exc), exc
-    assert not leftover_segments(group)

@@ -134,12 +134,55 @@ class EngineServer:
             self.engine.kv.close()
 
 
-class VllmRouter:
+class _LoopbackProcess:
+    """A server process on ``self.port`` of 127.0.0.1 (``self.args``, ``self.env``), a
+    context manager: ``__enter__`` returns its base URL once ``self.ready_path`` answers 200;
+    raises ``RuntimeError`` when the process exits and ``TimeoutError`` after
+    ``self.timeout`` s. ``__exit__`` terminates it."""
+
+    name = "server"
+    ready_path = "/health"
+    port: int
+    args: list[str]
+    env: dict[str, str]
+    timeout: float
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> str:
+        import httpx
+
+        self.proc = subprocess.Popen(self.args, env=self.env)
+        base = f"http://127.0.0.1:{self.port}"
+
+        def up() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                return httpx.get(base + self.ready_path, timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_for(up, f"{self.name} did not become ready", timeout=self.timeout)
+        except BaseException:
+            self.__exit__()
+            raise
+        return base
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+class VllmRouter(_LoopbackProcess):
     """vllm-router on a free loopback port: PD mode when ``decode`` URLs are given (every
     ``prefill`` URL a prefill worker, ``prefill_policy`` among them), else plain over
     ``prefill`` as its workers. Workers are called with ``OPENAI_API_KEY=api_key``.
-    ``__enter__`` returns its base URL; raises ``RuntimeError`` when the binary exits and
-    ``TimeoutError`` when ``/health`` does not answer within ``timeout`` s."""
+    ``__enter__`` returns its base URL (``_LoopbackProcess``)."""
+
+    name = "vllm-router"
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str] = (), *, api_key: str,
                  prefill_policy: str = "round_robin", timeout: float = 60.0) -> None:
@@ -154,41 +197,17 @@ class VllmRouter:
         else:
             args += ["--worker-urls", *prefill]
         self.args, self.api_key, self.timeout = args, api_key, timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> str:
-        import httpx
-
-        self.proc = subprocess.Popen(self.args, env={**os.environ, "OPENAI_API_KEY": self.api_key})
-        base = f"http://127.0.0.1:{self.port}"
-
-        def up() -> bool:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}")
-            try:
-                return httpx.get(base + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        try:
-            wait_for(up, "vllm-router did not come up", timeout=self.timeout)
-        except BaseException:
-            self.__exit__()
-            raise
-        return base
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
+        self.env = {**os.environ, "OPENAI_API_KEY": api_key}
 
 
-class RouterGate:
+class RouterGate(_LoopbackProcess):
     """``dwdp router-gate`` on a free loopback port in front of vllm-router in PD mode over
     ``prefill`` and ``decode`` URLs, with the key of the file ``key_file``
     (``DWDP_API_KEY_FILE``). ``__enter__`` returns its base URL once ``/readiness`` answers
-    200; raises ``RuntimeError`` when the gate exits and ``TimeoutError`` after ``timeout``."""
+    200 (``_LoopbackProcess``)."""
+
+    name = "dwdp router-gate"
+    ready_path = "/readiness"
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, key_file: Path,
                  timeout: float = 60.0) -> None:
@@ -202,31 +221,3 @@ class RouterGate:
         self.env = {**os.environ, "DWDP_API_KEY_FILE": str(key_file)}
         self.env.pop("OPENAI_API_KEY", None)
         self.timeout = timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> str:
-        import httpx
-
-        self.proc = subprocess.Popen(self.args, env=self.env)
-        base = f"http://127.0.0.1:{self.port}"
-
-        def up() -> bool:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"dwdp router-gate exited with {self.proc.returncode}")
-            try:
-                return httpx.get(base + "/readiness", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        try:
-            wait_for(up, "dwdp router-gate did not become ready", timeout=self.timeout)
-        except BaseException:
-            self.__exit__()
-            raise
-        return base
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
