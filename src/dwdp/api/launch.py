@@ -202,6 +202,11 @@ class EngineSpec(ApiModel):
     )
 
 
+def served_model_name(served_name: str | None, path: str) -> str:
+    """The model name a rank answers to: ``served_name``, else the checkpoint folder's name."""
+    return served_name or path.rstrip("/").rsplit("/", 1)[-1]
+
+
 class LaunchModel(ApiModel):
     """Where a worker finds the checkpoint (a local Hugging Face directory)."""
 

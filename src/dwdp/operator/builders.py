@@ -27,7 +27,7 @@ from dwdp.api.contract import (
 )
 from dwdp.api.deployment import API_VERSION, KIND, DwdpDeploymentSpec, launch_config_for
 from dwdp.api.enums import Role
-from dwdp.api.launch import opens_rendezvous_store, validate_launch
+from dwdp.api.launch import opens_rendezvous_store, served_model_name, validate_launch
 from dwdp.operator import constants as c
 from dwdp.operator import naming
 from dwdp.operator.revision import revision_of, stable_hash
@@ -548,6 +548,7 @@ def worker_pod(
     name = naming.pod_name(group, incarnation, pod_index)
     labels = _incarnation_labels(owner, role, group_index, incarnation)
     labels.update({c.LABEL_POD_INDEX: str(pod_index), c.LABEL_REVISION: revision})
+    labels.update(_llmd_labels(spec))
     rendezvous = naming.rendezvous_address(
         group=group,
         incarnation=incarnation,
@@ -664,6 +665,13 @@ def _mount_secret(pod_spec: dict[str, Any], container: dict[str, Any], secret: s
 
 
 # ----------------------------------------------------------------------------- per incarnation
+
+
+def _llmd_labels(spec: DwdpDeploymentSpec) -> dict[str, str]:
+    """llm-d's serving and model labels of a worker pod (its role label comes with the
+    incarnation's)."""
+    model = served_model_name(spec.model.served_name, spec.model.path)
+    return {c.LABEL_LLMD_SERVING: "true", c.LABEL_LLMD_MODEL: naming.label_value(model)}
 
 
 def _incarnation_labels(owner: Owner, role: Role, group_index: int, incarnation: int) -> dict:

@@ -43,6 +43,11 @@ LABEL_LLMD_ROLE = "llm-d.ai/role"
 """llm-d's serving role on every worker pod: ``prefill`` (context) or ``decode`` (generation),
 so an llm-d scheduler or gateway routes to them unchanged."""
 LLMD_ROLES = {"context": "prefill", "generation": "decode"}
+LABEL_LLMD_SERVING = "llm-d.ai/inferenceServing"
+"""``"true"`` on every worker pod: llm-d's InferencePool selects serving pods by it."""
+LABEL_LLMD_MODEL = "llm-d.ai/model"
+"""The served model name, made a valid label value (``naming.label_value``), on every worker
+pod: llm-d selects a model's pods by it."""
 LABEL_GROUP = "dwdp.io/group"
 """Name of the DWDP group (context) or server (generation) a pod belongs to."""
 LABEL_GROUP_INDEX = "dwdp.io/group-index"

@@ -7,6 +7,8 @@ deployment never get the same name.
 
 from __future__ import annotations
 
+import re
+
 from dwdp.api.enums import Role
 
 __all__ = [
@@ -103,3 +105,15 @@ def rendezvous_address(
     """``host:port`` of the group's store: pod 0's headless DNS name and the store port."""
     host = f"{pod_name(group, incarnation, 0)}.{headless_service(deployment, role)}.{namespace}.svc"
     return f"{host}:{port}"
+
+
+LABEL_VALUE_MAX = 63
+"""Characters of a Kubernetes label value at most."""
+
+
+def label_value(text: str) -> str:
+    """``text`` as a valid label value: characters outside ``[A-Za-z0-9._-]`` become ``-``,
+    at most :data:`LABEL_VALUE_MAX` characters, starting and ending with a letter or digit
+    (``Qwen/Qwen3-30B-A3B`` -> ``Qwen-Qwen3-30B-A3B``); empty when nothing is left."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", text)[:LABEL_VALUE_MAX]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)

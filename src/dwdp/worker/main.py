@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.api.contract import Env, Stage
 from dwdp.api.enums import Role
+from dwdp.api.launch import served_model_name
 from dwdp.worker.apikey import ApiKey
 from dwdp.worker.memory import MemoryLedger, MemoryWatch, RankMemory, size_rank_memory
 from dwdp.worker.server.status import rank_identity, server_identity
@@ -452,7 +453,7 @@ def run_worker(opts: WorkerOptions) -> int:
         engine = ContinuousEngine(
             model,
             tokenizer,
-            model_name=cfg.model.served_name or Path(cfg.model.path).name,
+            model_name=served_model_name(cfg.model.served_name, cfg.model.path),
             config=EngineConfig(
                 max_batch_size=cfg.max_batch_size,
                 max_num_tokens=cfg.max_num_tokens,

@@ -100,6 +100,8 @@ def test_context_pod_of_second_group_second_pod() -> None:
                 "dwdp.io/deployment": "demo",
                 "dwdp.io/role": "context",
                 "llm-d.ai/role": "prefill",
+                "llm-d.ai/inferenceServing": "true",
+                "llm-d.ai/model": "tiny",
                 "dwdp.io/group": "demo-g1",
                 "dwdp.io/group-index": "1",
                 "dwdp.io/pod-index": "1",
@@ -458,12 +460,23 @@ def test_kv_transfer_policy_admits_generation_pods_to_context_pods_on_every_port
     }
 
 
-def test_worker_pods_carry_llm_d_roles() -> None:
-    spec = parse_deployment(doc(generation={"replicas": 1})).spec
+def test_worker_pods_carry_llm_d_labels() -> None:
+    """llm-d's role, serving and model labels (the served name made a label value)."""
+    model = {"path": "/models/tiny", "servedName": "Qwen/Qwen3-30B-A3B:fp8"}
+    spec = parse_deployment(doc(generation={"replicas": 1}, model=model)).spec
     for role, want in ((Role.CONTEXT, "prefill"), (Role.GENERATION, "decode")):
         pod = builders.worker_pod(spec, OWNER, role=role, group_index=0, incarnation=0,
                                   pod_index=0, revision="r1")
-        assert pod["metadata"]["labels"]["llm-d.ai/role"] == want
+        labels = pod["metadata"]["labels"]
+        assert labels["llm-d.ai/role"] == want
+        assert labels["llm-d.ai/inferenceServing"] == "true"
+        assert labels["llm-d.ai/model"] == "Qwen-Qwen3-30B-A3B-fp8"
+
+
+def test_label_values_are_valid_whatever_the_model_name() -> None:
+    assert naming.label_value("a" * 80 + "/") == "a" * 63
+    assert naming.label_value("--x y--") == "x-y"
+    assert naming.label_value("///") == ""
 
 
 def test_group_policy_admits_only_the_group_itself_on_every_port() -> None:

@@ -476,7 +476,8 @@ def test_each_incarnation_gets_its_own_rendezvous_secret_before_its_pods() -> No
         want = {
             k: v
             for k, v in pod["metadata"]["labels"].items()
-            if k not in (c.LABEL_POD_INDEX, c.LABEL_REVISION)
+            if k not in (c.LABEL_POD_INDEX, c.LABEL_REVISION, c.LABEL_LLMD_SERVING,
+                         c.LABEL_LLMD_MODEL)
         }
         assert secret["metadata"]["labels"] == want
         assert want[c.LABEL_INCARNATION] == "0" and want[c.LABEL_GROUP] == f"demo-g{index}"

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dwdp.worker.server.status import DwdpStatusSource, kv_tokens_in_use
+from dwdp.worker.server.vllm_metrics import VllmNames
 
 if TYPE_CHECKING:
     from dwdp.worker.memory import RankMemory
@@ -61,18 +62,6 @@ class _ScrapeCollector:
             value=kv_tokens_in_use(self.engine) / capacity,
         )
 
-    def _vllm_prefix_cache(self, stats: object) -> Iterator[Metric]:
-        """The prefix-cache counters under vLLM's names and ``model_name`` label, which
-        dashboards and routers built for vLLM read."""
-        model = str(getattr(self.engine, "model_name", ""))
-        for name, doc, field in (
-            ("vllm:prefix_cache_queries", PREFIX_QUERIES_DOC, "prefix_cache_queries"),
-            ("vllm:prefix_cache_hits", PREFIX_HITS_DOC, "prefix_cache_hits"),
-        ):
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model], getattr(stats, field))
-            yield family
-
     def collect(self) -> Iterator[Metric]:
         stats = getattr(self.engine, "stats", None)
         if stats is not None:
@@ -89,7 +78,6 @@ class _ScrapeCollector:
                 ("dwdp_prefix_cache_hits", PREFIX_HITS_DOC, stats.prefix_cache_hits),
             ):
                 yield CounterMetricFamily(name, doc, value=value)
-            yield from self._vllm_prefix_cache(stats)
             for name, doc, value in (
                 ("dwdp_num_requests_running", "Requests in the engine's running set, as "
                  "vLLM's num_requests_running.", stats.requests_running),
@@ -163,4 +151,6 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_ScrapeCollector(engine, dwdp, memory))
+        scrape = _ScrapeCollector(engine, dwdp, memory)
+        self.registry.register(scrape)
+        self.registry.register(VllmNames(engine, [scrape, self.latency, self.ttft, self.itl]))

@@ -1,0 +1,43 @@
+"""/metrics under vLLM's names too (llm-d's endpoint picker and vLLM dashboards read them):
+each mirrored family has the same samples as the project's own, with model_name added, and
+vllm:cache_config_info describes the KV cache. A real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families
+
+from dwdp.worker.server.vllm_metrics import VLLM_NAMES
+from dwdp_dev.worker.checkpoint import make_checkpoint
+from dwdp_dev.worker.servers import EngineServer
+
+
+def test_every_mirrored_family_reads_as_the_projects_own(tmp_path):
+    ckpt = make_checkpoint("qwen3_moe", tmp_path / "q", num_experts=5)
+    with EngineServer(ckpt, api_key="k", kv=False, max_model_len=64, block_size=4,
+                      kv_capacity_tokens=256, model_name="tiny") as server:
+        for _ in range(2):
+            r = server.client.post("/v1/completions", json={
+                "prompt": "hello there, how are you", "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        text = server.client.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    mirrored = [ours for ours in VLLM_NAMES if ours in families]
+    # the KV usage gauge needs the memory ledger (a worker's), which this server has not
+    assert set(VLLM_NAMES) - set(mirrored) == {"dwdp_kv_cache_usage_perc"}
+    for ours in mirrored:
+        theirs = families[VLLM_NAMES[ours]]
+        assert theirs.type == families[ours].type, ours
+        want = sorted((s.name.replace(ours, VLLM_NAMES[ours], 1),
+                       tuple(sorted({**s.labels, "model_name": "tiny"}.items())), s.value)
+                      for s in families[ours].samples)
+        got = sorted((s.name, tuple(sorted(s.labels.items())), s.value) for s in theirs.samples)
+        assert got == want, ours
+    assert families["vllm:generation_tokens"].samples[0].value == 6
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.labels == {"block_size": "4", "num_gpu_blocks": "64",
+                           "enable_prefix_caching": "True"}
+    assert info.value == 1
