@@ -105,6 +105,22 @@ def test_vllm_prompt_logprobs_carry_rank_and_alternatives(rank, reference):
     assert "logprobs" not in choice  # not asked for
 
 
+def test_chat_prompt_logprobs_score_the_rendered_conversation(rank, reference):
+    messages = [{"role": "user", "content": "score this"}]
+    r = rank.client.post("/v1/chat/completions", json={
+        "model": "m", "messages": messages, "max_tokens": 2, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    tok = rank.engine.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    entries = r.json()["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids) == r.json()["usage"]["prompt_tokens"]
+    want = reference(ids)
+    got = [entry[str(token)]["logprob"] for token, entry in zip(ids[1:], entries[1:], strict=True)]
+    assert got == pytest.approx([want[t, ids[t + 1]].item() for t in range(len(ids) - 1)],
+                                abs=1e-5)
+
+
 def test_a_batch_of_prompts_answers_each_with_openai_indices(rank):
     """Two prompts with n 2: indices p * n + j; each equals the prompt sent alone."""
     other = [21, 22, 23, 24]

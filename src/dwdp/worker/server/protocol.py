@@ -181,6 +181,18 @@ class ChatCompletionRequest(_Request):
         description="Most likely alternatives per token (needs logprobs).",
     )
 
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="vLLM's field: each prompt token's logprob, rank and the k most likely "
+        "(the rendered conversation's tokens).",
+    )
+
+    def prompt_top(self) -> int | None:
+        """Alternatives per prompt token the answer needs; ``None``: no prompt logprobs."""
+        return self.prompt_logprobs
+
     def logprobs_k(self) -> int | None:
         """Alternatives per token asked for; ``None``: no logprobs. Raises ``ValueError`` for
         ``top_logprobs`` without ``logprobs``."""
@@ -322,6 +334,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="vLLM's prompt_logprobs (the request's prompt_logprobs)."
+    )
     kv_transfer_params: KvTransferParams | None = None
     dwdp: ServedBy | None = None
 

@@ -304,11 +304,16 @@ class OpenAIServing:
             req, len(prompt_ids), req.max_completion_tokens or req.max_tokens, field
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        plan = choice_plan(req, 1)
         streams = self._start(request_id, prompt_ids, params, req, "chat")
         if req.stream:
             return await self._sse(request_id, streams, len(prompt_ids), req, chat=True)
-        results = await asyncio.gather(*(_collect(s) for s in streams))
         tok = self.engine.tokenizer
+        scored = None
+        if plan.prompt_top is not None:
+            scores = await self._score(prompt_ids, plan.prompt_top)
+            scored = vllm_prompt_logprobs(tok, scores)
+        results = await asyncio.gather(*(_collect(s) for s in streams))
         choices = [
             ChatChoice(
                 index=i,
@@ -325,6 +330,7 @@ class OpenAIServing:
             model=self.served_name,
             choices=choices,
             usage=_usage(len(prompt_ids), results),
+            prompt_logprobs=scored,
             kv_transfer_params=results[0].kv_transfer_params,
             dwdp=self.served_by(req.kv_transfer_params),
         )
