@@ -82,6 +82,10 @@ def test_max_tokens_0_scores_without_generating(rank, reference):
     assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 0,
                              "total_tokens": len(PROMPT)}
     assert rank.engine.stats.generation_tokens == before  # no engine request ran
+    r = _complete(rank, prompt=PROMPT, max_tokens=0, logprobs=1, prompt_logprobs=0)
+    (choice,) = r.json()["choices"]  # no echo: no prompt entries, and nothing generated
+    assert choice["logprobs"]["tokens"] == [] and choice["text"] == ""
+    assert len(choice["prompt_logprobs"]) == len(PROMPT)
 
 
 def test_vllm_prompt_logprobs_carry_rank_and_alternatives(rank, reference):

@@ -72,7 +72,7 @@ def echoed_logprobs(
     tokenizer: Any,
     prompt: Sequence[int],
     scores: Sequence[TokenLogprob],
-    generated: CompletionLogprobs | None = None,
+    generated: CompletionLogprobs,
 ) -> CompletionLogprobs:
     """``choices[].logprobs`` of an ``echo`` completion: the ``prompt``'s tokens first (the first
     with ``null`` logprob and alternatives, as OpenAI and vLLM answer; ``scores``: the entries
@@ -80,9 +80,7 @@ def echoed_logprobs(
     offsets already count the echoed text)."""
     first = tokenizer.decode([prompt[0]])
     rest = completion_logprobs(tokenizer, scores, len(first))
-    tail = generated or CompletionLogprobs(
-        tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]
-    )
+    tail = generated
     return CompletionLogprobs(
         tokens=[first, *rest.tokens, *tail.tokens],
         token_logprobs=[None, *rest.token_logprobs, *tail.token_logprobs],

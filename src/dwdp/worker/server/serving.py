@@ -262,9 +262,9 @@ class OpenAIServing:
         r = results[j] if plan.generates else _Result("", [], "length", 0, [])
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(tok, r.logprobs, len(echo)) if plan.generates else None
-            if req.echo:
-                logprobs = echoed_logprobs(tok, ids, scores or [], logprobs)
+            logprobs = completion_logprobs(tok, r.logprobs, len(echo))
+            if req.echo and scores is not None:  # scored (not a prefill for a remote decode)
+                logprobs = echoed_logprobs(tok, ids, scores, logprobs)
         return CompletionChoice(
             index=index,
             text=echo + r.text,
