@@ -79,8 +79,9 @@ def test_max_tokens_0_scores_without_generating(rank, reference):
     assert choice["token_ids"] == [] and choice["finish_reason"] == "length"
     assert choice["text"] == rank.engine.tokenizer.decode(PROMPT)
     assert len(choice["logprobs"]["tokens"]) == len(PROMPT)
-    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 0,
-                             "total_tokens": len(PROMPT)}
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        len(PROMPT), 0, len(PROMPT))
     assert rank.engine.stats.generation_tokens == before  # no engine request ran
     r = _complete(rank, prompt=PROMPT, max_tokens=0, logprobs=1, prompt_logprobs=0)
     (choice,) = r.json()["choices"]  # no echo: no prompt entries, and nothing generated

@@ -238,7 +238,11 @@ class OpenAIServing:
             created=int(time.time()),
             model=self.served_name,
             choices=choices,
-            usage=_usage(sum(len(ids) for ids, _ in prompts), generated),
+            usage=Usage.of(
+                sum(len(ids) for ids, _ in prompts),
+                sum(r.completion_tokens for r in generated),
+                sum(got[0].cached_tokens for got in per_prompt if got),  # one prefill each
+            ),
             kv_transfer_params=results[0].kv_transfer_params if results else None,
             dwdp=self.served_by(req.kv_transfer_params),
         )
