@@ -138,6 +138,11 @@ def test_a_request_longer_than_the_pool_is_refused_naming_the_limit(loaded):
     engine = _engine(loaded, max_model_len=64, kv_capacity_tokens=32, block_size=8)
     with pytest.raises(RequestError, match=r"prompt \+ max_tokens: 40 tokens.*pool's 32 tokens"):
         engine.run_batch([[1] * 20], SamplingParams(max_tokens=20))
+    # a prompt that alone overflows the pool is named alone (a router's prefill sends
+    # max_tokens 1 in place of the client's value)
+    with pytest.raises(RequestError, match=r"^prompt: 40 tokens, more than the KV cache pool's "
+                                           r"32 tokens \(4 blocks of 8\); shorten the prompt$"):
+        engine.run_batch([[1] * 40], SamplingParams(max_tokens=1))
     # one that fits alone runs (the pool is smaller than max_model_len: only here, in a test)
     assert (
         len(

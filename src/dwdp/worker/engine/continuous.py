@@ -141,15 +141,21 @@ class ContinuousEngine(EngineBase):
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """``EngineBase.validate``, and the request must fit the KV cache pool alone: prompt
-        plus ``max_tokens`` (at most ``max_model_len``) within the pool's tokens."""
+        plus ``max_tokens`` (at most ``max_model_len``) within the pool's tokens. A prompt
+        that alone overflows the pool is refused naming the prompt only (a router's prefill
+        carries its own ``max_tokens`` 1, not the client's)."""
         super().validate(prompt_token_ids, params)
-        need = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        blocks = self.allocator.blocks_for(need)
-        if blocks > self.allocator.num_blocks:
+        pool = (f"the KV cache pool's {self.allocator.capacity_tokens} tokens "
+                f"({self.allocator.num_blocks} blocks of {self.allocator.block_size})")
+        if self.allocator.blocks_for(len(prompt_token_ids)) > self.allocator.num_blocks:
             raise RequestError(
-                f"prompt + max_tokens: {need} tokens, more than the KV cache pool's "
-                f"{self.allocator.capacity_tokens} tokens ({self.allocator.num_blocks} blocks "
-                f"of {self.allocator.block_size}); lower max_tokens or shorten the prompt"
+                f"prompt: {len(prompt_token_ids)} tokens, more than {pool}; shorten the prompt"
+            )
+        need = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if self.allocator.blocks_for(need) > self.allocator.num_blocks:
+            raise RequestError(
+                f"prompt + max_tokens: {need} tokens, more than {pool}; lower max_tokens or "
+                "shorten the prompt"
             )
 
     # -- disaggregation -------------------------------------------------------------------------
