@@ -5,6 +5,8 @@ checked against the model's own forward in this process (no server)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -137,6 +139,16 @@ def test_a_batch_of_prompts_answers_each_with_openai_indices(rank):
         alone = _complete(rank, prompt=prompt, **body).json()["choices"]
         assert [got[p * 2 + j] for j in range(2)] == [c["token_ids"] for c in alone]
     assert r.json()["usage"]["prompt_tokens"] == len(PROMPT) + len(other)
+
+
+def test_a_streamed_echo_sends_the_prompt_first(rank):
+    body = {"model": "m", "prompt": "an echoed prompt", "max_tokens": 4, "echo": True,
+            "logprobs": None, "ignore_eos": True}
+    whole = _complete(rank, **body).json()["choices"][0]["text"]
+    with rank.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        texts = [json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                 if line.startswith("data: {")]
+    assert texts[0] == "an echoed prompt" and "".join(texts) == whole
 
 
 def test_a_stop_token_keeps_its_logprob(rank):

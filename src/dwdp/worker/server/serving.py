@@ -211,8 +211,10 @@ class OpenAIServing:
         params = [self._params(req, len(ids), req.max_tokens) for ids, _ in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            streams = self._start(request_id, prompts[0][0], params[0], req, "completions")
-            return await self._sse(request_id, streams, len(prompts[0][0]), req, chat=False)
+            ids, text = prompts[0]  # one prompt: choice_plan refuses a streamed batch
+            streams = self._start(request_id, ids, params[0], req, "completions")
+            return await self._sse(request_id, streams, len(ids), req, chat=False,
+                                   echo=self._echo(req, ids, text))
         scores = [
             await self._score(ids, plan.prompt_top) if plan.prompt_top is not None else None
             for ids, _ in prompts
@@ -262,7 +264,7 @@ class OpenAIServing:
         ``prompt_logprobs`` when asked for."""
         tok = self.engine.tokenizer
         ids, text = prompt
-        echo = (text if text is not None else tok.decode(ids)) if req.echo else ""
+        echo = self._echo(req, ids, text)
         r = results[j] if plan.generates else _Result("", [], "length", 0, [])
         logprobs = None
         if req.logprobs is not None:
@@ -279,6 +281,12 @@ class OpenAIServing:
             if req.prompt_logprobs is not None and scores is not None
             else None,
         )
+
+    def _echo(self, req: CompletionRequest, ids: list[int], text: str | None) -> str:
+        """What ``echo`` prepends: the prompt as sent (text), or its ids' decoded text."""
+        if not req.echo:
+            return ""
+        return text if text is not None else str(self.engine.tokenizer.decode(ids))
 
     async def _score(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
         """``EngineClient.score_prompt``, its errors mapped as ``_choice`` maps a stream's."""
@@ -413,9 +421,11 @@ class OpenAIServing:
         req: Any,
         *,
         chat: bool,
+        echo: str = "",
     ) -> AsyncIterator[str]:
         """The SSE lines of a streaming request. Every choice's first update is awaited before
-        the first line, so a refusal is still a plain HTTP error (400/503), not a 200 stream."""
+        the first line, so a refusal is still a plain HTTP error (400/503), not a 200 stream.
+        ``echo``: a completion's echoed prompt, each choice's first event."""
         try:
             firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
         except BaseException:
@@ -436,6 +446,7 @@ class OpenAIServing:
             firsts,
             streams,
             prompt_tokens,
+            echo,
         )
 
     async def _sse_lines(
@@ -444,11 +455,16 @@ class OpenAIServing:
         firsts: list[RequestOutput],
         streams: list[AsyncGenerator[RequestOutput, None]],
         prompt_tokens: int,
+        echo: str = "",
     ) -> AsyncIterator[str]:
         last: list[RequestOutput] = list(firsts)
         if fmt.chat:  # the role comes first, as in the OpenAI API
             for i in range(len(streams)):
                 yield fmt.event(i, {"role": "assistant"}, None)
+        elif echo:  # so does the echoed prompt; the generated text's offsets count it
+            for i in range(len(streams)):
+                yield fmt.event(i, echo, None)
+                fmt.text_at[i] = len(echo)
         try:
             async for i, out in _merge(firsts, streams):
                 last[i] = out
