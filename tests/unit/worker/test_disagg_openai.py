@@ -116,9 +116,7 @@ def test_scoring_requests_through_the_router(routed):
 def test_refusals_name_what_the_client_sent(routed):
     """A prompt over the context: the context rank's 400 names the prompt, never the ``1``
     the router put in ``max_tokens``; a prompt that fits with a ``max_tokens`` that does not:
-    the generation server's 400 names the client's value. (Last in this module: that refused
-    decode leaves its prefill's lease until it expires; a negative release is issue 34's
-    item 4.)"""
+    the generation server's 400 names the client's value."""
     _ctx, _gen, url = routed
     long = {"model": "m", "prompt": [7] * (CONTEXT + 5), "max_tokens": 8}
     r = _post(url, "/v1/completions", long)
