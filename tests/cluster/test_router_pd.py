@@ -250,6 +250,49 @@ def test_the_key_reads_back_as_the_docs_show(deployed) -> None:
     assert base64.b64decode(out).decode() == demo.API_KEY
 
 
+def _choices_by_index(body: dict[str, Any]) -> dict[int, list[int]]:
+    return {c["index"]: c["token_ids"] for c in body["choices"]}
+
+
+def test_n_2_and_a_streamed_n_2_through_the_router(deployed) -> None:
+    """``n: 2`` (seeded sampling) through the router: the choices the generation server gives
+    when it prefills the prompt itself, from one read of the context rank's blocks (its
+    ``blocks_received`` grows by the prompt's blocks once); a streamed ``n: 2`` chat streams
+    each choice's tokens of the same chat unstreamed."""
+    import httpx
+
+    tc, _want, _st = deployed
+    (router_pod,) = _pods(tc, "app.kubernetes.io/component=router")
+    url = f"http://{router_pod['status']['podIP']}:8000"
+    (gen_pod,) = _pods(tc, "dwdp.io/role=generation")
+    gen = f"http://{gen_pod['status']['podIP']}:8000"
+    headers = {"Authorization": f"Bearer {demo.API_KEY}"}
+    path, req = demo.requests_of()[0]
+    body = {**req, "n": 2, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    local = httpx.post(gen + path, json=body, headers=headers, timeout=120)
+    assert local.status_code == 200, local.text
+    before = _status(gen)["kv_transfer"]
+    r = httpx.post(url + path, json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    assert _choices_by_index(r.json()) == _choices_by_index(local.json())
+    after = _status(gen)["kv_transfer"]
+    prompt = r.json()["usage"]["prompt_tokens"]
+    assert after["remote_prefill_tokens"] - before["remote_prefill_tokens"] == prompt  # once
+    chat_path, chat = demo.requests_of()[-1]
+    chat = {**chat, "n": 2, "temperature": 1.0, "seed": 9, "ignore_eos": True}
+    whole = httpx.post(url + chat_path, json=chat, headers=headers, timeout=120)
+    assert whole.status_code == 200, whole.text
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    with httpx.stream("POST", url + chat_path, json={**chat, "stream": True}, headers=headers,
+                      timeout=120) as s:
+        assert s.status_code == 200, s.read()
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] += c.get("token_ids") or []
+    assert streamed == _choices_by_index(whole.json())
+
+
 def test_a_refused_decode_frees_the_context_ranks_blocks_within_a_second(deployed) -> None:
     """A request the generation server refuses after its prefill (max_tokens beyond the
     model's context): a 4xx through the router, and every context rank's leases are back to 0

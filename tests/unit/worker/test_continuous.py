@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from dwdp.worker.engine.base import EngineConfig  # noqa: E402
 from dwdp.worker.engine.blocks import BlockAllocator  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
+from dwdp.worker.engine.kv_connector import KvTransferParams  # noqa: E402
 from dwdp.worker.engine.protocol import RequestError, SamplingParams  # noqa: E402
 from dwdp.worker.engine.requests import RequestState  # noqa: E402
 from dwdp.worker.engine.scheduler import Scheduler, Sequence  # noqa: E402
@@ -137,6 +138,11 @@ def test_a_request_longer_than_the_pool_is_refused_naming_the_limit(loaded):
     engine = _engine(loaded, max_model_len=64, kv_capacity_tokens=32, block_size=8)
     with pytest.raises(RequestError, match=r"prompt \+ max_tokens: 40 tokens.*pool's 32 tokens"):
         engine.run_batch([[1] * 20], SamplingParams(max_tokens=20))
+    # a prompt that alone overflows the pool is named alone (a router's prefill sends
+    # max_tokens 1 in place of the client's value)
+    with pytest.raises(RequestError, match=r"^prompt: 40 tokens, more than the KV cache pool's "
+                                           r"32 tokens \(4 blocks of 8\); shorten the prompt$"):
+        engine.run_batch([[1] * 40], SamplingParams(max_tokens=1))
     # one that fits alone runs (the pool is smaller than max_model_len: only here, in a test)
     assert (
         len(
@@ -205,3 +211,57 @@ def test_the_scheduler_preempts_the_newest_request_when_blocks_run_out():
     assert sched.preemptions == 1
     sched.remove(old)
     assert alloc.num_in_use == 0
+
+
+def _remote(n_prompt: int) -> tuple[Sequence, Sequence]:
+    """A sequence that reads its prompt's KV remotely and a sibling that shares it."""
+    first, sibling = _seq(n_prompt), _seq(n_prompt)
+    first.pull = KvTransferParams()  # any value: the scheduler only tests its presence
+    sibling.fork = first
+    return first, sibling
+
+
+def test_a_sibling_shares_the_pulled_prompts_full_blocks_and_copies_the_partial_one():
+    """Prompt of 14 tokens in blocks of 4: the last token (13) sits in block 3; blocks 0-2 are
+    shared (never written again), block 3 is the sibling's own with slots 12 copied in."""
+    alloc = BlockAllocator(20, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_tokens=64)
+    first, sibling = _remote(14)
+    sched.add(first)
+    sched.add(sibling)
+    plan = sched.schedule()
+    assert [(p.seq, p.chunk.start, len(p.chunk.token_ids)) for p in plan] == [
+        (first, 13, 1),
+        (sibling, 13, 1),
+    ]
+    assert sibling.blocks[:3] == first.blocks[:3] and sibling.blocks[3] not in first.blocks
+    assert sibling.copy == (first, first.blocks[3], 1) and sibling.fork is None
+    assert alloc.num_in_use == 5  # 4 + the sibling's own block
+    sched.remove(first)
+    assert alloc.num_in_use == 4  # the shared blocks stay with the sibling
+    sched.remove(sibling)
+    assert alloc.num_in_use == 0
+
+
+def test_a_sibling_joining_after_the_pulled_prompt_is_gone_computes_its_own():
+    alloc = BlockAllocator(20, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_tokens=64)
+    first, sibling = _remote(12)
+    sched.add(first)
+    sched.schedule()
+    sched.remove(first)  # finished (or failed) before the sibling arrived
+    sched.add(sibling)
+    (p,) = sched.schedule()
+    assert (p.seq, p.chunk.start, len(p.chunk.token_ids)) == (sibling, 0, 12)
+    assert sibling.copy is None and alloc.num_in_use == 3
+
+
+def test_a_sibling_that_cannot_join_yet_is_left_untouched():
+    alloc = BlockAllocator(4, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_tokens=64)
+    first, sibling = _remote(14)  # the first takes all 4 blocks; the sibling needs 1 more
+    sched.add(first)
+    sched.add(sibling)
+    assert [p.seq for p in sched.schedule()] == [first]
+    assert list(sched.waiting) == [sibling]
+    assert sibling.blocks == [] and sibling.computed == 0 and sibling.fork is first

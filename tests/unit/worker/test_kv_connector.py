@@ -42,6 +42,9 @@ class RecordingEngine:
         self.calls.append(kv_transfer)
         yield RequestOutput(request_id, [5], "y", len(prompt), 1, True, "length")
 
+    async def score_prompt(self, prompt, top):
+        return []
+
 
 @pytest.fixture
 def edge():

@@ -33,9 +33,11 @@ from dwdp.worker.engine.protocol import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    SharedPrefill,
+    TokenLogprob,
 )
 from dwdp.worker.engine.requests import RequestState
-from dwdp.worker.engine.sampler import Choice
+from dwdp.worker.engine.sampler import Choice, prompt_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +224,8 @@ class EngineBase:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         kv_transfer: KvTransferParams | None = None,
+        *,
+        shared: SharedPrefill | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue the request and stream its updates (see ``EngineClient.generate``)."""
         self.validate(prompt_token_ids, params)
@@ -235,6 +239,7 @@ class EngineBase:
 
         state = RequestState(request_id, [int(t) for t in prompt_token_ids], params, emit=emit)
         state.kv_transfer = kv_transfer
+        state.shared = shared
         await self._prepare(state)
         self._submit(state)
         try:
@@ -249,6 +254,30 @@ class EngineBase:
             if not state.finished:
                 state.aborted = True
 
+    async def score_prompt(
+        self, prompt_token_ids: Sequence[int], top: int
+    ) -> list[TokenLogprob]:
+        """``EngineClient.score_prompt``: one plain forward of the prompt (no KV cache kept),
+        run off the event loop under the forward lock, between engine steps. A prompt longer
+        than ``max_num_tokens`` is refused (``RequestError``): the logits of every position
+        are held at once ([prompt, vocab] float32)."""
+        self.validate(prompt_token_ids, SamplingParams(max_tokens=1))
+        limit = self.config.max_num_tokens
+        if len(prompt_token_ids) > limit:
+            raise RequestError(
+                f"prompt: {len(prompt_token_ids)} tokens to score (echo with logprobs, or "
+                f"prompt_logprobs), at most max_num_tokens ({limit})"
+            )
+        await self.check_health()
+        return await asyncio.to_thread(self._score, [int(t) for t in prompt_token_ids], top)
+
+    def _score(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        import torch
+
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.model.device)
+        logits = self._timed(lambda: self.model(input_ids=ids, use_cache=False).logits[0])
+        return prompt_logprobs(logits, prompt, top)
+
     def validate_kv_transfer(
         self, prompt_token_ids: Sequence[int], kv_transfer: KvTransferParams | None
     ) -> None:
@@ -262,10 +291,18 @@ class EngineBase:
 
     async def _prepare(self, state: RequestState) -> None:
         """Work a request needs before it is queued: a remote prefill's connector claims the
-        remote blocks here (``KvConnector.prepare_load``)."""
+        remote blocks here (``KvConnector.prepare_load``), once for all the choices of one
+        ``SharedPrefill``."""
         kv = state.kv_transfer
-        if kv is not None and kv.do_remote_prefill and self.kv is not None:
+        if kv is None or not kv.do_remote_prefill or self.kv is None:
+            return
+        shared = state.shared
+        if shared is None:
             await self.kv.prepare_load(kv)
+            return
+        if shared.claim is None:  # the first choice claims the lease for every sibling
+            shared.claim = asyncio.ensure_future(self.kv.prepare_load(kv))
+        await asyncio.shield(shared.claim)
 
     # -- the batch API (tests, bench) ----------------------------------------------------------
     def run_batch(

@@ -141,15 +141,21 @@ class ContinuousEngine(EngineBase):
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """``EngineBase.validate``, and the request must fit the KV cache pool alone: prompt
-        plus ``max_tokens`` (at most ``max_model_len``) within the pool's tokens."""
+        plus ``max_tokens`` (at most ``max_model_len``) within the pool's tokens. A prompt
+        that alone overflows the pool is refused naming the prompt only (a router's prefill
+        carries its own ``max_tokens`` 1, not the client's)."""
         super().validate(prompt_token_ids, params)
-        need = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        blocks = self.allocator.blocks_for(need)
-        if blocks > self.allocator.num_blocks:
+        pool = (f"the KV cache pool's {self.allocator.capacity_tokens} tokens "
+                f"({self.allocator.num_blocks} blocks of {self.allocator.block_size})")
+        if self.allocator.blocks_for(len(prompt_token_ids)) > self.allocator.num_blocks:
             raise RequestError(
-                f"prompt + max_tokens: {need} tokens, more than the KV cache pool's "
-                f"{self.allocator.capacity_tokens} tokens ({self.allocator.num_blocks} blocks "
-                f"of {self.allocator.block_size}); lower max_tokens or shorten the prompt"
+                f"prompt: {len(prompt_token_ids)} tokens, more than {pool}; shorten the prompt"
+            )
+        need = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if self.allocator.blocks_for(need) > self.allocator.num_blocks:
+            raise RequestError(
+                f"prompt + max_tokens: {need} tokens, more than {pool}; lower max_tokens or "
+                "shorten the prompt"
             )
 
     # -- disaggregation -------------------------------------------------------------------------
@@ -206,10 +212,32 @@ class ContinuousEngine(EngineBase):
             kv.load(params, seq.blocks[: len(params.block_ids)])
         except Exception as exc:
             log.warning("request %s: %s", seq.state.request_id, exc)
+            seq.error = exc
             self._fail(seq, exc)
             return False
+        seq.remote_prompt = True
         self.stats.remote_prefill_tokens += len(seq.state.prompt)
         return True
+
+    def _copy_shared(self, seq: SchedSequence) -> bool:
+        """A sequence joining on another's pulled prompt KV (``Scheduler._share``): copy the
+        partly filled block it goes on writing; False (request failed) when that read failed."""
+        if seq.copy is None:
+            return True
+        (first, block, slots), seq.copy = seq.copy, None
+        if first.error is not None:
+            self._fail(seq, first.error)
+            return False
+        own = seq.blocks[(len(seq.state.prompt) - 1) // self.allocator.block_size]
+        self.runner.cache.copy_slots(block, own, slots)
+        return True
+
+    def _joins(self, seq: SchedSequence, kv: KvConnector | None) -> bool:
+        """Whether a scheduled sequence runs this step: its remote prompt KV read, or its
+        shared prompt's block copied (in plan order: a pull comes before its sharers)."""
+        if seq.pull is not None:
+            return kv is not None and self._pull(seq, kv)
+        return self._copy_shared(seq)
 
     def _fail(self, seq: SchedSequence, exc: BaseException) -> None:
         state = seq.state
@@ -294,7 +322,13 @@ class ContinuousEngine(EngineBase):
         seq = SchedSequence(state)
         kv = state.kv_transfer
         if kv is not None and kv.do_remote_prefill:  # claimed in _prepare; read as it joins
-            seq.pull = kv
+            shared = state.shared
+            if shared is not None and shared.first is not None:
+                seq.fork = shared.first  # a sibling reads it: share (scheduler docstring)
+            else:
+                seq.pull = kv
+                if shared is not None:
+                    shared.first = seq
         self._sequences[id(state)] = seq
         self.scheduler.add(seq)
 
@@ -305,11 +339,7 @@ class ContinuousEngine(EngineBase):
             if seq.state.aborted:
                 self._end(seq, "abort")
         kv = self.kv
-        plan = [
-            p
-            for p in self.scheduler.schedule()
-            if p.seq.pull is None or (kv is not None and self._pull(p.seq, kv))
-        ]
+        plan = [p for p in self.scheduler.schedule() if self._joins(p.seq, kv)]
         if not plan:
             self._settle()
             self._count_kv()  # aborts and releases may have emptied the engine

@@ -329,6 +329,18 @@ class PagedKVCache:
                 out.append(store.index_select(0, layout.context_slots).transpose(0, 1)[None])
         return out[0], out[1]
 
+    def copy_slots(self, src_block: int, dst_block: int, n: int) -> None:
+        """Copy the first ``n`` slots (tokens) of block ``src_block`` into block ``dst_block``,
+        in every allocated layer (a sequence that shares a prompt's full blocks takes its own
+        copy of the partly filled one it goes on writing)."""
+        import torch
+
+        dst, src = dst_block * self.block_size, src_block * self.block_size
+        with torch.inference_mode():  # the cache's tensors are inference tensors
+            for pair in self.layers.values():
+                for store in pair:
+                    store[dst : dst + n] = store[src : src + n]
+
     def _allocate(self, like: Any) -> Any:
         import torch
 

@@ -82,12 +82,14 @@ class TokenLogprob:
     """The log probability of one generated token and of its most likely alternatives.
 
     ``logprob``: natural log of the token's probability; ``top``: (token id, logprob) pairs,
-    most likely first, ``SamplingParams.logprobs`` of them.
+    most likely first, ``SamplingParams.logprobs`` of them; ``rank``: the token's place among
+    the vocabulary (1: the most likely), where computed (a prompt token's).
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -131,6 +133,19 @@ class CompletedRequest:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass(eq=False, slots=True)
+class SharedPrefill:
+    """The choices of one parallel-sampling request (``n`` > 1) whose prompt KV comes from one
+    remote prefill: pass the same object to each choice's ``generate``. The engine claims the
+    lease once (``claim``), reads the blocks once, into the first choice to join (``first``),
+    and the others share them (``dwdp.worker.engine.scheduler``). Both fields are the engine's."""
+
+    claim: Any = None
+    """The claim of the remote lease (an ``asyncio`` task every choice awaits)."""
+    first: Any = None
+    """The engine's sequence that reads the remote blocks."""
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """What the server needs from an engine."""
@@ -150,11 +165,22 @@ class EngineClient(Protocol):
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         kv_transfer: KvTransferParams | None = None,
+        *,
+        shared: SharedPrefill | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's updates; the last one has ``finished``. ``kv_transfer``: the
-        request's ``KvTransferParams`` (prefill/decode disaggregation), if any. Raises
+        request's ``KvTransferParams`` (prefill/decode disaggregation), if any; ``shared``: the
+        choices of one request that read one remote prefill (``SharedPrefill``). Raises
         ``RequestError`` (bad request), ``TransferError`` (the KV transfer failed) or
         ``EngineError`` (cannot serve). Closing the iterator early aborts the request."""
+
+    async def score_prompt(
+        self, prompt_token_ids: Sequence[int], top: int
+    ) -> list[TokenLogprob]:
+        """The logprob, rank and ``top`` most likely alternatives of every prompt token after
+        the first (``len(prompt) - 1`` entries: token ``t`` scored by the logits of position
+        ``t - 1``), from one forward of the whole prompt. Raises ``RequestError`` (a prompt the
+        engine refuses or longer than one step's tokens) or ``EngineError``."""
 
     async def abort(self, request_id: str) -> None:
         """Stop the request if it is queued or running; unknown ids are ignored."""

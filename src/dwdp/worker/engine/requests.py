@@ -5,9 +5,10 @@ request and call ``accept`` once per chosen token and ``update`` to build what t
 receives; the stop rules and the streaming rules live here only.
 
 Stop rules: the tokenizer's EOS (unless ``ignore_eos``) or one of ``stop_token_ids`` ends the
-request with ``"stop"`` and is not part of the output; a ``stop`` string ends it with
-``"stop"`` and the text is cut before it; ``max_tokens`` new tokens or the model's context
-(``max_model_len``) end it with ``"length"``.
+request with ``"stop"`` and is not part of the output (but of the logprobs, when asked for,
+as in vLLM: a harness summing the logprobs of ``max_tokens: 1`` counts on one generated entry);
+a ``stop`` string ends it with ``"stop"`` and the text is cut before it; ``max_tokens`` new
+tokens or the model's context (``max_model_len``) end it with ``"length"``.
 
 Streaming rules: text that ends in an incomplete UTF-8 sequence (U+FFFD) and text that may
 still become a stop string are held back until the next token decides them.
@@ -20,7 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dwdp.worker.engine.kv_connector import KvTransferParams
-from dwdp.worker.engine.protocol import RequestOutput, SamplingParams, TokenLogprob
+from dwdp.worker.engine.protocol import (
+    RequestOutput,
+    SamplingParams,
+    SharedPrefill,
+    TokenLogprob,
+)
 
 
 @dataclass(eq=False, slots=True)
@@ -30,7 +36,8 @@ class RequestState:
     ``prompt``: token ids; ``tokens``: generated ids (stop tokens excluded); ``text``: their
     detokenised text (cut at a stop string); ``emit``: where updates go (``None`` for the
     batch API); ``keep_logits``: keep the [vocab] float32 logits of every step (tests).
-    ``logprobs``: one ``TokenLogprob`` per generated token when ``params.logprobs`` is set.
+    ``logprobs``: one ``TokenLogprob`` per generated token when ``params.logprobs`` is set (and
+    one more for the stop token that ended the request).
     ``processors``/``generator``: the sampler's per-request state (``dwdp.worker.engine.sampler``).
     """
 
@@ -55,6 +62,8 @@ class RequestState:
     arrival: float = 0.0
     kv_transfer: KvTransferParams | None = None
     """The request's ``kv_transfer_params`` (disaggregation), or ``None``."""
+    shared: SharedPrefill | None = None
+    """The request's siblings reading one remote prefill (``n`` > 1), or ``None``."""
     kv_transfer_out: KvTransferParams | None = None
     """What the last update answers as ``kv_transfer_params`` (a remote-decode prefill)."""
     detok: Any = None
@@ -98,6 +107,8 @@ class RequestState:
         (``"length"``). Its text comes with ``settle`` (the engine runs the next step first)."""
         p = self.params
         if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            if logprob is not None:  # its logprob is reported (as vLLM does), its text not
+                self.logprobs.append(logprob)
             return "stop"  # the stop token is not part of the output
         self.tokens.append(token)
         if logprob is not None:

@@ -103,3 +103,32 @@ class _NoHistory:
 
 
 _NO_HISTORY: Any = _NoHistory()
+
+
+def prompt_logprobs(logits: Any, prompt: list[int], top: int) -> list[TokenLogprob]:
+    """The entries of a prompt's tokens after the first from ``logits`` ([len(prompt), vocab],
+    any float dtype, row ``t`` the logits after token ``t``): token ``t`` gets the
+    log-softmax (float32) of row ``t - 1`` at its id, its rank (1 + the ids more likely) and
+    the ``top`` most likely (id, logprob) pairs. One copy to the host."""
+    import torch
+
+    if len(prompt) < 2:
+        return []
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    target = torch.tensor(prompt[1:], dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, target[:, None])
+    rank = (logp > chosen).sum(dim=1) + 1
+    best = torch.topk(logp, top, dim=-1)  # top = 0: empty [T - 1, 0]
+    packed = torch.cat(
+        [chosen.double(), rank.double()[:, None], best.indices.double(), best.values.double()],
+        dim=1,
+    ).tolist()  # float64 holds every token id and rank exactly
+    return [
+        TokenLogprob(
+            token,
+            row[0],
+            tuple(zip((int(i) for i in row[2 : 2 + top]), row[2 + top :], strict=True)),
+            int(row[1]),
+        )
+        for token, row in zip(prompt[1:], packed, strict=True)
+    ]

@@ -15,6 +15,13 @@ A request whose prompt's KV comes from a context server (``Sequence.pull``) join
 prompt token but the last counted as computed: its first step recomputes that token, which gives
 the logits of its first output token (vLLM's NIXL connector does the same).
 
+The sequences of one parallel-sampling request (``n`` > 1) over a remote prefill read that KV
+once (``Sequence.fork``): the first pulls it; each other one, when it joins while the first still
+holds the pulled prompt, shares the first's full blocks before the prompt's last token (never
+written again) and takes its own copy of the partly filled block (``Sequence.copy``, done by the
+engine after the pull), then goes on like the first. Joining later (the first finished, was
+preempted or failed its read), it computes its prompt itself.
+
 With prefix caching (``BlockAllocator.prefix_caching``), a joining request first takes the
 longest run of cached full blocks its known tokens hash to (never its last token, whose logits
 it needs; never for a request that pulls its prompt, whose blocks the transfer writes) and
@@ -47,6 +54,15 @@ class Sequence:
     """The remote prompt KV to read before its first step (a remote prefill): the engine's
     business (``KvConnector.load``); the scheduler only treats every prompt token but the last
     as computed when it joins."""
+    fork: Sequence | None = None
+    """The sequence whose pulled prompt KV this one shares when it joins (module docstring)."""
+    remote_prompt: bool = False
+    """The prompt's KV in ``blocks`` was read from a context server (until a preemption)."""
+    error: BaseException | None = None
+    """Why reading its remote prompt KV failed (its sharers fail with it)."""
+    copy: tuple[Sequence, int, int] | None = None
+    """(sequence shared from, its block, slots): the engine copies those first slots into this
+    sequence's own block at the same index before the step that joins it."""
     hashes: list[BlockHash] = field(default_factory=list)
     """Chain hashes of the request's full blocks of known tokens (as far as hashed so far)."""
     registered: int = 0
@@ -142,16 +158,24 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.pull is not None:  # its prompt's KV arrives; only the last token runs
+            shared = self._shareable(seq)
+            if seq.pull is not None or shared is not None:
+                # its prompt's KV arrives (or is shared); only the last token runs
                 seq.computed = max(0, len(seq.state.prompt) - 1)
-            hits = self._cached_prefix(seq)
+            hits = shared if shared is not None else self._cached_prefix(seq)
             start = max(seq.computed, len(hits) * self.allocator.block_size)
             n = min(seq.state.length - start, budget)
             new = self.allocator.blocks_for(start + n) - len(hits)
             need = new + self.allocator.evictable(hits)  # shared free blocks stop being free
             if not self.allocator.can_allocate(need + (self.watermark if self.running else 0)):
+                if shared is not None:
+                    seq.computed = 0  # decided again when it can join
                 break
-            self._take_prefix(seq, hits)
+            if shared is not None:
+                self._share(seq, shared)
+            else:
+                self._take_prefix(seq, hits)
+            seq.fork = None
             seq.blocks.extend(self.allocator.allocate(new))
             self.running.append(self.waiting.popleft())
             plan.append(Scheduled(seq, seq.chunk(n)))
@@ -198,6 +222,27 @@ class Scheduler:
             self.prefix_queries += len(seq.state.prompt)
             self.prefix_hits += seq.cached_tokens
 
+    def _shareable(self, seq: Sequence) -> list[int] | None:
+        """The full blocks of ``seq.fork``'s pulled prompt before the prompt's last token, when
+        ``seq`` can share them now (the first still runs with that KV: its read is due this step
+        or done); ``None`` otherwise."""
+        first = seq.fork
+        if first is None or first not in self.running:
+            return None
+        if first.pull is None and not first.remote_prompt:
+            return None
+        return first.blocks[: (len(seq.state.prompt) - 1) // self.allocator.block_size]
+
+    def _share(self, seq: Sequence, shared: list[int]) -> None:
+        """Give ``seq`` the shared blocks (held once more) and note the copy of the partly
+        filled one."""
+        assert seq.fork is not None and not seq.blocks
+        self.allocator.acquire(shared)
+        seq.blocks, seq.registered = list(shared), len(shared)
+        tail = (len(seq.state.prompt) - 1) % self.allocator.block_size
+        if tail:
+            seq.copy = (seq.fork, seq.fork.blocks[len(shared)], tail)
+
     def _grow(self, seq: Sequence, tokens: int) -> bool:
         """Give ``seq`` the blocks for ``tokens`` tokens, preempting newer requests as needed;
         False when ``seq`` itself had to be preempted."""
@@ -214,6 +259,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.computed = 0
+        seq.remote_prompt = False
         self.waiting.appendleft(seq)
         self.preemptions += 1
 

@@ -1,4 +1,5 @@
-"""Engine logprobs (``TokenLogprob``) in OpenAI's two response formats; one home for both.
+"""Engine logprobs (``TokenLogprob``) in OpenAI's two response formats and vLLM's
+``prompt_logprobs``; one home for all three.
 
 A token's text is its own detokenisation (``tokenizer.decode([id])``); ``bytes`` its UTF-8
 bytes. A logprob of minus infinity (a token the model cannot produce) is written as -9999.0,
@@ -16,6 +17,7 @@ from dwdp.worker.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
     TopLogprob,
 )
 
@@ -49,7 +51,10 @@ def completion_logprobs(
 ) -> CompletionLogprobs:
     """``choices[].logprobs`` of a completion (or of one streamed chunk); ``text_offset``: the
     position in the choice's text where the first token's text starts."""
-    tokens, values, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     at = text_offset
     for e in entries:
         text = tokenizer.decode([e.token_id])
@@ -61,3 +66,45 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
     )
+
+
+def echoed_logprobs(
+    tokenizer: Any,
+    prompt: Sequence[int],
+    scores: Sequence[TokenLogprob],
+    generated: CompletionLogprobs,
+) -> CompletionLogprobs:
+    """``choices[].logprobs`` of an ``echo`` completion: the ``prompt``'s tokens first (the first
+    with ``null`` logprob and alternatives, as OpenAI and vLLM answer; ``scores``: the entries
+    of the others, ``EngineClient.score_prompt``), offsets from 0, then ``generated`` (whose
+    offsets already count the echoed text)."""
+    first = tokenizer.decode([prompt[0]])
+    rest = completion_logprobs(tokenizer, scores, len(first))
+    tail = generated
+    return CompletionLogprobs(
+        tokens=[first, *rest.tokens, *tail.tokens],
+        token_logprobs=[None, *rest.token_logprobs, *tail.token_logprobs],
+        top_logprobs=[None, *rest.top_logprobs, *tail.top_logprobs],
+        text_offset=[0, *rest.text_offset, *tail.text_offset],
+    )
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Any, scores: Sequence[TokenLogprob]
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: ``None`` for the first prompt token, then per
+    token a map of token id (a string, as JSON keys are) to its ``PromptLogprob``: the prompt's
+    own token (its rank) and the most likely alternatives (ranks 1, 2, ...)."""
+    out: list[dict[str, PromptLogprob] | None] = [None]
+    for e in scores:
+        own = PromptLogprob(
+            logprob=_finite(e.logprob), rank=e.rank, decoded_token=tokenizer.decode([e.token_id])
+        )
+        entry = {str(e.token_id): own}
+        for rank, (t, lp) in enumerate(e.top, start=1):
+            entry.setdefault(
+                str(t),
+                PromptLogprob(logprob=_finite(lp), rank=rank, decoded_token=tokenizer.decode([t])),
+            )
+        out.append(entry)
+    return out

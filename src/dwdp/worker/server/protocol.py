@@ -4,9 +4,16 @@ Out-of-range values are refused by the schemas themselves (the server answers 40
 field's path), so every bound is visible in the OpenAPI document. Fields the OpenAI API has but
 this server does not implement are accepted and ignored; unknown fields are ignored too.
 ``n`` choices run as ``n`` engine requests (choice ``i`` seeded ``seed + i`` when a seed is
-set). Logprobs follow OpenAI's two formats: ``logprobs: k`` on completions (``tokens``,
-``token_logprobs``, ``top_logprobs``, ``text_offset``), ``logprobs: true`` with
-``top_logprobs: k`` on chat (``content`` entries with ``token``, ``logprob``, ``bytes``).
+set); a completion's ``prompt`` may be a batch (strings or token-id lists): prompt ``p``'s
+choice ``j`` has index ``p * n + j``, as in the OpenAI API. Logprobs follow OpenAI's two
+formats: ``logprobs: k`` on completions (``tokens``, ``token_logprobs``, ``top_logprobs``,
+``text_offset``; with ``echo`` the prompt's tokens come first, the first one's logprob
+``null``), ``logprobs: true`` with ``top_logprobs: k`` on chat (``content`` entries with
+``token``, ``logprob``, ``bytes``); and vLLM's ``prompt_logprobs: k``
+(``choices[].prompt_logprobs``: ``null`` for the first prompt token, then per token a map of
+token id to ``logprob``, ``rank`` and ``decoded_token``, the prompt's token and the ``k`` most
+likely). ``max_tokens: 0`` (with
+``echo`` or ``prompt_logprobs``) scores the prompt without generating.
 """
 
 from __future__ import annotations
@@ -78,27 +85,63 @@ class _Request(BaseModel):
         return stops
 
 
+PromptText = Annotated[str, Field(max_length=1_000_000)]
+PromptIds = Annotated[
+    list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1, max_length=1_000_000)
+]
+MAX_PROMPTS = 64
+"""The most prompts one completion request may batch."""
+
+
 class CompletionRequest(_Request):
-    """``POST /v1/completions``: one prompt, as text or as token ids."""
+    """``POST /v1/completions``: a prompt (text or token ids), or a batch of them."""
 
     prompt: (
-        Annotated[str, Field(max_length=1_000_000)]
-        | Annotated[
-            list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
-            Field(min_length=1, max_length=1_000_000),
-        ]
-    ) = Field(description="The prompt: text, or token ids.")
-    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
+        PromptText
+        | PromptIds
+        | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(description="The prompt: text or token ids; or a list of either (a batch).")
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="New tokens at most (default 16); 0 (with echo or prompt_logprobs) scores "
+        "the prompt without generating.",
+    )
+    echo: bool = Field(
+        False, description="Prepend the prompt to the text (and its tokens to the logprobs)."
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
         le=MAX_LOGPROBS,
         description="Logprobs of each token and of the k most likely alternatives.",
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="vLLM's field: each prompt token's logprob, rank and the k most likely.",
+    )
 
     def logprobs_k(self) -> int | None:
         """Alternatives per token asked for; ``None``: no logprobs."""
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request (one, or the batch), each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return [q for q in p if not isinstance(q, int)]
+
+    def prompt_top(self) -> int | None:
+        """Alternatives per prompt token the answer needs (``echo`` with ``logprobs``, or
+        ``prompt_logprobs``); ``None``: no prompt logprobs."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                  if k is not None]
+        return max(wanted) if wanted else None
 
 
 class TextPart(BaseModel):
@@ -138,6 +181,18 @@ class ChatCompletionRequest(_Request):
         description="Most likely alternatives per token (needs logprobs).",
     )
 
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="vLLM's field: each prompt token's logprob, rank and the k most likely "
+        "(the rendered conversation's tokens).",
+    )
+
+    def prompt_top(self) -> int | None:
+        """Alternatives per prompt token the answer needs; ``None``: no prompt logprobs."""
+        return self.prompt_logprobs
+
     def logprobs_k(self) -> int | None:
         """Alternatives per token asked for; ``None``: no logprobs. Raises ``ValueError`` for
         ``top_logprobs`` without ``logprobs``."""
@@ -174,12 +229,22 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy logprobs of a completion choice (one entry per token)."""
+    """OpenAI's legacy logprobs of a completion choice (one entry per token; with ``echo`` the
+    prompt's first, whose first token has ``null`` logprob and alternatives)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's logprob of one candidate token of a prompt position: its ``logprob``, ``rank``
+    (1: the most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -188,6 +253,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     token_ids: list[int] | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="vLLM's prompt_logprobs (the request's prompt_logprobs)."
+    )
 
 
 class ServerRef(BaseModel):
@@ -266,6 +334,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="vLLM's prompt_logprobs (the request's prompt_logprobs)."
+    )
     kv_transfer_params: KvTransferParams | None = None
     dwdp: ServedBy | None = None
 

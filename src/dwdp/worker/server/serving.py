@@ -22,9 +22,17 @@ from dwdp.worker.engine.protocol import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    SharedPrefill,
     TokenLogprob,
 )
-from dwdp.worker.server.logprobs import chat_logprobs, completion_logprobs
+from dwdp.worker.server.choices import ChoicePlan, choice_plan
+from dwdp.worker.server.errors import ServingError
+from dwdp.worker.server.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    vllm_prompt_logprobs,
+)
 from dwdp.worker.server.metrics import ServerMetrics
 from dwdp.worker.server.protocol import (
     ChatChoice,
@@ -43,16 +51,6 @@ from dwdp.worker.server.protocol import (
 from dwdp.worker.server.status import DwdpStatusSource
 
 DEFAULT_MAX_TOKENS = 16
-
-
-class ServingError(Exception):
-    """A request the server refuses; ``status_code`` is 4xx or 503, the message one line."""
-
-    def __init__(self, status_code: int, message: str, *, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.kind = kind
 
 
 LEASE_ERROR_KINDS = {400: "invalid_request_error", 403: "permission_error", 410: "gone"}
@@ -138,6 +136,12 @@ class OpenAIServing:
     def _params(
         self, req: Any, prompt_len: int, max_tokens: int | None, field: str = "max_tokens"
     ) -> SamplingParams:
+        """The engine's ``SamplingParams`` of one prompt of ``req``; ``ServingError`` 400
+        naming the field the client sent. A prefill for a remote decode
+        (``kv_transfer_params.do_remote_decode``) runs one token whatever ``max_tokens`` says
+        (a router sends 1 in place of the client's value, which only the generation server
+        sees): its refusals name the prompt alone. ``max_tokens`` 0 (a scoring request) runs
+        one token where the engine runs at all (``_engine_runs``)."""
         try:
             stops = req.stop_list()
             logprobs = req.logprobs_k()
@@ -146,19 +150,19 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only with stream true")
         kv = req.kv_transfer_params
+        limit = self.engine.max_model_len
         if kv is not None and kv.do_remote_decode:
-            if req.n != 1:
-                raise ServingError(
-                    400, f"n: {req.n} with kv_transfer_params.do_remote_decode (disaggregated "
-                    "serving): a remote decode continues one sequence; send n 1",
-                )
             if req.stream:
                 raise ServingError(
                     400, "stream: true with kv_transfer_params.do_remote_decode: the prefill "
                     "for a remote decode answers once; send stream false",
                 )
+            if prompt_len >= limit:
+                raise ServingError(
+                    400, f"prompt: {prompt_len} tokens leave no room in the model's context "
+                    f"({limit}) for the tokens to generate",
+                )
             max_tokens = 1  # prefill only: the generation server decodes (as vLLM does)
-        limit = self.engine.max_model_len
         if max_tokens is None:  # the default shrinks to what the context leaves
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, limit - prompt_len))
         if prompt_len + max_tokens > limit:
@@ -168,6 +172,7 @@ class OpenAIServing:
                 f"{what}: prompt ({prompt_len} tokens) + {field} ({max_tokens}) exceeds "
                 f"the model's context ({limit})",
             )
+        max_tokens = max(1, max_tokens)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -191,44 +196,106 @@ class OpenAIServing:
             raise ServingError(400, "prompt: empty after tokenization")
         return list(ids)
 
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        """One prompt's token ids and, for a text prompt, its text."""
+        if isinstance(prompt, str):
+            return self._tokenize(prompt), prompt
+        return list(prompt), None
+
     async def completion(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
-        """Run one completion (``n`` choices); a response, or the SSE lines when ``req.stream``."""
+        """Run one completion (each prompt's ``n`` choices, ``choice_plan``); a response, or
+        the SSE lines when ``req.stream``."""
         self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            prompt_ids = self._tokenize(req.prompt)
-            prompt_text = req.prompt
-        else:
-            prompt_ids = list(req.prompt)
-            prompt_text = None
-        params = self._params(req, len(prompt_ids), req.max_tokens)
+        prompts = [self._prompt_ids(p) for p in req.prompts()]
+        plan = choice_plan(req, len(prompts))
+        params = [self._params(req, len(ids), req.max_tokens) for ids, _ in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompt_ids, params, req, "completions")
         if req.stream:
-            return await self._sse(request_id, streams, len(prompt_ids), req, chat=False)
-        echo = (prompt_text or self.engine.tokenizer.decode(prompt_ids)) if req.echo else ""
-        results = await asyncio.gather(*(_collect(s) for s in streams))
-        tok = self.engine.tokenizer
-        choices = [
-            CompletionChoice(
-                index=i,
-                text=echo + r.text,
-                finish_reason=r.reason,
-                token_ids=r.tokens,
-                logprobs=completion_logprobs(tok, r.logprobs, len(echo))
-                if params.logprobs is not None
-                else None,
-            )
-            for i, r in enumerate(results)
+            ids, text = prompts[0]  # one prompt: choice_plan refuses a streamed batch
+            streams = self._start(request_id, ids, params[0], req, "completions")
+            return await self._sse(request_id, streams, len(ids), req, chat=False,
+                                   echo=self._echo(req, ids, text))
+        scores = [
+            await self._score(ids, plan.prompt_top) if plan.prompt_top is not None else None
+            for ids, _ in prompts
         ]
+        runs = [
+            self._start(
+                request_id if len(prompts) == 1 else f"{request_id}-p{i}",
+                ids, p, req, "completions", streams=plan.engine_streams,
+            )
+            for i, ((ids, _), p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        results = await asyncio.gather(*(_collect(s) for run in runs for s in run))
+        per_prompt = [results[i * plan.engine_streams : (i + 1) * plan.engine_streams]
+                      for i in range(len(prompts))]
+        choices = [
+            self._completion_choice(req, plan, i * plan.choices + j, prompt, score, got, j)
+            for i, (prompt, score, got) in enumerate(zip(prompts, scores, per_prompt, strict=True))
+            for j in range(plan.choices)
+        ]
+        generated = [r for got in per_prompt for r in got] if plan.generates else []
         return CompletionResponse(
             id=request_id,
             created=int(time.time()),
             model=self.served_name,
             choices=choices,
-            usage=_usage(len(prompt_ids), results),
-            kv_transfer_params=results[0].kv_transfer_params,
+            usage=Usage.of(
+                sum(len(ids) for ids, _ in prompts),
+                sum(r.completion_tokens for r in generated),
+                sum(got[0].cached_tokens for got in per_prompt if got),  # one prefill each
+            ),
+            kv_transfer_params=results[0].kv_transfer_params if results else None,
             dwdp=self.served_by(req.kv_transfer_params),
         )
+
+    def _completion_choice(
+        self,
+        req: CompletionRequest,
+        plan: ChoicePlan,
+        index: int,
+        prompt: tuple[list[int], str | None],
+        scores: list[TokenLogprob] | None,
+        results: list[_Result],
+        j: int,
+    ) -> CompletionChoice:
+        """Choice ``j`` of one prompt: the echo (text, and the prompt's logprobs before the
+        generated ones), the generated part unless ``max_tokens`` is 0, vLLM's
+        ``prompt_logprobs`` when asked for."""
+        tok = self.engine.tokenizer
+        ids, text = prompt
+        echo = self._echo(req, ids, text)
+        r = results[j] if plan.generates else _Result("", [], "length", 0, [])
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(tok, r.logprobs, len(echo))
+            if req.echo and scores is not None:  # scored (not a prefill for a remote decode)
+                logprobs = echoed_logprobs(tok, ids, scores, logprobs)
+        return CompletionChoice(
+            index=index,
+            text=echo + r.text,
+            finish_reason=r.reason,
+            token_ids=r.tokens,
+            logprobs=logprobs,
+            prompt_logprobs=vllm_prompt_logprobs(tok, scores or [])
+            if req.prompt_logprobs is not None and scores is not None
+            else None,
+        )
+
+    def _echo(self, req: CompletionRequest, ids: list[int], text: str | None) -> str:
+        """What ``echo`` prepends: the prompt as sent (text), or its ids' decoded text."""
+        if not req.echo:
+            return ""
+        return text if text is not None else str(self.engine.tokenizer.decode(ids))
+
+    async def _score(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        """``EngineClient.score_prompt``, its errors mapped as ``_choice`` maps a stream's."""
+        try:
+            return await self.engine.score_prompt(prompt_ids, top)
+        except RequestError as exc:
+            raise ServingError(400, str(exc)) from exc
+        except EngineError as exc:
+            raise ServingError(503, str(exc), kind="service_unavailable") from exc
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         """Run one chat completion (``n`` choices); a response, or the SSE lines when
@@ -249,11 +316,16 @@ class OpenAIServing:
             req, len(prompt_ids), req.max_completion_tokens or req.max_tokens, field
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        plan = choice_plan(req, 1)
         streams = self._start(request_id, prompt_ids, params, req, "chat")
         if req.stream:
             return await self._sse(request_id, streams, len(prompt_ids), req, chat=True)
-        results = await asyncio.gather(*(_collect(s) for s in streams))
         tok = self.engine.tokenizer
+        scored = None
+        if plan.prompt_top is not None:
+            scores = await self._score(prompt_ids, plan.prompt_top)
+            scored = vllm_prompt_logprobs(tok, scores)
+        results = await asyncio.gather(*(_collect(s) for s in streams))
         choices = [
             ChatChoice(
                 index=i,
@@ -270,6 +342,7 @@ class OpenAIServing:
             model=self.served_name,
             choices=choices,
             usage=_usage(len(prompt_ids), results),
+            prompt_logprobs=scored,
             kv_transfer_params=results[0].kv_transfer_params,
             dwdp=self.served_by(req.kv_transfer_params),
         )
@@ -282,16 +355,23 @@ class OpenAIServing:
         params: SamplingParams,
         req: Any,
         endpoint: str,
+        *,
+        streams: int | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
-        """The engine streams of ``req.n`` choices (choice ``i`` seeded ``seed + i``)."""
-        n = req.n
+        """The engine streams of one prompt's choices (choice ``i`` seeded ``seed + i``):
+        ``streams`` of them (default: ``choice_plan``'s, for a chat or stream). The choices
+        of a remote prefill read its KV once (``SharedPrefill``)."""
+        n = choice_plan(req, 1).engine_streams if streams is None else streams
+        kv = req.kv_transfer_params
+        shared = SharedPrefill() if n > 1 and kv is not None and kv.do_remote_prefill else None
         return [
             self._choice(
                 request_id if n == 1 else f"{request_id}-{i}",
                 prompt_ids,
                 params if params.seed is None else replace(params, seed=params.seed + i),
                 endpoint,
-                req.kv_transfer_params,
+                kv,
+                shared,
             )
             for i in range(n)
         ]
@@ -303,12 +383,16 @@ class OpenAIServing:
         params: SamplingParams,
         endpoint: str,
         kv_transfer: KvTransferParams | None = None,
+        shared: SharedPrefill | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine stream with latency and TTFT observed; engine errors mapped."""
         start = time.perf_counter()
         last: float | None = None
+        extra = {"shared": shared} if shared is not None else {}  # n > 1 on a remote prefill
         try:
-            async for out in self.engine.generate(request_id, prompt_ids, params, kv_transfer):
+            async for out in self.engine.generate(
+                request_id, prompt_ids, params, kv_transfer, **extra
+            ):
                 now = time.perf_counter()
                 if last is None and (out.token_ids or out.finished):
                     self.metrics.ttft.labels(endpoint).observe(now - start)
@@ -337,9 +421,11 @@ class OpenAIServing:
         req: Any,
         *,
         chat: bool,
+        echo: str = "",
     ) -> AsyncIterator[str]:
         """The SSE lines of a streaming request. Every choice's first update is awaited before
-        the first line, so a refusal is still a plain HTTP error (400/503), not a 200 stream."""
+        the first line, so a refusal is still a plain HTTP error (400/503), not a 200 stream.
+        ``echo``: a completion's echoed prompt, each choice's first event."""
         try:
             firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
         except BaseException:
@@ -360,6 +446,7 @@ class OpenAIServing:
             firsts,
             streams,
             prompt_tokens,
+            echo,
         )
 
     async def _sse_lines(
@@ -368,11 +455,16 @@ class OpenAIServing:
         firsts: list[RequestOutput],
         streams: list[AsyncGenerator[RequestOutput, None]],
         prompt_tokens: int,
+        echo: str = "",
     ) -> AsyncIterator[str]:
         last: list[RequestOutput] = list(firsts)
         if fmt.chat:  # the role comes first, as in the OpenAI API
             for i in range(len(streams)):
                 yield fmt.event(i, {"role": "assistant"}, None)
+        elif echo:  # so does the echoed prompt; the generated text's offsets count it
+            for i in range(len(streams)):
+                yield fmt.event(i, echo, None)
+                fmt.text_at[i] = len(echo)
         try:
             async for i, out in _merge(firsts, streams):
                 last[i] = out
