@@ -369,6 +369,23 @@ def capture_cuda_graphs(engine: Any, ledger: MemoryLedger, watch: MemoryWatch) -
     return ledger
 
 
+def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
+                  cuda_graphs: bool) -> Any:
+    """The engine's ``EngineConfig``: the launch config's limits and KV cache settings, the
+    resolved context length, the sized pool (tokens) and the resolved ``engine.cudaGraphs``."""
+    from dwdp.worker.engine.base import EngineConfig
+
+    return EngineConfig(
+        max_batch_size=cfg.max_batch_size,
+        max_num_tokens=cfg.max_num_tokens,
+        max_model_len=max_model_len,
+        kv_capacity_tokens=capacity_tokens,
+        block_size=cfg.kv_cache.block_size,
+        cuda_graphs=cuda_graphs,
+        prefix_caching=cfg.kv_cache.prefix_caching,
+    )
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
@@ -396,7 +413,6 @@ def run_worker(opts: WorkerOptions) -> int:
         api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
         _torch_threads(resolve_torch_threads(os.environ))
         from dwdp.worker.attach import setup_dwdp
-        from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.gpu.cuda_path import use_cuda_kernels
         from dwdp.worker.group import join_group
@@ -454,24 +470,14 @@ def run_worker(opts: WorkerOptions) -> int:
             model,
             tokenizer,
             model_name=served_model_name(cfg.model.served_name, cfg.model.path),
-            config=EngineConfig(
-                max_batch_size=cfg.max_batch_size,
-                max_num_tokens=cfg.max_num_tokens,
-                max_model_len=plan.max_model_len,
-                kv_capacity_tokens=pool.capacity_tokens,
-                block_size=cfg.kv_cache.block_size,
-                cuda_graphs=cuda_graphs,
-                prefix_caching=cfg.kv_cache.prefix_caching,
-            ),
+            config=engine_config(cfg, plan.max_model_len, pool.capacity_tokens, cuda_graphs),
             on_fatal=on_fatal,
         )
         if cfg.role in (Role.CONTEXT, Role.GENERATION):
-            stage["now"] = Stage.ENGINE
             attach_kv_transfer(engine, cfg, opts.host, port, api_key)
         stop_engine = engine.stop
         close_events = attach_kv_events(engine, cfg.kv_cache.events, opts.host)
         if cuda_graphs:
-            stage["now"] = Stage.ENGINE
             ledger = capture_cuda_graphs(engine, ledger, watch)
         engine.start()
         app = build_app(

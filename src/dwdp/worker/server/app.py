@@ -195,6 +195,18 @@ def build_app(
     app.state.metrics = metrics
     app.state.releases = set()  # lease releases in flight (kept until done)
     app.add_middleware(RequestGuard, api_key=api_key)
+    _add_error_handlers(app)
+    _add_request_counter(app, metrics)
+    _add_openai_routes(app)
+    _add_probe_routes(app)
+    _add_kv_routes(app)
+    _add_status_route(app, memory, identity)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape (``ServingError``, a body that does not
+    validate: the field and why, an HTTP error)."""
 
     @app.exception_handler(ServingError)
     async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
@@ -218,6 +230,10 @@ def build_app(
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
+
+def _add_request_counter(app: FastAPI, metrics: ServerMetrics) -> None:
+    """``dwdp_requests`` by route and status code."""
+
     @app.middleware("http")
     async def _count(request: Request, call_next: Any) -> Response:
         response = await call_next(request)
@@ -225,6 +241,10 @@ def build_app(
         endpoint = getattr(route, "path", "other")
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
+
+
+def _add_openai_routes(app: FastAPI) -> None:
+    """``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``."""
 
     @app.post(
         "/v1/completions",
@@ -246,6 +266,10 @@ def build_app(
     async def models(request: Request) -> ModelList:
         return _serving(request).models()
 
+
+def _add_probe_routes(app: FastAPI) -> None:
+    """``/health``, ``/ready`` and ``/metrics``."""
+
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health(request: Request) -> dict[str, str]:
         await _serving(request).health()
@@ -260,6 +284,11 @@ def build_app(
     async def prometheus(request: Request) -> Response:
         data = generate_latest(request.app.state.metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_kv_routes(app: FastAPI) -> None:
+    """The KV side channel of a disaggregated server (``KV_AGENT_PATH``): describe a lease,
+    release one."""
 
     @app.get(KV_AGENT_PATH, responses={404: _ERRORS[404]})
     async def kv_agent(
@@ -285,6 +314,11 @@ def build_app(
             raise lease_refusal(exc) from exc
         return Response(status_code=204)
 
+
+def _add_status_route(app: FastAPI, memory: RankMemory | None,
+                      identity: dict[str, Any] | None) -> None:
+    """``/dwdp/status`` (``build_app`` says what it holds)."""
+
     @app.get("/dwdp/status")
     async def dwdp_status(request: Request) -> dict[str, Any]:
         serving = _serving(request)
@@ -302,5 +336,3 @@ def build_app(
                 "remote_prefill_tokens": getattr(stats, "remote_prefill_tokens", 0),
             }
         return with_identity(status, identity, engine_failure(serving.engine))
-
-    return app
