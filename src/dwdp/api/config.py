@@ -8,9 +8,16 @@ the case table in ``tests/cases`` checks that both reach the same verdict.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_literal, cel_rule, cel_rules
 from dwdp.api.enums import CopyMode, GatherKernel
@@ -31,6 +38,9 @@ EXPERT_FIELD_DEFAULTS: tuple[tuple[str, str, int | bool], ...] = (
 )
 
 
+SM_RESERVE_RULE = "must be auto or a number of SMs of at least 1"
+
+
 def _cel_rules() -> list[dict[str, str]]:
     rules = [
         cel_rule(
@@ -40,7 +50,7 @@ def _cel_rules() -> list[dict[str, str]]:
         ),
         cel_rule(
             "!has(self.smReserve) || type(self.smReserve) == string || self.smReserve >= 1",
-            "smReserve must be auto or a number of SMs of at least 1",
+            f"smReserve {SM_RESERVE_RULE}",
             field_path=".smReserve",
         ),
         cel_rule(
@@ -153,6 +163,15 @@ class DwdpConfig(ApiModel):
         "device's count). Unset: off (measured on one H200, it left an 8K-token prefill "
         "within 1% and slowed a 16K one by 2%).",
     )
+
+    @field_validator("sm_reserve", mode="wrap")
+    @classmethod
+    def _one_sm_reserve_rule(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One problem for a bad smReserve (not one per branch of its union)."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(SM_RESERVE_RULE) from None
 
     @model_validator(mode="after")
     def _check_rules(self) -> DwdpConfig:

@@ -71,9 +71,10 @@ class Problem:
     path: tuple[PathPart, ...]
     value: object
     rule: str
-    cross_field: bool = field(default=False, compare=False)
-    """Found by a model's rule over several fields (its fields each validated), not by one
-    field's own type or range."""
+    scope: tuple[PathPart, ...] | None = field(default=None, compare=False)
+    """For a problem a model's rule over several fields found (its fields each validated):
+    where that model is (its rules were all checked); ``None`` for a field's own type or
+    range."""
 
     @property
     def where(self) -> str:
@@ -82,7 +83,8 @@ class Problem:
 
     def under(self, prefix: Sequence[PathPart]) -> Problem:
         """The same problem seen from a parent object at ``prefix``."""
-        return Problem((*prefix, *self.path), self.value, self.rule, self.cross_field)
+        scope = None if self.scope is None else (*prefix, *self.scope)
+        return Problem((*prefix, *self.path), self.value, self.rule, scope)
 
     def __str__(self) -> str:
         shown = "" if self.value is UNSET else f" (got {_show(self.value)})"
@@ -169,7 +171,7 @@ def problems_from_validation_error(
         ctx = err.get("ctx") or {}
         inner = ctx.get("error")
         if isinstance(inner, RuleViolations):
-            problems.extend(dataclasses.replace(p.under((*prefix, *loc)), cross_field=True)
+            problems.extend(dataclasses.replace(p.under((*prefix, *loc)), scope=(*prefix, *loc))
                             for p in inner.problems)
             continue
         kind = err["type"]
@@ -191,14 +193,17 @@ MAX_PASSES = 4
 def all_problems(model: type[BaseModel], data: object) -> list[Problem]:
     """Every problem of ``data`` as ``model``, in one report (no rounds).
 
-    pydantic checks a model's cross-field rules only once its fields validated, so a field
-    of the wrong type or out of range hides the rules of the object around it until it is
-    fixed. Each pass validates a copy of ``data`` without the fields the earlier passes found
-    broken on their own (they take their defaults), and adds the problems at paths not
-    reported yet (nor above or below one). Fields that only break a cross-field rule are kept
-    (a default in their place could break another rule the document does not break). Stops
-    when a pass adds nothing or drops nothing (at most ``MAX_PASSES``)."""
+    pydantic checks a model's cross-field rules only once its fields validated, so a broken
+    field (wrong type, out of range, or breaking a rule of its own object) hides the rules
+    of the objects around it until it is fixed. Each pass validates a copy of ``data``
+    without the fields the earlier passes found broken (they take their defaults) and adds
+    the problems at paths not reported yet (nor above or below one). A field dropped for a
+    cross-field rule leaves that rule's object fully checked already: new problems of its
+    rules or of the objects inside it (its default meeting another rule) are not the
+    document's and are left out.
+    Stops when a pass adds nothing (at most ``MAX_PASSES``)."""
     found: dict[tuple[PathPart, ...], Problem] = {}
+    checked: list[tuple[PathPart, ...]] = []  # objects whose every rule already ran
     doc = copy.deepcopy(data)
     for _ in range(MAX_PASSES):
         try:
@@ -206,15 +211,22 @@ def all_problems(model: type[BaseModel], data: object) -> list[Problem]:
             break
         except ValidationError as exc:
             new = [p for p in problems_from_validation_error(exc, model=model)
-                   if not _related(p.path, found)]
+                   if not _related(p.path, found) and not _rechecked(p, checked)]
+        if not new:
+            break
         for problem in new:
             found.setdefault(problem.path, problem)
-        broken = [p.path for p in new if not p.cross_field]
-        if not broken:
-            break
-        for path in broken:
-            _drop(doc, path)
+            if problem.scope is not None:
+                checked.append(problem.scope)
+            _drop(doc, problem.path)
     return list(found.values())
+
+
+def _rechecked(problem: Problem, checked: Sequence[tuple[PathPart, ...]]) -> bool:
+    """Whether ``problem`` comes from a rule of an object (or of one inside it) whose rules
+    all ran in an earlier pass."""
+    scope = problem.scope
+    return scope is not None and any(scope[: len(s)] == s for s in checked)
 
 
 def _related(path: tuple[PathPart, ...], found: Mapping[tuple[PathPart, ...], Problem]) -> bool:

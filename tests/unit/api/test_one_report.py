@@ -93,3 +93,17 @@ def test_the_specifications_inputs_are_run_or_refused_one_line_per_field():
         for problem in problems:
             assert "\n" not in str(problem)
             assert "dropped:" in problem.rule or "not supported by this worker" in problem.rule
+
+
+def test_a_rule_of_an_inner_object_does_not_hide_the_sections_rules():
+    """smReserve auto without copyMode gather breaks a rule of the dwdp object, which kept the
+    section's own rules from running: cudaGraphs true with DWDP on comes in the same report;
+    a bad smReserve is one line, whatever its type."""
+    doc = _doc(dwdp={"dwdpSize": 4, "smReserve": "auto"}, engine={"cudaGraphs": True},
+               maxBatchSize=-3)
+    got = [p.where for p in deployment_problems(doc)]
+    assert sorted(got) == ["spec.context.dwdp.smReserve", "spec.context.engine.cudaGraphs",
+                           "spec.context.maxBatchSize"], got
+    for bad in (0, "AUTO", 1.5, True):
+        (only,) = deployment_problems(_doc(dwdp={"dwdpSize": 4, "smReserve": bad}))
+        assert str(only).startswith("spec.context.dwdp.smReserve: must be auto or a number"), only

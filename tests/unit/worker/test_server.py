@@ -212,7 +212,7 @@ def test_chat_content_parts_and_stop(served):
         ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ("/v1/completions", {"prompt": "x", "stop": ""}, 400, "stop"),
-        ("/v1/completions", {"prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"prompt": []}, 400, "prompt: List should have at least 1 item"),
         ("/v1/completions", {"prompt": [10**6]}, 400, "vocabulary"),
         ("/v1/completions", {"prompt": "x " * 200}, 400, "context"),
         ("/v1/completions", {"prompt": "x", "max_tokens": MAX_LEN}, 400, "max_tokens"),
@@ -238,6 +238,7 @@ def test_malformed_json_and_unknown_paths(served):
         "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("body: not valid JSON ("), r.text
     assert client.get("/v1/nothing").status_code == 404
     assert client.get("/v1/completions").status_code == 405
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -120,6 +120,22 @@ def _respond(result: Any) -> Response:
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
+def _validation_message(errors: Sequence[Any]) -> str:
+    """One line for a body that does not validate: the field and why. Of a union's branches,
+    the one that got furthest, and among those one that is not a plain type mismatch (an
+    empty token-id list is "too short", not "not a string")."""
+    if not errors:
+        return "invalid request"
+    first = max(errors, key=lambda e: (len(e.get("loc", ())),
+                                       not str(e.get("type", "")).endswith("_type")))
+    if first.get("type") == "json_invalid":
+        at = first.get("loc", ("body", "?"))[-1]
+        reason = (first.get("ctx") or {}).get("error", "invalid")
+        return f"body: not valid JSON ({reason} at character {at})"
+    where = ".".join(_field_path(first.get("loc", ()))) or "body"
+    return f"{where}: {first.get('msg', 'invalid')}"
+
+
 def _field_path(loc: Any) -> list[str]:
     """A validation error's location without ``body`` and pydantic's union-branch tags
     (``constrained-str``, ``list[...]``, ``function-after[...]``)."""
@@ -216,15 +232,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         if isinstance(exc.body, dict):  # a refused request may still name a real lease
             _release_unread(request, _leased(exc.body.get("kv_transfer_params")))
-        errors = exc.errors()
-        if errors:
-            first = max(errors, key=lambda e: len(e.get("loc", ())))  # the branch that got
-            # furthest into a union (a token-id list's bad element, not "not a string")
-            where = ".".join(_field_path(first.get("loc", ()))) or "body"
-            message = f"{where}: {first.get('msg', 'invalid')}"
-        else:
-            message = "invalid request"
-        return _error(400, message, "invalid_request_error")
+        return _error(400, _validation_message(exc.errors()), "invalid_request_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
