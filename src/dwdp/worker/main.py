@@ -369,6 +369,44 @@ def capture_cuda_graphs(engine: Any, ledger: MemoryLedger, watch: MemoryWatch) -
     return ledger
 
 
+def rank_settings(cfg: LaunchConfig, local_rank: int) -> tuple[bool, int, ApiKey]:
+    """The settings this rank resolves once from its launch config and environment:
+    ``engine.cudaGraphs`` (``resolve_cuda_graphs``), the dense storage threshold (bytes), the
+    API key (a mounted file or a value); sets torch's threads (``DWDP_TORCH_THREADS``).
+    Raises ``CudaGraphsError`` or ``WorkerEnvError`` naming the setting."""
+    from dwdp.api.launch import dwdp_active
+
+    cuda_graphs = resolve_cuda_graphs(
+        cfg.engine.cuda_graphs,
+        role=cfg.role,
+        device=_device_for(cfg, local_rank),
+        dwdp_enabled=dwdp_active(cfg),
+    )
+    dense_min_bytes = resolve_dense_min_bytes(os.environ)
+    api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
+    _torch_threads(resolve_torch_threads(os.environ))
+    return cuda_graphs, dense_min_bytes, api_key
+
+
+def load_rank(cfg: LaunchConfig, plan: Any, group: Any, watch: MemoryWatch) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, loaded)``: the checkpoint loaded with the group
+    (``load_together``) under ``watch`` (a failed load's peak still goes into the
+    termination message), with the GPU kernels in place (logged)."""
+    from dwdp.worker.gpu.cuda_path import use_cuda_kernels
+    from dwdp.worker.loading.vote import load_together
+
+    watch.start()
+    try:
+        model, tokenizer, loaded = load_together(
+            group, lambda: load_model(cfg, plan, group, watch.device), device=watch.device
+        )
+    finally:
+        watch.end()
+    for change in use_cuda_kernels(model):
+        log.info("GPU path: %s", change)
+    return model, tokenizer, loaded
+
+
 def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
                   cuda_graphs: bool) -> Any:
     """The engine's ``EngineConfig``: the launch config's limits and KV cache settings, the
@@ -394,8 +432,6 @@ def run_worker(opts: WorkerOptions) -> int:
     stage: dict[str, str] = {"now": Stage.CONFIG}
     watch = MemoryWatch("cpu")
     try:
-        from dwdp.api.launch import dwdp_active
-
         cfg = check_launch(load_launch_config(opts.config), opts.role)
         local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
         port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
@@ -403,20 +439,10 @@ def run_worker(opts: WorkerOptions) -> int:
         plan = check_model(cfg)
         settings = resolve_host_settings(cfg, local_rank, stage)
         stage["now"] = Stage.CONFIG
-        cuda_graphs = resolve_cuda_graphs(
-            cfg.engine.cuda_graphs,
-            role=cfg.role,
-            device=_device_for(cfg, local_rank),
-            dwdp_enabled=dwdp_active(cfg),
-        )
-        dense_min_bytes = resolve_dense_min_bytes(os.environ)
-        api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
-        _torch_threads(resolve_torch_threads(os.environ))
+        cuda_graphs, dense_min_bytes, api_key = rank_settings(cfg, local_rank)
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.continuous import ContinuousEngine
-        from dwdp.worker.gpu.cuda_path import use_cuda_kernels
         from dwdp.worker.group import join_group
-        from dwdp.worker.loading.vote import load_together
         from dwdp.worker.server.app import build_app
         from dwdp.worker.server.run import serve
 
@@ -424,15 +450,7 @@ def run_worker(opts: WorkerOptions) -> int:
         group = join_group(cfg)
         stage["now"] = Stage.LOAD
         watch = MemoryWatch(_device_for(cfg, local_rank))
-        watch.start()
-        try:
-            model, tokenizer, loaded = load_together(
-                group, lambda: load_model(cfg, plan, group, watch.device), device=watch.device
-            )
-        finally:
-            watch.end()  # a failed load's peak goes into the termination message too
-        for change in use_cuda_kernels(model):
-            log.info("GPU path: %s", change)
+        model, tokenizer, loaded = load_rank(cfg, plan, group, watch)
         stage["now"] = Stage.SETUP
         dwdp = setup_dwdp(
             model,
@@ -491,13 +509,8 @@ def run_worker(opts: WorkerOptions) -> int:
             server=server_identity(cfg.role.value if cfg.role else None),
         )
         stage["now"] = Stage.SERVE
-        log.info(
-            "rank serving on %s:%d (role %s, %s)",
-            opts.host,
-            port,
-            cfg.role.value if cfg.role else "unset",
-            dwdp.status().get("phase"),
-        )
+        log.info("rank serving on %s:%d (role %s, %s)", opts.host, port,
+                 cfg.role.value if cfg.role else "unset", dwdp.status().get("phase"))
         serve(
             app,
             host=opts.host,
