@@ -27,6 +27,7 @@ from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.main import attach_kv_events  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.servers import free_port  # noqa: E402
 
 BLOCK = 4
 
@@ -63,12 +64,6 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     torch.set_num_threads(1)
@@ -98,7 +93,7 @@ def test_the_events_replay_to_the_cache_and_decode_with_vllms_schema(loaded):
     model, tok = loaded
     engine = ContinuousEngine(model, tok, model_name="tiny", config=EngineConfig(
         max_model_len=64, block_size=BLOCK, kv_capacity_tokens=16 * BLOCK, max_batch_size=2))
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     events = KvCacheConfig.model_validate({"events": {"endpoint": endpoint}}).events
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)

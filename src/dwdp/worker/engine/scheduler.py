@@ -67,8 +67,9 @@ class Sequence:
     """Chain hashes of the request's full blocks of known tokens (as far as hashed so far)."""
     registered: int = 0
     """Its first blocks known to the prefix cache (shared at its join, or cached by ``commit``)."""
-    cached_tokens: int | None = None
-    """Prompt tokens its first join found in the prefix cache (``None`` before it joins)."""
+    looked_up: bool = False
+    """Its first join looked its prompt up in the prefix cache (``state.cached_tokens``
+    holds what it found; a rejoin after a preemption is not counted again)."""
 
     @property
     def pending(self) -> int:
@@ -217,10 +218,11 @@ class Scheduler:
         self.allocator.acquire(hits)
         seq.blocks, seq.registered = list(hits), len(hits)
         seq.computed = len(hits) * self.allocator.block_size
-        if seq.cached_tokens is None:
-            seq.cached_tokens = seq.state.cached_tokens = min(seq.computed, len(seq.state.prompt))
+        if not seq.looked_up:
+            seq.looked_up = True
+            seq.state.cached_tokens = min(seq.computed, len(seq.state.prompt))
             self.prefix_queries += len(seq.state.prompt)
-            self.prefix_hits += seq.cached_tokens
+            self.prefix_hits += seq.state.cached_tokens
 
     def _shareable(self, seq: Sequence) -> list[int] | None:
         """The full blocks of ``seq.fork``'s pulled prompt before the prompt's last token, when
