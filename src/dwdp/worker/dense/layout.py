@@ -13,8 +13,8 @@ Rules (seed 000, "how dense DWDP works"):
   router is not worth a copy per forward;
 - never-move names (scratch, routing bias) and the routed experts stay;
 - a tensor that is not in its final form (meta, non-contiguous, on another device, or in
-  another dtype than the model runs in) is refused with :class:`LayoutError`: setup runs
-  after every weight transform, never before.
+  another dtype than the model runs in, FP8 weights and their scales excepted) is refused
+  with :class:`LayoutError`: setup runs after every weight transform, never before.
 
 The layout digest (sha256 over names, shapes, strides, dtypes and offsets) is equal on
 every rank that built the same model; the per-blob checksums (blake2b over the bytes)
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dwdp.worker.dense.architecture import DenseLayerLike
+from dwdp.worker.quant.fp8 import is_quantized
 from dwdp.worker.settings import DENSE_MIN_BYTES
 
 DEFAULT_ALIGN = 64
@@ -265,7 +266,8 @@ def _check_final_form(c: _Candidate, device: torch.device | None,
         raise LayoutError(f"{name} (shape {tuple(t.shape)}, stride {tuple(t.stride())}) is not "
                           "contiguous: finish the weight transforms (.contiguous()) before DWDP "
                           "setup")
-    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype \
+            and not is_quantized(name, t):  # FP8 weights and scales keep their dtype
         raise LayoutError(f"{name} is {t.dtype} but the model runs in {dtype}: cast it before "
                           "DWDP setup (dense DWDP moves tensors in their final form)")
 

@@ -4,7 +4,8 @@
 (``dwdp.worker.loading.validate``), so a missing tensor or a tensor of the wrong shape or dtype
 fails with one line before any weight is read; then it loads through
 ``AutoModelForCausalLM.from_pretrained`` and the tokenizer through ``AutoTokenizer``. A DWDP
-rank loads through ``dwdp.worker.loading.sharded`` instead (only the experts it keeps).
+rank loads through ``dwdp.worker.loading.sharded`` instead (only the experts it keeps), and so
+does an FP8 checkpoint (``dwdp.worker.quant.fp8``: its weights stay FP8).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from dwdp.worker.loading.validate import CheckpointError, validate_checkpoint
+from dwdp.worker.models import adapter_for
+from dwdp.worker.quant.fp8 import scheme_of
 
 
 def load_checkpoint(path: str | Path, *, dtype: str = "auto") -> tuple[Any, Any]:
@@ -27,7 +30,15 @@ def load_checkpoint(path: str | Path, *, dtype: str = "auto") -> tuple[Any, Any]
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(path)
-    validate_checkpoint(path)
+    config = validate_checkpoint(path)
+    if scheme_of(config) is not None:  # FP8: the worker's own reader keeps the FP8 weights
+        from dwdp.worker.loading.sharded import load_sharded
+
+        adapter = adapter_for(config)
+        assert adapter is not None  # the generic adapter without a match
+        model, tokenizer, _ = load_sharded(path, adapter=adapter, partition=None, rank=0,
+                                           dtype=dtype)
+        return model, tokenizer
     torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -31,7 +31,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dwdp.worker.expert.layout import LoadedExperts
-from dwdp.worker.loading.validate import CheckpointError, scan_checkpoint, validate_checkpoint
+from dwdp.worker.loading.validate import (
+    CheckpointError,
+    meta_model,
+    scan_checkpoint,
+    validate_checkpoint,
+)
 from dwdp.worker.models.base import ArchitectureAdapter
 
 if TYPE_CHECKING:
@@ -47,21 +52,22 @@ def load_sharded(
     path: str | Path,
     *,
     adapter: ArchitectureAdapter,
-    partition: ExpertPartition,
+    partition: ExpertPartition | None,
     rank: int,
     dtype: str = "auto",
     device: str = "cpu",
-) -> tuple[Any, Any, LoadedExperts]:
+) -> tuple[Any, Any, LoadedExperts | None]:
     """Return ``(model, tokenizer, rows)`` for rank ``rank`` of ``partition``, in eval mode.
 
     ``model`` holds every tensor on ``device`` except the managed MoE layers' fused expert
     tables (meta, full shape); ``rows`` holds this rank's rows of those tables, on the host
-    (module docstring). ``dtype``:
-    ``auto`` (the checkpoint's) or a torch dtype name. Raises ``CheckpointError`` (one line
-    naming the file and the tensor) for a checkpoint that cannot serve.
+    (module docstring). Without a ``partition`` every tensor is read whole into the model
+    and ``rows`` is ``None`` (how an FP8 checkpoint loads without expert DWDP). ``dtype``:
+    ``auto`` (the checkpoint's) or a torch dtype name; FP8 weights and their scales keep
+    their stored dtype. Raises ``CheckpointError`` (one line naming the file and the tensor)
+    for a checkpoint that cannot serve.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     from dwdp.worker.expert.managed import select_layers
     from dwdp.worker.loading.checkpoint import load_tokenizer
@@ -71,21 +77,20 @@ def load_sharded(
     config = validate_checkpoint(path)
     headers, where = scan_checkpoint(path)
     torch_dtype = getattr(config, "dtype", None) if dtype == "auto" else getattr(torch, dtype)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    start, end = partition.ranges[rank]
-    selection = select_layers(model, adapter, partition.num_experts)
-    managed = {
-        id(t): (m.prefix, p) for m in selection.managed for p, t in m.expert_tensors().items()
-    }
-    rows = LoadedExperts(start, end, {})
+    model = meta_model(config, torch_dtype)
+    managed: dict[int, tuple[str, str]] = {}
+    rows = None
+    if partition is not None:
+        rows = LoadedExperts(*partition.ranges[rank], {})
+        for m in select_layers(model, adapter, partition.num_experts).managed:
+            managed.update({id(t): (m.prefix, p) for p, t in m.expert_tensors().items()})
     reader = _Reader(path, adapter, headers, where, device)
     with reader:
         for name, meta in _checkpoint_tensors(model, config):
-            if id(meta) in managed:
+            if rows is not None and id(meta) in managed:
                 prefix, param = managed[id(meta)]
                 rows.tables.setdefault(prefix, {})[param] = reader.read(
-                    name, meta, start, end, device="cpu"
+                    name, meta, rows.start, rows.end, device="cpu"
                 )
                 _mark_loaded(meta)
             else:

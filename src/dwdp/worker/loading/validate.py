@@ -138,16 +138,32 @@ def load_config(path: str | Path) -> Any:
         raise CheckpointError(f"checkpoint {path}: config.json: {line}") from exc
 
 
+def meta_model(config: Any, dtype: Any = None) -> Any:
+    """The causal LM of ``config`` on the meta device (no memory), in ``dtype`` (``None``: the
+    config's), in its stored form: an FP8 checkpoint's linear layers and experts hold FP8
+    weights and their scales (``dwdp.worker.quant.fp8``). Raises ``QuantizationError`` for a
+    ``quantization_config`` the worker does not run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dwdp.worker.models.base import EXPERT_PARAMS
+    from dwdp.worker.quant.fp8 import quantize_meta_model, scheme_of
+
+    scheme = scheme_of(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(config, "dtype", None) if dtype is None else dtype)
+    if scheme is not None:
+        quantize_meta_model(model, scheme, EXPERT_PARAMS)
+    return model
+
+
 def expected_tensors(config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """The model's state-dict tensors (name -> (shape, dtype name)), from a meta-device model.
 
     Tied weights (``tie_word_embeddings``) are left out: the checkpoint need not hold them.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
+    model = meta_model(config)
     out = {
         name: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
         for name, t in model.state_dict().items()
@@ -168,12 +184,17 @@ def validate_checkpoint(path: str | Path) -> Any:
     ``CheckpointError`` naming the file (or the directory, for a missing tensor) and the first
     offending tensor.
     """
+    from dwdp.worker.quant.fp8 import QuantizationError
+
     path = Path(path)
     config = load_config(path)
     headers, where = scan_checkpoint(path)
     adapter = adapter_for(config)
     assert adapter is not None
-    expected = expected_tensors(config)
+    try:
+        expected = expected_tensors(config)
+    except QuantizationError as exc:
+        raise CheckpointError(f"checkpoint {path / 'config.json'}: {exc}") from exc
     field = _expert_field(path)
     for name, (shape, _dtype) in expected.items():
         if _is_expert_table(name, shape):

@@ -19,6 +19,7 @@ from dwdp.worker.models.base import (
     DenseTensor,
     MoeLayer,
     UnsupportedArchitectureError,
+    expert_param_names,
     iter_named_tensors,
 )
 from dwdp.worker.models.deepseek_v3 import DeepseekV3Adapter
@@ -34,6 +35,7 @@ __all__ = [
     "MoeLayer",
     "UnsupportedArchitectureError",
     "adapter_for",
+    "expert_param_names",
     "iter_named_tensors",
     "require_adapter",
 ]

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from dwdp.worker.quant.fp8 import SCALE_SUFFIX
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -78,8 +80,10 @@ class MoeLayer:
         return self.decoder_layer.get_submodule(self.attention_roots[0])
 
     def expert_tensors(self) -> dict[str, torch.Tensor]:
-        """The fused expert tables by parameter name (``gate_up_proj``, ``down_proj``)."""
-        return {name: getattr(self.experts, name) for name in EXPERT_PARAMS}
+        """The fused expert tables by parameter name (``gate_up_proj``, ``down_proj``), and
+        for FP8 experts their block scales (``gate_up_proj_scale_inv``, ``down_proj_scale_inv``:
+        every table DWDP stores and gathers)."""
+        return {name: getattr(self.experts, name) for name in expert_param_names(self.experts)}
 
     def blob_tensors(self, blob: str) -> list[DenseTensor]:
         """The tensors of blob ``"A"`` (attention roots) or ``"D"`` (MoE-dense roots).
@@ -233,9 +237,9 @@ class ArchitectureAdapter:
             {n: shape} for n in self._renamed(name)
         ]
         head, _, last = name.rpartition(".")
-        if last in EXPERT_PARAMS and head.endswith(".experts") and len(shape) == 3:
+        if _table_of(last) in EXPERT_PARAMS and head.endswith(".experts") and len(shape) == 3:
             num, rows, cols = shape
-            part = (rows // 2, cols) if last == "gate_up_proj" else (rows, cols)
+            part = (rows // 2, cols) if _table_of(last) == "gate_up_proj" else (rows, cols)
             for alternative in range(len(self._renamed(head))):
                 alternatives.append({
                     n: part
@@ -247,11 +251,14 @@ class ArchitectureAdapter:
     def expert_matrix_names(self, name: str, expert: int) -> list[tuple[str, ...]]:
         """The on-disk names of expert ``expert``'s matrices behind the fused table ``name``
         (``...experts.gate_up_proj``: ``(gate, up)``, stacked along rows in that order;
-        ``...experts.down_proj``: ``(down,)``), one tuple per naming alternative, in the order
-        of :meth:`checkpoint_forms`' per-expert forms."""
+        ``...experts.down_proj``: ``(down,)``; a table's FP8 scales ``..._scale_inv``: the
+        matrices' ``weight_scale_inv``), one tuple per naming alternative, in the order of
+        :meth:`checkpoint_forms`' per-expert forms."""
         head, _, last = name.rpartition(".")
         gate, up, down = self.checkpoint_expert_suffixes
-        suffixes = (gate, up) if last == "gate_up_proj" else (down,)
+        suffixes: tuple[str, ...] = (gate, up) if _table_of(last) == "gate_up_proj" else (down,)
+        if last != _table_of(last):
+            suffixes = tuple(s + SCALE_SUFFIX for s in suffixes)
         return [tuple(f"{base}.{expert}.{s}" for s in suffixes) for base in self._renamed(head)]
 
     def _renamed(self, name: str) -> list[str]:
@@ -271,6 +278,19 @@ class ArchitectureAdapter:
             "num_experts": moe[0].num_experts if moe else 0,
             "dense_roots": self.has_dense_roots,
         }
+
+
+def expert_param_names(experts: Any) -> tuple[str, ...]:
+    """The tables of a fused experts module that DWDP moves: :data:`EXPERT_PARAMS`, then the
+    FP8 scales of those that have one (``dwdp.worker.quant.fp8``)."""
+    scales = tuple(p + SCALE_SUFFIX for p in EXPERT_PARAMS if hasattr(experts, p + SCALE_SUFFIX))
+    return EXPERT_PARAMS + scales
+
+
+def _table_of(param: str) -> str:
+    """The fused table a parameter name belongs to (a scale's table: its name without
+    ``_scale_inv``)."""
+    return param.removesuffix(SCALE_SUFFIX)
 
 
 def iter_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

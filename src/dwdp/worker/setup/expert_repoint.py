@@ -20,7 +20,7 @@ from torch import nn
 from dwdp.worker.dense.repoint import LeakReport, count_leaks, watch_storages
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.expert.layout import LoadedExperts
-from dwdp.worker.models.base import EXPERT_PARAMS, MoeLayer
+from dwdp.worker.models.base import MoeLayer, expert_param_names
 from dwdp.worker.setup.expert import ExpertDwdp
 from dwdp.worker.setup.phases import SetupError, setup_stream
 from dwdp.worker.setup.vote import vote
@@ -116,7 +116,7 @@ def repoint_experts(
     freed = sum(t.untyped_storage().nbytes() for d in originals.values() for t in d.values())
     for m in layers:
         views = experts.slot_views(m.moe_index % experts.num_slots, m.moe_index)
-        for p in EXPERT_PARAMS:
+        for p in expert_param_names(m.experts):
             table = getattr(m.experts, p)
             if table.is_meta:  # a sharded load: nothing to keep, a new parameter
                 setattr(m.experts, p, nn.Parameter(views[p], requires_grad=table.requires_grad))
