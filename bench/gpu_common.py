@@ -93,13 +93,15 @@ def add_group_arguments(ap: Any, *, layers: int) -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    for hidden in ("--group", "--ckpt", "--result"):
+    for hidden in ("--group", "--ckpt", "--ckpt-fp8", "--result"):
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
 
 
-def run_group(script: str, args: Any, extra: list[str], before: Any = None) -> tuple[Any, Any]:
-    """Write the seeded Qwen3-MoE checkpoint of ``args.layers`` layers (drawn on cuda:0), call
+def run_group(script: str, args: Any, extra: list[str], before: Any = None,
+              fp8: bool = False) -> tuple[Any, Any]:
+    """Write the seeded Qwen3-MoE checkpoint of ``args.layers`` layers (drawn on cuda:0; with
+    ``fp8`` also its block-scaled FP8 twin, passed as ``--ckpt-fp8``), call
     ``before()`` (a measurement of the parent process, or ``None``), run ``args.world`` rank
     processes of ``script`` with ``extra`` and read what rank 0 wrote; the work folder goes
     either way. Returns ``(result, before's value)``; raises ``RuntimeError`` when a rank
@@ -115,6 +117,11 @@ def run_group(script: str, args: Any, extra: list[str], before: Any = None) -> t
         ckpt = write_qwen3_moe_checkpoint(
             work / "ck", Qwen3MoeShape(num_layers=args.layers), seed=3, device="cuda:0"
         )
+        if fp8:
+            from dwdp_dev.worker.fp8_checkpoint import quantize_checkpoint
+
+            fp8_ckpt = quantize_checkpoint(ckpt, work / "ck-fp8", device="cuda:0")
+            extra = [*extra, "--ckpt-fp8", str(fp8_ckpt)]
         measured = before() if before is not None else None
         extra = [*extra, "--ckpt", str(ckpt), "--result", str(work / "result.json")]
         codes = spawn_ranks(script, args.world, work, extra)

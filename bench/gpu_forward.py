@@ -45,6 +45,7 @@ class Config(NamedTuple):
     kernel: str | None = None
     copy: dict | None = None
     kernels: str = "fused"
+    fp8: bool = False
 
 
 CONFIGS = [
@@ -67,11 +68,16 @@ CONFIGS = [
     Config("dense/2/gather-tma", True, True, 2, "gather", "tma"),
     Config("dense/3/gather-register", True, True, 3, "gather", "register"),
     Config("dense/3/batched", True, True, 3, "batched"),
+    Config("fp8/replicated", fp8=True),
+    Config("fp8/expert/2/gather-register", True, False, 2, "gather", "register", fp8=True),
+    Config("fp8/dense/2/gather-register", True, True, 2, "gather", "register", fp8=True),
 ]
 """``sm-reserve``: the model's persistent GEMMs leave the gather's SMs free while DWDP is
 attached (``CopySettings.reserve_model_sms``); ``N-blocks``: the gather's grid
 (``gather_blocks``; default ``DEFAULT_GATHER_BLOCKS``); ``compiled-combine``: the experts'
-combine through ``torch.compile`` instead of ``moe_combine``'s Triton kernel."""
+combine through ``torch.compile`` instead of ``moe_combine``'s Triton kernel; ``fp8/``: the
+same checkpoint in block-scaled FP8 (``quantize_checkpoint``: experts and attention in FP8 with
+128x128 block scales, served through ``fp8_gemm``)."""
 PROFILED = "dense/2/gather-register"
 
 
@@ -164,6 +170,18 @@ def _stream_profile(model, ids) -> dict:
     }
 
 
+def _copy_bytes_per_layer(model, att) -> float:
+    """Bytes DWDP's prefetches move for one forward (2048 tokens), per decoder layer."""
+    import torch
+
+    before = att.status()["bytes_moved"]
+    ids = torch.randint(0, model.config.vocab_size, (1, 2048), device="cuda")
+    with torch.no_grad():
+        model(ids)
+    torch.cuda.synchronize()
+    return (att.status()["bytes_moved"] - before) / model.config.num_hidden_layers
+
+
 def rank_main(args: argparse.Namespace) -> None:
     """One rank process: every configuration in turn (see the module docstring)."""
     import torch
@@ -178,12 +196,13 @@ def rank_main(args: argparse.Namespace) -> None:
     results = []
     with group_transport(rank, world, args.group, args.port) as transport:
         chosen = args.configs.split(",")
-        for name, expert, dense, slots, mode, kernel, copy, kernels in (
+        for name, expert, dense, slots, mode, kernel, copy, kernels, fp8 in (
                 c for c in CONFIGS if c.name in chosen):
             if not expert and rank != 0:
                 transport.barrier(label=f"{name}.done")
                 continue
-            model, _tok, att = load(args.ckpt, backend=backend if expert else None,
+            model, _tok, att = load(args.ckpt_fp8 if fp8 else args.ckpt,
+                                    backend=backend if expert else None,
                                     transport=transport, world=world, dense=dense, slots=slots,
                                     mode=mode, kernel=kernel, kernels=kernels,
                                     copy_settings=copy or {})
@@ -196,6 +215,7 @@ def rank_main(args: argparse.Namespace) -> None:
                     if name == args.profile and t == 8192:
                         row["profile_8192"] = _stream_profile(model, ids)
                 if att is not None:
+                    row["copy_bytes_per_layer"] = _copy_bytes_per_layer(model, att)
                     status = att.status()
                     for key in ("slot_waits", "bytes_moved", "sm_reserve"):
                         row[key] = status.get(key)
@@ -228,6 +248,7 @@ def _report(rows: list[dict], shape, peak: float, tokens: list[int], profiled: s
             r.setdefault("mfu", {})[str(t)] = forward_flops(shape, t) / s / peak
             cells.append(f"{s * 1e3:>9.2f} {s / base[str(t)]:>6.3f} {r['mfu'][str(t)]:>5.1%}")
         lines.append(f"{r['config']:>44} " + " ".join(cells))
+    lines += _fp8_lines(rows, tokens)
     prof = next((r.get("profile_8192") for r in rows if r.get("profile_8192")), None)
     if prof:
         lines.append(
@@ -239,6 +260,26 @@ def _report(rows: list[dict], shape, peak: float, tokens: list[int], profiled: s
         lines.append("kernels by time: " + "; ".join(
             f"{k} {v * 1e3:.2f} ms" for k, v in list(prof.get("top_kernels_s", {}).items())[:8]))
     return "\n".join(lines)
+
+
+def _fp8_lines(rows: list[dict], tokens: list[int]) -> list[str]:
+    """FP8 against bf16, per configuration measured both ways: prefill speed-up per token
+    count and DWDP's copy bytes per layer."""
+    by_name = {r["config"]: r for r in rows}
+    lines = []
+    for name, r in by_name.items():
+        base = by_name.get(name.removeprefix("fp8/"))
+        if not name.startswith("fp8/") or base is None:
+            continue
+        speed = " ".join(f"{t}: {base['times_s'][str(t)] / r['times_s'][str(t)]:.2f}x"
+                         for t in tokens)
+        line = f"{name}: prefill speed-up over bf16 {speed}"
+        if r.get("copy_bytes_per_layer") and base.get("copy_bytes_per_layer"):
+            ratio = r["copy_bytes_per_layer"] / base["copy_bytes_per_layer"]
+            line += (f"; copy bytes per layer {r['copy_bytes_per_layer'] / 2**20:.1f} MiB, "
+                     f"{ratio:.3f}x bf16's")
+        lines.append(line)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = ["--tokens", args.tokens, "--repeats", str(args.repeats), "--configs", args.configs,
              "--profile", args.profile]
     try:
-        rows, peak = run_group(__file__, args, extra, before=matmul_peak)
+        rows, peak = run_group(__file__, args, extra, before=matmul_peak,
+                               fp8=any(c.fp8 for c in CONFIGS if c.name in args.configs.split(",")))
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ serves the same work. Reported per engine and concurrency: requests/s, time to f
 runs the same model with the worker's GPU kernels and attention (``bench/gpu_common.load``).
 
 Usage: python bench/gpu_serve.py [--layers 4] [--world 4] [--requests-per-slot 2] [--max-output 512]
-                                 [--out bench/results] [--workdir DIR]
+                                 [--fp8] [--out bench/results] [--workdir DIR]
 Writes OUT/gpu_serve.json and OUT/gpu_serve.txt (the printed table).
 """
 
@@ -188,6 +188,14 @@ def rank_main(args: argparse.Namespace) -> None:
             print("continuous", results["continuous"], flush=True)
             del model, engine
             torch.cuda.empty_cache()
+            if args.ckpt_fp8:  # the same model in block-scaled FP8, continuous batching
+                model, tok, _ = load(args.ckpt_fp8)
+                engine = ContinuousEngine(model, tok, model_name="bench", config=config).start()
+                results["continuous-fp8"] = serve_and_drive(engine, args.requests_per_slot, vocab)
+                engine.stop()
+                print("continuous-fp8", results["continuous-fp8"], flush=True)
+                del model, engine
+                torch.cuda.empty_cache()
         transport.barrier(label="replicated.done")
         model, tok, att = load(args.ckpt, backend=backend, transport=transport,
                                world=args.world, dense=True, slots=2, mode="gather")
@@ -226,6 +234,11 @@ def _report(results: dict[str, list[dict]], layers: int) -> str:
             f"at concurrency 32: output tokens/s continuous / wave = "
             f"{cont[32]['output_tokens_per_s'] / wave[32]['output_tokens_per_s']:.2f}; "
             f"TTFT p99 continuous / wave = {cont[32]['ttft_p99_s'] / wave[32]['ttft_p99_s']:.2f}")
+    fp8 = {r["concurrency"]: r for r in results.get("continuous-fp8", [])}
+    if 32 in fp8 and 32 in cont:
+        lines.append(
+            f"at concurrency 32: output tokens/s FP8 / bf16 = "
+            f"{fp8[32]['output_tokens_per_s'] / cont[32]['output_tokens_per_s']:.3f}")
     dw = {r["concurrency"]: r for r in results.get("continuous+dwdp", [])}
     if 32 in dw and 32 in cont:
         lines.append(
@@ -239,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     add_group_arguments(ap, layers=4)
     ap.add_argument("--requests-per-slot", type=int, default=2)
     ap.add_argument("--max-output", type=int, default=512, help="longest output, tokens")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also serve the checkpoint's block-scaled FP8 twin (replicated)")
     args = ap.parse_args(argv)
     MAX_OUTPUT[0] = args.max_output
     if args.rank is not None:
@@ -247,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = ["--requests-per-slot", str(args.requests_per_slot),
              "--max-output", str(args.max_output)]
     try:
-        results, _ = run_group(__file__, args, extra)
+        results, _ = run_group(__file__, args, extra, fp8=args.fp8)
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -1,7 +1,9 @@
 """DWDP attached to real transformers models on CUDA: 4 rank processes on one GPU share
 their stores through POSIX file descriptors; greedy tokens and logits must be bitwise those
 of the replicated model on the same GPU, for expert + dense DWDP, every copy mode (per_slice,
-batched, gather) and both gather kernels (register, tma), with 2 and 3 slots.
+batched, gather) and both gather kernels (register, tma), with 2 and 3 slots; and for
+block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3-MoE) served through the FP8 GEMMs, whose
+stores hold the FP8 tables and their scales.
 
 The gather kernel is resolved once per manager (dense, expert) from ``attach``'s
 ``gather_kernel``; each rank reports the kernel its managers hold, and torch's SM carveout
@@ -33,6 +35,11 @@ MODES = (
     (3, "gather", "tma"),
 )
 SCENARIOS = [(arch, slots, mode, kernel) for arch in ARCHS for slots, mode, kernel in MODES]
+# block-scaled FP8 checkpoints (hidden 256, experts of 128) served through the GPU path's FP8
+# GEMMs (``use_cuda_kernels``): their stores and gathers move FP8 bytes and scales
+FP8_ARCHS = ("deepseek_v3", "qwen3_moe")
+SCENARIOS += [(f"{a}-fp8", 2, "gather", "register") for a in FP8_ARCHS]
+SCENARIOS += [(f"{a}-fp8", 3, "batched", None) for a in FP8_ARCHS]
 
 CHILD = textwrap.dedent(
     """
@@ -51,6 +58,14 @@ CHILD = textwrap.dedent(
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     torch.cuda.set_device(0)
 
+    def prepared(arch):
+        model, tok = load_checkpoint(ckpts[arch])
+        model.to("cuda:0")
+        if arch.endswith("-fp8"):
+            from dwdp.worker.gpu.cuda_path import use_cuda_kernels
+            use_cuda_kernels(model)
+        return model, tok
+
     def run(model, tok):
         engine = ContinuousEngine(model, tok, model_name="x")
         ids = [tok(p)["input_ids"] for p in prompts]
@@ -59,8 +74,7 @@ CHILD = textwrap.dedent(
 
     if rank == "ref":
         for arch in sorted(ckpts):
-            model, tok = load_checkpoint(ckpts[arch])
-            model.to("cuda:0")
+            model, tok = prepared(arch)
             torch.save(run(model, tok), out / f"ref.{arch}.pt")
         sys.exit(0)
 
@@ -78,8 +92,7 @@ CHILD = textwrap.dedent(
     backend = CudaBackend(device=0, handle_type=HandleType.POSIX_FD)
     with TcpStoreTransport(config) as transport:
         for index, (arch, slots, mode, kernel) in enumerate(scenarios):
-            model, tok = load_checkpoint(ckpts[arch])
-            model.to("cuda:0")
+            model, tok = prepared(arch)
             adapter = adapter_for(model)
             e = adapter.moe_layers(model)[0].num_experts
             att = attach(model, adapter, backend=backend, transport=transport,
@@ -93,6 +106,8 @@ CHILD = textwrap.dedent(
             status = att.status()
             status["gather_kernels"] = [str(m.gather.kernel) for m in (att.dense, att.experts)]
             status["carveout"] = torch._C._get_sm_carveout_experimental()
+            status["expert_dtypes"] = sorted({str(t.dtype) for m in adapter.moe_layers(model)
+                                              for t in m.expert_tensors().values()})
             torch.cuda.synchronize()
             transport.barrier(label=f"done{index}")
             att.close()
@@ -106,9 +121,14 @@ CHILD = textwrap.dedent(
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from dwdp_dev.worker.checkpoint import make_checkpoint
+    from dwdp_dev.worker.fp8_checkpoint import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("gpu")
     ckpts = {a: str(make_checkpoint(a, root / a, num_experts=6, seed=9)) for a in ARCHS}
+    for a in FP8_ARCHS:
+        src = make_checkpoint(a, root / f"{a}-bf16", num_experts=6, seed=9, hidden_size=256,
+                              moe_width=128, dtype="bfloat16")
+        ckpts[f"{a}-fp8"] = str(quantize_checkpoint(src, root / f"{a}-fp8"))
     script = root / "child.py"
     script.write_text(CHILD)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
@@ -167,5 +187,7 @@ def test_bitwise_equal_to_replicated_on_gpu(run, arch, slots, mode, kernel):
         assert status["carveout"] == (status["sm_reserve"] if mode == "gather" else None)
         assert status["sm_reserve_model"] == (status["sm_reserve"] if mode == "gather" else 0)
         assert status["carveout_after_close"] is None
+        fp8 = ["torch.float32", "torch.float8_e4m3fn"]
+        assert (status["expert_dtypes"] == fp8) == arch.endswith("-fp8")
         digests.add(status["layout_digest"])
     assert len(digests) == 1

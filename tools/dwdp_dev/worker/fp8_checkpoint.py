@@ -28,29 +28,31 @@ FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value."""
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, *,
-                        not_convert: Iterable[str] = ()) -> Path:
-    """Write ``src`` as a block-scaled FP8 checkpoint into ``out`` (module docstring); a
-    weight whose name starts with one of ``not_convert`` stays as stored and the config lists
-    it under ``modules_to_not_convert``. Returns ``out``."""
-    src, out = Path(src), Path(out)
+def quantize_checkpoint(src: str | Path, out: str | Path, *, not_convert: Iterable[str] = (),
+                        device: str = "cpu") -> Path:
+    """Write ``src`` as a block-scaled FP8 checkpoint into ``out`` (module docstring), file by
+    file (a sharded checkpoint keeps its files and index); a weight whose name starts with one
+    of ``not_convert`` stays as stored and the config lists it under
+    ``modules_to_not_convert``; ``device``: where the blocks are quantized. Returns ``out``."""
     keep = tuple(not_convert)
-    tensors: dict[str, Any] = {}
-    for name, tensor in _tensors(src):
-        if _quantized(name, tensor) and not name.startswith(keep):
-            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensor)
-        else:
-            tensors[name] = tensor
-    config = _copy_side_files(src, out)
-    config["quantization_config"] = {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": [BLOCK, BLOCK],
-        **({"modules_to_not_convert": [k.removesuffix(".weight") for k in keep]} if keep else {}),
-    }
-    _write(out, tensors, config)
-    return out
+
+    def convert(name: str, tensor: Any, _file: dict[str, Any]) -> dict[str, Any]:
+        if not _quantized(name, tensor) or name.startswith(keep):
+            return {name: tensor}
+        weight, scale = quantize_blocks(tensor.to(device))
+        return {name: weight.cpu(), name + "_scale_inv": scale.cpu()}
+
+    def configure(config: dict[str, Any]) -> None:
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [BLOCK, BLOCK],
+            **({"modules_to_not_convert": [k.removesuffix(".weight") for k in keep]}
+               if keep else {}),
+        }
+
+    return _rewrite(Path(src), Path(out), convert, configure)
 
 
 def dequantize_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
@@ -58,21 +60,15 @@ def dequantize_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bfl
     other tensors as stored) into ``out``. Returns ``out``."""
     import torch
 
-    src, out = Path(src), Path(out)
-    loaded = dict(_tensors(src))
-    tensors = {}
-    for name, tensor in loaded.items():
+    def convert(name: str, tensor: Any, file: dict[str, Any]) -> dict[str, Any]:
         if name.endswith("_scale_inv"):
-            continue
+            return {}
         if tensor.dtype == torch.float8_e4m3fn:
-            tensors[name] = dequantize_blocks(tensor, loaded[name + "_scale_inv"]).to(
-                getattr(torch, dtype))
-        else:
-            tensors[name] = tensor
-    config = _copy_side_files(src, out)
-    config.pop("quantization_config", None)
-    _write(out, tensors, config)
-    return out
+            value = dequantize_blocks(tensor, file[name + "_scale_inv"])
+            return {name: value.to(getattr(torch, dtype))}
+        return {name: tensor}
+
+    return _rewrite(Path(src), Path(out), convert, lambda c: c.pop("quantization_config", None))
 
 
 def quantize_blocks(weight: Any) -> tuple[Any, Any]:
@@ -113,30 +109,33 @@ def _quantized(name: str, tensor: Any) -> bool:
     return tensor.dim() == 2 and name.endswith(".weight") and not name.endswith(skip)
 
 
-def _tensors(path: Path) -> Iterable[tuple[str, Any]]:
+def _rewrite(src: Path, out: Path, convert: Any, configure: Any) -> Path:
+    """Copy ``src`` into ``out`` with every safetensors file's tensors through ``convert(name,
+    tensor, file's tensors) -> {name: tensor}``, the index (if any) following the new names,
+    and config.json through ``configure(config)``."""
     from safetensors import safe_open
-
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, handle.get_tensor(key).clone()
-
-
-def _copy_side_files(src: Path, out: Path) -> dict[str, Any]:
-    """Copy every file but the weights (tokenizer, generation config) into ``out``; return
-    ``src``'s config.json."""
-    out.mkdir(parents=True, exist_ok=True)
-    for file in src.iterdir():
-        if file.is_file() and not file.name.startswith("model.safetensors"):
-            shutil.copy2(file, out / file.name)
-    config: dict[str, Any] = json.loads((src / "config.json").read_text())
-    return config
-
-
-def _write(out: Path, tensors: dict[str, Any], config: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    for stale in out.glob("model.safetensors*"):
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("model*.safetensors*"):
         stale.unlink()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    weight_map: dict[str, str] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        written: dict[str, Any] = {}
+        for name, tensor in tensors.items():
+            written.update(convert(name, tensor, tensors))
+        save_file({k: v.contiguous() for k, v in written.items()}, str(out / file.name),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(written, file.name))
+    for file in src.iterdir():
+        if file.is_file() and not file.name.startswith("model"):  # config.json: below
+            shutil.copy2(file, out / file.name)
+    if (src / "model.safetensors.index.json").is_file():
+        index = {"metadata": {}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    config: dict[str, Any] = json.loads((src / "config.json").read_text())
+    configure(config)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

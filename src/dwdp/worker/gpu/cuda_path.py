@@ -8,8 +8,10 @@ load, the GPU benches likewise); it changes nothing on the CPU path. Measured on
 
 - **Experts**: ``dwdp_grouped_mm`` is registered with transformers' ``ExpertsInterface`` and
   selected when it can serve every experts module (gated experts, weights [E, 2I, H] and
-  [E, H, I], no biases). Per MoE layer of ``T`` tokens and top-``K`` routing (``S = T x K``
-  rows): sort the routed (token, expert) pairs by expert, gather the hidden rows [S, H],
+  [E, H, I], no biases; FP8 tables with their block scales go through ``fp8_gemm``'s grouped
+  FP8 GEMM instead of torch's ``grouped_mm``, when H and I are whole 128-column groups).
+  Per MoE layer of ``T`` tokens and top-``K`` routing (``S = T x K`` rows): sort the routed
+  (token, expert) pairs by expert, gather the hidden rows [S, H],
   ``grouped_mm`` with the gate/up weights [S, 2I], SiLU(gate) x up x routing weight [S, I] (one
   fused kernel), ``grouped_mm`` with the down weights [S, H], then each token's K rows gathered
   and summed in fp32 by ``moe_combine``'s Triton kernel, which reads each row once and writes
@@ -70,11 +72,11 @@ def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert
     rows = hidden_states.index_select(0, order // top_k)  # [S, H]
-    gate_up = _grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets)  # [S, 2I]
+    gate_up = _experts_mm(self, "gate_up_proj", rows, offsets)  # [S, 2I]
     weights = top_k_weights.reshape(-1).index_select(0, order).to(gate_up.dtype)
     fused = getattr(self, "dwdp_fused", False) and tokens >= FUSE_MIN_TOKENS
     act = (_compiled("gate", _gate) if fused else _gate)(gate_up, weights)  # [S, I]
-    down = _grouped_mm(act, self.down_proj.transpose(-2, -1), offsets)  # [S, H]
+    down = _experts_mm(self, "down_proj", act, offsets)  # [S, H]
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)  # (token, k) -> sorted row
     if fused and getattr(self, "dwdp_triton_combine", False):
@@ -83,6 +85,19 @@ def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
         return combine(down, back, tokens, top_k)  # [T, H] in the hidden dtype
     combine_fn = _compiled("combine", _combine) if fused else _combine
     return combine_fn(down, back, tokens, top_k).to(hidden_states.dtype)
+
+
+def _experts_mm(self: Any, table: str, rows: Any, offsets: Any) -> Any:
+    """``rows`` [S, K] (grouped by expert, ``offsets`` [E] their ends) times each expert's
+    matrix of ``table`` ([E, N, K]) transposed: [S, N]. FP8 tables (a ``..._scale_inv``
+    beside them) through ``fp8_gemm.grouped_mm``, others through torch's ``grouped_mm``."""
+    weight = getattr(self, table)
+    scale = getattr(self, table + "_scale_inv", None)
+    if scale is not None:
+        from dwdp.worker.gpu import fp8_gemm
+
+        return fp8_gemm.grouped_mm(rows, weight, scale, offsets)
+    return _grouped_mm(rows, weight.transpose(-2, -1), offsets)
 
 
 def _grouped_mm(a: Any, b: Any, offsets: Any) -> Any:
@@ -192,6 +207,11 @@ def _servable(module: Any) -> bool:
     if type(getattr(module, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
         return False
     e, two_i, h = module.gate_up_proj.shape
+    if hasattr(module, "gate_up_proj_scale_inv"):  # FP8: whole 128-column groups only
+        from dwdp.worker.gpu.fp8_gemm import supports
+
+        if not (supports(h) and supports(two_i // 2)):
+            return False
     return tuple(module.down_proj.shape) == (e, h, two_i // 2)
 
 
@@ -211,6 +231,7 @@ def use_cuda_kernels(model: Any, *, fuse: bool = True, triton_combine: bool = Tr
         for m in experts:
             m.dwdp_fused = fuse
             m.dwdp_triton_combine = fuse and triton_combine
+            m.dwdp_fp8_native = True  # FP8 tables go to the FP8 GEMMs, not dequantized
         changed.append(f"experts: {EXPERTS_NAME} ({len(experts)} layers)")
     if fuse:
         changed.append(f"RMSNorm: torch.compile ({_fuse_norms(model)} modules)")

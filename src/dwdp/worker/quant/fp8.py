@@ -14,9 +14,11 @@ I / 128]. Norms, routers, embeddings and the output head keep their stored dtype
 The model keeps its own modules (transformers' linear and experts classes); this module turns
 their weights into FP8 tensors plus scale parameters on the meta device before the load
 (:func:`quantize_meta_model`) and gives each converted module a forward that reads the FP8
-weights: on the CPU the weights are dequantized into the activations' dtype at each call (so
-the answers equal those of the checkpoint dequantized to that dtype); the expert tables are
-dequantized after DWDP's gather, never kept dequantized. transformers' own FP8 modules are not
+weights: on a GPU FP8 GEMMs with block scales (``dwdp.worker.gpu.fp8_gemm``: activations
+quantized per 128-column group at run time, as DeepSeek-V3's reference inference does); on the
+CPU the weights are dequantized into the activations' dtype at each call (so the answers equal
+those of the checkpoint dequantized to that dtype), the expert tables after DWDP's gather,
+never kept dequantized. transformers' own FP8 modules are not
 used: they fetch their kernels from the Hugging Face Hub at the first forward, which a serving
 node without Internet access cannot.
 
@@ -180,16 +182,25 @@ def _convert(module: Any, params: tuple[str, ...], block: tuple[int, int]) -> No
 
 
 def _linear_forward(self: Any, input: Any) -> Any:
-    """An FP8 linear layer: ``input`` [..., K] -> [..., N] in ``input``'s dtype."""
+    """An FP8 linear layer: ``input`` [..., K] -> [..., N] in ``input``'s dtype; on a GPU
+    through the FP8 GEMM (``dwdp.worker.gpu.fp8_gemm``) when K is whole 128-column groups."""
     from torch.nn import functional
 
+    if input.is_cuda and input.shape[-1] % self.dwdp_fp8_block[1] == 0:
+        from dwdp.worker.gpu import fp8_gemm
+
+        return fp8_gemm.linear(input, self.weight, self.weight_scale_inv, self.bias)
     weight = dequantize(self.weight, self.weight_scale_inv, input.dtype, self.dwdp_fp8_block)
     return functional.linear(input, weight, self.bias)
 
 
 def _experts_forward(self: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
     """An FP8 experts module: its class's forward over the tables dequantized into
-    ``hidden_states``' dtype for this call (read at the call, after DWDP's gather)."""
+    ``hidden_states``' dtype for this call (read at the call, after DWDP's gather); on a GPU
+    whose experts implementation takes FP8 tables (``dwdp_fp8_native``, set by
+    ``dwdp.worker.gpu.cuda_path``) the class's forward over the FP8 tables themselves."""
+    if getattr(self, "dwdp_fp8_native", False):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     fp8 = {p: self._parameters[p] for p in self.dwdp_fp8_params}
     for p, weight in fp8.items():
         self._parameters[p] = dequantize(

@@ -1,0 +1,100 @@
+"""The FP8 GEMMs on the GPU (``dwdp.worker.gpu.fp8_gemm``): the activations' per-group
+quantization is torch's float8_e4m3fn rounding bitwise; the grouped GEMM equals a float32
+matmul of the same quantized activations and dequantized weights (up to the output's bfloat16
+rounding) for every expert, empty ones included; it replays in a CUDA graph; a model loaded
+from an FP8 checkpoint serves through it and agrees with the checkpoint dequantized to
+bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dwdp.worker.quant.fp8 import dequantize  # noqa: E402
+
+
+def _emulated(x):
+    """torch's own per-(row, 128 columns) quantization of ``x`` [M, K]: (fp8, scale)."""
+    groups = x.float().view(x.shape[0], -1, 128)
+    scale = groups.abs().amax(-1).clamp(min=1e-10) / 448.0
+    return (groups / scale[..., None]).to(torch.float8_e4m3fn).view(x.shape), scale
+
+
+def _weights(experts, n, k):
+    from dwdp_dev.worker.fp8_checkpoint import quantize_blocks
+
+    pairs = [quantize_blocks(torch.randn(n, k, device="cuda")) for _ in range(experts)]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def test_activation_quantization_is_torchs_rounding():
+    from dwdp.worker.gpu.fp8_gemm import quantize_rows
+
+    x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16) * 3
+    q, scale = quantize_rows(x)
+    want_q, want_scale = _emulated(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 70, 1, 9], [0, 0, 128, 0], [1]])
+def test_grouped_gemm_equals_the_dequantized_matmul(counts):
+    from dwdp.worker.gpu.fp8_gemm import grouped_mm
+
+    torch.manual_seed(0)
+    n, k = 320, 384  # N not whole 128-row blocks: the last weight block is partial
+    weight, scale = _weights(len(counts), n, k)
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), k, device="cuda", dtype=torch.bfloat16)
+    got = grouped_mm(x, weight, scale, offsets)
+    q, q_scale = _emulated(x)
+    xd = (q.float().view(x.shape[0], -1, 128) * q_scale[..., None]).view(x.shape)
+    ends = [0, *offsets.tolist()]
+    want = torch.cat([xd[ends[e]:ends[e + 1]] @ dequantize(weight[e], scale[e], torch.float32).T
+                      for e in range(len(counts))])
+    assert got.dtype == torch.bfloat16 and got.shape == (sum(counts), n)
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2,
+                               atol=1e-2 * float(want.abs().max()))
+
+
+def test_grouped_gemm_replays_in_a_cuda_graph():
+    from dwdp.worker.gpu.fp8_gemm import grouped_mm
+
+    weight, scale = _weights(4, 256, 256)
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.tensor([4, 4, 12, 16], device="cuda", dtype=torch.int32)
+    eager = grouped_mm(x, weight, scale, offsets)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grouped_mm(x, weight, scale, offsets)
+    offsets.copy_(torch.tensor([16, 16, 16, 16], device="cuda"))  # every row to expert 0
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(captured, eager)
+    assert torch.equal(captured, grouped_mm(x, weight, scale, offsets))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_fp8_model_serves_through_the_fp8_gemms(tmp_path, arch):
+    from dwdp.worker.gpu.cuda_path import use_cuda_kernels
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+    from dwdp_dev.worker.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
+
+    src = make_checkpoint(arch, tmp_path / "src", num_experts=8, seed=4, hidden_size=512,
+                          moe_width=256, dtype="bfloat16")
+    fp8 = quantize_checkpoint(src, tmp_path / "fp8")
+    model, _ = load_checkpoint(fp8)
+    reference, _ = load_checkpoint(dequantize_checkpoint(fp8, tmp_path / "bf16"))
+    for m in (model, reference):
+        m.to("cuda:0")
+        use_cuda_kernels(m)
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj_scale_inv"))
+    assert experts.dwdp_fp8_native and model.config._experts_implementation == "dwdp_grouped_mm"
+    ids = torch.randint(0, model.config.vocab_size, (4, 300), device="cuda")
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), reference(ids).logits.float()
+    cosine = torch.nn.functional.cosine_similarity(got.flatten(0, 1), want.flatten(0, 1))
+    assert float(cosine.min()) > 0.98
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
