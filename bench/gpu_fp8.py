@@ -7,9 +7,10 @@ dequantized to bf16 (``dequantize_checkpoint``: the reference), loads both on cu
 worker's GPU path (``use_cuda_kernels``: the FP8 one through ``fp8_gemm``), lets the reference
 continue ``--prompts`` random prompts of 128 tokens by 16 greedy tokens, and reports at how many
 of those positions the FP8 model's top-1 token (teacher-forced on the same sequence) is the
-reference's, and the weights' bytes on the GPU.
+reference's, and the weights' bytes on the GPU. First it times the experts' two grouped GEMMs of
+one MoE layer at 8192 tokens, FP8 against bf16 (``--gemm-only``: only that).
 
-Usage: python bench/gpu_fp8.py [--layers 8] [--prompts 64] [--out bench/results]
+Usage: python bench/gpu_fp8.py [--layers 8] [--prompts 64] [--gemm-only] [--out bench/results]
 Writes OUT/gpu_fp8.json and OUT/gpu_fp8.txt.
 """
 
@@ -18,12 +19,47 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import write_result
 
 PROMPT, NEW = 128, 16
+
+
+def gemm_times(tokens: int = 8192, top_k: int = 8, experts: int = 128) -> dict:
+    """Milliseconds of the experts' two grouped GEMMs of one MoE layer at ``tokens`` tokens
+    (rows spread evenly over the experts): FP8 (``fp8_gemm.grouped_mm``, its activation
+    quantization included) against bf16 (torch's ``grouped_mm``)."""
+    import torch
+
+    from dwdp.worker.gpu import fp8_gemm
+    from dwdp.worker.gpu.cuda_path import _grouped_mm
+
+    rows = tokens * top_k
+    offsets = torch.linspace(rows / experts, rows, experts, device="cuda").to(torch.int32)
+    out = {}
+    for name, n, k in (("gate_up", 1536, 2048), ("down", 2048, 768)):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q = w.to(torch.float8_e4m3fn)
+        scale = torch.ones(experts, n // 128, k // 128, device="cuda")
+        calls = {"fp8": partial(fp8_gemm.grouped_mm, x, q, scale, offsets),
+                 "bf16": partial(_grouped_mm, x, w.transpose(-2, -1), offsets),
+                 "fp8_quantize_only": partial(fp8_gemm.quantize_rows, x)}
+        for kind, call in calls.items():
+            for _ in range(3):
+                call()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            out[f"{name}/{kind}_ms"] = start.elapsed_time(end) / 10
+        out[f"{name}/tflops_fp8"] = 2 * rows * n * k / out[f"{name}/fp8_ms"] / 1e9
+    return out
 
 
 def weight_bytes(model) -> int:
@@ -35,9 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--gemm-only", action="store_true", help="only the GEMM timings")
     args = ap.parse_args(argv)
 
     import torch
+
+    gemms = gemm_times()
+    gemm_text = "grouped GEMMs of one MoE layer at 8192 tokens: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in gemms.items())
+    if args.gemm_only:
+        write_result(args, "gpu_fp8_gemm", gemm_text, {"gemm": gemms})
+        return 0
 
     from dwdp.worker.gpu.cuda_path import use_cuda_kernels
     from dwdp.worker.loading.checkpoint import load_checkpoint
@@ -69,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             agree += int((got == want).sum())
             total += want.numel()
     result = {
+        "gemm": gemms,
         "layers": args.layers,
         "positions": total,
         "top1_agreement": agree / total,
@@ -79,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{torch.cuda.get_device_name(0)}: top-1 agreement {agree}/{total} = "
             f"{agree / total:.1%} over {args.prompts} prompts x {NEW} greedy tokens; weights "
             f"on the GPU {result['weight_bytes']['fp8'] / 2**30:.2f} GiB FP8 vs "
-            f"{result['weight_bytes']['bf16'] / 2**30:.2f} GiB bf16 ({ratio:.3f}x)")
+            f"{result['weight_bytes']['bf16'] / 2**30:.2f} GiB bf16 ({ratio:.3f}x)\n{gemm_text}")
     write_result(args, "gpu_fp8", text, result)
     return 0
 

@@ -179,7 +179,11 @@ class ModelSpec(ApiModel):
     served_name: str | None = Field(
         default=None, max_length=253, description="Model name the HTTP API answers to."
     )
-    dtype: Dtype = Field(default="auto", description="auto, bfloat16, float16 or float32.")
+    dtype: Dtype = Field(
+        default="auto",
+        description="Compute dtype: auto (the checkpoint's), bfloat16, float16 or float32. An FP8 "
+        "checkpoint's weights stay FP8 (docs/operations.md, checkpoint formats).",
+    )
     pvc_name: str | None = Field(
         default=None,
         max_length=253,

@@ -30,8 +30,16 @@ import triton.language as tl
 GROUP = 128
 """Columns per activation scale and per weight block (the format's 128x128 block)."""
 FP8_MAX = 448.0
-BLOCK_M = 64
+QUANT_ROWS = 32
+"""Rows per program of the activations' quantization."""
 BLOCK_N = GROUP  # one weight scale per tile and K step
+
+
+def block_m(rows: int, experts: int) -> int:
+    """Rows per tile: 16, 64 or 128 as the experts' average rows grow (a decode step routes
+    a few rows to each expert; a prefill hundreds)."""
+    average = rows // max(experts, 1)
+    return 16 if average <= 16 else 64 if average <= 64 else 128
 
 
 def supports(k: int) -> bool:
@@ -40,16 +48,17 @@ def supports(k: int) -> bool:
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, cols, groups, group: tl.constexpr,
-                     fp8_max: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, cols, groups, block_r: tl.constexpr,
+                     group: tl.constexpr, fp8_max: tl.constexpr):
+    r = tl.program_id(0) * block_r + tl.arange(0, block_r)
     g = tl.program_id(1)
-    offs = g * group + tl.arange(0, group)
-    x = tl.load(x_ptr + row * cols + offs).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x)), 1e-10) / fp8_max
-    tl.store(q_ptr + row * cols + offs,
-             (x / scale).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
-    tl.store(s_ptr + row * groups + g, scale)
+    ok = r < rows
+    at = r.to(tl.int64)[:, None] * cols + g * group + tl.arange(0, group)[None, :]
+    x = tl.load(x_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / fp8_max
+    q = (x / scale[:, None]).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(q_ptr + at, q, mask=ok[:, None])
+    tl.store(s_ptr + r.to(tl.int64) * groups + g, scale, mask=ok)
 
 
 def quantize_rows(x: Any) -> tuple[Any, Any]:
@@ -59,8 +68,9 @@ def quantize_rows(x: Any) -> tuple[Any, Any]:
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((m, k // GROUP), dtype=torch.float32, device=x.device)
     if m:
-        _quantize_kernel[(m, k // GROUP)](x, q, scale, k, k // GROUP, group=GROUP,
-                                          fp8_max=FP8_MAX, num_warps=1)
+        grid = (triton.cdiv(m, QUANT_ROWS), k // GROUP)
+        _quantize_kernel[grid](x, q, scale, m, k, k // GROUP, block_r=QUANT_ROWS, group=GROUP,
+                               fp8_max=FP8_MAX, num_warps=4)
     return q, scale
 
 
@@ -109,14 +119,15 @@ def grouped_mm(x: Any, weight: Any, scale: Any, offsets: Any) -> Any:
         raise ValueError(f"fp8 grouped_mm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"scale {tuple(scale.shape)} (K a multiple of {GROUP})")
     q, q_scale = quantize_rows(x.contiguous())
+    tile = block_m(s, experts)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    tile_end = torch.cumsum((counts + BLOCK_M - 1) // BLOCK_M, 0, dtype=torch.int32)
+    tile_end = torch.cumsum((counts + tile - 1) // tile, 0, dtype=torch.int32)
     out = torch.empty((s, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(s, BLOCK_M) + experts, triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(s, tile) + experts, triton.cdiv(n, BLOCK_N))
     _grouped_kernel[grid](q, q_scale, weight, scale, out, offsets, tile_end, experts, n, k,
-                          scale.shape[1], block_m=BLOCK_M, block_n=BLOCK_N, group=GROUP,
-                          experts_pow2=triton.next_power_of_2(experts), num_warps=4,
-                          num_stages=3)
+                          scale.shape[1], block_m=tile, block_n=BLOCK_N, group=GROUP,
+                          experts_pow2=triton.next_power_of_2(experts),
+                          num_warps=8 if tile == 128 else 4, num_stages=3)
     return out
 
 
