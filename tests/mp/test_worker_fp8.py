@@ -1,7 +1,8 @@
 """Expert + dense DWDP over a block-scaled FP8 checkpoint (DeepSeek-V3's format) on 2 real
 rank processes over the cpu backend: greedy tokens and logits bitwise equal to one process
 serving the same checkpoint dequantized to bfloat16, with the expert stores holding FP8 bytes
-and their scales (at most 0.6x the bfloat16 run's bytes).
+and their scales (at most 0.6x the bfloat16 run's bytes); and the same through ``dwdp
+launch`` (a pod of 2 ranks serving HTTP).
 
 Per architecture (DeepSeek-V3, Qwen3-MoE, Mixtral) the ranks run two scenarios in one group:
 the FP8 checkpoint, then its dequantized bfloat16 twin, each loaded sharded and attached with
@@ -21,6 +22,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _pods import launched_pod  # noqa: E402
 from conftest import RENDEZVOUS_SECRET, read_records, run_group  # noqa: E402
 from ports import free_port  # noqa: E402
 
@@ -145,3 +147,34 @@ def test_fp8_stores_hold_fp8_bytes_and_scales(run, arch):
         # dense DWDP moved the FP8 attention weights and scales: its rows hold the FP8 bytes
         dense, bf16_dense = status["resident"]["dense"], bf16[rank]["status"]["resident"]["dense"]
         assert 0 < dense["sharded_bytes"] < 0.6 * bf16_dense["sharded_bytes"], (arch, rank)
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory, checkpoints):
+    launch = {
+        "model": {"path": checkpoints[("deepseek_v3", "fp8")], "servedName": "tiny-fp8"},
+        "handleType": "shm",
+        "transport": "tcpStore",
+        "dwdp": {"dwdpSize": WORLD, "enableDense": True, "numPrefetchSlots": 2},
+        "gracefulShutdownTimeoutSeconds": 5,
+    }
+    with launched_pod(tmp_path_factory.mktemp("pod"), launch, WORLD) as (_proc, urls, *_):
+        yield urls
+
+
+def test_a_pod_serves_the_fp8_checkpoint_as_its_dequantized_twin(pod, checkpoints):
+    import httpx
+
+    torch.set_num_threads(1)
+    model, tok = load_checkpoint(checkpoints[("deepseek_v3", "bf16")])
+    prompt = PROMPTS[1]
+    want = ContinuousEngine(model, tok, model_name="ref").run_batch(
+        [tok(prompt)["input_ids"]], PARAMS)[0]
+    for url in pod:
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                                      "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want.token_ids
+        status = httpx.get(url + "/dwdp/status", timeout=10).json()
+        assert status["phase"] == "committed"
+        assert status["memory"]["expert_store"]["host"] > 0

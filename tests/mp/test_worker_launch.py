@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 torch = pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 
-from ports import free_port, free_port_block  # noqa: E402
+from _pods import launched_pod  # noqa: E402
 
 from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
@@ -33,71 +28,15 @@ PROMPT = "Hello world, the"
 def pod(tmp_path_factory):
     root = tmp_path_factory.mktemp("pod")
     ckpt = make_checkpoint("qwen3_moe", root / "ck", num_experts=6, seed=4)
-    base = free_port_block(WORLD)
-    config = root / "launch.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": {"path": str(ckpt), "servedName": "tiny-qwen"},
-                "handleType": "shm",
-                "transport": "tcpStore",
-                "dwdp": {"dwdpSize": WORLD, "enableDense": True, "numPrefetchSlots": 2},
-                "serverPort": base,
-                "gracefulShutdownTimeoutSeconds": 5,
-            }
-        )
-    )
-    group = f"p{uuid.uuid4().hex[:10]}"
-    env = {
-        **os.environ,
-        "DWDP_GROUP": group,
-        "DWDP_INCARNATION": "i0",
-        "DWDP_RANK": "0",
-        "DWDP_WORLD_SIZE": str(WORLD),
-        "DWDP_RENDEZVOUS": f"127.0.0.1:{free_port()}",
-        "DWDP_RENDEZVOUS_TIMEOUT_S": "300",
-        "DWDP_ROLE": "ctx0",
-        "DWDP_TORCH_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
+    launch = {
+        "model": {"path": str(ckpt), "servedName": "tiny-qwen"},
+        "handleType": "shm",
+        "transport": "tcpStore",
+        "dwdp": {"dwdpSize": WORLD, "enableDense": True, "numPrefetchSlots": 2},
+        "gracefulShutdownTimeoutSeconds": 5,
     }
-    term = root / "termination-log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dwdp",
-        "launch",
-        "--config",
-        str(config),
-        "--nproc",
-        str(WORLD),
-        "--host",
-        "127.0.0.1",
-        "--termination-log",
-        str(term),
-    ]
-    proc = subprocess.Popen(cmd, env=env)
-    urls = [f"http://127.0.0.1:{base + k}" for k in range(WORLD)]
-    try:
-        deadline = time.monotonic() + 400
-        for url in urls:
-            while True:
-                assert proc.poll() is None, term.read_text() if term.exists() else "exited"
-                assert time.monotonic() < deadline, f"{url} never became ready"
-                try:
-                    if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+    with launched_pod(root, launch, WORLD) as (proc, urls, group, term):
         yield proc, urls, ckpt, group, term
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def test_every_rank_committed_the_same_layout(pod):
