@@ -2,8 +2,9 @@
 quarter of the experts, not the whole checkpoint, and the ranks answer as the replicated model.
 
 A Qwen3-MoE checkpoint of 16 experts of 1.5 MiB (bf16, hidden 256, expert width 1024) in 8 MoE
-layers (192 MiB of experts, split over several safetensors files with an index). Every process
-is a fresh interpreter (``_memory_rank.py``); a baseline process that imports what a rank
+layers (192 MiB of experts, split over several safetensors files with an index), and the same
+weights in block-scaled FP8 (96 MiB of experts and their scales, the same files and index).
+Every process is a fresh interpreter (``_memory_rank.py``); a baseline process that imports what a rank
 imports, checks the headers, builds the meta-device model and the tokenizer, and reads no
 weight, gives the interpreter's own peak. The ranks load through
 ``load_sharded`` and set expert DWDP up through ``attach`` (as the worker does), the reference
@@ -42,6 +43,7 @@ from dwdp.worker.backend.cpu import leftover_segments  # noqa: E402
 from dwdp.worker.loading.validate import INDEX_FILE, read_headers  # noqa: E402
 from dwdp.worker.transport.base import make_secret_file  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.fp8_checkpoint import quantize_checkpoint  # noqa: E402
 
 WORLD = 4
 NUM_EXPERTS = 16
@@ -69,17 +71,20 @@ def _wait(procs: list[subprocess.Popen]) -> None:
     assert codes == [0] * len(procs)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    path = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("big") / "ckpt",
-                           num_experts=NUM_EXPERTS, num_layers=MOE_LAYERS + 1, hidden_size=256,
-                           moe_width=1024, dtype="bfloat16", seed=5, max_shard_size="60MB")
+@pytest.fixture(scope="module", params=["bfloat16", "fp8"])
+def checkpoint(request, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("big")
+    path = make_checkpoint("qwen3_moe", root / "ckpt", num_experts=NUM_EXPERTS,
+                           num_layers=MOE_LAYERS + 1, hidden_size=256, moe_width=1024,
+                           dtype="bfloat16", seed=5, max_shard_size="60MB")
+    if request.param == "fp8":  # the same weights block-scaled FP8, same files and index
+        path = quantize_checkpoint(path, root / "fp8")
     assert (path / INDEX_FILE).is_file() and len(list(path.glob("*.safetensors"))) > 2
     return path
 
 
 def _sizes(path: Path) -> dict[str, int]:
-    elem = {"bfloat16": 2, "float32": 4, "float16": 2}
+    elem = {"bfloat16": 2, "float32": 4, "float16": 2, "float8_e4m3fn": 1}
     sizes = {"full": 0, "experts": 0}
     for name, (shape, dtype) in read_headers(path).items():
         nbytes = int(torch.Size(shape).numel()) * elem[dtype]
@@ -92,7 +97,10 @@ def _sizes(path: Path) -> dict[str, int]:
 
 def test_each_rank_peaks_at_its_share_not_the_whole_checkpoint(tmp_path, checkpoint):
     sizes = _sizes(checkpoint)
-    assert sizes["experts"] == MOE_LAYERS * NUM_EXPERTS * 3 * 256 * 1024 * 2  # 192 MiB
+    matrices = MOE_LAYERS * NUM_EXPERTS * 3 * 256 * 1024
+    fp8 = "quantization_config" in (checkpoint / "config.json").read_text()
+    # bf16: 192 MiB; FP8: 96 MiB plus one float32 scale per 128x128 block
+    assert sizes["experts"] == (matrices + matrices // (128 * 128) * 4 if fp8 else 2 * matrices)
     group = f"m{uuid.uuid4().hex[:10]}"
     port = free_port()
     _wait(_run(tmp_path, ("baseline", checkpoint)))
