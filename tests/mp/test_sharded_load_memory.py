@@ -4,9 +4,9 @@ quarter of the experts, not the whole checkpoint, and the ranks answer as the re
 A Qwen3-MoE checkpoint of 16 experts of 1.5 MiB (bf16, hidden 256, expert width 1024) in 8 MoE
 layers (192 MiB of experts, split over several safetensors files with an index), and the same
 weights in block-scaled FP8 (96 MiB of experts and their scales, the same files and index).
-Every process is a fresh interpreter (``_memory_rank.py``); a baseline process that imports what a rank
-imports, checks the headers, builds the meta-device model and the tokenizer, and reads no
-weight, gives the interpreter's own peak. The ranks load through
+Every process is a fresh interpreter (``_memory_rank.py``); a baseline process that imports
+what a rank imports, checks the headers, builds the meta-device model and the tokenizer, and
+reads no weight, gives the interpreter's own peak. The ranks load through
 ``load_sharded`` and set expert DWDP up through ``attach`` (as the worker does), the reference
 process through ``load_checkpoint`` (the whole model, as before).
 
