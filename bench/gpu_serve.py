@@ -158,6 +158,14 @@ def generate_baseline(model, per_slot: int, vocab: int,
     return rows
 
 
+def _serve_one(engine, args: argparse.Namespace, vocab: int) -> list[dict]:
+    """``serve_and_drive`` over ``engine`` (started here, stopped after), printed."""
+    rows = serve_and_drive(engine.start(), args.requests_per_slot, vocab)
+    engine.stop()
+    print(type(engine).__name__, rows, flush=True)
+    return rows
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch
 
@@ -178,23 +186,16 @@ def rank_main(args: argparse.Namespace) -> None:
             vocab = model.config.vocab_size
             results["generate"] = generate_baseline(model, args.requests_per_slot, vocab)
             print("generate", results["generate"], flush=True)
-            engine = BatchingEngine(model, tok, model_name="bench", config=config).start()
-            results["wave"] = serve_and_drive(engine, args.requests_per_slot, vocab)
-            engine.stop()
-            print("wave", results["wave"], flush=True)
-            engine = ContinuousEngine(model, tok, model_name="bench", config=config).start()
-            results["continuous"] = serve_and_drive(engine, args.requests_per_slot, vocab)
-            engine.stop()
-            print("continuous", results["continuous"], flush=True)
-            del model, engine
+            for name, engine_class in (("wave", BatchingEngine), ("continuous", ContinuousEngine)):
+                results[name] = _serve_one(engine_class(model, tok, model_name="bench",
+                                                        config=config), args, vocab)
+            del model
             torch.cuda.empty_cache()
             if args.ckpt_fp8:  # the same model in block-scaled FP8, continuous batching
                 model, tok, _ = load(args.ckpt_fp8)
-                engine = ContinuousEngine(model, tok, model_name="bench", config=config).start()
-                results["continuous-fp8"] = serve_and_drive(engine, args.requests_per_slot, vocab)
-                engine.stop()
-                print("continuous-fp8", results["continuous-fp8"], flush=True)
-                del model, engine
+                results["continuous-fp8"] = _serve_one(ContinuousEngine(
+                    model, tok, model_name="bench", config=config), args, vocab)
+                del model
                 torch.cuda.empty_cache()
         transport.barrier(label="replicated.done")
         model, tok, att = load(args.ckpt, backend=backend, transport=transport,
