@@ -29,8 +29,9 @@ decode side a ``kv_consumer``) expects of a prefill server, and what this module
   notification ``"<request_id>:<n>"`` arrives ``n`` times, or the lease (``lease_s``) expires;
   heartbeats ``"HB:<id>,<id>"`` extend it by ``lease_s`` from their arrival.
 
-To move to the next vLLM: read its ``nixl/metadata.py`` (``NIXL_CONNECTOR_VERSION``,
-``NixlAgentMetadata``, ``compute_nixl_compatibility_hash``) and ``base_scheduler.py`` (the
+To move to the next vLLM: read the metadata module of its NIXL connector
+(``vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata``: ``NIXL_CONNECTOR_VERSION``,
+``NixlAgentMetadata``, ``compute_nixl_compatibility_hash``) and its base scheduler (the
 listener), update the constants and fields here, add the version to ``VLLM_VERSIONS`` and run
 ``tests/unit/worker/test_vllm_interop.py`` against it.
 """
