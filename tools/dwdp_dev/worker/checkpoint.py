@@ -34,10 +34,12 @@ def tiny_config(
     dtype: str = "float32",
     special_ids: Mapping[str, int | None] | None = None,
     moe_width: int = 16,
+    head_dim: int = 8,
 ) -> PretrainedConfig:
     """A tiny ``transformers`` config of ``arch``: ``num_layers`` decoder layers of width
     ``hidden_size``, ``num_experts`` routed experts (top-2) of width ``moe_width`` in every MoE
-    layer.
+    layer; ``head_dim``: the attention heads' width (Qwen3-MoE and Mixtral; vLLM's CPU attention
+    needs a multiple of 32).
 
     DeepSeek-V3 gets one first dense layer (``first_k_dense_replace=1``) and one shared expert;
     Qwen3-MoE gets ``mlp_only_layers=[0]``; every Mixtral layer is MoE. Raises ``ValueError``
@@ -65,7 +67,7 @@ def tiny_config(
     }
     # head_dim is no declared field of every config class (Qwen3-MoE takes it as an extra
     # attribute), so it travels in a plain dict
-    head_dim: dict[str, Any] = {"head_dim": 8}
+    head_dims: dict[str, Any] = {"head_dim": head_dim}
     config: PretrainedConfig
     if arch == "deepseek_v3":
         config = DeepseekV3Config(
@@ -90,7 +92,7 @@ def tiny_config(
             **common,
             intermediate_size=2 * hidden_size,
             moe_intermediate_size=moe_width,
-            **head_dim,
+            **head_dims,
             num_experts=num_experts,
             mlp_only_layers=[0],
             decoder_sparse_step=1,
@@ -100,7 +102,7 @@ def tiny_config(
         config = MixtralConfig(
             **common,
             intermediate_size=moe_width,
-            **head_dim,
+            **head_dims,
             num_local_experts=num_experts,
         )
     else:
@@ -165,6 +167,7 @@ def make_checkpoint(
     dtype: str = "float32",
     moe_width: int = 16,
     max_shard_size: str | None = None,
+    head_dim: int = 8,
 ) -> Path:
     """Write a tiny seeded checkpoint of ``arch`` into ``out`` (created; existing files of the
     same names are overwritten). Returns the directory. Raises ``ValueError`` for bad arguments.
@@ -187,6 +190,7 @@ def make_checkpoint(
         dtype=dtype,
         special_ids=ids,
         moe_width=moe_width,
+        head_dim=head_dim,
     )
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)

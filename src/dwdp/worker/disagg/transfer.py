@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dwdp.api.defaults import KV_TRANSFER_LEASE_S
 from dwdp.worker.apikey import ApiKey
@@ -45,6 +45,9 @@ from dwdp.worker.disagg.agent import (
     TransferError,
 )
 from dwdp.worker.engine.kv_connector import KvEndpoint, KvTransferParams
+
+if TYPE_CHECKING:
+    from dwdp.worker.disagg.vllm_nixl import VllmProducer
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +82,10 @@ class KvTransfer:
         port: int,
         api_key: ApiKey | str | None = None,
         lease_s: float = KV_TRANSFER_LEASE_S,
+        vllm: VllmProducer | None = None,
     ) -> None:
         self.agent = agent
+        self.vllm = vllm
         self.host = host
         self.port = port
         self.api_key = api_key if isinstance(api_key, ApiKey) else ApiKey(api_key)
@@ -98,7 +103,7 @@ class KvTransfer:
     @property
     def leases(self) -> int:
         """Prefilled requests whose blocks wait for their generation side."""
-        return len(self._leases)
+        return len(self._leases) + (self.vllm.leases if self.vllm is not None else 0)
 
     def status(self) -> dict[str, int]:
         """The counters of ``/dwdp/status``'s ``kv_transfer``: ``leases`` (held now),
@@ -119,11 +124,15 @@ class KvTransfer:
         return KvEndpoint(self.agent.engine_id, self.host, self.port)
 
     # -- context side --------------------------------------------------------------------------
-    def request_finished(self, request_id: str, blocks: list[int]) -> KvTransferParams:
+    def request_finished(
+        self, request_id: str, blocks: list[int], num_tokens: int | None = None
+    ) -> KvTransferParams:
         """Hold ``blocks`` until the generation side releases them or ``lease_s`` passes; the
         lease exists before the answer leaves, so a fast generation server always finds it.
         Returns the answer's ``kv_transfer_params`` (``do_remote_prefill``, where, and the
-        lease's token)."""
+        lease's token; for vLLM decode servers, vLLM's answer)."""
+        if self.vllm is not None:
+            return self._vllm_finished(request_id, blocks, num_tokens)
         token = secrets.token_urlsafe(TOKEN_BYTES)
         with self._lease_lock:
             self._leases[request_id] = Lease(list(blocks), token, time.monotonic() + self.lease_s)
@@ -140,8 +149,36 @@ class KvTransfer:
             tp_size=1,
         )
 
+    def _vllm_finished(
+        self, request_id: str, blocks: list[int], num_tokens: int | None
+    ) -> KvTransferParams:
+        assert self.vllm is not None
+        tokens = num_tokens if num_tokens is not None else len(blocks) * self.agent.cache.block_size
+        staged = self.vllm.stage(request_id, blocks, tokens)
+        with self._lease_lock:
+            self.leases_granted += 1
+        # built unvalidated: vLLM's answer carries no dwdp lease token
+        return KvTransferParams.model_construct(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.vllm.engine_id,
+            remote_request_id=request_id,
+            remote_block_ids=staged,
+            remote_host=self.vllm.host,
+            remote_port=self.vllm.interop.port,
+            remote_lease_token=None,
+            tp_size=1,
+            dcp_size=1,
+            pp_size=1,
+            remote_num_tokens=tokens,
+            remote_blocks_expiry_time=None,
+            transfer_mode="pull",
+        )
+
     def cancel_hold(self, request_id: str) -> None:
         """Forget a lease without freeing its blocks (the request still runs and holds them)."""
+        if self.vllm is not None:
+            self.vllm.cancel(request_id)
         with self._lease_lock:
             self._leases.pop(request_id, None)
 
@@ -187,8 +224,9 @@ class KvTransfer:
         with self._lock:
             released = self.agent.released()
         now = time.monotonic()
+        vllm_ended = self.vllm.finished_blocks() if self.vllm is not None else []
         with self._lease_lock:
-            out, self._refused = self._refused, []
+            out, self._refused = self._refused + vllm_ended, []
             out += [self._leases.pop(rid).blocks for rid in released if rid in self._leases]
             for rid in [r for r, lease in self._leases.items() if lease.deadline < now]:
                 log.warning("KV lease of request %s expired after %.0f s unread", rid, self.lease_s)
@@ -287,6 +325,8 @@ class KvTransfer:
 
     def close(self) -> None:
         """Deregister the cache from NIXL."""
+        if self.vllm is not None:
+            self.vllm.close()
         with self._lock:
             self.agent.close()
 

@@ -363,7 +363,8 @@ class ContinuousEngine(EngineBase):
                 continue  # a stop string ended it while this step ran: its token is dropped
             params, rid = state.kv_transfer, state.request_id
             if kv is not None and params is not None and params.do_remote_decode:
-                state.kv_transfer_out = kv.request_finished(rid, seq.blocks)
+                state.kv_transfer_out = kv.request_finished(rid, seq.blocks,
+                                                            len(state.prompt))
             self.stats.generation_tokens += 1
             reason = state.take(choice.token, eos_token_ids=self.eos_token_ids,
                                 max_model_len=self.max_model_len, logprob=choice.logprob)

@@ -30,7 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 BlockId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -87,6 +94,29 @@ class KvTransferParams(BaseModel):
         "server hands the lease's blocks to no one else (dwdp's field, beside vLLM's).",
     )
     tp_size: int = Field(1, ge=1, le=1, description="Tensor-parallel ranks of the context side.")
+    # vLLM 0.32.0's fields of a prefill answer (dwdp.worker.disagg.vllm_nixl): set only in the
+    # answer of a context rank that serves vLLM decode servers; with transfer_mode set,
+    # remote_block_ids is written as vLLM's one list per KV-cache group ([[...]])
+    dcp_size: int | None = Field(default=None, ge=1, le=1)
+    pp_size: int | None = Field(default=None, ge=1, le=1)
+    remote_num_tokens: int | None = Field(default=None, ge=0)
+    remote_blocks_expiry_time: float | None = None
+    transfer_mode: str | None = Field(default=None, max_length=16)
+
+    @field_validator("remote_block_ids", mode="before")
+    @classmethod
+    def _one_group(cls, value: Any) -> Any:
+        """vLLM's shape, one list of block ids per KV-cache group: one group is taken as its
+        list; more are refused (this engine has one KV-cache group)."""
+        if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
+            if len(value) != 1:
+                raise PydanticCustomError(
+                    "kv_transfer_params",
+                    "{n} KV-cache groups of block ids; this engine has one",
+                    {"n": len(value)},
+                )
+            return value[0]
+        return value
 
     @field_validator("do_remote_prefill")
     @classmethod
@@ -109,6 +139,10 @@ class KvTransferParams(BaseModel):
                 "leave the remote_* fields out",
             )
         return value
+
+    @field_serializer("remote_block_ids")
+    def _groups(self, value: list[int] | None) -> list[int] | list[list[int]] | None:
+        return [value] if value is not None and self.transfer_mode is not None else value
 
     @property
     def transfers(self) -> bool:
@@ -152,10 +186,13 @@ class KvConnector(Protocol):
         """Before a ``do_remote_prefill`` request is queued: reach the server of ``params``
         and claim its blocks. Raises ``TransferError`` when they cannot be read."""
 
-    def request_finished(self, request_id: str, blocks: list[int]) -> KvTransferParams:
-        """A ``do_remote_decode`` request produced its token: hold ``blocks`` for the remote
-        decoder (the engine frees them when ``finished_blocks`` returns them) and return the
-        ``kv_transfer_params`` its answer carries."""
+    def request_finished(
+        self, request_id: str, blocks: list[int], num_tokens: int | None = None
+    ) -> KvTransferParams:
+        """A ``do_remote_decode`` request produced its token: hold ``blocks`` (its
+        ``num_tokens`` prompt tokens, when given) for the remote decoder (the engine frees them
+        when ``finished_blocks`` returns them) and return the ``kv_transfer_params`` its answer
+        carries."""
 
     def cancel_hold(self, request_id: str) -> None:
         """The request goes on after ``request_finished``: forget the hold, not its blocks

