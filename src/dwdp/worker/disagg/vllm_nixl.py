@@ -58,6 +58,9 @@ VLLM_VERSION = "0.32.0"
 VLLM_VERSIONS: tuple[str, ...] = (VLLM_VERSION,)
 """The vLLM versions whose NIXL connector this module speaks."""
 NIXL_CONNECTOR_VERSION = 14
+WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+"""Bind addresses refused for the side channel: it authenticates no peer (vLLM's protocol has
+no credentials), so it listens on one address only."""
 """vLLM 0.32.0's ``NIXL_CONNECTOR_VERSION`` (part of the compatibility hash)."""
 GET_META_MSG = b"get_meta_msg"
 CPU_ATTN = "CPU_ATTN"
@@ -163,7 +166,8 @@ class VllmProducer:
     channel and leases (see the module docstring).
 
     ``cache``: the engine's ``PagedKVCache`` (every layer allocated); ``host``: the address the
-    side channel binds and advertises; ``lease_s``: vLLM's ``kv_lease_duration``;
+    side channel binds and advertises (a wildcard is refused: the channel authenticates no
+    peer); ``lease_s``: vLLM's ``kv_lease_duration``;
     ``staging_blocks``: 128-token blocks of the staging buffer (default: enough for the whole
     dwdp cache held under leases). Raises ``VllmInteropError`` for a cache the decode side
     cannot share (head size, dtype) and ``TransferError`` when NIXL or ZMQ cannot start.
@@ -183,6 +187,11 @@ class VllmProducer:
 
         import torch
 
+        if host in WILDCARDS:
+            raise VllmInteropError(
+                f"vLLM interop: side channel host {host!r} is a wildcard; bind it to the pod's "
+                "own address (vLLM's side channel authenticates no peer)"
+            )
         if cache.device.type != "cpu":
             raise VllmInteropError(
                 f"vLLM interop: the KV cache is on {cache.device}; only the CPU attention "
