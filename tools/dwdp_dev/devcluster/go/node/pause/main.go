@@ -1,0 +1,27 @@
+// Command pause is the pod sandbox ("pause") process of the prototype real node: it sleeps
+// until SIGINT/SIGTERM and reaps zombies, like registry.k8s.io/pause (which cannot be pulled
+// here: no registry is reachable). Built static (CGO_ENABLED=0) and packed into an OCI image.
+package main
+
+import (
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGCHLD)
+	for s := range sigs {
+		if s == syscall.SIGCHLD {
+			for {
+				pid, err := syscall.Wait4(-1, nil, syscall.WNOHANG, nil)
+				if pid <= 0 || err != nil {
+					break
+				}
+			}
+			continue
+		}
+		os.Exit(0)
+	}
+}
