@@ -24,10 +24,20 @@ from pathlib import Path
 
 import yaml
 
-from dwdp_dev.devcluster import build, cluster, pki
+from dwdp_dev.devcluster import build, cluster, paths, pki
 
 NODE = "rn-node"
-CP_BIN = os.environ.get("DWDP_DEVCLUSTER_BIN") or str(build.find_binary() or "")
+def _cp_binary() -> Path:
+    """$DWDP_DEVCLUSTER_BIN, the binary for this checkout's inputs, or else the newest cached
+    devcluster-* (this branch's go.mod differs from main's, so its hash is not built)."""
+    found = build.find_binary()
+    if found:
+        return found
+    cached = sorted((p for p in (paths.cache_dir() / "bin").glob("devcluster-*")
+                     if ".tmp" not in p.name), key=lambda p: p.stat().st_mtime)
+    if not cached:
+        sys.exit("no control-plane binary: run `dwdp dev build` or set DWDP_DEVCLUSTER_BIN")
+    return cached[-1]
 
 
 class RealNodeCluster(cluster.Cluster):
@@ -73,7 +83,7 @@ def main(argv: list[str]) -> None:
     if action == "down":
         c.down(timeout_s=10)
         return
-    secs = c.up(binary=Path(CP_BIN), nodes=0, pod_net="100.99", timeout_s=120)
+    secs = c.up(binary=_cp_binary(), nodes=0, pod_net="100.99", timeout_s=120)
     cfg = c.config()
     ca = pki._load(c.pki, "ca")
     pki._issue(c.pki, "node", pki._name(f"system:node:{NODE}", "system:nodes"),
