@@ -1,6 +1,7 @@
-// Command pause is the pod sandbox ("pause") process of the prototype real node: it sleeps
-// until SIGINT/SIGTERM and reaps zombies, like registry.k8s.io/pause (which cannot be pulled
-// here: no registry is reachable). Built static (CGO_ENABLED=0) and packed into an OCI image.
+// Command pause is the pod sandbox ("pause") process of the real node (dwdp dev up --node
+// real): it sleeps until SIGINT/SIGTERM and reaps zombies, like registry.k8s.io/pause (which
+// cannot be pulled here: no registry is reachable). Built static (CGO_ENABLED=0) and packed
+// into a one-layer OCI image by dwdp_dev.devcluster.realnode.
 package main
 
 import (
