@@ -1,10 +1,13 @@
 """Builds the Go multi-call binary of the local control plane, cached by a hash of its inputs.
 
 The binary (subcommands ``etcd``, ``apiserver``, ``controller-manager``, ``scheduler``,
+``kubelet``, ``kube-proxy`` (the real node's, :mod:`dwdp_dev.devcluster.realnode`),
 ``version``) is built from ``tools/devcluster/go`` with ``go build`` into
 ``<cache>/bin/devcluster-<hash>``, where the hash covers go.mod, go.sum, the Go sources, the
 linker flags and the Go version. While those are unchanged the cached binary is reused, also
-by a fresh clone. A file lock keeps two concurrent builds from racing.
+by a fresh clone. A file lock keeps two concurrent builds from racing. The real node's pod
+sandbox process (``go/pause``, static, standard library only) is built the same way into
+``<cache>/bin/pause-<hash>`` by :func:`build_pause`, only when a real node is asked for.
 """
 
 from __future__ import annotations
@@ -168,4 +171,46 @@ def build(verbose: bool = False) -> Path:
                 old.unlink(missing_ok=True)
         with open(log, "a") as out:
             out.write(f"built {target} in {time.monotonic() - start:.0f} s\n")
+    return target
+
+
+def build_pause() -> Path:
+    """Build the static pod-sandbox binary of the real node (``go/pause``) if its source
+    changed; return its path (``<cache>/bin/pause-<hash>``, a few seconds to build).
+
+    Raises BuildError if there is no Go toolchain and none is cached, or the build fails.
+    """
+    src = paths.GO_DIR / "pause" / "main.go"
+    bin_dir = paths.cache_dir() / "bin"
+    try:
+        go = _go()
+    except BuildError:
+        cached = sorted(bin_dir.glob("pause-*"), key=lambda p: p.stat().st_mtime)
+        cached = [p for p in cached if ".tmp" not in p.name]
+        if cached:
+            return cached[-1]
+        raise
+    h = hashlib.sha256(src.read_bytes() + b"\0" + _go_version(go).encode())
+    target = bin_dir / f"pause-{h.hexdigest()[:16]}"
+    if target.is_file():
+        return target
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    proc = subprocess.run(
+        [go, "build", "-trimpath", "-ldflags", "-s -w", "-o", str(tmp), "./pause"],
+        cwd=paths.GO_DIR,
+        env={**os.environ, "CGO_ENABLED": "0"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise BuildError(
+            f"go build ./pause failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+        )
+    os.replace(tmp, target)
+    for old in bin_dir.glob("pause-*"):
+        if old != target and ".tmp" not in old.name:
+            old.unlink(missing_ok=True)
     return target

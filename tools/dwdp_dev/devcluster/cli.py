@@ -52,6 +52,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         " holds CUDA wheels: about 6.7 GB unpacked, 6 to 9 minutes to build cold)",
     )
     up = add("up", "start the cluster (idempotent); waits for a Ready node", _up)
+    up.add_argument(
+        "--node",
+        choices=("process", "real"),
+        help="the node: process (the process kubelet, default) or real (containerd, the"
+        " kubelet and kube-proxy; needs root and apt-get install containerd runc"
+        " containernetworking-plugins; one per host). Kept for later `up`s of the cluster",
+    )
     up.add_argument("--nodes", type=int, help="number of process-kubelet nodes (default 1)")
     up.add_argument("--cpu", help="cpu capacity per node (default 32)")
     up.add_argument("--memory", help="memory capacity per node (default 128Gi)")
@@ -112,6 +119,8 @@ def _up(args: argparse.Namespace) -> int:
     from dwdp_dev.devcluster import build, cluster, tools
 
     overrides: dict = {}
+    if args.node:
+        overrides["node_kind"] = args.node
     if args.nodes:
         overrides["nodes"] = args.nodes
     node = {

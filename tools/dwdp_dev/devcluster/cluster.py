@@ -1,5 +1,7 @@
 """Start, check and stop one local cluster: etcd, apiserver, controller-manager, scheduler
 and the process kubelet(s), each a process of its own whose pid is kept in the state folder.
+With ``node_kind="real"`` (opt-in) the node is a real one instead: containerd, the kubelet and
+kube-proxy (:mod:`dwdp_dev.devcluster.realnode`).
 
 ``up()`` is idempotent (it starts only what is not running and keeps ports, certificates and
 etcd data across restarts); ``down()`` stops everything, pod processes included, and leaves
@@ -13,6 +15,9 @@ no process behind. Layout of a state folder::
                    every request a service account made (Metadata level, JSON lines)
     run/           one pid file per component
     pods/          the kubelet's per-pod folders (volumes, logs, pid files)
+
+A real node adds ``containerd/`` (its image store), ``kubelet/`` (the kubelet's root),
+``pod-logs/``, ``cni/`` and the node's configuration files (see realnode.py).
 """
 
 from __future__ import annotations
@@ -109,6 +114,13 @@ class ClusterConfig:
     and clusters on one machine never hand out the same address. (127.0.0.0/8 cannot be
     used: the apiserver rejects loopback addresses in EndpointSlices.)
     ``venv_bin`` is put first on the PATH of pods.
+
+    ``node_kind`` is ``"process"`` (the process kubelet, the default) or ``"real"`` (one real
+    node: containerd, kubelet, kube-proxy; its pod network ``<pod_net>.0.0/16`` is a bridge,
+    not routed to ``lo``); ``node_ip``/``node_dev`` are the real node's address and device
+    (the default route's), ``node_images`` the store images it imports (None: every current
+    one). A real node's cpu and memory are the host's: ``node.cpu``/``node.memory`` apply
+    to process kubelets only.
     """
 
     etcd_port: int = 0
@@ -122,10 +134,17 @@ class ClusterConfig:
     node_name: str = "dwdp-dev"
     node: NodeSpec = dataclasses.field(default_factory=NodeSpec)
     venv_bin: str | None = None
+    node_kind: str = "process"
+    node_ip: str = ""
+    node_dev: str = ""
+    node_healthz_port: int = 0
+    proxy_healthz_port: int = 0
+    proxy_metrics_port: int = 0
+    node_images: list[str] | None = None
 
     def node_names(self) -> list[str]:
-        """Return the node names (one per process kubelet)."""
-        if self.nodes == 1:
+        """Return the node names (one per process kubelet; a real node is one node)."""
+        if self.nodes == 1 or self.node_kind == "real":
             return [self.node_name]
         return [f"{self.node_name}-{i}" for i in range(self.nodes)]
 
@@ -284,26 +303,60 @@ class Cluster:
         node = overrides.pop("node", None)
         if node:
             cfg.node = dataclasses.replace(cfg.node, **node)
+        running = self.running()
+        kind = overrides.get("node_kind", cfg.node_kind)
+        if kind not in ("process", "real"):
+            raise ClusterError(f"unknown node kind {kind!r} (process or real)")
+        if kind != cfg.node_kind and running:
+            raise ClusterError(
+                f"the cluster in {self.state_dir} runs with a {cfg.node_kind} node; "
+                "`dwdp dev down` it before starting it with another"
+            )
         for key, value in overrides.items():
             setattr(cfg, key, value)
-        running = self.running()
+        real = cfg.node_kind == "real"
+        if real:
+            if cfg.nodes != 1:
+                raise ClusterError("a real node cluster has one node (nodes=1)")
+            from dwdp_dev.devcluster import realnode
+
+            try:
+                cfg.node_dev, cfg.node_ip = realnode.default_device()
+            except realnode.RealNodeError as exc:
+                raise ClusterError(str(exc)) from None
+        kubelet = "node-kubelet" if real else "kubelet-0"
         for field, comp in (
             ("etcd_port", "etcd"),
             ("etcd_peer_port", "etcd"),
             ("apiserver_port", "apiserver"),
             ("controller_manager_port", "controller-manager"),
             ("scheduler_port", "scheduler"),
-            ("kubelet_port", "kubelet-0"),
+            ("kubelet_port", kubelet),
+            *(
+                (f, c)
+                for f, c in (
+                    ("node_healthz_port", kubelet),
+                    ("proxy_healthz_port", "kube-proxy"),
+                    ("proxy_metrics_port", "kube-proxy"),
+                )
+                if real
+            ),
         ):
             port = getattr(cfg, field)
             if not port or (comp not in running and not _port_free(port)):
                 setattr(cfg, field, _free_port())
         cfg.save(self.config_path)
         pki.ensure_pki(self.pki)
-        self._write_kubeconfig(cfg)
+        self.write_kubeconfig(cfg)
         return cfg
 
-    def _write_kubeconfig(self, cfg: ClusterConfig) -> None:
+    def write_kubeconfig(
+        self, cfg: ClusterConfig, path: Path | None = None, user: str = "admin"
+    ) -> None:
+        """Write a kubeconfig for the client certificate ``pki/<user>.crt`` (default: the
+        admin kubeconfig)."""
+        path = path or self.kubeconfig
+
         def b64(name: str) -> str:
             return base64.b64encode((self.pki / name).read_bytes()).decode()
 
@@ -321,20 +374,20 @@ class Cluster:
             ],
             "users": [
                 {
-                    "name": "admin",
+                    "name": user,
                     "user": {
-                        "client-certificate-data": b64("admin.crt"),
-                        "client-key-data": b64("admin.key"),
+                        "client-certificate-data": b64(f"{user}.crt"),
+                        "client-key-data": b64(f"{user}.key"),
                     },
                 }
             ],
-            "contexts": [{"name": "dwdp-dev", "context": {"cluster": "dwdp-dev", "user": "admin"}}],
+            "contexts": [{"name": "dwdp-dev", "context": {"cluster": "dwdp-dev", "user": user}}],
             "current-context": "dwdp-dev",
         }
-        tmp = self.kubeconfig.with_suffix(".tmp")
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
         tmp.chmod(0o600)
-        os.replace(tmp, self.kubeconfig)
+        os.replace(tmp, path)
 
     # -- processes ---------------------------------------------------------------------
     def running(self) -> dict[str, int]:
@@ -364,13 +417,18 @@ class Cluster:
                 f"--listen-peer-url=http://127.0.0.1:{cfg.etcd_peer_port}",
             ]
         if name == "apiserver":
+            # A real node's pods reach the apiserver through the `kubernetes` Service, whose
+            # endpoint is the advertised address: the node IP, every address bound (the
+            # real node's INPUT guard drops the port on the default route's device).
+            real = cfg.node_kind == "real"
             return [
                 str(binary),
                 "apiserver",
-                *common,
+                f"--feature-gates={FEATURE_GATES}",
+                f"--bind-address={'0.0.0.0' if real else '127.0.0.1'}",
                 f"--etcd-servers=http://127.0.0.1:{cfg.etcd_port}",
                 f"--secure-port={cfg.apiserver_port}",
-                "--advertise-address=127.0.0.1",
+                f"--advertise-address={cfg.node_ip if real else '127.0.0.1'}",
                 f"--cert-dir={self.state_dir / 'apiserver-certs'}",
                 f"--tls-cert-file={p / 'apiserver.crt'}",
                 f"--tls-private-key-file={p / 'apiserver.key'}",
@@ -387,7 +445,7 @@ class Cluster:
                 f"--kubelet-client-key={p / 'admin.key'}",
                 f"--kubelet-certificate-authority={p / 'ca.crt'}",
                 "--kubelet-preferred-address-types=InternalIP",
-                "--endpoint-reconciler-type=none",
+                f"--endpoint-reconciler-type={'lease' if real else 'none'}",
                 "--profiling=false",
                 f"--audit-policy-file={self._audit_policy()}",
                 f"--audit-log-path={self.audit_log}",
@@ -459,7 +517,9 @@ class Cluster:
             cmd += ["--path-prepend", cfg.venv_bin]
         return cmd
 
-    def _spawn(self, name: str, cmd: list[str]) -> int:
+    def spawn(self, name: str, cmd: list[str]) -> int:
+        """Start ``cmd`` as component ``name`` (own session, log ``logs/<name>.log``, pid
+        file ``run/<name>.pid``); return its pid."""
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (handed to the child)
         log.write(f"\n=== {time.strftime('%F %T')} {' '.join(cmd)}\n".encode())
@@ -492,7 +552,9 @@ class Cluster:
         except OSError as exc:
             return 0, str(exc)
 
-    def _wait(self, name: str, pid: int, check, timeout_s: float) -> None:
+    def wait_for_component(self, name: str, pid: int, check, timeout_s: float) -> None:
+        """Wait until ``check()`` is true; raise ClusterError naming the log if process
+        ``pid`` exits first or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if check():
@@ -567,27 +629,34 @@ class Cluster:
         cfg = self._prepare(dict(overrides))
         running = self.running()
         if "etcd" not in running:
-            pid = self._spawn("etcd", self._component_cmd("etcd", cfg, binary))
+            pid = self.spawn("etcd", self._component_cmd("etcd", cfg, binary))
             url = f"http://127.0.0.1:{cfg.etcd_port}/health"
-            self._wait("etcd", pid, lambda: '"true"' in self._get(url)[1], timeout_s)
+            self.wait_for_component("etcd", pid, lambda: '"true"' in self._get(url)[1], timeout_s)
         if "apiserver" not in running:
-            pid = self._spawn("apiserver", self._component_cmd("apiserver", cfg, binary))
-            self._wait("apiserver", pid, self.apiserver_ready, timeout_s)
+            pid = self.spawn("apiserver", self._component_cmd("apiserver", cfg, binary))
+            self.wait_for_component("apiserver", pid, self.apiserver_ready, timeout_s)
         for name in ("controller-manager", "scheduler"):
             if name not in running:
-                self._spawn(name, self._component_cmd(name, cfg, binary))
-        ensure_pod_route(cfg.pod_net)
-        for i in range(cfg.nodes):
-            if f"kubelet-{i}" not in running:
-                self._spawn(f"kubelet-{i}", self._kubelet_cmd(i, cfg))
+                self.spawn(name, self._component_cmd(name, cfg, binary))
+        if cfg.node_kind == "real":
+            from dwdp_dev.devcluster import realnode
+
+            node = realnode.RealNode(self)
+            try:
+                node.up(cfg, binary, timeout_s)
+            except realnode.RealNodeError as exc:
+                raise ClusterError(str(exc)) from None
+            node_components: tuple[str, ...] = realnode.COMPONENTS
+        else:
+            ensure_pod_route(cfg.pod_net)
+            for i in range(cfg.nodes):
+                if f"kubelet-{i}" not in running:
+                    self.spawn(f"kubelet-{i}", self._kubelet_cmd(i, cfg))
+            node_components = tuple(f"kubelet-{i}" for i in range(cfg.nodes))
         pids = self.running()
         deadline = time.monotonic() + timeout_s
         while not all(self.node_ready().values()):
-            for name in (
-                "controller-manager",
-                "scheduler",
-                *(f"kubelet-{i}" for i in range(cfg.nodes)),
-            ):
+            for name in ("controller-manager", "scheduler", *node_components):
                 if name not in pids or not _alive(pids[name]):
                     raise ClusterError(
                         f"{name} exited at start; see {self.logs / (name + '.log')}\n"
@@ -596,6 +665,8 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"nodes not Ready after {timeout_s:.0f} s; see {self.logs}")
             time.sleep(0.1)
+        if cfg.node_kind == "real":
+            node.after_ready(cfg)
         return time.monotonic() - start
 
     def pod_pidfiles(self) -> Iterator[Path]:
@@ -614,6 +685,16 @@ class Cluster:
 
     def _down(self, timeout_s: float) -> None:
         running = self.running()
+        cfg = self.config()
+        if cfg is not None and cfg.node_kind == "real":
+            from dwdp_dev.devcluster import realnode
+
+            # nothing may re-create pods while the real node deletes them
+            stop_pids(
+                [running[n] for n in ("scheduler", "controller-manager") if n in running], timeout_s
+            )
+            realnode.RealNode(self).down(timeout_s)
+            running = self.running()
         kubelets = [pid for name, pid in running.items() if name.startswith("kubelet")]
         stop_pids(kubelets, timeout_s)
         pod_pids = [p for f in self.pod_pidfiles() if (p := read_pidfile(f)) is not None]
@@ -622,17 +703,22 @@ class Cluster:
             stop_pids([running[n] for n in stage if n in running], timeout_s)
         for pidfile in self.run.glob("*.pid") if self.run.exists() else []:
             pidfile.unlink(missing_ok=True)
-        cfg = self.config()
-        if cfg is not None:
+        if cfg is not None and cfg.node_kind != "real":
             remove_pod_route(cfg.pod_net)
 
     def status(self) -> dict:
         """Return a summary: state dir, components running, apiserver ready, nodes ready."""
         cfg = self.config()
         running = self.running()
-        names = list(COMPONENTS) + [f"kubelet-{i}" for i in range(cfg.nodes if cfg else 1)]
+        if cfg is not None and cfg.node_kind == "real":
+            from dwdp_dev.devcluster import realnode
+
+            names = list(COMPONENTS) + list(realnode.COMPONENTS)
+        else:
+            names = list(COMPONENTS) + [f"kubelet-{i}" for i in range(cfg.nodes if cfg else 1)]
         return {
             "state_dir": str(self.state_dir),
+            "node_kind": cfg.node_kind if cfg else "process",
             "kubeconfig": str(self.kubeconfig),
             "components": {n: running.get(n) for n in names},
             "apiserver_ready": self.apiserver_ready() if "apiserver" in running else False,

@@ -5,6 +5,7 @@ Files in ``<state>/pki``: ``ca.crt/.key`` (the cluster CA, also the client CA),
 ``admin.crt/.key`` (client, group system:masters), ``kubelet.crt/.key`` (the process
 kubelet's serving certificate, for ``kubectl logs``), and ``sa.key/.pub`` (the
 service-account token signing key). Existing files are kept, so ``up`` is idempotent.
+A real node adds :func:`ensure_node_pki`'s ``node``, ``node-serving`` and ``proxy``.
 """
 
 from __future__ import annotations
@@ -175,3 +176,33 @@ def ensure_pki(pki: Path) -> None:
                 serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
             )
         )
+
+
+def ensure_node_pki(pki: Path, node_name: str, node_ip: str) -> None:
+    """The real node's certificates under ``pki``: ``node.crt/.key`` (the kubelet's client:
+    ``system:node:<node_name>`` in ``system:nodes``, for the Node authorizer),
+    ``node-serving.crt/.key`` (the kubelet's serving certificate for ``node_ip``, 127.0.0.1
+    and the node name; issued again when the node IP changed) and ``proxy.crt/.key``
+    (kube-proxy's client, ``system:kube-proxy``)."""
+    ca = _load(pki, "ca")
+    serving = pki / "node-serving.crt"
+    if serving.exists():
+        cert = x509.load_pem_x509_certificate(serving.read_bytes())
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            ips = {str(i) for i in san.get_values_for_type(x509.IPAddress)}
+        except x509.ExtensionNotFound:
+            ips = set()
+        if node_ip not in ips:
+            serving.unlink()
+    _issue(pki, "node", _name(f"system:node:{node_name}", "system:nodes"), server=False, ca=ca)
+    _issue(
+        pki,
+        "node-serving",
+        _name(node_name),
+        server=True,
+        ca=ca,
+        dns=(node_name, "localhost"),
+        ips=(node_ip, "127.0.0.1"),
+    )
+    _issue(pki, "proxy", _name("system:kube-proxy"), server=False, ca=ca)
