@@ -1,0 +1,218 @@
+"""The opt-in real node (issue 36): a cluster started with ``node_kind="real"`` runs pods from
+the project's images with containerd + runc under the real kubelet, serves Services through
+kube-proxy with the Service CIDR routed to ``lo``, and ``down`` undoes every host change.
+
+The module has a cluster of its own (one real node per host), beside the session's
+process-kubelet cluster; its last test stops it and checks what is left on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dwdp_dev.devcluster import build, images, realnode, tools
+from dwdp_dev.devcluster.cluster import SERVICE_CIDR, Cluster
+from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
+
+# The pod's program: an HTTP server on port 8080 that answers its name and uid, and logs
+# its uid at start and each request (stderr) for `kubectl logs`.
+SERVER = textwrap.dedent(
+    """
+    import http.server, os
+    print("serving as uid", os.getuid(), flush=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = f"{os.environ['HOSTNAME']} uid={os.getuid()}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+    http.server.HTTPServer(("", 8080), H).serve_forever()
+    """
+)
+
+
+def _host_state() -> dict[str, str]:
+    """What the real node changes on the host: routes, links, iptables rules, sysctls."""
+    out = {
+        "routes": subprocess.run(["ip", "route"], capture_output=True, text=True).stdout,
+        "bridge": subprocess.run(
+            ["ip", "link", "show", realnode.BRIDGE], capture_output=True, text=True
+        ).stdout,
+        "iptables": "".join(
+            subprocess.run([ipt, "-S"], capture_output=True, text=True).stdout
+            for ipt in ("iptables", "ip6tables")
+        ),
+        "nat": subprocess.run(
+            ["iptables", "-t", "nat", "-S"], capture_output=True, text=True
+        ).stdout,
+    }
+    for key in ("net.ipv4.ip_forward", "net.ipv4.conf.all.route_localnet"):
+        out[key] = (Path("/proc/sys") / key.replace(".", "/")).read_text().strip()
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_cluster(operator_image: images.StoredImage) -> Iterator[TestCluster]:
+    """A cluster of its own with a real node that imported the operator image; stopped and
+    removed at the end of the module (the last test stops it first)."""
+    state = Path(tempfile.mkdtemp(prefix="dwdp-real-node-"))
+    c = Cluster(state)
+    before = _host_state()
+    try:
+        up_on_free_pod_net(c, build.build(), node_kind="real", node_images=["operator"])
+    except Exception as exc:
+        shutil.rmtree(state, ignore_errors=True)
+        pytest.fail(f"the real-node cluster did not start: {exc}", pytrace=False)
+    tc = TestCluster(c, tools.ensure_tools())
+    tc.host_before = before  # type: ignore[attr-defined]
+    try:
+        yield tc
+    finally:
+        c.down(timeout_s=10)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _node(cluster: TestCluster) -> dict:
+    cfg = cluster.cluster.config()
+    assert cfg is not None
+    return cluster.get("node", cfg.node_name)
+
+
+def test_node_is_real_and_ready(real_cluster: TestCluster) -> None:
+    """One Ready node run by containerd, with the fake GPUs patched in; the Service CIDR is
+    routed to lo; `dwdp dev status` reports the node's components."""
+    node = _node(real_cluster)
+    assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    assert node["status"]["nodeInfo"]["kubeletVersion"] == build.kubernetes_version()
+    assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
+    first = SERVICE_CIDR.split("/")[0].rsplit(".", 1)[0] + ".1"
+    route = subprocess.run(["ip", "route", "get", first], capture_output=True, text=True).stdout
+    assert " dev lo " in route, route
+    proc = subprocess.run(
+        [sys.executable, "-m", "dwdp", "dev", "status", "--state-dir", str(real_cluster.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    st = json.loads(proc.stdout)
+    assert st["node_kind"] == "real"
+    assert all(st["components"].values()), st["components"]
+
+
+def test_pod_runs_as_its_user_behind_a_service(
+    real_cluster: TestCluster, operator_image: images.StoredImage
+) -> None:
+    """A pod of the operator image with runAsUser 1000 runs as uid 1000 (seccomp, no
+    capabilities, read-only root, memory limit applied by runc); the host reaches it through
+    its Service's ClusterIP (routed to lo); `kubectl exec` and `kubectl logs` work."""
+    ns = "real-node"
+    real_cluster.kubectl("create", "namespace", ns)
+    real_cluster.wait_for(lambda: real_cluster.exists("serviceaccount", "default", ns), timeout=30)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "web", "labels": {"app": "web"}},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            "securityContext": {
+                "runAsUser": 1000,
+                "runAsGroup": 1000,
+                "runAsNonRoot": True,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "web",
+                    "image": operator_image.reference,
+                    "imagePullPolicy": "Never",
+                    "command": ["python3", "-u", "-c", SERVER],
+                    "ports": [{"containerPort": 8080}],
+                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                    "resources": {"limits": {"memory": "128Mi", "cpu": "500m"}},
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                }
+            ],
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+    real_cluster.apply(ns, pod, service)
+    real_cluster.kubectl(
+        "wait", "-n", ns, "--for=condition=Ready", "pod/web", "--timeout=90s", timeout=100
+    )
+
+    ip = real_cluster.get("service", "web", ns)["spec"]["clusterIP"]
+    route = subprocess.run(["ip", "route", "get", ip], capture_output=True, text=True).stdout
+    assert " dev lo " in route, route
+
+    def answer() -> str:
+        with urllib.request.urlopen(f"http://{ip}/", timeout=3) as resp:
+            return resp.read().decode()
+
+    assert real_cluster.wait_for(answer, timeout=30, message=f"{ip} answers") == "web uid=1000"
+
+    out = real_cluster.kubectl("exec", "-n", ns, "web", "--", "id", "-u").stdout
+    assert out.strip() == "1000"
+    status = real_cluster.kubectl("exec", "-n", ns, "web", "--", "cat", "/proc/1/status").stdout
+    assert re.search(r"^Uid:\s+1000\s+1000\s+1000\s+1000$", status, re.M), status
+    assert re.search(r"^Seccomp:\s+2$", status, re.M), status  # filter mode
+    assert re.search(r"^CapEff:\s+0+$", status, re.M), status
+    ro = real_cluster.kubectl("exec", "-n", ns, "web", "--", "touch", "/x", check=False)
+    assert ro.returncode != 0 and "Read-only file system" in ro.stderr + ro.stdout
+    limit = real_cluster.kubectl(
+        "exec",
+        "-n",
+        ns,
+        "web",
+        "--",
+        "sh",
+        "-c",
+        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
+        " || cat /sys/fs/cgroup/memory.max",
+    ).stdout
+    assert limit.strip() == str(128 * 2**20)
+
+    logs = real_cluster.kubectl("logs", "-n", ns, "web").stdout
+    assert "serving as uid 1000" in logs
+    assert '"GET / HTTP/1.1" 200' in logs
+
+
+def test_down_undoes_the_host_changes(real_cluster: TestCluster) -> None:
+    """`down` stops every process (pods, kubelet, kube-proxy, containerd and its shims) and
+    leaves routes, links, iptables rules and sysctls as they were before `up`; no mount
+    under the state folder is left."""
+    c = real_cluster.cluster
+    c.down(timeout_s=10)
+    assert c.running() == {}
+    after = _host_state()
+    before = real_cluster.host_before  # type: ignore[attr-defined]
+    assert after == before
+    mounts = Path("/proc/mounts").read_text()
+    assert str(c.state_dir) not in mounts and str(realnode.RUN_DIR) not in mounts
+    assert not realnode.RUN_DIR.exists()
+    shims = subprocess.run(
+        ["pgrep", "-f", f"containerd-shim.*{realnode.RUN_DIR}"], capture_output=True, text=True
+    ).stdout
+    assert shims == ""
