@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import socket
 import ssl
@@ -255,14 +256,21 @@ def free_pod_net(preferred: str) -> str:
     it; then the first ``100.N`` (N 65..127) that no cluster routes. Every cluster thus has
     a pod network of its own, and ``down`` of one never removes another's route. Raises
     ``ClusterError`` when all are taken."""
-    shown = subprocess.run(
-        ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
-    ).stdout
+    routed = routed_pod_nets()
     candidates = [preferred] + [f"100.{n}" for n in range(65, 128)]
     for net in candidates:
-        if f"local {net}.0.0/16 " not in shown + " ":
+        if net not in routed:
             return net
     raise ClusterError("every pod network 100.64-100.127 is routed by another cluster")
+
+
+def routed_pod_nets() -> set[str]:
+    """The ``100.N`` pod networks this host routes already, in any table: a process
+    kubelet's ``local 100.N.0.0/16 dev lo`` or a real node's bridge ``100.N.0.0/16``."""
+    shown = subprocess.run(
+        ["ip", "route", "show", "table", "all"], capture_output=True, text=True, check=False
+    ).stdout
+    return {f"100.{m}" for m in re.findall(r"(?:^|\s)100\.(\d+)\.", shown, re.MULTILINE)}
 
 
 def remove_pod_route(pod_net: str) -> None:

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import pytest
 
 from dwdp_dev.devcluster import build, images, tools
-from dwdp_dev.devcluster.cluster import Cluster
+from dwdp_dev.devcluster.cluster import Cluster, routed_pod_nets
 from dwdp_dev.devcluster.paths import REPO_ROOT
 
 T = TypeVar("T")
@@ -192,10 +192,8 @@ def up_on_free_pod_net(c: Cluster, binary: Path, **overrides: Any) -> None:
     demo can run side by side. What started is stopped if the start fails (the error is
     re-raised)."""
     if c.config() is None:
-        routes = subprocess.run(
-            ["ip", "route", "show", "table", "local"], capture_output=True, text=True, check=False
-        ).stdout
-        free = [n for n in range(65, 128) if f"local 100.{n}.0.0/16" not in routes]
+        routed = routed_pod_nets()
+        free = [n for n in range(65, 128) if f"100.{n}" not in routed]
         overrides["pod_net"] = f"100.{random.choice(free or [127])}"
     try:
         c.up(binary=binary, **overrides)
