@@ -636,6 +636,13 @@ class Cluster:
             raise build.BuildError("the control-plane binary is not built; run `dwdp dev build`")
         cfg = self._prepare(dict(overrides))
         running = self.running()
+        if cfg.node_kind == "real":
+            from dwdp_dev.devcluster import realnode
+
+            try:  # before any process starts
+                realnode.RealNode(self).preflight()
+            except realnode.RealNodeError as exc:
+                raise ClusterError(str(exc)) from None
         if "etcd" not in running:
             pid = self.spawn("etcd", self._component_cmd("etcd", cfg, binary))
             url = f"http://127.0.0.1:{cfg.etcd_port}/health"

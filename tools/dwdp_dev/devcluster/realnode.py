@@ -43,6 +43,7 @@ import shlex
 import shutil
 import ssl
 import subprocess
+import sys
 import tarfile
 import time
 import urllib.error
@@ -267,7 +268,13 @@ class RealNode:
         except OSError:
             return None
 
-    def _claim_host(self) -> None:
+    def preflight(self) -> None:
+        """Raise RealNodeError if this host cannot run the node now (see :func:`check_host`)
+        or another cluster's real node runs here; nothing is started or changed."""
+        check_host()
+        self._claim_host(claim=False)
+
+    def _claim_host(self, claim: bool = True) -> None:
         owner = self.owner()
         if (
             owner is not None
@@ -278,6 +285,8 @@ class RealNode:
                 f"another real node runs on this host (state {owner}); one per host:"
                 f" `dwdp dev down --state-dir {owner}` first"
             )
+        if not claim:
+            return
         RUN_DIR.mkdir(parents=True, exist_ok=True)
         (RUN_DIR / "owner").write_text(f"{self.state_dir}\n")
 
@@ -533,11 +542,13 @@ oom_score = 0
         for ref, entry in sorted(refs.items()):
             if cfg.node_images is not None and entry.get("name") not in cfg.node_images:
                 continue
-            stored, _why = images.lookup(ref)
+            stored, why = images.lookup(ref)
             if stored is None:
+                print(f"dwdp dev: real node: not importing {ref}: {why}", file=sys.stderr)
                 continue
             if any(ref in line and stored.digest in line for line in listed.splitlines()):
                 continue
+            print(f"dwdp dev: real node: importing {ref} into containerd", file=sys.stderr)
             repo = ref.rsplit(":", 1)[0]
             tar = subprocess.Popen(
                 ["tar", "-C", str(stored.layout), "-cf", "-", "."], stdout=subprocess.PIPE
@@ -604,8 +615,16 @@ oom_score = 0
     def down(self, timeout_s: float) -> None:
         """Stop the node and undo every host change (see the module docstring). The control
         plane must still run for the pods to be deleted through the API (else containerd's
-        tasks are killed directly)."""
+        tasks are killed directly). When another cluster's real node owns the host (this one
+        never started its node), only this cluster's own node processes are stopped: the
+        host-wide state is the other's."""
         running = self.cluster.running()
+        owner = self.owner()
+        if owner is not None and owner != self.state_dir:
+            stop_pids([running[n] for n in COMPONENTS if n in running], timeout_s)
+            for name in COMPONENTS:
+                (self.cluster.run / f"{name}.pid").unlink(missing_ok=True)
+            return
         binary = self._binary()
         if "containerd" in running and "node-kubelet" in running and "apiserver" in running:
             self.delete_pods(timeout_s)
@@ -628,14 +647,12 @@ oom_score = 0
         for ns in netns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
-        if self.owner() in (self.state_dir, None):
-            _sh("ip", "route", "del", SERVICE_CIDR, "dev", "lo", check=False)
+        _sh("ip", "route", "del", SERVICE_CIDR, "dev", "lo", check=False)
         self._iptables_down()
         self._restore_host()
         for name in COMPONENTS:
             (self.cluster.run / f"{name}.pid").unlink(missing_ok=True)
-        if self.owner() == self.state_dir:
-            shutil.rmtree(RUN_DIR, ignore_errors=True)
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
 
     def _binary(self) -> Path | None:
         with contextlib.suppress(build.BuildError):
