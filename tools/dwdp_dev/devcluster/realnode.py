@@ -625,7 +625,7 @@ oom_score = 0
             for name in COMPONENTS:
                 (self.cluster.run / f"{name}.pid").unlink(missing_ok=True)
             return
-        binary = self._binary()
+        binary = self._binary(running)
         if "containerd" in running and "node-kubelet" in running and "apiserver" in running:
             self.delete_pods(timeout_s)
         if "kube-proxy" in running:
@@ -654,7 +654,15 @@ oom_score = 0
             (self.cluster.run / f"{name}.pid").unlink(missing_ok=True)
         shutil.rmtree(RUN_DIR, ignore_errors=True)
 
-    def _binary(self) -> Path | None:
+    def _binary(self, running: dict[str, int]) -> Path | None:
+        """The binary the node runs (for ``kube-proxy --cleanup``): the running kubelet's or
+        kube-proxy's, else the built one of the current inputs."""
+        for name in ("kube-proxy", "node-kubelet"):
+            if name in running:
+                with contextlib.suppress(OSError):
+                    exe = Path(os.readlink(f"/proc/{running[name]}/exe"))
+                    if exe.is_file():
+                        return exe
         with contextlib.suppress(build.BuildError):
             return build.find_binary()
         return None

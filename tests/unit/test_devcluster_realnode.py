@@ -1,0 +1,100 @@
+"""The real node's files (issue 36), written without starting anything: the settings this
+host needs (cgroup v1, no systemd, no swap, no CAP_SYS_RESOURCE), the pause image archive
+containerd imports, and the apiserver flags that let pods reach it through its Service."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import yaml
+
+from dwdp_dev.devcluster import pki, realnode
+from dwdp_dev.devcluster.cluster import Cluster, ClusterConfig
+
+
+def _real_cfg() -> ClusterConfig:
+    return ClusterConfig(
+        apiserver_port=20001,
+        kubelet_port=20002,
+        node_healthz_port=20003,
+        proxy_healthz_port=20004,
+        proxy_metrics_port=20005,
+        pod_net="100.77",
+        node_kind="real",
+        node_ip="192.0.2.9",
+        node_dev="eth9",
+    )
+
+
+def test_configs_carry_the_settings_this_host_needs(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    pki.ensure_pki(c.pki)
+    cfg = _real_cfg()
+    realnode.RealNode(c)._write_configs(cfg)
+
+    kubelet = yaml.safe_load((tmp_path / "kubelet.yaml").read_text())
+    assert kubelet["failCgroupV1"] is False
+    assert kubelet["cgroupDriver"] == "cgroupfs"
+    assert kubelet["failSwapOn"] is False
+    assert kubelet["oomScoreAdj"] == 0
+    assert kubelet["imageGCHighThresholdPercent"] == 100
+    assert kubelet["authentication"]["anonymous"]["enabled"] is False
+    assert kubelet["containerRuntimeEndpoint"] == f"unix://{realnode.RUN_DIR}/containerd.sock"
+
+    containerd = (tmp_path / "containerd.toml").read_text()
+    assert "restrict_oom_score_adj = true" in containerd
+    assert "SystemdCgroup = false" in containerd
+    assert 'snapshotter = "overlayfs"' in containerd
+    assert f'sandbox_image = "{realnode.PAUSE_IMAGE}"' in containerd
+
+    proxy = yaml.safe_load((tmp_path / "kube-proxy.yaml").read_text())
+    assert proxy["mode"] == "iptables" and proxy["oomScoreAdj"] == 0
+    assert proxy["conntrack"]["maxPerCore"] == 0
+
+    cni = json.loads((tmp_path / "cni" / "net.d" / "10-dwdp.conflist").read_text())
+    bridge = cni["plugins"][0]
+    assert bridge["bridge"] == realnode.BRIDGE and bridge["ipMasq"] is False
+    assert bridge["ipam"]["ranges"] == [[{"subnet": "100.77.0.0/16"}]]
+
+    # the kubelet's serving certificate names the node IP
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((c.pki / "node-serving.crt").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "192.0.2.9" in {str(i) for i in san.get_values_for_type(x509.IPAddress)}
+
+
+def test_apiserver_flags_of_a_real_node(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    cmd = c._component_cmd("apiserver", _real_cfg(), Path("/bin/devcluster"))
+    assert "--bind-address=0.0.0.0" in cmd
+    assert "--advertise-address=192.0.2.9" in cmd
+    assert "--endpoint-reconciler-type=lease" in cmd
+    process = c._component_cmd("apiserver", ClusterConfig(), Path("/bin/devcluster"))
+    assert "--bind-address=127.0.0.1" in process
+    assert "--advertise-address=127.0.0.1" in process
+    assert "--endpoint-reconciler-type=none" in process
+
+
+def test_guards_drop_forwarding_and_the_ports_on_the_default_device(tmp_path: Path) -> None:
+    rules = realnode.RealNode(Cluster(tmp_path))._guard_rules(_real_cfg())
+    flat = [" ".join([ipt, *r]) for ipt, r in rules]
+    assert any(r.startswith("iptables FORWARD -i eth9") and r.endswith("DROP") for r in flat)
+    assert any(r.startswith("iptables FORWARD -o eth9") and r.endswith("DROP") for r in flat)
+    assert any("INPUT -i eth9" in r and "20001,20002" in r for r in flat)
+    assert all(realnode.GUARD in r for r in flat)
+
+
+def test_pause_archive_is_an_oci_layout_naming_the_sandbox_image(tmp_path: Path) -> None:
+    binary = tmp_path / "pause"
+    binary.write_bytes(b"\x7fELF-not-really")
+    with tarfile.open(fileobj=io.BytesIO(realnode.pause_archive(binary))) as tar:
+        names = tar.getnames()
+        index = json.loads(tar.extractfile("index.json").read())  # type: ignore[union-attr]
+    assert "oci-layout" in names
+    (entry,) = index["manifests"]
+    assert entry["annotations"]["io.containerd.image.name"] == realnode.PAUSE_IMAGE
+    assert f"blobs/sha256/{entry['digest'][7:]}" in names
