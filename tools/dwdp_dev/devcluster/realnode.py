@@ -155,6 +155,21 @@ def service_route_ok(service_cidr: str) -> bool:
     return " dev lo " in _sh("ip", "route", "get", first, check=False) + " "
 
 
+def _check_service_routes() -> None:
+    """Raise RealNodeError if the host routes any address of the Service CIDR elsewhere
+    than ``lo`` (the real node routes all of it to ``lo``, and ``down`` removes that)."""
+    ours = f"{SERVICE_CIDR} dev lo"
+    shown = _sh("ip", "route", "show", "table", "all", "root", SERVICE_CIDR)
+    others = [
+        ln.strip() for ln in shown.splitlines() if ln.strip() and not ln.strip().startswith(ours)
+    ]
+    if others:
+        raise RealNodeError(
+            f"this host routes addresses of the Service CIDR {SERVICE_CIDR} already"
+            f" ({'; '.join(others)}); the real node routes all of it to lo"
+        )
+
+
 # ----------------------------------------------------------------------------- images
 def pause_archive(binary: Path) -> bytes:
     """A one-layer OCI image archive (what ``ctr image import`` reads) of the static pause
@@ -272,6 +287,7 @@ class RealNode:
         """Raise RealNodeError if this host cannot run the node now (see :func:`check_host`)
         or another cluster's real node runs here; nothing is started or changed."""
         check_host()
+        _check_service_routes()
         self._claim_host(claim=False)
 
     def _claim_host(self, claim: bool = True) -> None:
@@ -470,8 +486,9 @@ oom_score = 0
         return rules
 
     def _network_up(self, cfg: ClusterConfig) -> None:
+        _check_service_routes()
         if not service_route_ok(SERVICE_CIDR):
-            _sh("ip", "route", "replace", SERVICE_CIDR, "dev", "lo")
+            _sh("ip", "route", "add", SERVICE_CIDR, "dev", "lo")
         if not service_route_ok(SERVICE_CIDR):
             raise RealNodeError(f"the Service CIDR {SERVICE_CIDR} is not routed to lo")
         for ipt, rule in self._guard_rules(cfg):
