@@ -163,6 +163,10 @@ def test_pod_runs_as_its_user_behind_a_service(
         "wait", "-n", ns, "--for=condition=Ready", "pod/web", "--timeout=90s", timeout=100
     )
 
+    status = real_cluster.get("pod", "web", ns)["status"]["containerStatuses"][0]
+    repo = operator_image.reference.rsplit(":", 1)[0]
+    assert status["imageID"] == f"{repo}@{operator_image.digest}"  # the store's manifest
+
     ip = real_cluster.get("service", "web", ns)["spec"]["clusterIP"]
     route = subprocess.run(["ip", "route", "get", ip], capture_output=True, text=True).stdout
     assert " dev lo " in route, route

@@ -10,7 +10,7 @@ What it adds to the host, and what :meth:`RealNode.down` takes away again (issue
   a sandbox's oom_score_adj otherwise);
 - images: a static pause built from ``go/pause`` and every image of the local OCI store that
   is current (:func:`images.lookup`), imported into containerd's ``k8s.io`` namespace under
-  their references; unchanged ones are not imported again;
+  their references and ``<repo>@<manifest digest>``; unchanged ones are not imported again;
 - the kubelet (``failCgroupV1: false``, ``cgroupDriver: cgroupfs``, ``failSwapOn: false``,
   ``oomScoreAdj: 0``, image GC off: the images cannot be pulled again), registered with a
   ``system:node:<name>`` client certificate; its serving certificate names the node IP;
@@ -596,6 +596,9 @@ oom_score = 0
                 )
             if ref not in self.ctr("images", "ls", "-q").split():
                 raise RealNodeError(f"{stored.layout} was imported, but not as {ref}")
+            # also by digest, as an image pulled from a registry: the kubelet then reports
+            # `<repo>@<manifest digest>` as the containers' imageID
+            self.ctr("images", "tag", "--force", ref, f"{repo}@{stored.digest}")
             done.append(ref)
         return done
 

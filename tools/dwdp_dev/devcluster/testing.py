@@ -7,6 +7,10 @@
   free ports and its own pod network, so it never clashes with a running demo cluster; stops
   it (every process, pods included) and removes the folder at the end. Set
   ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead.
+  ``DWDP_TEST_NODE=real`` (opt-in, a trial of issue 36) gives it a real node (containerd,
+  kubelet, kube-proxy; see realnode.py) instead of the process kubelet; tests that read the
+  process kubelet's files (``TestCluster.pod_log``) or run ``tests/cluster/test_real_node.py``
+  (a real node of its own: one per host) do not work then.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
   after the test.
 - ``operator_image`` (session): the operator image in the local OCI store
@@ -182,7 +186,8 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
         return TestCluster(c, tools_bin), False
     state = state_dir or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-"))
     c = Cluster(state)
-    up_on_free_pod_net(c, binary)
+    node_kind = os.environ.get("DWDP_TEST_NODE", "process")
+    up_on_free_pod_net(c, binary, **({"node_kind": node_kind} if node_kind != "process" else {}))
     return TestCluster(c, tools_bin), True
 
 
