@@ -104,6 +104,17 @@ def test_a_quantization_the_worker_does_not_run_is_refused(tmp_path, method):
     assert "'fp8'" in line and "[128, 128]" in line and "bfloat16" in line
 
 
+@pytest.mark.parametrize(("edit", "said"), [
+    (lambda c: c.update(quantization_config="fp8"),
+     "quantization_config: 'fp8' is not a mapping"),
+    (lambda c: c["quantization_config"].pop("quant_method"),
+     "quantization_config.quant_method: missing"),
+])
+def test_a_quantization_config_of_the_wrong_form_is_refused(tmp_path, edit, said):
+    line = _refusal(_edit(_fp8(tmp_path, "qwen3_moe"), config=edit))
+    assert "config.json" in line and said in line
+
+
 @pytest.mark.parametrize(("field", "value", "said"), [
     ("weight_block_size", [64, 64], "weight_block_size: [64, 64]"),
     ("activation_scheme", "static", "activation_scheme: 'static'"),

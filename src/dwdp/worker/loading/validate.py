@@ -127,12 +127,18 @@ def load_config(path: str | Path) -> Any:
     ``config.json``, unknown model type)."""
     from transformers import AutoConfig
 
+    from dwdp.worker.quant.fp8 import QuantizationError, config_fields
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"checkpoint {path}: config.json not found")
     try:
-        json.loads((path / "config.json").read_text())
+        raw = json.loads((path / "config.json").read_text())
+        if isinstance(raw, dict) and raw.get("quantization_config") is not None:
+            config_fields(raw["quantization_config"])  # transformers' own error names nothing
         return AutoConfig.from_pretrained(str(path))
+    except QuantizationError as exc:
+        raise CheckpointError(f"checkpoint {path / 'config.json'}: {exc}") from exc
     except Exception as exc:
         line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"checkpoint {path}: config.json: {line}") from exc

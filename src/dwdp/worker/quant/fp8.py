@@ -79,7 +79,12 @@ def scheme_of(config: Any) -> Fp8Scheme | None:
     raw = getattr(config, "quantization_config", None)
     if raw is None:
         return None
-    fields: Mapping[str, Any] = raw if isinstance(raw, Mapping) else raw.to_dict()
+    fields = config_fields(raw)
+    if "quant_method" not in fields:
+        raise QuantizationError(
+            f"quantization_config.quant_method: missing; the worker runs {METHOD!r} with "
+            f"weight_block_size {list(BLOCK)} (DeepSeek-V3's block-scaled FP8)"
+        )
     method = fields.get("quant_method")
     if method != METHOD:
         raise QuantizationError(
@@ -105,6 +110,18 @@ def scheme_of(config: Any) -> Fp8Scheme | None:
             f"quantization_config.fmt: {fmt!r} is not run; FP8 weights are float8_e4m3fn ('e4m3')"
         )
     return Fp8Scheme(BLOCK, tuple(fields.get("modules_to_not_convert") or ()))
+
+
+def config_fields(raw: Any) -> Mapping[str, Any]:
+    """``quantization_config`` (config.json's object, or transformers' config of it) as a
+    mapping. Raises :class:`QuantizationError` when it is not one."""
+    fields = raw if isinstance(raw, Mapping) else getattr(raw, "to_dict", lambda: None)()
+    if not isinstance(fields, Mapping):
+        raise QuantizationError(
+            f"quantization_config: {raw!r} is not a mapping (expected an object with "
+            f"quant_method: {METHOD!r} and weight_block_size {list(BLOCK)})"
+        )
+    return fields
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
