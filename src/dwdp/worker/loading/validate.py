@@ -152,7 +152,6 @@ def meta_model(config: Any, dtype: Any = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dwdp.worker.models.base import EXPERT_PARAMS
     from dwdp.worker.quant.fp8 import quantize_meta_model, scheme_of
 
     scheme = scheme_of(config)
@@ -160,7 +159,7 @@ def meta_model(config: Any, dtype: Any = None) -> Any:
         model = AutoModelForCausalLM.from_config(
             config, dtype=getattr(config, "dtype", None) if dtype is None else dtype)
     if scheme is not None:
-        quantize_meta_model(model, scheme, EXPERT_PARAMS)
+        quantize_meta_model(model, scheme)
     return model
 
 

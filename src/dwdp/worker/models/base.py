@@ -15,8 +15,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from dwdp.worker.quant.fp8 import SCALE_SUFFIX
-
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -25,6 +23,10 @@ if TYPE_CHECKING:
 class UnsupportedArchitectureError(ValueError):
     """The model's architecture has no adapter for the DWDP feature that was asked for."""
 
+
+SCALE_SUFFIX = "_scale_inv"
+"""A block-scaled FP8 weight's scale: its name plus this (``weight_scale_inv``,
+``gate_up_proj_scale_inv``; ``dwdp.worker.quant.fp8``)."""
 
 EXPERT_PARAMS: tuple[str, str] = ("gate_up_proj", "down_proj")
 """The fused expert tables of a transformers 5 experts module: ``gate_up_proj`` of shape
@@ -158,10 +160,7 @@ class ArchitectureAdapter:
     def is_moe_layer(self, layer: nn.Module) -> bool:
         """True when the decoder layer's MLP is a fused-experts MoE block."""
         block = getattr(layer, self.moe_block_attr, None)
-        experts = getattr(block, "experts", None)
-        return all(
-            getattr(getattr(experts, p, None), "dim", lambda: 0)() == 3 for p in EXPERT_PARAMS
-        )
+        return is_fused_experts(getattr(block, "experts", None))
 
     def moe_layers(self, model: nn.Module) -> list[MoeLayer]:
         """Every MoE decoder layer of ``model``, in execution order (first dense layers and
@@ -278,6 +277,12 @@ class ArchitectureAdapter:
             "num_experts": moe[0].num_experts if moe else 0,
             "dense_roots": self.has_dense_roots,
         }
+
+
+def is_fused_experts(module: Any) -> bool:
+    """True for a transformers 5 fused experts module: every :data:`EXPERT_PARAMS` table is
+    3-D ([E, ...])."""
+    return all(getattr(getattr(module, p, None), "dim", lambda: 0)() == 3 for p in EXPERT_PARAMS)
 
 
 def expert_param_names(experts: Any) -> tuple[str, ...]:

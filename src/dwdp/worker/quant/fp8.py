@@ -33,13 +33,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dwdp.worker.models.base import EXPERT_PARAMS, SCALE_SUFFIX, is_fused_experts
+
 METHOD = "fp8"
 """The ``quant_method`` this module runs."""
 BLOCK = (128, 128)
 """The weight block (rows, columns) one scale covers: the one the kernels run."""
-SCALE_SUFFIX = "_scale_inv"
-"""A scale's name: its weight's name plus this (``weight_scale_inv``,
-``gate_up_proj_scale_inv``)."""
 WEIGHT_DTYPE = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
 
@@ -150,10 +149,10 @@ def is_quantized(name: str, tensor: Any) -> bool:
     return str(tensor.dtype).removeprefix("torch.") == WEIGHT_DTYPE or name.endswith(SCALE_SUFFIX)
 
 
-def quantize_meta_model(model: Any, scheme: Fp8Scheme, experts_params: tuple[str, ...]) -> int:
+def quantize_meta_model(model: Any, scheme: Fp8Scheme) -> int:
     """Turn ``model`` (built on the meta device) into its FP8 form before the load: each
     converted linear layer's ``weight`` becomes FP8 and gains ``weight_scale_inv``, each fused
-    experts module's tables ``experts_params`` likewise (``gate_up_proj_scale_inv``, ...), and
+    experts module's tables (``EXPERT_PARAMS``) likewise (``gate_up_proj_scale_inv``, ...), and
     each gets the FP8 forward. Returns the number of modules converted.
 
     Raises :class:`QuantizationError` for an experts module whose expert width is not a
@@ -167,15 +166,14 @@ def quantize_meta_model(model: Any, scheme: Fp8Scheme, experts_params: tuple[str
             _convert(module, ("weight",), scheme.block)
             module.forward = types.MethodType(_linear_forward, module)  # type: ignore[method-assign]
             count += 1
-        elif all(getattr(getattr(module, p, None), "dim", lambda: 0)() == 3
-                 for p in experts_params) and scheme.converts(name):
+        elif is_fused_experts(module) and scheme.converts(name):
             width = module.down_proj.shape[-1]
             if width % scheme.block[0]:
                 raise QuantizationError(
                     f"{name}: the experts' width (moe_intermediate_size) {width} is not a "
                     f"multiple of the FP8 block {scheme.block[0]}"
                 )
-            _convert(module, experts_params, scheme.block)
+            _convert(module, EXPERT_PARAMS, scheme.block)
             module.forward = types.MethodType(_experts_forward, module)
             count += 1
     return count
