@@ -19,3 +19,9 @@ SERVER_PORT = 8000
 """HTTP port of a pod's local rank 0 (``server.port``; local rank k serves port + k)."""
 ROUTER_PORT = 8000
 """Port of the router's OpenAI API (``router.port``, the Service's)."""
+VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
+"""The vLLM versions whose NIXL connector a context rank speaks (``kvTransfer.vllm.version``;
+the first is the default)."""
+VLLM_SIDE_CHANNEL_PORT = 5600
+"""vLLM's default NIXL side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``;
+``kvTransfer.vllm.sideChannelPort``)."""

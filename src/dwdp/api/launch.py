@@ -32,6 +32,8 @@ from dwdp.api.defaults import (
     MAX_BATCH_SIZE,
     MAX_NUM_TOKENS,
     SERVER_PORT,
+    VLLM_SIDE_CHANNEL_PORT,
+    VLLM_VERSIONS,
 )
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
 from dwdp.api.errors import Problem, RuleViolations, first_per_field
@@ -43,9 +45,11 @@ __all__ = [
     "Dtype",
     "EngineSpec",
     "KvCacheConfig",
+    "KvTransferConfig",
     "LaunchConfig",
     "LaunchError",
     "LaunchModel",
+    "VllmConnectorConfig",
     "dense_mode",
     "launch_message",
     "launch_problem",
@@ -189,6 +193,62 @@ class KvCacheConfig(ApiModel):
         return self
 
 
+class VllmConnectorConfig(ApiModel):
+    """vLLM's NIXL connector spoken by a context rank, so that unmodified vLLM decode servers
+    (``--kv-transfer-config`` with ``NixlConnector`` as ``kv_consumer``) read the KV it
+    prefilled: vLLM's ZMQ side channel, its compatibility hash and its KV layout."""
+
+    version: str = Field(
+        default=VLLM_VERSIONS[0],
+        max_length=32,
+        description="The decode servers' vLLM version; its NIXL connector is the one spoken. "
+        f"Supported: {', '.join(VLLM_VERSIONS)}.",
+    )
+    side_channel_port: int = Field(
+        default=VLLM_SIDE_CHANNEL_PORT,
+        strict=True,
+        ge=1,
+        le=65535,
+        description="Port of the rank's ZMQ side channel (vLLM's "
+        "VLLM_NIXL_SIDE_CHANNEL_PORT); local rank k listens on sideChannelPort + k, on the "
+        "pod's address only (the channel authenticates no peer: keep it behind the "
+        "NetworkPolicy).",
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="The decode servers' --model string, part of vLLM's compatibility hash; "
+        "unset: model.path.",
+    )
+    hybrid_kv_cache_manager: Bool = Field(
+        default=True,
+        description="Whether the decode servers run vLLM's hybrid KV cache manager (its "
+        "default with the NIXL connector); false with --disable-hybrid-kv-cache-manager. "
+        "Part of the compatibility hash.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> VllmConnectorConfig:
+        if self.version not in VLLM_VERSIONS:
+            rule = (f"the NIXL connector of vLLM {', '.join(VLLM_VERSIONS)} is the one "
+                    "spoken; other versions are refused")
+            raise RuleViolations([Problem(("version",), self.version, rule)])
+        return self
+
+
+class KvTransferConfig(ApiModel):
+    """Who reads a context rank's KV cache: dwdp generation servers (the rank's NIXL agent
+    and its HTTP side channel), or with ``vllm`` unmodified vLLM decode servers."""
+
+    vllm: VllmConnectorConfig | None = Field(
+        default=None,
+        description="Serve unmodified vLLM decode servers through vLLM's NIXL connector (in "
+        "place of dwdp generation servers); unset: dwdp generation servers. Context servers "
+        "only.",
+    )
+
+
 class EngineSpec(ApiModel):
     """Engine switches of a rank; the other switches of earlier specs (torchCompile,
     overlapScheduler, lora, speculativeDecoding, sleepMode) are refused as dropped fields."""
@@ -261,6 +321,7 @@ class LaunchConfig(ApiModel):
         "model's max_position_embeddings.",
     )
     kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig)
+    kv_transfer: KvTransferConfig = Field(default_factory=KvTransferConfig)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     server_port: int = Field(
         default=SERVER_PORT,
@@ -321,16 +382,22 @@ def launch_problems(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> li
 
 
 def _role_problems(cfg: LaunchConfig) -> list[Problem]:
-    """Dense DWDP on a generation server."""
+    """Dense DWDP, or vLLM's side channel, on a generation server."""
+    problems = []
     if cfg.dwdp.enable_dense and cfg.role is Role.GENERATION:
-        return [
-            Problem(
-                ("dwdp", "enableDense"),
-                True,
-                "dense DWDP is for context (prefill) servers; a generation server refuses it",
-            )
-        ]
-    return []
+        problems.append(Problem(
+            ("dwdp", "enableDense"),
+            True,
+            "dense DWDP is for context (prefill) servers; a generation server refuses it",
+        ))
+    if cfg.kv_transfer.vllm is not None and cfg.role is Role.GENERATION:
+        problems.append(Problem(
+            ("kvTransfer", "vllm"),
+            cfg.kv_transfer.vllm.version,
+            "vLLM decode servers read a context (prefill) server's KV; a generation server "
+            "has none to give: leave kvTransfer.vllm unset",
+        ))
+    return problems
 
 
 def _dense_mode_problems(cfg: LaunchConfig) -> list[Problem]:

@@ -325,23 +325,41 @@ def attach_kv_events(engine: Any, events: KvEventsConfig | None,
     return publisher.close
 
 
-def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: ApiKey) -> None:
+def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: ApiKey,
+                       local_rank: int = 0) -> None:
     """Give a context or generation rank its NIXL KV transfer; it advertises the pod's address
-    (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod)."""
+    (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod). With
+    ``kvTransfer.vllm`` the rank serves vLLM decode servers: vLLM's ZMQ side channel on the
+    advertised address, port ``sideChannelPort + local_rank``."""
     from dwdp.worker.disagg.agent import KvAgent
     from dwdp.worker.disagg.transfer import KvTransfer
 
     advertise = advertised_host(host)
     layers = int(engine.model.config.get_text_config().num_hidden_layers)
-    engine.attach_kv_transfer(
-        lambda cache: KvTransfer(
+    lease_s = float(cfg.kv_cache.transfer_lease_seconds)
+    vllm = cfg.kv_transfer.vllm
+
+    def make(cache: Any) -> KvTransfer:
+        producer = None
+        if vllm is not None:
+            from dwdp.worker.disagg.vllm_nixl import VllmInterop, VllmProducer
+
+            interop = VllmInterop(model=vllm.model or cfg.model.path, version=vllm.version,
+                                  port=vllm.side_channel_port + local_rank,
+                                  hma=vllm.hybrid_kv_cache_manager)
+            producer = VllmProducer(cache, interop, num_layers=layers, host=advertise,
+                                    lease_s=lease_s)
+        return KvTransfer(
             KvAgent(cache, model=engine.model_name, num_layers=layers),
-            host=advertise,
-            port=port,
-            api_key=api_key,
-            lease_s=float(cfg.kv_cache.transfer_lease_seconds),
+            host=advertise, port=port, api_key=api_key, lease_s=lease_s, vllm=producer,
         )
-    )
+
+    engine.attach_kv_transfer(make)
+    if vllm is not None:
+        log.info("KV transfer ready for vLLM %s decode servers: NIXL agent %s, ZMQ side "
+                 "channel %s:%d", vllm.version, engine.kv.vllm.engine_id, advertise,
+                 vllm.side_channel_port + local_rank)
+        return
     log.info(
         "KV transfer ready: NIXL agent %s, side channel %s:%d",
         engine.kv.endpoint.engine_id,
@@ -492,7 +510,7 @@ def run_worker(opts: WorkerOptions) -> int:
             on_fatal=on_fatal,
         )
         if cfg.role in (Role.CONTEXT, Role.GENERATION):
-            attach_kv_transfer(engine, cfg, opts.host, port, api_key)
+            attach_kv_transfer(engine, cfg, opts.host, port, api_key, local_rank)
         stop_engine = engine.stop
         close_events = attach_kv_events(engine, cfg.kv_cache.events, opts.host)
         if cuda_graphs:

@@ -245,3 +245,23 @@ def test_launch_config_rendered_from_a_deployment() -> None:
     assert again == ctx
     with pytest.raises(ValueError):
         launch_config_for(dep.spec, Role.AGGREGATED)
+
+
+def test_vllm_side_channel_settings() -> None:
+    cfg = launch(role="context", kvTransfer={"vllm": {}})
+    vllm = cfg.kv_transfer.vllm
+    assert (vllm.version, vllm.side_channel_port, vllm.model) == ("0.32.0", 5600, None)
+    assert vllm.hybrid_kv_cache_manager is True
+    validate_launch(cfg)
+    with pytest.raises(ValidationError) as err:
+        launch(kvTransfer={"vllm": {"version": "0.33.0"}})
+    [problem] = problems_from_validation_error(err.value)
+    assert problem.where == "kvTransfer.vllm.version" and problem.value == "0.33.0"
+    assert "vLLM 0.32.0 is the one spoken" in problem.rule
+
+
+def test_generation_refuses_the_vllm_side_channel() -> None:
+    cfg = launch(role="generation", kvTransfer={"vllm": {"sideChannelPort": 5601}})
+    problem = launch_problem(cfg)
+    assert problem is not None and problem.where == "kvTransfer.vllm"
+    assert "a generation server has none to give" in problem.rule

@@ -50,18 +50,17 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from dwdp.api.defaults import VLLM_SIDE_CHANNEL_PORT, VLLM_VERSIONS
 from dwdp.worker.disagg.agent import TransferError
 
 log = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.32.0"
-VLLM_VERSIONS: tuple[str, ...] = (VLLM_VERSION,)
-"""The vLLM versions whose NIXL connector this module speaks."""
+VLLM_VERSION = VLLM_VERSIONS[0]
 NIXL_CONNECTOR_VERSION = 14
+"""vLLM 0.32.0's ``NIXL_CONNECTOR_VERSION`` (part of the compatibility hash)."""
 WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 """Bind addresses refused for the side channel: it authenticates no peer (vLLM's protocol has
 no credentials), so it listens on one address only."""
-"""vLLM 0.32.0's ``NIXL_CONNECTOR_VERSION`` (part of the compatibility hash)."""
 GET_META_MSG = b"get_meta_msg"
 CPU_ATTN = "CPU_ATTN"
 CPU_ATTN_BLOCK_SIZE = 128
@@ -94,7 +93,7 @@ class VllmInterop:
 
     model: str
     version: str = VLLM_VERSION
-    port: int = 5600
+    port: int = VLLM_SIDE_CHANNEL_PORT
     hma: bool = True
     cache_dtype: str = "auto"
 
