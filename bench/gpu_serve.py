@@ -6,7 +6,8 @@ One run: it writes a seeded Qwen3-MoE checkpoint (``--layers`` layers of 128 exp
 (uvicorn on 127.0.0.1) with, in turn: the continuous engine on replicated weights, the wave
 engine on replicated weights, then (after every rank attached expert + dense DWDP, 2 slots,
 gather copies) the continuous engine as a DWDP rank; the other ranks wait. Each is driven at
-concurrency 1, 8 and 32 by streaming clients (aiohttp) sending mixed requests: prompts of 32 to
+concurrency 1, 8 and 32 by streaming clients (aiohttp, in a process of their own) sending
+mixed requests: prompts of 32 to
 2048 token ids and 16 to 512 output tokens (EOS ignored), drawn from one seed, so every engine
 serves the same work. Reported per engine and concurrency: requests/s, time to first token
 (p50/p99), inter-token latency (p50) and output tokens/s. transformers' ``generate`` (batches of
@@ -118,14 +119,31 @@ def serving(engine) -> Iterator[str]:
         thread.join(60)
 
 
+def _drive_workload(base: str, n: int, vocab: int, seed: int, concurrency: int,
+                    max_output: int) -> dict:
+    """``drive`` over ``workload(n, vocab, seed)`` (in a client process: ``MAX_OUTPUT`` is
+    set here, since a spawned process starts from the module's default)."""
+    MAX_OUTPUT[0] = max_output
+    return asyncio.run(drive(base, workload(n, vocab, seed), concurrency))
+
+
 def serve_and_drive(engine, per_slot: int, vocab: int,
                     levels: tuple[int, ...] = LEVELS) -> list[dict]:
     """The engine behind the OpenAI app on a free loopback port, at every concurrency of
-    ``levels``."""
-    with serving(engine) as base:
-        asyncio.run(drive(base, workload(2, vocab, 99), 2))  # warm-up
-        return [asyncio.run(drive(base, workload(max(4, c * per_slot), vocab, c), c))
-                for c in levels]
+    ``levels``. The clients run in another process (spawned, without torch), so their
+    parsing of the streams does not take the serving process's interpreter lock: the
+    figures are the server's, as a remote client would see them."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    spawn = multiprocessing.get_context("spawn")
+    with serving(engine) as base, ProcessPoolExecutor(1, mp_context=spawn) as clients:
+        def run(n: int, seed: int, c: int) -> dict:
+            return clients.submit(_drive_workload, base, n, vocab, seed, c,
+                                  MAX_OUTPUT[0]).result()
+
+        run(2, 99, 2)  # warm-up
+        return [run(max(4, c * per_slot), c, c) for c in levels]
 
 
 def generate_baseline(model, per_slot: int, vocab: int,
