@@ -167,3 +167,32 @@ def test_an_image_name_that_is_no_folder_name_is_one_clear_error(name, capsys) -
     assert out.out == ""
     assert out.err.count("\n") == 1 and f"no image {name!r}" in out.err
     assert "lowercase letters, digits and '-'" in out.err
+
+
+def test_a_rebuild_frees_the_superseded_image_before_it_builds(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """The worker image's build needs some 40 GB free at its peak: the copies it replaces
+    (layout and unpacked root, 10 GB) go before the build, not after (CI ran out of disk);
+    the other image's copies stay."""
+    monkeypatch.setenv("DWDP_CACHE_DIR", str(tmp_path))
+    store = tmp_path / "images"
+    refs = {}
+    for name, digest in (("worker", "sha256:" + "a" * 64), ("operator", "sha256:" + "b" * 64)):
+        (store / "oci" / f"dwdp-{name}-old").mkdir(parents=True)
+        (store / "rootfs" / digest[7:39]).mkdir(parents=True)
+        refs[images.reference(name)] = {"name": name, "layout": str(store / "oci" /
+                                        f"dwdp-{name}-old"), "tag": "0.1.0", "digest": digest}
+    (store / "refs.json").write_text(json.dumps(refs))
+    seen: list[set[str]] = []
+
+    def build(name, layout, tag, progress):
+        seen.append({p.name for p in (store / "oci").iterdir()}
+                    | {p.name for p in (store / "rootfs").iterdir()})
+        (layout / "blobs").mkdir(parents=True)
+        return "sha256:" + "c" * 64
+
+    monkeypatch.setattr(images, "_build", build)
+    monkeypatch.setattr(images, "_index_tag", lambda layout, tag: None)
+    images.build_image("worker")
+    assert seen == [{"dwdp-operator-old", "b" * 32}]  # the worker's old copies were gone
+    assert images._read_refs()[images.reference("worker")]["digest"] == "sha256:" + "c" * 64

@@ -370,6 +370,7 @@ def build_image(
         if digest:
             _say(progress, f"images: {ref} up to date ({layout.name})")
         else:
+            _drop_superseded(name, layout)
             digest = _build(name, layout, tag, progress)
         refs = _read_refs()
         entry = {
@@ -387,6 +388,21 @@ def build_image(
                 shutil.rmtree(old, ignore_errors=True)
         _prune_rootfs({_rootfs_key(str(e["digest"])) for e in refs.values()})
     return StoredImage(ref, layout, tag, digest)
+
+
+def _drop_superseded(name: str, keep: Path) -> None:
+    """Before a build of ``name``: its other stored layouts, its entry in the refs and the
+    unpacked roots no entry needs any more (unless a pod still mounts one) go now rather than
+    after the build. The build needs several times the image's size free at its peak (vfs
+    copies of both stages, the committed layer, the pushed layout, then the unpacked root: some
+    40 GB for the worker image), and the superseded copies of a worker image are 10 GB."""
+    refs = _read_refs()
+    if refs.pop(reference(name), None) is not None:
+        _write_refs(refs)
+    for old in (store_dir() / "oci").glob(f"dwdp-{name}-*"):
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+    _prune_rootfs({_rootfs_key(str(e["digest"])) for e in refs.values()})
 
 
 def _rootfs_key(digest: str) -> str:
