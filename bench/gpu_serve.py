@@ -102,11 +102,18 @@ async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) 
 @contextlib.contextmanager
 def serving(engine) -> Iterator[str]:
     """The (started) engine behind the OpenAI app on a free loopback port; yields its URL."""
-    import uvicorn
-
     from dwdp.worker.server.app import build_app
 
-    app = build_app(engine, served_name="bench")
+    with serving_app(build_app(engine, served_name="bench")) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def serving_app(app) -> Iterator[str]:
+    """``app`` under uvicorn (a thread of this process) on a free loopback port; yields its
+    URL."""
+    import uvicorn
+
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -23,7 +23,7 @@ from dwdp.worker.disagg.agent import KV_AGENT_PATH, LeaseError
 from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
 from dwdp.worker.engine.protocol import EngineClient
 from dwdp.worker.server.guard import RequestGuard
-from dwdp.worker.server.metrics import ServerMetrics
+from dwdp.worker.server.metrics import RequestCounter, ServerMetrics
 from dwdp.worker.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -212,7 +212,7 @@ def build_app(
     app.state.releases = set()  # lease releases in flight (kept until done)
     app.add_middleware(RequestGuard, api_key=api_key)
     _add_error_handlers(app)
-    _add_request_counter(app, metrics)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: guard refusals count
     _add_openai_routes(app)
     _add_probe_routes(app)
     _add_kv_routes(app)
@@ -237,18 +237,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
-
-
-def _add_request_counter(app: FastAPI, metrics: ServerMetrics) -> None:
-    """``dwdp_requests`` by route and status code."""
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Any) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", "other")
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
 
 
 def _add_openai_routes(app: FastAPI) -> None:

@@ -8,8 +8,8 @@ bookkeeping twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -154,3 +154,33 @@ class ServerMetrics:
         scrape = _ScrapeCollector(engine, dwdp, memory)
         self.registry.register(scrape)
         self.registry.register(VllmNames(engine, [scrape, self.latency, self.ttft, self.itl]))
+
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class RequestCounter:
+    """ASGI middleware counting ``dwdp_requests`` by route and status code as each answer
+    starts. Plain ASGI: Starlette's ``BaseHTTPMiddleware`` would pass every chunk of a
+    streamed answer through a memory stream and a task switch on the event loop, the loop that
+    also streams every other request's tokens."""
+
+    def __init__(self, app: Callable[[Message, Receive, Send], Awaitable[None]],
+                 metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                route = getattr(scope.get("route"), "path", "other")  # set by the router
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)

@@ -509,7 +509,14 @@ async def _collect(stream: AsyncGenerator[RequestOutput, None]) -> _Result:
 async def _merge(
     firsts: list[RequestOutput], streams: list[AsyncGenerator[RequestOutput, None]]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, update) of every stream in arrival order, the ``firsts`` first."""
+    """(choice index, update) of every stream in arrival order, the ``firsts`` first. One
+    stream (``n`` = 1, nearly every request) is read in place: no task and no wait per token."""
+    if len(streams) == 1:
+        yield 0, firsts[0]
+        if not firsts[0].finished:
+            async for out in streams[0]:
+                yield 0, out
+        return
     pending: dict[asyncio.Task[RequestOutput | None], int] = {}
     for i, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
         yield i, first
