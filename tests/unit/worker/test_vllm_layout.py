@@ -224,3 +224,34 @@ def test_the_producer_refuses_a_cache_before_it_starts_anything():
     with pytest.raises(VllmInteropError, match=r"layer 1 caches \(1, 64\)"):
         staging_layout(cache, LAYERS)
     assert staging_layout(_cache("bfloat16", 64, 16, 2, seed=0), LAYERS, "amx")[0].kernel == "amx"
+
+
+def test_a_bfloat16_host_producer_stages_amx_blocks_and_says_so():
+    """The producer over a real bfloat16 PagedKVCache with ``cpu_kernel='amx'``: its staging
+    blocks hold ``staged_blocks`` in the amx layout, its agent metadata and hash name
+    CPU_ATTN, 128-token blocks, LBHNC and DRAM (real NIXL, real ZMQ)."""
+    pytest.importorskip("nixl")
+    pytest.importorskip("zmq")
+    from dwdp.worker.disagg.vllm_nixl import VllmProducer
+    from dwdp_dev.worker.servers import free_port
+
+    cache = _cache("bfloat16", 64, 16, 12, seed=3)
+    interop = VllmInterop(model="/m", port=free_port(), cpu_kernel="amx")
+    producer = VllmProducer(cache, interop, num_layers=LAYERS, host="127.0.0.1", lease_s=30)
+    try:
+        blocks = [11, 2, 7, 0, 5, 1, 3, 4, 6, 8]
+        staged = producer.stage("r", blocks, 150)
+        assert len(staged) == 2
+        for layer in range(LAYERS):
+            want = staged_blocks(cache, layer, blocks, 150, LAYOUTS["amx"])
+            assert torch.equal(producer.staging[layer][staged], want)
+        meta = producer.agent_metadata()
+        assert (meta["attn_backend_name"], meta["block_size"], meta["kv_cache_layout"]) == (
+            "CPU_ATTN", 128, "LBHNC")
+        assert meta["region_mem_types"] == ["DRAM"] * LAYERS and meta["device_id"] == 0
+        assert meta["block_lens"] == [HEADS * 2 * 128 * 64 * 2] * LAYERS
+        assert producer.hash == compatibility_hash(model="/m", dtype="torch.bfloat16",
+                                                   num_kv_heads=HEADS, head_size=64,
+                                                   num_layers=LAYERS, attn_backend="CPU_ATTN")
+    finally:
+        producer.close()

@@ -232,7 +232,7 @@ class VllmProducer:
                 "own address (vLLM's side channel authenticates no peer)"
             )
         layout, self.heads, self.head_dim = staging_layout(cache, num_layers, interop.cpu_kernel)
-        if cache.device.type == "cpu":
+        if layout.mem_type == "DRAM":
             os.environ.setdefault("UCX_TLS", "tcp")  # pods share no memory (see agent.py)
         try:
             from nixl._api import nixl_agent, nixl_agent_config
