@@ -139,15 +139,20 @@ def amx_supported() -> bool:
     return bool(probe()) if probe is not None else False
 
 
+def check_cpu_kernel(setting: str) -> str:
+    """``setting`` when it is one of ``CPU_KERNELS``; ``ValueError`` (one line) otherwise."""
+    if setting not in CPU_KERNELS:
+        raise ValueError(f"vLLM interop: cpu_kernel {setting!r}; one of {', '.join(CPU_KERNELS)}")
+    return setting
+
+
 def cpu_kernel_for(dtype: str, setting: str, amx: bool | None = None) -> str:
     """The CPU attention kernel a vLLM 0.32.0 decode host runs for ``dtype``: ``setting``
     (``CPU_KERNELS``) when it names one, else vLLM's ``_get_attn_isa`` on x86 with head sizes
     that are multiples of 32: ``amx`` for bfloat16 where ``amx`` (default: this host has AMX
     tiles), ``vec`` otherwise. ``ValueError`` (one line) for an unknown setting or ``amx``
     with another dtype (vLLM runs AMX for bfloat16 only)."""
-    if setting not in CPU_KERNELS:
-        raise ValueError(f"vLLM interop: cpu_kernel {setting!r}; one of {', '.join(CPU_KERNELS)}")
-    if setting == "amx" and dtype != "torch.bfloat16":
+    if check_cpu_kernel(setting) == "amx" and dtype != "torch.bfloat16":
         raise ValueError(f"vLLM interop: cpu_kernel 'amx' with KV cache dtype {dtype}; vLLM "
                          "runs its AMX attention for torch.bfloat16 only (use 'vec')")
     if setting != "auto":

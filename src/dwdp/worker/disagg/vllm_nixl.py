@@ -52,9 +52,12 @@ from typing import Any
 
 from dwdp.api.defaults import VLLM_SIDE_CHANNEL_PORT, VLLM_VERSIONS
 from dwdp.worker.disagg.agent import TransferError
-from dwdp.worker.disagg.vllm_layout import CPU_KERNELS, VllmLayout, layout_for, to_cpu_attn_blocks
-
-__all__ = ["to_cpu_attn_blocks"]  # re-exported: the CPU_ATTN vec layout lives in vllm_layout
+from dwdp.worker.disagg.vllm_layout import (
+    VllmLayout,
+    check_cpu_kernel,
+    layout_for,
+    to_cpu_attn_blocks,  # noqa: F401 (its old home)
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +106,10 @@ class VllmInterop:
 
     def __post_init__(self) -> None:
         check_version(self.version)
-        if self.cpu_kernel not in CPU_KERNELS:
-            raise VllmInteropError(
-                f"vLLM interop: cpu_kernel {self.cpu_kernel!r}; one of {', '.join(CPU_KERNELS)}"
-            )
+        try:
+            check_cpu_kernel(self.cpu_kernel)
+        except ValueError as exc:
+            raise VllmInteropError(str(exc)) from None
         if self.cache_dtype != "auto":
             raise VllmInteropError(
                 f"vLLM --kv-cache-dtype {self.cache_dtype}: only 'auto' (the model's dtype) "
