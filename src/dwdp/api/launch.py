@@ -227,6 +227,14 @@ class VllmConnectorConfig(ApiModel):
         "default with the NIXL connector); false with --disable-hybrid-kv-cache-manager. "
         "Part of the compatibility hash.",
     )
+    cpu_attention_kernel: Literal["auto", "vec", "amx"] = Field(
+        default="auto",
+        description="A context rank on the host: the CPU attention kernels of the decode "
+        "servers' hosts, whose KV layout the rank stages (vLLM picks them by host; its "
+        "handshake does not say which): amx for bfloat16 on hosts with AMX tiles, vec "
+        "otherwise; auto: the one vLLM picks on the rank's own host. A rank on a GPU stages "
+        "FLASH_ATTN's layout and ignores it.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> VllmConnectorConfig:
@@ -374,6 +382,7 @@ def launch_problems(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> li
     return first_per_field(
         [
             *_role_problems(cfg),
+            *_vllm_kernel_problems(cfg),
             *worker_limit_problems(view, Scope.LAUNCH),
             *_dense_mode_problems(cfg),
             *_dense_roots_problems(cfg, dense_roots),
@@ -398,6 +407,16 @@ def _role_problems(cfg: LaunchConfig) -> list[Problem]:
             "has none to give: leave kvTransfer.vllm unset",
         ))
     return problems
+
+
+def _vllm_kernel_problems(cfg: LaunchConfig) -> list[Problem]:
+    """vLLM's AMX attention layout asked of a model whose dtype is not bfloat16."""
+    vllm, dtype = cfg.kv_transfer.vllm, cfg.model.dtype
+    if vllm is None or vllm.cpu_attention_kernel != "amx" or dtype in ("auto", "bfloat16"):
+        return []
+    why = (f"vLLM runs its AMX attention for bfloat16 only and model.dtype is {dtype}: "
+           "use vec or auto")
+    return [Problem(("kvTransfer", "vllm", "cpuAttentionKernel"), "amx", why)]
 
 
 def _dense_mode_problems(cfg: LaunchConfig) -> list[Problem]:

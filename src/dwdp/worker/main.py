@@ -346,7 +346,8 @@ def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: Api
 
             interop = VllmInterop(model=vllm.model or cfg.model.path, version=vllm.version,
                                   port=vllm.side_channel_port + local_rank,
-                                  hma=vllm.hybrid_kv_cache_manager)
+                                  hma=vllm.hybrid_kv_cache_manager,
+                                  cpu_kernel=vllm.cpu_attention_kernel)
             producer = VllmProducer(cache, interop, num_layers=layers, host=advertise,
                                     lease_s=lease_s)
         return KvTransfer(

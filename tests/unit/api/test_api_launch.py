@@ -260,6 +260,21 @@ def test_vllm_side_channel_settings() -> None:
     assert "vLLM 0.32.0 is the one spoken" in problem.rule
 
 
+def test_the_vllm_amx_layout_needs_a_bfloat16_model() -> None:
+    cfg = launch(role="context", kvTransfer={"vllm": {}})
+    assert cfg.kv_transfer.vllm.cpu_attention_kernel == "auto"
+    for dtype in ("auto", "bfloat16"):
+        validate_launch(launch(role="context", model={"path": "/m", "dtype": dtype},
+                               kvTransfer={"vllm": {"cpuAttentionKernel": "amx"}}))
+    cfg = launch(role="context", model={"path": "/m", "dtype": "float32"},
+                 kvTransfer={"vllm": {"cpuAttentionKernel": "amx"}})
+    problem = launch_problem(cfg)
+    assert problem is not None and problem.where == "kvTransfer.vllm.cpuAttentionKernel"
+    assert "bfloat16 only and model.dtype is float32" in problem.rule
+    with pytest.raises(ValidationError):
+        launch(kvTransfer={"vllm": {"cpuAttentionKernel": "avx512"}})
+
+
 def test_generation_refuses_the_vllm_side_channel() -> None:
     cfg = launch(role="generation", kvTransfer={"vllm": {"sideChannelPort": 5601}})
     problem = launch_problem(cfg)

