@@ -152,6 +152,59 @@ def to_cpu_attn_blocks(keys: Any, values: Any, block_size: int = CPU_ATTN_BLOCK_
     )
 
 
+def from_cpu_attn_blocks(
+    blocks: Any, dim: int, block_size: int = CPU_ATTN_BLOCK_SIZE
+) -> tuple[Any, Any]:
+    """The inverse of ``to_cpu_attn_blocks``: ``blocks`` [n, heads, 2 x block_size x dim] as
+    (keys, values), each [n x block_size, heads, dim] (contiguous)."""
+    n, heads, _ = blocks.shape
+    half = block_size * dim
+    k = blocks[:, :, :half].reshape(n, heads, dim, block_size).permute(0, 3, 1, 2)
+    v = blocks[:, :, half:].reshape(n, heads, block_size, dim).permute(0, 2, 1, 3)
+    return (k.reshape(n * block_size, heads, dim), v.reshape(n * block_size, heads, dim))
+
+
+def zmq_path(host: str, port: int) -> str:
+    """The ZMQ TCP address of a side channel (an IPv6 host in brackets)."""
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{port}"
+
+
+def cache_shape(cache: Any, num_layers: int) -> tuple[int, int]:
+    """(KV heads, head_dim) of a ``PagedKVCache`` that vLLM's CPU attention layout can hold:
+    on the host, every layer's K and V [slots, heads, head_dim] alike, head_dim a multiple of
+    32; ``VllmInteropError`` naming what differs otherwise."""
+    if cache.device.type != "cpu":
+        raise VllmInteropError(
+            f"vLLM interop: the KV cache is on {cache.device}; only the CPU attention "
+            "layout of vLLM is implemented"
+        )
+    _, heads, head_dim = (int(d) for d in cache.layers[0][0].shape)
+    for i in range(num_layers):
+        for t in cache.layers[i]:
+            if tuple(t.shape[1:]) != (heads, head_dim):
+                raise VllmInteropError(
+                    f"vLLM interop: layer {i} caches {tuple(t.shape[1:])}, not "
+                    f"(heads, head_dim) = {(heads, head_dim)} like layer 0"
+                )
+    if head_dim % 32:
+        raise VllmInteropError(
+            f"vLLM interop: head_dim {head_dim}; vLLM's CPU attention blocks need a "
+            "multiple of 32"
+        )
+    return heads, head_dim
+
+
+def cache_slots(block_table: list[int], block_size: int, num_tokens: int) -> Any:
+    """The slot index of each of the first ``num_tokens`` tokens of a dwdp block table
+    (``block_size`` tokens a block): a [num_tokens] int64 tensor."""
+    import torch
+
+    blocks = torch.tensor(block_table, dtype=torch.int64)
+    slots = blocks[:, None] * block_size + torch.arange(block_size)[None, :]
+    return slots.reshape(-1)[:num_tokens]
+
+
 @dataclass(slots=True)
 class _Lease:
     staging: list[int]
@@ -191,11 +244,7 @@ class VllmProducer:
                 f"vLLM interop: side channel host {host!r} is a wildcard; bind it to the pod's "
                 "own address (vLLM's side channel authenticates no peer)"
             )
-        if cache.device.type != "cpu":
-            raise VllmInteropError(
-                f"vLLM interop: the KV cache is on {cache.device}; only the CPU attention "
-                "layout of vLLM is implemented"
-            )
+        self.heads, self.head_dim = cache_shape(cache, num_layers)
         os.environ.setdefault("UCX_TLS", "tcp")
         try:
             from nixl._api import nixl_agent, nixl_agent_config
@@ -207,19 +256,6 @@ class VllmProducer:
         self.lease_s = lease_s
         self.engine_id = f"dwdp-vllm-{uuid.uuid4().hex[:12]}"
         k0 = cache.layers[0][0]
-        _, self.heads, self.head_dim = (int(d) for d in k0.shape)
-        for i in range(num_layers):
-            for t in cache.layers[i]:
-                if tuple(t.shape[1:]) != (self.heads, self.head_dim):
-                    raise VllmInteropError(
-                        f"vLLM interop: layer {i} caches {tuple(t.shape[1:])}, not "
-                        f"(heads, head_dim) = {(self.heads, self.head_dim)} like layer 0"
-                    )
-        if self.head_dim % 32:
-            raise VllmInteropError(
-                f"vLLM interop: head_dim {self.head_dim}; vLLM's CPU attention blocks need a "
-                "multiple of 32"
-            )
         self.dtype = k0.dtype
         self.num_layers = num_layers
         bs = cache.block_size
@@ -308,10 +344,9 @@ class VllmProducer:
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.RCVTIMEO, 200)
             sock.setsockopt(zmq.LINGER, 0)
-            host = f"[{self.host}]" if ":" in self.host else self.host
             if ":" in self.host:
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.bind(f"tcp://{host}:{self.interop.port}")
+            sock.bind(zmq_path(self.host, self.interop.port))
         except Exception as exc:  # bind errors, one line to the constructor
             self._error = exc
             self._ready.set()
@@ -355,7 +390,6 @@ class VllmProducer:
         the staging buffer is full."""
         import torch
 
-        bs = self.cache.block_size
         need = max(1, math.ceil(num_tokens / CPU_ATTN_BLOCK_SIZE))
         with self._lock:
             if need > len(self._free):
@@ -363,11 +397,9 @@ class VllmProducer:
                     f"vLLM staging buffer full: {need} blocks needed, {len(self._free)} free"
                 )
             staging = [self._free.pop() for _ in range(need)]
-        device = self.staging[0].device
-        slots = (torch.tensor(blocks, device=device)[:, None] * bs
-                 + torch.arange(bs, device=device)[None, :]).reshape(-1)[:num_tokens]
+        slots = cache_slots(blocks, self.cache.block_size, num_tokens)
         pad = need * CPU_ATTN_BLOCK_SIZE - num_tokens
-        index = torch.tensor(staging, device=device)
+        index = torch.tensor(staging)
         for i in range(self.num_layers):
             k, v = (t.index_select(0, slots) for t in self.cache.layers[i])
             if pad:
