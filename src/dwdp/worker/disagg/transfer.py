@@ -14,6 +14,9 @@ API key: both sides of one deployment share it), claiming the request's lease th
 token (which extends it; 410 when it is gone, 403 for another token); before any block is read
 the side channel's engine must be the params' ``remote_engine_id`` and the lease's blocks their
 ``remote_block_ids`` (``LeaseError`` naming the field otherwise); ``load`` reads the blocks.
+A vLLM prefill server's answer (``KvTransferParams.from_vllm``) goes to the ``VllmReader``
+(``dwdp.worker.disagg.vllm_reader``) of a server with ``kvTransfer.vllm``, and is refused (400)
+by one without.
 
 [Note: lease binding] A reader gets blocks only from the engine that granted the lease, only
 the lease's blocks, and only with the lease's token: params mixing a real lease with another

@@ -29,6 +29,9 @@ decode side a ``kv_consumer``) expects of a prefill server, and what this module
   notification ``"<request_id>:<n>"`` arrives ``n`` times, or the lease (``lease_s``) expires;
   heartbeats ``"HB:<id>,<id>"`` extend it by ``lease_s`` from their arrival.
 
+The reverse direction, a dwdp generation server reading a vLLM prefill server, is
+``dwdp.worker.disagg.vllm_reader`` (it shares this module's constants, hash and layout).
+
 To move to the next vLLM: read the metadata module of its NIXL connector
 (``vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata``: ``NIXL_CONNECTOR_VERSION``,
 ``NixlAgentMetadata``, ``compute_nixl_compatibility_hash``) and its base scheduler (the
