@@ -27,6 +27,7 @@ from dwdp.worker.disagg.vllm_nixl import (  # noqa: E402
     VllmInteropError,
     VllmProducer,
     compatibility_hash,
+    from_cpu_attn_blocks,
     to_cpu_attn_blocks,
 )
 from dwdp.worker.engine.kv_connector import KvTransferParams  # noqa: E402
@@ -87,6 +88,14 @@ def test_cpu_attn_blocks_put_k_transposed_then_v_per_head():
     assert torch.equal(blocks[1, h, 128 * dim :].view(128, dim)[2], v[t, h])
 
 
+@pytest.mark.parametrize("block_size", [128, 32])
+def test_cpu_attn_blocks_read_back_into_keys_and_values(block_size):
+    k = torch.randn(2 * block_size, 2, 32)
+    v = torch.randn(2 * block_size, 2, 32)
+    keys, values = from_cpu_attn_blocks(to_cpu_attn_blocks(k, v, block_size), 32, block_size)
+    assert torch.equal(keys, k) and torch.equal(values, v)
+
+
 def test_vllm_block_id_groups_are_accepted_and_written_back():
     params = KvTransferParams.model_validate({
         "do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
@@ -98,6 +107,20 @@ def test_vllm_block_id_groups_are_accepted_and_written_back():
     vllm_shaped = params.model_copy(update={"transfer_mode": "pull"})
     assert vllm_shaped.model_dump()["remote_block_ids"] == [[1, 2]]
     assert params.model_dump()["remote_block_ids"] == [1, 2]
+
+
+def test_vllms_prefill_answer_needs_no_lease_token_but_dwdps_does():
+    answer = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
+              "remote_request_id": "r", "remote_block_ids": [[0, 1]], "remote_host": "h",
+              "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+              "remote_num_tokens": 150, "remote_blocks_expiry_time": None,
+              "transfer_mode": "pull"}  # vLLM 0.32.0's request_finished, as vllm-router copies it
+    params = KvTransferParams.model_validate(answer)
+    assert params.from_vllm and params.block_ids == [0, 1]
+    with pytest.raises(ValueError, match=r"remote_lease_token\n.*required with"):
+        KvTransferParams.model_validate({**answer, "transfer_mode": None})
+    dwdp = KvTransferParams.model_validate({**answer, "remote_lease_token": "t"})
+    assert not dwdp.from_vllm
 
 
 @pytest.fixture(scope="module")

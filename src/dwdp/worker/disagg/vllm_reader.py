@@ -180,12 +180,13 @@ class VllmReader:
                 f"kv_transfer_params.remote_block_ids: {len(params.block_ids)} blocks of "
                 f"{engine.block_size} tokens hold fewer than remote_num_tokens {tokens}",
             )
-        bad = next((b for b in params.block_ids if b >= engine.num_blocks[0]), None)
+        limit = min(engine.num_blocks)
+        bad = next((b for b in params.block_ids if b >= limit), None)
         if bad is not None:
             raise LeaseError(
                 400,
                 f"kv_transfer_params.remote_block_ids: block {bad}, but {engine_id} has "
-                f"{engine.num_blocks[0]} blocks",
+                f"{limit} blocks",
             )
         with self._lock:
             engine.pending[str(params.remote_request_id)] = time.monotonic()
@@ -313,6 +314,11 @@ class VllmReader:
                 "host memory (DRAM) only"
             )
         blocks = meta.get("region_num_blocks") or [meta.get("num_blocks")] * self.num_layers
+        if not isinstance(meta.get("agent_metadata"), bytes) or not all(
+                isinstance(n, int) for n in blocks):
+            raise VllmInteropError(
+                f"vLLM engine {engine_id}: no NIXL agent_metadata bytes or block counts"
+            )
         try:
             with self._lock:
                 name = self._agent.add_remote_agent(meta["agent_metadata"])
