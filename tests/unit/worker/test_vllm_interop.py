@@ -334,3 +334,32 @@ def test_a_silent_side_channel_ends_the_request_in_one_line(tmp_path):
         message = answer.json()["error"]["message"]
         assert message.startswith("kv_transfer_params.remote_lease_token: required")
         assert "set kvTransfer.vllm" in message
+
+
+@pytest.mark.parametrize("role", ["generation", "context"])
+def test_the_launch_config_gives_each_role_its_side_of_vllms_connector(tmp_path, role):
+    """kvTransfer.vllm through the worker's attach_kv_transfer: a generation rank gets the
+    reader (hashing model.path as the prefill servers' --model), a context rank the producer."""
+    from dwdp.api.launch import LaunchConfig
+    from dwdp.worker.apikey import ApiKey
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp.worker.main import attach_kv_transfer
+
+    ck = make_checkpoint("qwen3_moe", tmp_path / "q", num_experts=4, num_layers=2,
+                         hidden_size=64, head_dim=32, moe_width=32)
+    model, tok = load_checkpoint(ck)
+    engine = ContinuousEngine(model, tok, model_name="m", config=EngineConfig(max_model_len=512))
+    cfg = LaunchConfig.model_validate({"model": {"path": str(ck)}, "role": role, "kvTransfer": {
+        "vllm": {"sideChannelPort": _free_port()}}})
+    attach_kv_transfer(engine, cfg, "127.0.0.1", _free_port(), ApiKey(None))
+    try:
+        kv = engine.kv
+        side = kv.vllm_reader if role == "generation" else kv.vllm
+        assert side is not None and (kv.vllm is None or kv.vllm_reader is None)
+        assert side.hash == compatibility_hash(
+            model=str(ck), dtype=str(engine.runner.cache.dtype), num_kv_heads=2, head_size=32,
+            num_layers=2)
+    finally:
+        engine.kv.close()
