@@ -104,9 +104,11 @@ class VllmReader:
 
     ``cache``: the engine's ``PagedKVCache`` (every layer allocated, on the host);
     ``interop``: the prefill servers' vLLM version, ``--model`` string and hybrid KV cache
-    manager setting (``port`` unused: each answer names its side channel); ``timeout_s``: the
-    longest a handshake answer or a READ may take. Raises ``VllmInteropError`` for a cache
-    vLLM's CPU layout cannot hold and ``TransferError`` when NIXL cannot start.
+    manager setting (``port`` unused: each answer names its side channel);
+    ``staging_tokens``: tokens a layer of the staging buffer holds (one READ); ``timeout_s``:
+    the longest one READ may take, ``handshake_timeout_s`` a side channel's answer (seconds);
+    ``heartbeat_s``: seconds between heartbeats. Raises ``VllmInteropError`` for a cache vLLM's
+    CPU layout cannot hold and ``TransferError`` when NIXL cannot start.
     """
 
     def __init__(
