@@ -194,14 +194,16 @@ class KvCacheConfig(ApiModel):
 
 
 class VllmConnectorConfig(ApiModel):
-    """vLLM's NIXL connector spoken by a context rank, so that unmodified vLLM decode servers
-    (``--kv-transfer-config`` with ``NixlConnector`` as ``kv_consumer``) read the KV it
-    prefilled: vLLM's ZMQ side channel, its compatibility hash and its KV layout."""
+    """The other tier is vLLM: vLLM's NIXL connector spoken with unmodified vLLM servers
+    (``--kv-transfer-config`` with ``NixlConnector``). A context rank serves vLLM decode
+    servers (``kv_consumer``) the KV it prefilled (vLLM's ZMQ side channel, its compatibility
+    hash and its KV layout); a generation server reads the KV vLLM prefill servers
+    (``kv_producer``) computed, handshaking on the side channel their answers name."""
 
     version: str = Field(
         default=VLLM_VERSIONS[0],
         max_length=32,
-        description="The decode servers' vLLM version; its NIXL connector is the one spoken. "
+        description="The vLLM servers' version; its NIXL connector is the one spoken. "
         f"Supported: {', '.join(VLLM_VERSIONS)}.",
     )
     side_channel_port: int = Field(
@@ -209,21 +211,23 @@ class VllmConnectorConfig(ApiModel):
         strict=True,
         ge=1,
         le=65535,
-        description="Port of the rank's ZMQ side channel (vLLM's "
+        description="Port of a context rank's ZMQ side channel (vLLM's "
         "VLLM_NIXL_SIDE_CHANNEL_PORT); local rank k listens on sideChannelPort + k, on the "
         "pod's address only (the channel authenticates no peer: keep it behind the "
-        "NetworkPolicy).",
+        "NetworkPolicy). Unused on a generation server: each prefill answer names the vLLM "
+        "server's side channel.",
     )
     model: str | None = Field(
         default=None,
         min_length=1,
         max_length=4096,
-        description="The decode servers' --model string, part of vLLM's compatibility hash; "
-        "unset: model.path.",
+        description="The vLLM servers' --model string (decode servers for a context rank, "
+        "prefill servers for a generation server), part of vLLM's compatibility hash; unset: "
+        "model.path.",
     )
     hybrid_kv_cache_manager: Bool = Field(
         default=True,
-        description="Whether the decode servers run vLLM's hybrid KV cache manager (its "
+        description="Whether the vLLM servers run vLLM's hybrid KV cache manager (its "
         "default with the NIXL connector); false with --disable-hybrid-kv-cache-manager. "
         "Part of the compatibility hash.",
     )
@@ -246,14 +250,16 @@ class VllmConnectorConfig(ApiModel):
 
 
 class KvTransferConfig(ApiModel):
-    """Who reads a context rank's KV cache: dwdp generation servers (the rank's NIXL agent
-    and its HTTP side channel), or with ``vllm`` unmodified vLLM decode servers."""
+    """Which servers the other tier runs: dwdp servers (NIXL agents and HTTP side channels
+    with lease tokens), or with ``vllm`` unmodified vLLM servers."""
 
     vllm: VllmConnectorConfig | None = Field(
         default=None,
-        description="Serve unmodified vLLM decode servers through vLLM's NIXL connector (in "
-        "place of dwdp generation servers); unset: dwdp generation servers. Context servers "
-        "only.",
+        description="The other tier is vLLM, spoken through vLLM's NIXL connector: a context "
+        "server serves unmodified vLLM decode servers, a generation server reads from "
+        "unmodified vLLM prefill servers (in place of dwdp servers; a generation server still "
+        "reads dwdp context servers' answers, which carry a lease token). Unset: dwdp servers "
+        "only. Refused on an aggregated server, which moves no KV.",
     )
 
 
@@ -391,7 +397,7 @@ def launch_problems(cfg: LaunchConfig, *, dense_roots: bool | None = None) -> li
 
 
 def _role_problems(cfg: LaunchConfig) -> list[Problem]:
-    """Dense DWDP, or vLLM's side channel, on a generation server."""
+    """Dense DWDP on a generation server; vLLM's NIXL connector on an aggregated one."""
     problems = []
     if cfg.dwdp.enable_dense and cfg.role is Role.GENERATION:
         problems.append(Problem(
@@ -399,12 +405,13 @@ def _role_problems(cfg: LaunchConfig) -> list[Problem]:
             True,
             "dense DWDP is for context (prefill) servers; a generation server refuses it",
         ))
-    if cfg.kv_transfer.vllm is not None and cfg.role is Role.GENERATION:
+    if cfg.kv_transfer.vllm is not None and cfg.role is Role.AGGREGATED:
         problems.append(Problem(
             ("kvTransfer", "vllm"),
             cfg.kv_transfer.vllm.version,
-            "vLLM decode servers read a context (prefill) server's KV; a generation server "
-            "has none to give: leave kvTransfer.vllm unset",
+            "vLLM's NIXL connector moves KV between a prefill and a decode tier; an "
+            "aggregated server prefills and decodes itself and moves none: leave "
+            "kvTransfer.vllm unset",
         ))
     return problems
 

@@ -329,8 +329,9 @@ def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: Api
                        local_rank: int = 0) -> None:
     """Give a context or generation rank its NIXL KV transfer; it advertises the pod's address
     (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod). With
-    ``kvTransfer.vllm`` the rank serves vLLM decode servers: vLLM's ZMQ side channel on the
-    advertised address, port ``sideChannelPort + local_rank``."""
+    ``kvTransfer.vllm`` the other tier is vLLM: a context rank serves vLLM decode servers
+    (vLLM's ZMQ side channel on the advertised address, port ``sideChannelPort +
+    local_rank``); a generation rank reads from vLLM prefill servers (``VllmReader``)."""
     from dwdp.worker.disagg.agent import KvAgent
     from dwdp.worker.disagg.transfer import KvTransfer
 
@@ -338,25 +339,35 @@ def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: Api
     layers = int(engine.model.config.get_text_config().num_hidden_layers)
     lease_s = float(cfg.kv_cache.transfer_lease_seconds)
     vllm = cfg.kv_transfer.vllm
+    reads = cfg.role is Role.GENERATION
 
     def make(cache: Any) -> KvTransfer:
-        producer = None
+        producer = reader = None
         if vllm is not None:
             from dwdp.worker.disagg.vllm_nixl import VllmInterop, VllmProducer
+            from dwdp.worker.disagg.vllm_reader import VllmReader
 
             interop = VllmInterop(model=vllm.model or cfg.model.path, version=vllm.version,
                                   port=vllm.side_channel_port + local_rank,
                                   hma=vllm.hybrid_kv_cache_manager,
                                   cpu_kernel=vllm.cpu_attention_kernel)
-            producer = VllmProducer(cache, interop, num_layers=layers, host=advertise,
-                                    lease_s=lease_s)
+            if reads:
+                reader = VllmReader(cache, interop, num_layers=layers)
+            else:
+                producer = VllmProducer(cache, interop, num_layers=layers, host=advertise,
+                                        lease_s=lease_s)
         return KvTransfer(
             KvAgent(cache, model=engine.model_name, num_layers=layers),
             host=advertise, port=port, api_key=api_key, lease_s=lease_s, vllm=producer,
+            vllm_reader=reader,
         )
 
     engine.attach_kv_transfer(make)
-    if vllm is not None:
+    if vllm is not None and reads:
+        log.info("KV transfer ready to read vLLM %s prefill servers: NIXL agent %s (vLLM), "
+                 "compatibility hash %s", vllm.version, engine.kv.vllm_reader.engine_id,
+                 engine.kv.vllm_reader.hash)
+    elif vllm is not None:
         log.info("KV transfer ready for vLLM %s decode servers: NIXL agent %s, ZMQ side "
                  "channel %s:%d", vllm.version, engine.kv.vllm.engine_id, advertise,
                  vllm.side_channel_port + local_rank)

@@ -275,8 +275,13 @@ def test_the_vllm_amx_layout_needs_a_bfloat16_model() -> None:
         launch(kvTransfer={"vllm": {"cpuAttentionKernel": "avx512"}})
 
 
-def test_generation_refuses_the_vllm_side_channel() -> None:
-    cfg = launch(role="generation", kvTransfer={"vllm": {"sideChannelPort": 5601}})
+def test_the_vllm_tier_on_both_disaggregated_roles_and_not_aggregated() -> None:
+    # a generation server reads from vLLM prefill servers (the prefill servers' --model)
+    gen = launch(role="generation", kvTransfer={"vllm": {"model": "Qwen/Qwen3-30B-A3B"}})
+    assert launch_problem(gen) is None
+    validate_launch(gen)
+    assert gen.kv_transfer.vllm.model == "Qwen/Qwen3-30B-A3B"
+    cfg = launch(role="aggregated", kvTransfer={"vllm": {"sideChannelPort": 5601}})
     problem = launch_problem(cfg)
     assert problem is not None and problem.where == "kvTransfer.vllm"
-    assert "a generation server has none to give" in problem.rule
+    assert "an aggregated server prefills and decodes itself and moves none" in problem.rule

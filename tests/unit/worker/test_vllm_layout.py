@@ -244,3 +244,19 @@ def test_a_bfloat16_host_producer_stages_amx_blocks_and_says_so():
                                                    num_layers=LAYERS, attn_backend="CPU_ATTN")
     finally:
         producer.close()
+
+
+@pytest.mark.parametrize("kernel", sorted(LAYOUTS))
+@pytest.mark.parametrize("block_size", [128, 32])
+def test_every_layout_reads_back_into_keys_and_values(kernel, block_size):
+    """``from_blocks`` inverts ``to_blocks`` (a dwdp generation server reading a vLLM prefill
+    server's blocks relies on it)."""
+    import torch
+
+    layout = LAYOUTS[kernel]
+    k = torch.randn(2 * block_size, 2, 32)
+    v = torch.randn(2 * block_size, 2, 32)
+    blocks = layout.to_blocks(k, v, block_size)
+    assert blocks.shape == (2, 2, 2 * block_size * 32)
+    keys, values = layout.from_blocks(blocks, 32, block_size)
+    assert torch.equal(keys, k) and torch.equal(values, v)

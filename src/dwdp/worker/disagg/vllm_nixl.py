@@ -29,6 +29,9 @@ decode side a ``kv_consumer``) expects of a prefill server, and what this module
   notification ``"<request_id>:<n>"`` arrives ``n`` times, or the lease (``lease_s``) expires;
   heartbeats ``"HB:<id>,<id>"`` extend it by ``lease_s`` from their arrival.
 
+The reverse direction, a dwdp generation server reading a vLLM prefill server, is
+``dwdp.worker.disagg.vllm_reader`` (it shares this module's constants, hash and layout).
+
 To move to the next vLLM: read the metadata module of its NIXL connector
 (``vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata``: ``NIXL_CONNECTOR_VERSION``,
 ``NixlAgentMetadata``, ``compute_nixl_compatibility_hash``) and its base scheduler (the
@@ -182,15 +185,29 @@ def staged_blocks(
     zero past ``num_tokens``, on the cache's device (any device: gather, pad and permute)."""
     import torch
 
-    bs = cache.block_size
     keys, values = cache.layers[layer]
-    slots = (torch.tensor(blocks, device=keys.device)[:, None] * bs
-             + torch.arange(bs, device=keys.device)[None, :]).reshape(-1)[:num_tokens]
+    slots = cache_slots(blocks, cache.block_size, num_tokens).to(keys.device)
     pad = max(1, math.ceil(num_tokens / layout.block_size)) * layout.block_size - num_tokens
     k, v = (t.index_select(0, slots) for t in (keys, values))
     if pad:
         k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
     return layout.to_blocks(k, v, layout.block_size)
+
+
+def zmq_path(host: str, port: int) -> str:
+    """The ZMQ TCP address of a side channel (an IPv6 host in brackets)."""
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{port}"
+
+
+def cache_slots(block_table: list[int], block_size: int, num_tokens: int) -> Any:
+    """The slot index of each of the first ``num_tokens`` tokens of a dwdp block table
+    (``block_size`` tokens a block): a [num_tokens] int64 tensor."""
+    import torch
+
+    blocks = torch.tensor(block_table, dtype=torch.int64)
+    slots = blocks[:, None] * block_size + torch.arange(block_size)[None, :]
+    return slots.reshape(-1)[:num_tokens]
 
 
 @dataclass(slots=True)
@@ -339,10 +356,9 @@ class VllmProducer:
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.RCVTIMEO, 200)
             sock.setsockopt(zmq.LINGER, 0)
-            host = f"[{self.host}]" if ":" in self.host else self.host
             if ":" in self.host:
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.bind(f"tcp://{host}:{self.interop.port}")
+            sock.bind(zmq_path(self.host, self.interop.port))
         except Exception as exc:  # bind errors, one line to the constructor
             self._error = exc
             self._ready.set()

@@ -192,9 +192,18 @@ class ContinuousEngine(EngineBase):
         self, prompt_token_ids: Sequence[int], kv_transfer: KvTransferParams | None
     ) -> None:
         """``EngineBase.validate_kv_transfer``, and remote blocks must fill the prompt in this
-        engine's block size (``RequestError`` naming the field)."""
+        engine's block size; a vLLM prefill answer's (in vLLM's block size, which its
+        connector checks) must have prefilled every prompt token but the last
+        (``remote_num_tokens``). ``RequestError`` naming the field."""
         super().validate_kv_transfer(prompt_token_ids, kv_transfer)
-        if kv_transfer is not None and kv_transfer.do_remote_prefill:
+        if kv_transfer is not None and kv_transfer.do_remote_prefill and kv_transfer.from_vllm:
+            done = kv_transfer.remote_num_tokens
+            if done is not None and done < len(prompt_token_ids) - 1:
+                raise RequestError(
+                    f"kv_transfer_params.remote_num_tokens: {done} prefilled, the prompt of "
+                    f"{len(prompt_token_ids)} tokens needs {len(prompt_token_ids) - 1}"
+                )
+        elif kv_transfer is not None and kv_transfer.do_remote_prefill:
             want = self.allocator.blocks_for(len(prompt_token_ids))
             got = len(kv_transfer.block_ids)
             if got != want:
@@ -209,7 +218,7 @@ class ContinuousEngine(EngineBase):
         if params is None:
             return True
         try:
-            kv.load(params, seq.blocks[: len(params.block_ids)])
+            kv.load(params, seq.blocks[: self.allocator.blocks_for(len(seq.state.prompt))])
         except Exception as exc:
             log.warning("request %s: %s", seq.state.request_id, exc)
             seq.error = exc

@@ -65,9 +65,11 @@ class KvTransferParams(BaseModel):
     side channel), ``tp_size``. The router copies that object unchanged into the request it
     sends a generation server, which reads the blocks and decodes. ``remote_lease_token``
     (dwdp's) is the lease's secret, which the generation server shows when it claims the
-    blocks. Fields routers add that this contract does not use are ignored. Validation errors
-    name ``kv_transfer_params.<field>``: both flags true, ``do_remote_prefill`` without one of
-    the lease's fields, or one of them without ``do_remote_prefill: true``, is refused.
+    blocks; vLLM's answers (``transfer_mode`` set, ``from_vllm``) carry none. Fields routers
+    add that this contract does not use are ignored. Validation errors name
+    ``kv_transfer_params.<field>``: both flags true, ``do_remote_prefill`` without one of the
+    lease's fields (the token but with ``transfer_mode``), or one of them without
+    ``do_remote_prefill: true``, is refused.
     """
 
     # strict: "yes" is no bool, "8001" no port, true no block id (a 400 naming the field)
@@ -77,6 +79,10 @@ class KvTransferParams(BaseModel):
     do_remote_prefill: bool = Field(
         False, description="The KV cache comes from remote blocks.", validate_default=True
     )
+    # vLLM's (before the lease fields, whose rules read it): set in vLLM 0.32.0's prefill
+    # answers (dwdp.worker.disagg.vllm_nixl/vllm_reader); with it, remote_block_ids is written
+    # as vLLM's one list per KV-cache group ([[...]]) and no remote_lease_token is needed
+    transfer_mode: str | None = Field(default=None, max_length=16)
     remote_engine_id: str | None = Field(
         None, min_length=1, max_length=256, validate_default=True
     )
@@ -94,14 +100,12 @@ class KvTransferParams(BaseModel):
         "server hands the lease's blocks to no one else (dwdp's field, beside vLLM's).",
     )
     tp_size: int = Field(1, ge=1, le=1, description="Tensor-parallel ranks of the context side.")
-    # vLLM 0.32.0's fields of a prefill answer (dwdp.worker.disagg.vllm_nixl): set only in the
-    # answer of a context rank that serves vLLM decode servers; with transfer_mode set,
-    # remote_block_ids is written as vLLM's one list per KV-cache group ([[...]])
+    # vLLM 0.32.0's other fields of a prefill answer (dwdp.worker.disagg.vllm_nixl): in the
+    # answer of a vLLM prefill server or of a context rank that serves vLLM decode servers
     dcp_size: int | None = Field(default=None, ge=1, le=1)
     pp_size: int | None = Field(default=None, ge=1, le=1)
     remote_num_tokens: int | None = Field(default=None, ge=0)
     remote_blocks_expiry_time: float | None = None
-    transfer_mode: str | None = Field(default=None, max_length=16)
 
     @field_validator("remote_block_ids", mode="before")
     @classmethod
@@ -129,7 +133,8 @@ class KvTransferParams(BaseModel):
     @classmethod
     def _lease_fields(cls, value: Any, info: ValidationInfo) -> Any:
         given = value not in (None, [])
-        if not given and info.data.get("do_remote_prefill"):
+        vllm = info.field_name == "remote_lease_token" and info.data.get("transfer_mode")
+        if not given and info.data.get("do_remote_prefill") and not vllm:
             raise PydanticCustomError("kv_transfer_params", "required with do_remote_prefill")
         if given and info.data.get("do_remote_prefill") is not True:
             raise PydanticCustomError(
@@ -148,6 +153,12 @@ class KvTransferParams(BaseModel):
     def transfers(self) -> bool:
         """True when the request moves KV (either flag set)."""
         return self.do_remote_decode or self.do_remote_prefill
+
+    @property
+    def from_vllm(self) -> bool:
+        """A prefill answer of vLLM's NIXL connector (``transfer_mode``, no dwdp lease token):
+        its blocks are read through vLLM's ZMQ side channel, in vLLM's block size."""
+        return self.transfer_mode is not None and self.remote_lease_token is None
 
     @property
     def block_ids(self) -> list[int]:
@@ -200,8 +211,9 @@ class KvConnector(Protocol):
 
     # -- worker side ---------------------------------------------------------------------------
     def load(self, params: KvTransferParams, blocks: list[int]) -> None:
-        """Read the blocks of ``params`` (after ``prepare_load``) into local ``blocks`` (same
-        count), every layer, and release them on the remote side. Raises ``TransferError``."""
+        """Read the blocks of ``params`` (after ``prepare_load``) into local ``blocks`` (the
+        prompt's: as many as the params' unless they are vLLM's, in vLLM's block size), every
+        layer, and release them on the remote side. Raises ``TransferError``."""
 
     def finished_blocks(self) -> list[list[int]]:
         """Block tables whose hold ended since the last call (read and released by the remote
