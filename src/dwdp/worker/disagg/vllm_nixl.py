@@ -66,6 +66,12 @@ CPU_ATTN = "CPU_ATTN"
 CPU_ATTN_BLOCK_SIZE = 128
 """Tokens per block of vLLM's CPU attention backend (its default ``--block-size`` on CPU)."""
 CPU_ATTN_KV_LAYOUT = "LBHNC"
+CPU_ATTN_HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256, 512)
+"""Head sizes whose KV this module stages: those of vLLM 0.32.0's CPU attention
+(``get_supported_head_sizes``) that its ``vec`` kernels take (80 and 112 run its ``vec16``
+kernels, a layout not staged here)."""
+CPU_ATTN_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32")
+"""KV dtypes of vLLM 0.32.0's CPU attention (``supported_dtypes``)."""
 TRANSFER_MODE = "pull"
 
 
@@ -81,6 +87,40 @@ def check_version(version: str) -> str:
             f"{', '.join(VLLM_VERSIONS)} only"
         )
     return version
+
+
+def check_kv_shape(head_dim: int, dtype: str) -> None:
+    """Refuse a KV cache whose blocks vLLM's CPU attention cannot share: ``head_dim`` not in
+    ``CPU_ATTN_HEAD_SIZES``, ``dtype`` (``str(torch.dtype)``) not in ``CPU_ATTN_DTYPES``.
+    Raises ``VllmInteropError`` naming the value and the rule."""
+    if head_dim not in CPU_ATTN_HEAD_SIZES:
+        raise VllmInteropError(
+            f"kvTransfer.vllm: the model's head_dim is {head_dim}; vLLM {VLLM_VERSION}'s CPU "
+            "attention blocks, which its decode servers read, are staged for head sizes "
+            f"{', '.join(map(str, CPU_ATTN_HEAD_SIZES))} only"
+        )
+    if dtype not in CPU_ATTN_DTYPES:
+        raise VllmInteropError(
+            f"kvTransfer.vllm: the KV cache dtype is {dtype}; vLLM {VLLM_VERSION}'s CPU "
+            f"attention takes {', '.join(CPU_ATTN_DTYPES)}"
+        )
+
+
+def check_model_config(config: Any, dtype: str) -> None:
+    """The refusals a checkpoint's text ``config`` (transformers) shows before any weight
+    loads, for KV cached in ``dtype`` (``str(torch.dtype)``): multi-head latent attention
+    (``kv_lora_rank``: vLLM decodes it from its MLA cache, not staged here), then
+    ``check_kv_shape`` of the config's head size. Raises ``VllmInteropError`` (one line)."""
+    lora = getattr(config, "kv_lora_rank", None)
+    if lora:
+        raise VllmInteropError(
+            f"kvTransfer.vllm: the model uses multi-head latent attention (kv_lora_rank "
+            f"{lora}); vLLM decodes it from its MLA cache, which dwdp does not stage: only "
+            "models with a key and a value per KV head are served to vLLM"
+        )
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    check_kv_shape(int(head_dim), dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +209,8 @@ class VllmProducer:
     peer); ``lease_s``: vLLM's ``kv_lease_duration``;
     ``staging_blocks``: 128-token blocks of the staging buffer (default: enough for the whole
     dwdp cache held under leases). Raises ``VllmInteropError`` for a cache the decode side
-    cannot share (head size, dtype) and ``TransferError`` when NIXL or ZMQ cannot start.
+    cannot share (``check_kv_shape``; ``check_model_config`` refuses it earlier, from the
+    checkpoint's config) and ``TransferError`` when NIXL or ZMQ cannot start.
     """
 
     def __init__(
@@ -215,11 +256,7 @@ class VllmProducer:
                         f"vLLM interop: layer {i} caches {tuple(t.shape[1:])}, not "
                         f"(heads, head_dim) = {(self.heads, self.head_dim)} like layer 0"
                     )
-        if self.head_dim % 32:
-            raise VllmInteropError(
-                f"vLLM interop: head_dim {self.head_dim}; vLLM's CPU attention blocks need a "
-                "multiple of 32"
-            )
+        check_kv_shape(self.head_dim, str(k0.dtype))
         self.dtype = k0.dtype
         self.num_layers = num_layers
         bs = cache.block_size
@@ -249,6 +286,7 @@ class VllmProducer:
         )
         self.handshake = self._handshake_payload()
         self.handshakes = 0
+        self.expired = 0  # leases that ended unread (no final notification within lease_s)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -347,7 +385,14 @@ class VllmProducer:
     # -- leases ----------------------------------------------------------------------------------
     @property
     def leases(self) -> int:
+        """Requests whose staging blocks wait for the decode side."""
         return len(self._leases)
+
+    @property
+    def free_staging_blocks(self) -> int:
+        """Staging blocks no lease holds (``num_staging`` when none is held)."""
+        with self._lock:
+            return len(self._free)
 
     def stage(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
         """Copy the KV of ``blocks`` (dwdp's, the first ``num_tokens`` tokens of a request)
@@ -388,7 +433,8 @@ class VllmProducer:
 
     def finished_blocks(self) -> list[list[int]]:
         """dwdp block tables whose lease ended since the last call: read by every consumer
-        the decode side announced, or expired (a WARNING). Heartbeats extend leases."""
+        the decode side announced, or expired (a WARNING, counted in ``expired``). Heartbeats
+        extend leases."""
         with self._lock:
             notifs = self._agent.get_new_notifs()
         reads: Counter[str] = Counter()
@@ -419,6 +465,7 @@ class VllmProducer:
             for rid in [r for r, lease in self._leases.items() if lease.deadline < now]:
                 log.warning("KV lease of request %s expired after %.0f s unread (vLLM decode)",
                             rid, self.lease_s)
+                self.expired += 1
                 out.append(self._end(rid))
         return out
 

@@ -1,0 +1,180 @@
+"""A context rank's KV lease under a slow vLLM decode server (issue 33, item 4): vLLM 0.32.0's
+decode side keeps the lease of a request it waits to read alive with heartbeats, and a lease
+nobody keeps alive expires.
+
+What vLLM 0.32.0 does (``vllm/distributed/kv_transfer/kv_connector/v1/nixl/`` of the wheel):
+its scheduler tracks every request with ``do_remote_prefill`` from the moment it arrives until
+its KV is received (``on_new_request``; ``update_connector_output`` stops it), and every
+``kv_lease_duration // 6`` seconds (5 s by default) packs them into the step's metadata; its
+worker then handshakes with the prefill engine if it has not yet and sends each of that
+engine's agents the NIXL notification ``HB:<remote request id>,<id>,...``. When it reads, the
+READ carries the notification ``<remote request id>:<consumers>`` (``pull_worker``); a lease
+whose request is never read nor heartbeaten expires on the prefill side.
+
+The decode side here is a real NIXL agent doing what that worker does on the wire, with times
+shrunk to a 2-second lease: the ZMQ handshake (``get_meta_msg``) with the rank's side channel,
+heartbeats every half second while it "waits", a READ of the staged blocks of every layer with
+the final notification. The rank is the real engine behind the OpenAI app with its
+``VllmProducer`` (real NIXL over UCX/TCP on loopback). No vLLM needed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+zmq = pytest.importorskip("zmq")
+msgpack = pytest.importorskip("msgpack")
+
+from dwdp.worker.disagg.vllm_nixl import VllmInterop  # noqa: E402
+from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
+from dwdp_dev.worker.servers import EngineServer, free_port, wait_for  # noqa: E402
+
+KEY = "vllm-lease-key"
+LEASE_S = 2.0
+HEARTBEAT_S = 0.5
+PROMPT = [(7 * i) % 200 + 3 for i in range(150)]  # two vLLM blocks
+
+
+class DecodeSide:
+    """vLLM 0.32.0's decode worker as the prefill rank sees it: a NIXL agent that handshakes
+    over the rank's ZMQ side channel at ``host:port``, sends heartbeats and READs staged
+    blocks with the final notification."""
+
+    def __init__(self, host: str, port: int) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.RCVTIMEO, 10000)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{host}:{port}")
+            sock.send(msgpack.packb((b"get_meta_msg", 0, 0)))
+            payload = msgpack.unpackb(sock.recv_multipart()[0])
+        finally:
+            ctx.destroy(linger=0)
+        self.meta = msgpack.unpackb(payload["agent_metadata_bytes"])
+        # vLLM's decode agent: a uuid for a name, NIXL's default progress thread
+        self.agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=["UCX"]))
+        name = self.agent.add_remote_agent(self.meta["agent_metadata"])
+        self.remote = name.decode() if isinstance(name, bytes) else str(name)
+
+    def heartbeat(self, request_ids: list[str]) -> None:
+        """``HB:<id>,<id>`` as vLLM's ``_send_heartbeats`` sends it."""
+        self.agent.send_notif(self.remote, ("HB:" + ",".join(request_ids)).encode())
+
+    def read(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor]:
+        """READ ``block_ids`` of every layer's staging region, notifying ``<id>:1`` (one
+        consumer) as vLLM's pull worker does; returns per layer [blocks, block_len] bytes."""
+        block_len = self.meta["block_lens"][0]
+        layers = len(self.meta["kv_caches_base_addr"])
+        local = torch.zeros(layers, len(block_ids), block_len, dtype=torch.uint8)
+        registered = self.agent.register_memory([local])
+        far, near = [], []
+        for i, base in enumerate(self.meta["kv_caches_base_addr"]):
+            for j, block in enumerate(block_ids):
+                far.append((base + block * block_len, block_len, 0))
+                near.append((local[i, j].data_ptr(), block_len, 0))
+        handle = self.agent.initialize_xfer(
+            "READ", self.agent.get_xfer_descs(near, "DRAM"),
+            self.agent.get_xfer_descs(far, "DRAM"), self.remote, f"{request_id}:1".encode())
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + 30
+            while state not in ("DONE", "ERR"):
+                assert time.monotonic() < deadline, "the READ did not finish"
+                time.sleep(0.001)
+                state = self.agent.check_xfer_state(handle)
+            assert state == "DONE"
+        finally:
+            self.agent.release_xfer_handle(handle)
+            self.agent.deregister_memory(registered)
+        return list(local)
+
+    def close(self) -> None:
+        self.agent.remove_remote_agent(self.remote)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "q", num_experts=4,
+                           num_layers=2, hidden_size=64, head_dim=32, moe_width=32)
+
+
+@pytest.fixture
+def rank(checkpoint):
+    interop = VllmInterop(model=str(checkpoint), port=free_port())
+    with EngineServer(checkpoint, api_key=KEY, max_model_len=512, vllm=interop,
+                      model_name="m", lease_s=LEASE_S) as ctx:
+        yield ctx
+
+
+def _prefill(ctx: EngineServer) -> dict:
+    r = ctx.client.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def _as_bytes(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.uint8).reshape(blocks.shape[0], -1)
+
+
+def test_heartbeats_keep_a_slow_readers_lease_past_lease_s(rank):
+    """The decode side waits three leases long, heartbeating: the staged blocks stay held and
+    are read intact afterwards; the final notification ends the lease and every block (the
+    staging and dwdp's) comes back."""
+    params = _prefill(rank)
+    producer = rank.engine.kv.vllm
+    rid, blocks = params["remote_request_id"], params["remote_block_ids"][0]
+    assert len(blocks) == 2 and rank.engine.kv.leases == 1
+    staged = [_as_bytes(t[blocks]).clone() for t in producer.staging]
+    decode = DecodeSide(params["remote_host"], params["remote_port"])
+    try:
+        waited = time.monotonic() + 3 * LEASE_S
+        while time.monotonic() < waited:
+            decode.heartbeat([rid])
+            time.sleep(HEARTBEAT_S)
+            assert rank.engine.kv.leases == 1, "the lease ended under heartbeats"
+        assert rank.engine.kv.leases_expired == 0
+        read = decode.read(rid, blocks)
+        assert all(torch.equal(got, want) for got, want in zip(read, staged, strict=True))
+        assert any(bool(w.any()) for w in staged)  # the prefill's KV, not an empty buffer
+        wait_for(lambda: rank.engine.kv.leases == 0, "the final notification ended no lease")
+    finally:
+        decode.close()
+    assert rank.engine.kv.leases_expired == 0
+    wait_for(lambda: rank.engine.allocator.num_in_use == 0, "dwdp's blocks still held")
+    assert producer.free_staging_blocks == producer.num_staging
+
+
+def test_without_heartbeats_the_lease_expires_and_the_blocks_come_back(rank):
+    """The same wait without heartbeats: the lease expires after lease_s (counted in
+    leases_expired, on /dwdp/status too), its staging and dwdp blocks return to their pools,
+    and a heartbeat for it afterwards holds nothing."""
+    params = _prefill(rank)
+    producer = rank.engine.kv.vllm
+    rid = params["remote_request_id"]
+    decode = DecodeSide(params["remote_host"], params["remote_port"])
+    try:
+        started = time.monotonic()
+        assert rank.engine.kv.leases == 1
+        wait_for(lambda: rank.engine.kv.leases == 0, "the lease never expired",
+                 timeout=LEASE_S + 10)
+        assert time.monotonic() - started >= LEASE_S * 0.9
+        assert rank.engine.kv.leases_expired == 1
+        status = rank.client.get("/dwdp/status").json()["kv_transfer"]
+        assert status["leases_expired"] == 1 and status["leases"] == 0
+        decode.heartbeat([rid])
+        time.sleep(HEARTBEAT_S)
+        assert rank.engine.kv.leases == 0
+    finally:
+        decode.close()
+    wait_for(lambda: rank.engine.allocator.num_in_use == 0, "dwdp's blocks still held")
+    assert producer.free_staging_blocks == producer.num_staging
