@@ -222,7 +222,7 @@ def check_vllm_interop(cfg: LaunchConfig, config: PretrainedConfig, device: str)
             f"kvTransfer.vllm: this rank's KV cache would be on {device}; only vLLM's CPU "
             "attention layout is staged: serve vLLM from a rank on the host (handleType shm)"
         )
-    dtype = cfg.model.dtype
+    dtype: str = cfg.model.dtype
     if dtype == "auto":
         dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
                     or "float32")
