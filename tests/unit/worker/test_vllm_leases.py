@@ -16,6 +16,11 @@ shrunk to a 2-second lease: the ZMQ handshake (``get_meta_msg``) with the rank's
 heartbeats every half second while it "waits", a READ of the staged blocks of every layer with
 the final notification. The rank is the real engine behind the OpenAI app with its
 ``VllmProducer`` (real NIXL over UCX/TCP on loopback). No vLLM needed.
+
+And with real vLLM (``vllm_env``; skipped without it): a decode server with one run slot
+(``--max-num-seqs 1``) and ``kv_lease_duration`` 6 (a heartbeat a second) is busy with a long
+request while the rank's prefilled request waits in its queue, longer than the rank's lease;
+the lease survives on vLLM's heartbeats and the answer is vLLM's own.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ pytest.importorskip("nixl")
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
+from vllm_env import VLLM_PYTHON, needs_vllm  # noqa: E402
+
 from dwdp.worker.disagg.vllm_nixl import VllmInterop  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
-from dwdp_dev.worker.servers import EngineServer, free_port, wait_for  # noqa: E402
+from dwdp_dev.worker.servers import EngineServer, VllmServer, free_port, wait_for  # noqa: E402
 
 KEY = "vllm-lease-key"
 LEASE_S = 2.0
@@ -178,3 +185,59 @@ def test_without_heartbeats_the_lease_expires_and_the_blocks_come_back(rank):
         decode.close()
     wait_for(lambda: rank.engine.allocator.num_in_use == 0, "dwdp's blocks still held")
     assert producer.free_staging_blocks == producer.num_staging
+
+
+VLLM_LEASE_S = 3.0
+"""The rank's lease under real vLLM: three of the decode side's heartbeats (one a second)."""
+
+
+@needs_vllm
+def test_a_real_vllm_decode_server_keeps_the_lease_while_it_is_busy(checkpoint):
+    """vLLM 0.32.0 busy with a long request on its one run slot: the rank's prefilled request
+    waits in its queue more than twice the rank's lease; vLLM's heartbeats keep the lease
+    (none expires), it reads the staged KV when the slot frees and answers as when it serves
+    the checkpoint alone; the final notification ends the lease."""
+    import threading
+
+    import httpx
+
+    args = ["--dtype", "float32", "--max-model-len", "2048", "--no-enable-prefix-caching",
+            "--api-key", KEY, "--max-num-seqs", "1"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": str(checkpoint), "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    interop = VllmInterop(model=str(checkpoint), port=free_port())
+    with VllmServer(VLLM_PYTHON, checkpoint, kv_role="kv_consumer", args=args,
+                    kv_extra={"kv_lease_duration": 6}) as decode, \
+            EngineServer(checkpoint, api_key=KEY, max_model_len=512, vllm=interop,
+                         model_name=str(checkpoint), lease_s=VLLM_LEASE_S) as ctx:
+        alone = httpx.post(decode + "/v1/completions", json=body, headers=headers, timeout=120)
+        assert alone.status_code == 200, alone.text
+        long = {**body, "prompt": [5, 6, 7], "max_tokens": 2000}
+        blocker = threading.Thread(target=lambda: httpx.post(
+            decode + "/v1/completions", json=long, headers=headers, timeout=600))
+        blocker.start()
+        try:
+            wait_for(lambda: _running(decode) == 1, "vLLM did not start the long request")
+            params = _prefill(ctx)
+            started = time.monotonic()
+            routed = httpx.post(decode + "/v1/completions", headers=headers, timeout=600,
+                                json={**body, "kv_transfer_params": params})
+            waited = time.monotonic() - started
+        finally:
+            blocker.join(600)
+        assert routed.status_code == 200, routed.text
+        assert waited > 2 * VLLM_LEASE_S, f"vLLM answered in {waited:.1f} s: it was not slow"
+        assert routed.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+        wait_for(lambda: ctx.engine.kv.leases == 0, "vLLM did not release the lease")
+        assert ctx.engine.kv.leases_expired == 0 and ctx.engine.kv.leases_granted == 1
+
+
+def _running(base: str) -> float:
+    """vLLM's ``vllm:num_requests_running`` gauge."""
+    import httpx
+
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

