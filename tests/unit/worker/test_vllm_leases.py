@@ -18,13 +18,14 @@ the final notification. The rank is the real engine behind the OpenAI app with i
 ``VllmProducer`` (real NIXL over UCX/TCP on loopback). No vLLM needed.
 
 And with real vLLM (``vllm_env``; skipped without it): a decode server with one run slot
-(``--max-num-seqs 1``) and ``kv_lease_duration`` 6 (a heartbeat a second) is busy with a long
-request while the rank's prefilled request waits in its queue, longer than the rank's lease;
+(``--max-num-seqs 1``) and ``kv_lease_duration`` 6 (a heartbeat a second) is busy with long
+requests while the rank's prefilled request waits in its queue, longer than the rank's lease;
 the lease survives on vLLM's heartbeats and the answer is vLLM's own.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -189,55 +190,89 @@ def test_without_heartbeats_the_lease_expires_and_the_blocks_come_back(rank):
 
 VLLM_LEASE_S = 3.0
 """The rank's lease under real vLLM: three of the decode side's heartbeats (one a second)."""
+BUSY_S = 3 * VLLM_LEASE_S
+"""How long vLLM's one run slot stays taken after the prefilled request arrived."""
+BLOCKERS = 4
+"""Streamed requests ahead of the prefilled one on vLLM's one run slot (480 tokens each, so
+that they outlast ``BUSY_S`` on a fast host), closed by the client after ``BUSY_S``."""
+
+
+class Blocker(threading.Thread):
+    """A streamed completion that holds vLLM's run slot (or waits for it) until ``stop`` is
+    set; the client then closes the stream and vLLM aborts the request."""
+
+    def __init__(self, base: str, body: dict, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.base, self.body, self.stop = base, body, stop
+
+    def run(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", self.base + "/v1/completions", headers=headers, timeout=600,
+                          json={**self.body, "stream": True}) as response:
+            for _ in response.iter_lines():
+                if self.stop.is_set():
+                    return
 
 
 @needs_vllm
 def test_a_real_vllm_decode_server_keeps_the_lease_while_it_is_busy(checkpoint):
-    """vLLM 0.32.0 busy with a long request on its one run slot: the rank's prefilled request
-    waits in its queue more than twice the rank's lease; vLLM's heartbeats keep the lease
+    """vLLM 0.32.0 busy on its one run slot: the rank's prefilled request waits in its queue
+    behind other requests for three of the rank's leases; vLLM's heartbeats keep the lease
     (none expires), it reads the staged KV when the slot frees and answers as when it serves
     the checkpoint alone; the final notification ends the lease."""
-    import threading
-
     import httpx
 
-    args = ["--dtype", "float32", "--max-model-len", "2048", "--no-enable-prefix-caching",
+    args = ["--dtype", "float32", "--max-model-len", "512", "--no-enable-prefix-caching",
             "--api-key", KEY, "--max-num-seqs", "1"]
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": str(checkpoint), "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
     interop = VllmInterop(model=str(checkpoint), port=free_port())
+    stop = threading.Event()
     with VllmServer(VLLM_PYTHON, checkpoint, kv_role="kv_consumer", args=args,
                     kv_extra={"kv_lease_duration": 6}) as decode, \
             EngineServer(checkpoint, api_key=KEY, max_model_len=512, vllm=interop,
                          model_name=str(checkpoint), lease_s=VLLM_LEASE_S) as ctx:
         alone = httpx.post(decode + "/v1/completions", json=body, headers=headers, timeout=120)
         assert alone.status_code == 200, alone.text
-        long = {**body, "prompt": [5, 6, 7], "max_tokens": 2000}
-        blocker = threading.Thread(target=lambda: httpx.post(
-            decode + "/v1/completions", json=long, headers=headers, timeout=600))
-        blocker.start()
+        long = {**body, "prompt": [5, 6, 7], "max_tokens": 480}
+        blockers = [Blocker(decode, long, stop) for _ in range(BLOCKERS)]
+        timer = threading.Timer(BUSY_S, stop.set)
         try:
-            wait_for(lambda: _running(decode) == 1, "vLLM did not start the long request")
+            for n, blocker in enumerate(blockers):  # one runs, the others queue in order
+                blocker.start()
+                wait_for(lambda n=n: _gauges(decode) == (1, n), "vLLM did not queue it",
+                         timeout=60)
             params = _prefill(ctx)
             started = time.monotonic()
+            timer.start()
             routed = httpx.post(decode + "/v1/completions", headers=headers, timeout=600,
                                 json={**body, "kv_transfer_params": params})
             waited = time.monotonic() - started
         finally:
-            blocker.join(600)
+            stop.set()
+            timer.cancel()
+            for blocker in blockers:
+                if blocker.is_alive():
+                    blocker.join(60)
         assert routed.status_code == 200, routed.text
-        assert waited > 2 * VLLM_LEASE_S, f"vLLM answered in {waited:.1f} s: it was not slow"
+        assert waited > 2 * VLLM_LEASE_S, f"vLLM answered in {waited:.1f} s: it was not busy"
         assert routed.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
         wait_for(lambda: ctx.engine.kv.leases == 0, "vLLM did not release the lease")
         assert ctx.engine.kv.leases_expired == 0 and ctx.engine.kv.leases_granted == 1
 
 
-def _running(base: str) -> float:
-    """vLLM's ``vllm:num_requests_running`` gauge."""
+def _gauges(base: str) -> tuple[float, float]:
+    """vLLM's ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` (the one server
+    of the test: one sample each)."""
     import httpx
 
+    values = {}
     for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values.get("vllm:num_requests_running", 0.0), values.get(
+        "vllm:num_requests_waiting", 0.0)
