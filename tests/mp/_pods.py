@@ -21,11 +21,13 @@ from ports import free_port, free_port_block
 
 
 @contextlib.contextmanager
-def launched_pod(root: Path, launch: dict[str, Any], world: int,
-                 ready_s: float = 400) -> Iterator[tuple[subprocess.Popen, list[str], str, Path]]:
+def launched_pod(root: Path, launch: dict[str, Any], world: int, ready_s: float = 400,
+                 env: dict[str, str] | None = None,
+                 ) -> Iterator[tuple[subprocess.Popen, list[str], str, Path]]:
     """Yield ``(process, rank URLs, group, termination log)`` of a pod running the launch
-    config ``launch`` (``serverPort`` is chosen here); fails the test when the pod exits or a
-    rank is not ready within ``ready_s`` seconds."""
+    config ``launch`` (``serverPort`` is chosen here), with ``env`` on top of the pod's
+    environment; fails the test when the pod exits or a rank is not ready within ``ready_s``
+    seconds."""
     base = free_port_block(world)
     config = root / "launch.yaml"
     config.write_text(yaml.safe_dump({**launch, "serverPort": base}))
@@ -41,6 +43,7 @@ def launched_pod(root: Path, launch: dict[str, Any], world: int,
         "DWDP_ROLE": "ctx0",
         "DWDP_TORCH_THREADS": "1",
         "OMP_NUM_THREADS": "1",
+        **(env or {}),
     }
     term = root / "termination-log"
     cmd = [sys.executable, "-m", "dwdp", "launch", "--config", str(config), "--nproc",

@@ -1,4 +1,5 @@
-"""The API's sub-commands of ``dwdp``: ``crd``, ``validate`` and ``partition``.
+"""The API's sub-commands of ``dwdp``: ``crd``, ``validate`` (DwdpDeployment manifests, or with
+``--launch`` worker launch configs) and ``partition``.
 
 Only pydantic and PyYAML are needed. User mistakes (a missing file, bad YAML, a bad
 number) end as one line and exit status 1 (through ``dwdp.cli.UserError``); an invalid
@@ -30,13 +31,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     validate = subparsers.add_parser(
         "validate",
-        help="check a DwdpDeployment manifest",
+        help="check a DwdpDeployment manifest (or a worker launch config)",
         description="Check every DwdpDeployment in a YAML file against the rules of the "
-        "API (the same rules the CRD applies). Exit 0 when all are valid; otherwise one "
-        "line per problem and exit 1.",
+        "API (the same rules the CRD applies); with --launch, every worker launch config "
+        "(the file DWDP_CONFIG names) against its fields and the launch rules that need no "
+        "model. Exit 0 when all are valid; otherwise one line per problem and exit 1.",
     )
     validate.add_argument(
         "-f", "--filename", required=True, metavar="FILE", help="YAML file ('-': stdin)"
+    )
+    validate.add_argument(
+        "--launch", action="store_true",
+        help="FILE holds worker launch configs (dwdp worker --config), not DwdpDeployments",
     )
     validate.set_defaults(func=_cmd_validate)
 
@@ -112,28 +118,44 @@ def _load_documents(filename: str) -> list[Any]:
 def _cmd_validate(args: argparse.Namespace) -> int:
     filename = args.filename
     shown = "<stdin>" if filename == "-" else filename
+    kind = "launch config" if args.launch else "DwdpDeployment"
     try:
-        return _validate_documents(_load_documents(filename), shown)
+        return _validate_documents(_load_documents(filename), shown, launch=args.launch)
     except RecursionError:
-        message = f"{shown}: the YAML is nested too deeply to be a DwdpDeployment"
+        message = f"{shown}: the YAML is nested too deeply to be a {kind}"
         raise _user_error(message) from None
 
 
-def _validate_documents(docs: list[Any], shown: str) -> int:
+def _validate_documents(docs: list[Any], shown: str, *, launch: bool = False) -> int:
     from dwdp.api.deployment import deployment_problems
 
     failed = False
     for index, doc in enumerate(docs):
         label = shown if len(docs) == 1 else f"{shown} (document {index + 1})"
-        problems = deployment_problems(doc)
+        problems = _launch_problems(doc) if launch else deployment_problems(doc)
         if problems:
             failed = True
             for problem in problems:
                 print(f"{label}: {problem}", file=sys.stderr)
+        elif launch:
+            print(f"{label}: launch config of {doc['model']['path']} is valid")
         else:
             name = (doc.get("metadata") or {}).get("name") or "(generated name)"
             print(f"{label}: DwdpDeployment {name} is valid")
     return 1 if failed else 0
+
+
+def _launch_problems(doc: Any) -> list[Any]:
+    """Every problem of a launch config document: its fields, then (once they are valid) the
+    launch rules that need no model (``launch_problems``; the worker applies the rest on its
+    host)."""
+    from dwdp.api.errors import Problem, all_problems
+    from dwdp.api.launch import LaunchConfig, launch_problems
+
+    if not isinstance(doc, dict):
+        return [Problem((), doc, "a launch config must be a mapping of fields")]
+    problems = all_problems(LaunchConfig, doc)
+    return problems or launch_problems(LaunchConfig.model_validate(doc))
 
 
 def _cmd_partition(args: argparse.Namespace) -> int:

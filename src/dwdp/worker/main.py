@@ -1,18 +1,20 @@
 """One worker rank, start to finish: ``dwdp worker --config FILE``.
 
-Startup order (docs/design.md §6.1): read and validate the launch (role rules first, so a generation
-server refuses dense DWDP before anything loads) -> check the checkpoint's headers, its
-architecture adapter and the expert partition (one line naming the tensor or field) -> with
-DWDP, the host gate (``dwdp.worker.host``: the backend, the handle type, the copy operations)
-and the copy settings resolved once (``dwdp.worker.settings``), and whether the engine
-captures CUDA graphs (``resolve_cuda_graphs``: ``engine.cudaGraphs`` on a device that cannot
-run them stops the rank here) -> join the group
-(rendezvous) -> load the model (with expert DWDP only what the rank keeps: ``load_model``;
-with a group every rank votes on the load, and a rank that failed fails the group together:
-``dwdp.worker.loading.vote``) -> DWDP setup (dense first, then experts; commit) -> size the KV pool
-(beside the graphs' memory when they are on) -> the engine: KV transfer, the CUDA graph capture,
-start -> serve HTTP until a signal. A fatal error anywhere writes a one-line cause to the
-termination message path and exits non-zero; the engine is stopped whatever happens.
+Startup order (docs/design.md §6.1): read and validate the launch (role rules first, so a
+generation server refuses dense DWDP before anything loads) -> check the checkpoint's headers,
+its architecture adapter and the expert partition (one line naming the tensor or field) -> with
+``kvTransfer.vllm``, whether vLLM's decode servers can share the KV cache
+(``check_vllm_interop``) -> with DWDP, the host gate (``dwdp.worker.host``: the backend, the
+handle type, the copy operations) and the copy settings resolved once
+(``dwdp.worker.settings``), and whether the engine captures CUDA graphs
+(``resolve_cuda_graphs``: ``engine.cudaGraphs`` on a device that cannot run them stops the rank
+here) -> join the group (rendezvous) -> load the model (with expert DWDP only what the rank
+keeps: ``load_model``; with a group every rank votes on the load, and a rank that failed fails
+the group together: ``dwdp.worker.loading.vote``) -> DWDP setup (dense first, then experts;
+commit) -> size the KV pool (beside the graphs' memory when they are on) -> the engine: KV
+transfer, the CUDA graph capture, start -> serve HTTP until a signal. A fatal error anywhere
+writes a one-line cause to the termination message path and exits non-zero; the engine is
+stopped whatever happens.
 """
 
 from __future__ import annotations
@@ -203,6 +205,29 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
             )
         partition = cfg.dwdp.partition(num_experts)
     return ModelPlan(config, adapter, num_experts, partition, resolve_max_model_len(cfg, config))
+
+
+def check_vllm_interop(cfg: LaunchConfig, config: PretrainedConfig, device: str) -> None:
+    """With ``kvTransfer.vllm``: the refusals of a KV cache vLLM's decode servers cannot
+    share that the checkpoint's config shows, before the rendezvous and before any weight
+    loads (``vllm_nixl.check_model_config`` for the model's dtype: ``model.dtype``, or the
+    checkpoint's for ``auto``), and a rank whose cache would not be on the host (vLLM's CPU
+    attention layout is the one staged). Raises ``VllmInteropError`` (one line)."""
+    from dwdp.worker.disagg.vllm_nixl import VllmInteropError, check_model_config
+
+    if cfg.kv_transfer.vllm is None:
+        return
+    if device != "cpu":
+        raise VllmInteropError(
+            f"kvTransfer.vllm: this rank's KV cache would be on {device}; only vLLM's CPU "
+            "attention layout is staged: serve vLLM from a rank on the host (handleType shm)"
+        )
+    dtype: str = cfg.model.dtype
+    if dtype == "auto":
+        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+                    or "float32")
+    check_model_config(config.get_text_config(), f"torch.{dtype.removeprefix('torch.')}",
+                       cfg.kv_transfer.vllm.cpu_attention_kernel)
 
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -467,6 +492,8 @@ def run_worker(opts: WorkerOptions) -> int:
         port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
         stage["now"] = Stage.CHECKPOINT
         plan = check_model(cfg)
+        stage["now"] = Stage.CONFIG
+        check_vllm_interop(cfg, plan.config, _device_for(cfg, local_rank))
         settings = resolve_host_settings(cfg, local_rank, stage)
         stage["now"] = Stage.CONFIG
         cuda_graphs, dense_min_bytes, api_key = rank_settings(cfg, local_rank)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from dwdp.api.config import DwdpConfig
@@ -285,3 +290,33 @@ def test_the_vllm_tier_on_both_disaggregated_roles_and_not_aggregated() -> None:
     problem = launch_problem(cfg)
     assert problem is not None and problem.where == "kvTransfer.vllm"
     assert "an aggregated server prefills and decodes itself and moves none" in problem.rule
+
+
+def _dwdp_validate_launch(tmp_path, doc) -> subprocess.CompletedProcess[str]:
+    """``dwdp validate --launch -f FILE`` as a user runs the console script."""
+    path = tmp_path / "launch.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    dwdp = Path(sys.executable).with_name("dwdp")
+    return subprocess.run([str(dwdp), "validate", "--launch", "-f", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_dwdp_validate_refuses_another_vllm_version_in_a_launch_file(tmp_path) -> None:
+    """A launch file whose kvTransfer.vllm.version is not spoken: exit 1, one line naming the
+    field, the rule and the value; an aggregated server's kvTransfer.vllm likewise (a launch
+    rule, past the fields); the same file with the version spoken is valid."""
+    doc = {"role": "context", "model": {"path": "/models/m"},
+           "kvTransfer": {"vllm": {"version": "0.33.0"}}}
+    proc = _dwdp_validate_launch(tmp_path, doc)
+    assert proc.returncode == 1, proc.stdout
+    path = tmp_path / "launch.yaml"
+    assert proc.stderr.splitlines() == [
+        f'{path}: kvTransfer.vllm.version: the NIXL connector of vLLM 0.32.0 is the one '
+        'spoken; other versions are refused (got "0.33.0")']
+    proc = _dwdp_validate_launch(tmp_path, {**doc, "role": "aggregated",
+                                            "kvTransfer": {"vllm": {}}})
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"{path}: kvTransfer.vllm: vLLM's NIXL connector moves KV ")
+    proc = _dwdp_validate_launch(tmp_path, {**doc, "kvTransfer": {"vllm": {"version": "0.32.0"}}})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{path}: launch config of /models/m is valid\n"

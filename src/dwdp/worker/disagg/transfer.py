@@ -102,7 +102,7 @@ class KvTransfer:
         self._refused: list[list[int]] = []  # leases the decode side refused, blocks to free
         self.blocks_received = 0
         self.leases_granted = 0
-        self.leases_expired = 0
+        self._expired = 0  # dwdp leases; the vLLM producer counts its own
         self.leases_refused = 0
         self._servers: dict[str, dict[str, Any]] = {}  # engine id -> its "server" identity
 
@@ -110,6 +110,11 @@ class KvTransfer:
     def leases(self) -> int:
         """Prefilled requests whose blocks wait for their generation side."""
         return len(self._leases) + (self.vllm.leases if self.vllm is not None else 0)
+
+    @property
+    def leases_expired(self) -> int:
+        """Leases that ended unread, dwdp generation servers' and vLLM decode servers'."""
+        return self._expired + (self.vllm.expired if self.vllm is not None else 0)
 
     def status(self) -> dict[str, int]:
         """The counters of ``/dwdp/status``'s ``kv_transfer``: ``leases`` (held now),
@@ -238,7 +243,7 @@ class KvTransfer:
             out += [self._leases.pop(rid).blocks for rid in released if rid in self._leases]
             for rid in [r for r, lease in self._leases.items() if lease.deadline < now]:
                 log.warning("KV lease of request %s expired after %.0f s unread", rid, self.lease_s)
-                self.leases_expired += 1
+                self._expired += 1
                 out.append(self._leases.pop(rid).blocks)
         return out
 

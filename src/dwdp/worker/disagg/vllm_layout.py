@@ -135,12 +135,19 @@ class VllmLayout:
     from_blocks: Callable[[Any, int, int], tuple[Any, Any]]
     kv_layout: str = LBHNC
 
+    head_sizes: tuple[int, ...] | None = None
+    """The head sizes these kernels take, when not every multiple of ``head_dim_multiple``."""
+
     def problem(self, dtype: str, head_dim: int) -> str | None:
         """One line naming what a cache of ``dtype``/``head_dim`` lacks for this layout, or
         None when the decode side can read it."""
         if dtype not in self.dtypes:
             return (f"vLLM interop: KV cache dtype {dtype}; vLLM's {self.backend} "
                     f"({self.kernel}) serves {', '.join(self.dtypes)} only")
+        if self.head_sizes is not None and head_dim not in self.head_sizes:
+            return (f"vLLM interop: head_dim {head_dim}; vLLM's {self.backend} ({self.kernel}) "
+                    f"blocks are staged for head sizes {', '.join(map(str, self.head_sizes))} "
+                    "only")
         if head_dim % self.head_dim_multiple:
             return (f"vLLM interop: head_dim {head_dim}; vLLM's {self.backend} ({self.kernel}) "
                     f"blocks need a multiple of {self.head_dim_multiple}")
@@ -152,13 +159,17 @@ class VllmLayout:
 
 
 HALF = ("torch.float16", "torch.bfloat16")
+CPU_ATTN_HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256, 512)
+"""Head sizes of vLLM 0.32.0's CPU attention (``get_supported_head_sizes``) that its ``vec`` and
+``amx`` kernels take (80 and 112 run its ``vec16`` kernels, a layout not staged here)."""
 LAYOUTS = {
     "flash": VllmLayout("FLASH_ATTN", "flash", 16, "VRAM", HALF, 8, to_flash_attn_blocks,
                          from_flash_attn_blocks),
     "vec": VllmLayout("CPU_ATTN", "vec", 128, "DRAM", ("torch.float32", *HALF), 32,
-                      to_cpu_attn_blocks, from_cpu_attn_blocks),
+                      to_cpu_attn_blocks, from_cpu_attn_blocks,
+                      head_sizes=CPU_ATTN_HEAD_SIZES),
     "amx": VllmLayout("CPU_ATTN", "amx", 128, "DRAM", ("torch.bfloat16",), 32,
-                      to_cpu_amx_blocks, from_cpu_amx_blocks),
+                      to_cpu_amx_blocks, from_cpu_amx_blocks, head_sizes=CPU_ATTN_HEAD_SIZES),
 }
 """The layouts a dwdp rank stages, by kernel family."""
 

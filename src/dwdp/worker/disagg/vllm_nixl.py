@@ -89,6 +89,34 @@ def check_version(version: str) -> str:
     return version
 
 
+def check_model_config(config: Any, dtype: str, cpu_kernel: str = "auto") -> None:
+    """The refusals a checkpoint's text ``config`` (transformers) shows before any weight
+    loads, for KV cached on the host in ``dtype`` (``str(torch.dtype)``): multi-head latent
+    attention (``kv_lora_rank``: vLLM decodes it from its MLA cache, not staged here), then
+    what the CPU attention layout of ``cpu_kernel`` cannot hold (``VllmLayout.problem``:
+    head size, dtype). Raises ``VllmInteropError`` (one line)."""
+    lora = getattr(config, "kv_lora_rank", None)
+    if lora:
+        raise VllmInteropError(
+            f"kvTransfer.vllm: the model uses multi-head latent attention (kv_lora_rank "
+            f"{lora}); vLLM decodes it from its MLA cache, which dwdp does not stage: only "
+            "models with a key and a value per KV head are served to vLLM"
+        )
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    try:
+        layout = layout_for("cpu", dtype, cpu_kernel)
+    except ValueError as exc:
+        raise VllmInteropError(f"kvTransfer.vllm: {str(exc).removeprefix(_PREFIX)}") from None
+    problem = layout.problem(dtype, head_dim)
+    if problem is not None:
+        raise VllmInteropError(f"kvTransfer.vllm: the model's {problem.removeprefix(_PREFIX)}")
+
+
+_PREFIX = "vLLM interop: "
+"""How the layout table's lines begin (replaced by the setting's name in a launch refusal)."""
+
+
 @dataclass(frozen=True, slots=True)
 class VllmInterop:
     """The vLLM decode fleet a context rank serves: ``version`` (``VLLM_VERSIONS``), ``model``
@@ -229,7 +257,8 @@ class VllmProducer:
     enough for the whole dwdp cache held under leases); it lives on the cache's device.
     ``layout``: the ``VllmLayout`` staged (``vllm_layout.layout_for`` the cache's device).
     Raises ``VllmInteropError`` for a cache the decode side cannot share (device, head size,
-    dtype) and ``TransferError`` when NIXL or ZMQ cannot start.
+    dtype; ``check_model_config`` refuses it earlier, from the checkpoint's config) and
+    ``TransferError`` when NIXL or ZMQ cannot start.
     """
 
     def __init__(
@@ -297,6 +326,7 @@ class VllmProducer:
         )
         self.handshake = self._handshake_payload()
         self.handshakes = 0
+        self.expired = 0  # leases that ended unread (no final notification within lease_s)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -394,7 +424,14 @@ class VllmProducer:
     # -- leases ----------------------------------------------------------------------------------
     @property
     def leases(self) -> int:
+        """Requests whose staging blocks wait for the decode side."""
         return len(self._leases)
+
+    @property
+    def free_staging_blocks(self) -> int:
+        """Staging blocks no lease holds (``num_staging`` when none is held)."""
+        with self._lock:
+            return len(self._free)
 
     def stage(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
         """Copy the KV of ``blocks`` (dwdp's, the first ``num_tokens`` tokens of a request)
@@ -428,7 +465,8 @@ class VllmProducer:
 
     def finished_blocks(self) -> list[list[int]]:
         """dwdp block tables whose lease ended since the last call: read by every consumer
-        the decode side announced, or expired (a WARNING). Heartbeats extend leases."""
+        the decode side announced, or expired (a WARNING, counted in ``expired``). Heartbeats
+        extend leases."""
         with self._lock:
             notifs = self._agent.get_new_notifs()
         reads: Counter[str] = Counter()
@@ -459,6 +497,7 @@ class VllmProducer:
             for rid in [r for r, lease in self._leases.items() if lease.deadline < now]:
                 log.warning("KV lease of request %s expired after %.0f s unread (vLLM decode)",
                             rid, self.lease_s)
+                self.expired += 1
                 out.append(self._end(rid))
         return out
 
