@@ -33,7 +33,9 @@ from dwdp.api.errors import Problem
 __all__ = [
     "ARGS_RULE",
     "DWDP_ONLY_SETTINGS",
+    "FLAG_PATTERN",
     "OPERATOR_ARGS",
+    "SHORT_ARGS",
     "SIDE_CHANNEL_RULE",
     "VERSION_RULE",
     "DwdpOnlySetting",
@@ -46,35 +48,60 @@ __all__ = [
     "vllm_spec_rules",
 ]
 
-OPERATOR_ARGS: dict[str, str] = {
-    "model": "the operator passes model.path, the checkpoint the context ranks load",
-    "served-model-name": "the operator passes the name the context ranks answer to "
-    "(model.servedName)",
-    "host": "the operator binds the pod's address",
-    "port": "the operator passes server.port",
-    "uds": "the operator serves on server.port",
-    "api-key": "the key comes from server.apiKeySecretRef (VLLM_API_KEY), never the pod spec",
-    "kv-transfer-config": "the operator passes the NIXL connector as kv_consumer",
-    "dtype": "the operator passes model.dtype (both tiers cache KV in one dtype)",
-    "kv-cache-dtype": "the context ranks cache KV in the model's dtype only (auto)",
-    "tensor-parallel-size": "the context ranks answer tensor rank 0 only: one rank per server",
-    "tp": "the context ranks answer tensor rank 0 only: one rank per server",
-    "pipeline-parallel-size": "the context ranks answer pipeline rank 0 only: one rank per "
-    "server",
-    "pp": "the context ranks answer pipeline rank 0 only: one rank per server",
-    "disable-hybrid-kv-cache-manager": "set generation.vllm.hybridKvCacheManager (the context "
-    "ranks hash it too)",
-    "config": "arguments from a file escape these checks: give them in args",
-}
-"""vLLM arguments ``generation.vllm.args`` must not give (without their leading dashes), and
-why: the operator sets them, or the context ranks cannot serve another value."""
+_ONE_RANK = "the context ranks answer tensor and pipeline rank 0 only: one rank per server"
 
-_FLAG = "^--?(no[-_])?(" + "|".join(
-    name.replace("-", "[-_]") for name in sorted(OPERATOR_ARGS, key=len, reverse=True)
-) + ")(=.*)?$"
-"""An argument naming one of :data:`OPERATOR_ARGS` (``--dtype``, ``--dtype=float32``,
-``--served_model_name``: vLLM reads ``_`` as ``-``; ``--no-...`` of a boolean); RE2 and
-Python read it alike."""
+OPERATOR_ARGS: dict[str, tuple[int, str]] = {
+    "model": (5, "the operator passes model.path, the checkpoint the context ranks load"),
+    "served-model-name": (3, "the operator passes the name the context ranks answer to"),
+    "host": (2, "the operator binds the pod's address"),
+    "port": (3, "the operator passes server.port"),
+    "uds": (2, "the operator serves on server.port"),
+    "api-key": (5, "the key comes from server.apiKeySecretRef as VLLM_API_KEY, never the pod spec"),
+    "kv-transfer-config": (4, "the operator passes the NIXL connector as kv_consumer"),
+    "dtype": (2, "the operator passes model.dtype (both tiers cache KV in one dtype)"),
+    "kv-cache-dtype": (14, "the context ranks cache KV in the model's dtype only (auto)"),
+    "tensor-parallel-size": (2, _ONE_RANK),
+    "pipeline-parallel-size": (2, _ONE_RANK),
+    "disable-hybrid-kv-cache-manager": (
+        9,
+        "set generation.vllm.hybridKvCacheManager (the context ranks hash it too)",
+    ),
+    "config": (6, "arguments from a file escape these checks: give them in args"),
+}
+"""vLLM's long options ``generation.vllm.args`` must not give, with the length of their
+shortest prefix vLLM 0.32.0's parser takes for them (argparse accepts any unambiguous prefix:
+``--served-model`` is ``--served-model-name``; shorter ones are ambiguous there and refused by
+vLLM itself), and why: the operator sets them, or the context ranks cannot serve another value.
+A boolean's ``--no-`` form counts too."""
+SHORT_ARGS = {"t": _ONE_RANK, "tp": _ONE_RANK, "pp": _ONE_RANK}
+"""vLLM 0.32.0's short options refused likewise (``-t`` is a prefix of ``-tp``)."""
+
+
+def _prefix_pattern(name: str, shortest: int) -> str:
+    """A regex of every prefix of ``name`` at least ``shortest`` long, ``_`` for any ``-``
+    (vLLM reads ``--served_model_name`` as ``--served-model-name``): ``mod(e(l)?)?``."""
+
+    def char(ch: str) -> str:
+        return "[-_]" if ch == "-" else re.escape(ch)
+
+    tail = ""
+    for ch in reversed(name[shortest:]):
+        tail = f"({char(ch)}{tail})?"
+    return "".join(char(ch) for ch in name[:shortest]) + tail
+
+
+def _flag_pattern(name: str) -> str:
+    if name in SHORT_ARGS:
+        return f"-{name}(=.*)?"
+    shortest = OPERATOR_ARGS[name][0]
+    return f"--(no[-_])?{_prefix_pattern(name, shortest)}(=.*)?"
+
+
+_PATTERNS = {name: _flag_pattern(name) for name in (*OPERATOR_ARGS, *SHORT_ARGS)}
+FLAG_PATTERN = "^(" + "|".join(_PATTERNS.values()) + ")$"
+"""An argument that is one of :data:`OPERATOR_ARGS` or :data:`SHORT_ARGS` (any prefix vLLM
+takes for it, ``_`` for ``-``, ``--no-`` for a boolean, ``=VALUE`` or not); RE2 (CEL's
+``matches``) and Python read it alike."""
 
 ARGS_RULE = "must not hold an argument the operator sets or the context ranks cannot serve"
 """The rule of ``generation.vllm.args`` (the CEL message adds the list, a refusal its reason)."""
@@ -82,10 +109,10 @@ ARGS_RULE = "must not hold an argument the operator sets or the context ranks ca
 
 def operator_arg(arg: str) -> str | None:
     """Why ``arg`` is refused in ``generation.vllm.args`` (None when it is not)."""
-    match = re.fullmatch(_FLAG[1:-1], arg)
-    if match is None:
-        return None
-    return OPERATOR_ARGS[match.group(2).replace("_", "-")]
+    for name, pattern in _PATTERNS.items():
+        if re.fullmatch(pattern, arg):
+            return SHORT_ARGS[name] if name in SHORT_ARGS else OPERATOR_ARGS[name][1]
+    return None
 
 
 VERSION_RULE = (
@@ -101,8 +128,9 @@ def vllm_spec_rules() -> list[dict[str, str]]:
     return [
         cel_rule(f"self.version in [{versions}]", f"version {VERSION_RULE}", field_path=".version"),
         cel_rule(
-            f"!has(self.args) || self.args.all(a, !a.matches({cel_literal(_FLAG)}))",
-            f"args {ARGS_RULE} (--{', --'.join(OPERATOR_ARGS)})",
+            f"!has(self.args) || self.args.all(a, !a.matches({cel_literal(FLAG_PATTERN)}))",
+            f"args {ARGS_RULE} (--{', --'.join(OPERATOR_ARGS)}, -tp, -pp, or a prefix "
+            "vLLM takes for one)",
             field_path=".args",
         ),
     ]
