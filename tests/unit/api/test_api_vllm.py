@@ -42,3 +42,17 @@ def test_vllms_other_options_and_values_pass(arg: str) -> None:
 def test_each_refusal_says_why() -> None:
     assert operator_arg("--port") == OPERATOR_ARGS["port"][1] == "the operator passes server.port"
     assert "one rank per server" in (operator_arg("-tp") or "")
+
+
+def test_the_vllm_fleet_example_is_valid_and_its_tier_is_vllm() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from dwdp.api.deployment import deployment_problems, parse_deployment
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "05-vllm-fleet.yaml"
+    document = yaml.safe_load(example.read_text())
+    assert deployment_problems(document) == []
+    spec = parse_deployment(document).spec
+    assert spec.vllm is not None and spec.vllm.version == "0.32.0"
