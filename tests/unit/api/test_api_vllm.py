@@ -7,10 +7,15 @@ abbreviations), and nothing else. The prefix lengths were checked against the wh
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 
+from dwdp.api.deployment import deployment_problems, parse_deployment
 from dwdp.api.vllm import FLAG_PATTERN, OPERATOR_ARGS, operator_arg
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "05-vllm-fleet.yaml"
 
 REFUSED = [
     "--model", "--model=/x", "--served-model-name", "--served_model_name=x", "--served-model",
@@ -45,14 +50,7 @@ def test_each_refusal_says_why() -> None:
 
 
 def test_the_vllm_fleet_example_is_valid_and_its_tier_is_vllm() -> None:
-    from pathlib import Path
-
-    import yaml
-
-    from dwdp.api.deployment import deployment_problems, parse_deployment
-
-    example = Path(__file__).resolve().parents[3] / "examples" / "05-vllm-fleet.yaml"
-    document = yaml.safe_load(example.read_text())
+    document = yaml.safe_load(EXAMPLE.read_text())
     assert deployment_problems(document) == []
     spec = parse_deployment(document).spec
     assert spec.vllm is not None and spec.vllm.version == "0.32.0"
