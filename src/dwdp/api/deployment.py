@@ -23,7 +23,14 @@ from pydantic import ConfigDict, Field, model_validator
 from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
 from dwdp.api.contract import USER_ENV
-from dwdp.api.defaults import MAX_BATCH_SIZE, MAX_NUM_TOKENS, ROUTER_PORT, SERVER_PORT
+from dwdp.api.defaults import (
+    MAX_BATCH_SIZE,
+    MAX_NUM_TOKENS,
+    ROUTER_PORT,
+    SERVER_PORT,
+    VLLM_SIDE_CHANNEL_PORT,
+    VLLM_VERSIONS,
+)
 from dwdp.api.enums import HandleType, Role, Transport
 from dwdp.api.errors import (
     UNSET,
@@ -37,8 +44,10 @@ from dwdp.api.launch import (
     Dtype,
     EngineSpec,
     KvCacheConfig,
+    KvTransferConfig,
     LaunchConfig,
     LaunchModel,
+    VllmConnectorConfig,
     launch_problems,
 )
 from dwdp.api.names import (
@@ -52,6 +61,14 @@ from dwdp.api.names import (
 from dwdp.api.placement import DEFAULT_GPU_RESOURCE, Affinity, GpuSpec, LocalObjectReference
 from dwdp.api.security import NetworkPolicySpec, PodSecurityContext, SecurityContext
 from dwdp.api.support import Scope, SectionView, worker_limit_problems, worker_limit_rules
+from dwdp.api.vllm import (
+    dwdp_only_problems,
+    dwdp_only_rules,
+    side_channel_cel,
+    side_channel_problems,
+    vllm_spec_problems,
+    vllm_spec_rules,
+)
 
 __all__ = [
     "API_VERSION",
@@ -86,6 +103,7 @@ __all__ = [
     "RouterStatus",
     "ServerSpec",
     "Toleration",
+    "VllmGenerationSpec",
     "deployment_problems",
     "launch_config_for",
     "parse_deployment",
@@ -332,6 +350,60 @@ def _quantity_ok(text: str) -> bool:
     return re.fullmatch(QUANTITY_PATTERN[1:-1], text) is not None
 
 
+class VllmGenerationSpec(ApiModel):
+    """Unmodified vLLM servers as the generation (decode) tier (docs/vllm-fleet.md): vLLM's
+    OpenAI server (``python3 -m vllm.entrypoints.openai.api_server``) in ``image``, on CPU,
+    its NIXL connector a ``kv_consumer`` reading the KV the context ranks prefilled; the router
+    lists them as decode servers. The rules are :mod:`dwdp.api.vllm`'s."""
+
+    model_config = ConfigDict(json_schema_extra=cel_rules(vllm_spec_rules))
+
+    image: Annotated[str, IMAGE_REFERENCE] = Field(
+        description="vLLM image: a CPU build of vLLM (version) with nixl, whose python3 runs "
+        "vllm.entrypoints.openai.api_server.",
+    )
+    version: str = Field(
+        default=VLLM_VERSIONS[0],
+        max_length=32,
+        description="The vLLM version of image; the context ranks speak its NIXL connector. "
+        f"Supported: {', '.join(VLLM_VERSIONS)}.",
+    )
+    args: list[Annotated[str, Field(max_length=1024)]] | None = Field(
+        default=None,
+        max_length=64,
+        description="More arguments of vLLM's server (--max-model-len 4096, --max-num-seqs "
+        "16, ...). Refused: those the operator sets (--model, --served-model-name, --host, "
+        "--port, --uds, --api-key, --kv-transfer-config, --dtype) and those the context ranks "
+        "cannot serve (--kv-cache-dtype, --tensor-parallel-size, --pipeline-parallel-size, "
+        "--disable-hybrid-kv-cache-manager, --config).",
+    )
+    hybrid_kv_cache_manager: Bool = Field(
+        default=True,
+        description="vLLM's hybrid KV cache manager (its default with the NIXL connector); "
+        "false passes --disable-hybrid-kv-cache-manager. Part of vLLM's compatibility hash: "
+        "the context ranks are told the same.",
+    )
+    side_channel_port: Port = Field(
+        default=VLLM_SIDE_CHANNEL_PORT,
+        description="Port of the context ranks' side channel (vLLM's "
+        "VLLM_NIXL_SIDE_CHANNEL_PORT) the vLLM servers handshake with; local rank k listens "
+        "on sideChannelPort + k, on the pod's address. It authenticates no peer: the "
+        "NetworkPolicy admits only the deployment's generation pods.",
+    )
+    resources: ResourceRequirements | None = Field(
+        default=None,
+        description="Resources of the vLLM container; unset: spec.resources. No GPU is "
+        "requested: the vLLM servers run on CPU.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> VllmGenerationSpec:
+        problems = vllm_spec_problems(self.version, self.args)
+        if problems:
+            raise RuleViolations(problems)
+        return self
+
+
 def _rules_context() -> list[dict[str, str]]:
     attached = "self.dwdp.enableDense && self.dwdp.enableExperts"
     world = "self.dwdp.dwdpSize"
@@ -470,7 +542,8 @@ class ContextSpec(_ServingSection):
 
 
 class GenerationSpec(_ServingSection):
-    """The generation (decode) servers; they never run dense DWDP."""
+    """The generation (decode) servers: dwdp servers (they never run dense DWDP), or with
+    ``vllm`` unmodified vLLM servers (the dwdp engine settings then keep their defaults)."""
 
     model_config = ConfigDict(
         json_schema_extra=cel_rules(
@@ -481,8 +554,16 @@ class GenerationSpec(_ServingSection):
                     field_path=".ranksPerPod",
                 ),
                 KV_TOKENS_RULE,
+                *dwdp_only_rules(),
             ]
         )
+    )
+
+    vllm: VllmGenerationSpec | None = Field(
+        default=None,
+        description="Run unmodified vLLM servers (on CPU) as the generation servers, reading "
+        "the context ranks' KV through vLLM's NIXL connector; unset: dwdp generation servers. "
+        "Needs context.handleType shm and an explicit model.dtype (docs/vllm-fleet.md).",
     )
 
     @property
@@ -496,7 +577,10 @@ class GenerationSpec(_ServingSection):
         if self.ranks_per_pod != self.ranks_per_server:
             rule = f"must be 1: {_ONE_RANK_SERVER}"
             problems.append(Problem(("ranksPerPod",), self.ranks_per_pod, rule))
-        return problems + self.kv_problems()
+        problems += self.kv_problems()
+        if self.vllm is not None:
+            problems += dwdp_only_problems(self)
+        return first_per_field(problems)
 
     @model_validator(mode="after")
     def _check(self) -> GenerationSpec:
@@ -724,13 +808,50 @@ _GENERATION_TEMPLATE = (
 )
 
 
+_VLLM_HANDLE = (
+    "must be shm with generation.vllm: the context ranks stage their KV into vLLM's CPU "
+    "attention layout (the one layout dwdp speaks to vLLM), so the context runs the cpu backend"
+)
+_VLLM_DTYPE = (
+    "must be bfloat16, float16 or float32 with generation.vllm: the KV dtype is part of vLLM's "
+    "compatibility hash, and vLLM's auto makes a float32 checkpoint 16-bit where dwdp keeps "
+    "float32"
+)
+_VLLM_NO_GPU = (
+    "must be unset with generation.vllm: the vLLM servers run on CPU and claim no GPU"
+)
+
+
+def _rules_vllm() -> list[dict[str, str]]:
+    """The spec-wide rules of a vLLM generation tier (``generation.vllm``)."""
+    vllm = "has(self.generation) && has(self.generation.vllm)"
+    return [
+        cel_rule(
+            f"!({vllm}) || self.context.handleType == 'shm'",
+            f"context.handleType {_VLLM_HANDLE}",
+            field_path=".context.handleType",
+        ),
+        cel_rule(
+            f"!({vllm}) || self.model.dtype != 'auto'",
+            f"model.dtype {_VLLM_DTYPE}",
+            field_path=".model.dtype",
+        ),
+        cel_rule(
+            f"!({vllm}) || !has(self.gpu) || !has(self.gpu.generationResourceClaimTemplateName)",
+            f"gpu.generationResourceClaimTemplateName {_VLLM_NO_GPU}",
+            field_path=".gpu.generationResourceClaimTemplateName",
+        ),
+        side_channel_cel(),
+    ]
+
+
 def _rules_spec() -> list[dict[str, str]]:
     plugin = f"'{DEFAULT_GPU_RESOURCE}'"
     return [
         cel_rule(
             "!has(self.gpu) || !has(self.gpu.resourceClaimTemplateName) || "
             "has(self.gpu.generationResourceClaimTemplateName) || !has(self.generation) || "
-            "self.generation.replicas == 0 || "
+            "has(self.generation.vllm) || self.generation.replicas == 0 || "
             "self.generation.ranksPerPod == self.context.ranksPerPod",
             f"gpu.generationResourceClaimTemplateName {_GENERATION_TEMPLATE}",
             field_path=".gpu.generationResourceClaimTemplateName",
@@ -755,6 +876,7 @@ def _rules_spec() -> list[dict[str, str]]:
             _ROUTER_NEEDS_GENERATION,
             field_path=".router.enabled",
         ),
+        *_rules_vllm(),
     ]
 
 
@@ -857,6 +979,7 @@ class DwdpDeploymentSpec(ApiModel):
         gen, ranks = self.generation, self.context.ranks_per_pod
         if (
             gen is not None
+            and gen.vllm is None
             and gen.replicas > 0
             and gen.ranks_per_pod != ranks
             and gpu.generation_resource_claim_template_name is None
@@ -874,9 +997,37 @@ class DwdpDeploymentSpec(ApiModel):
             problems.append(Problem(("resources",), held, _DRA_WITH_DEVICE_PLUGIN))
         return problems
 
+    @property
+    def vllm(self) -> VllmGenerationSpec | None:
+        """``generation.vllm``: the generation servers are vLLM's (None: dwdp's, or none)."""
+        return None if self.generation is None else self.generation.vllm
+
+    def _vllm_problems(self) -> list[Problem]:
+        """The spec-wide rules of a vLLM generation tier (none without one)."""
+        vllm = self.vllm
+        if vllm is None:
+            return []
+        problems = []
+        if self.context.handle_type is not HandleType.SHM:
+            handle = self.context.handle_type.value
+            problems.append(Problem(("context", "handleType"), handle, _VLLM_HANDLE))
+        if self.model.dtype == "auto":
+            problems.append(Problem(("model", "dtype"), "auto", _VLLM_DTYPE))
+        claim = self.gpu.generation_resource_claim_template_name
+        if claim is not None:
+            path = ("gpu", "generationResourceClaimTemplateName")
+            problems.append(Problem(path, claim, _VLLM_NO_GPU))
+        ports = side_channel_problems(
+            vllm.side_channel_port,
+            ranks_per_pod=self.context.ranks_per_pod,
+            server_port=self.server.port,
+            rendezvous_port=self.rendezvous.port,
+        )
+        return problems + [p.under(("generation", "vllm")) for p in ports]
+
     @model_validator(mode="after")
     def _check(self) -> DwdpDeploymentSpec:
-        problems = []
+        problems = self._vllm_problems()
         rdv, first = self.rendezvous.port, self.server.port
         last = first + self.context.ranks_per_pod - 1
         if first <= rdv <= last:
@@ -1131,8 +1282,9 @@ def launch_config_for(
             ``spec.model.path``.
 
     Raises:
-        ValueError: for the generation role when the spec has no generation section, or
-            for ``Role.AGGREGATED`` (the spec has no such section).
+        ValueError: for the generation role when the spec has no generation section or its
+            servers are vLLM's (``generation.vllm``), or for ``Role.AGGREGATED`` (the spec has
+            no such section).
     """
     if role is Role.CONTEXT:
         section: _ServingSection = spec.context
@@ -1141,6 +1293,8 @@ def launch_config_for(
     elif role is Role.GENERATION:
         if spec.generation is None:
             raise ValueError("the spec has no generation section")
+        if spec.vllm is not None:
+            raise ValueError("the generation servers are vLLM's: they read no launch config")
         section, dwdp, handle = spec.generation, DwdpConfig(), HandleType.FABRIC
     else:
         raise ValueError(f"no section of a DwdpDeployment has the role {role.value}")
@@ -1162,4 +1316,21 @@ def launch_config_for(
         kv_cache=section.kv_cache,
         engine=section.engine,
         server_port=spec.server.port,
+        kv_transfer=_kv_transfer(spec, role, model_path or spec.model.path),
     )
+
+
+def _kv_transfer(spec: DwdpDeploymentSpec, role: Role, model_path: str) -> KvTransferConfig:
+    """Who reads the KV of a context rank: with ``generation.vllm`` vLLM's NIXL connector, its
+    ``model`` the path the vLLM servers are started with (the same mounted checkpoint,
+    ``model_path``); otherwise (and for any other role) dwdp generation servers."""
+    vllm = spec.vllm
+    if role is not Role.CONTEXT or vllm is None:
+        return KvTransferConfig()
+    connector = VllmConnectorConfig(
+        version=vllm.version,
+        side_channel_port=vllm.side_channel_port,
+        model=model_path,
+        hybrid_kv_cache_manager=vllm.hybrid_kv_cache_manager,
+    )
+    return KvTransferConfig(vllm=connector)

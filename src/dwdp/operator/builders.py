@@ -30,6 +30,7 @@ from dwdp.api.enums import Role
 from dwdp.api.launch import opens_rendezvous_store, served_model_name, validate_launch
 from dwdp.operator import constants as c
 from dwdp.operator import naming
+from dwdp.operator import vllm as vllm_server
 from dwdp.operator.revision import revision_of, stable_hash
 
 __all__ = [
@@ -44,18 +45,24 @@ __all__ = [
     "image_pull_secrets",
     "launch_config_text",
     "pod_group",
+    "reads_launch_config",
     "rendezvous_secret",
     "rendezvous_secret_needed",
     "role_shapes",
     "role_template",
     "router_selector",
+    "runs_vllm",
     "serving_policy",
     "with_secret_value",
     "worker_pod",
 ]
 
 READINESS_PERIOD_S = 2
-"""Seconds between readiness probes of a rank's ``/ready``."""
+"""Seconds between readiness probes of a rank's ``/ready`` (and of a vLLM server's
+``/health``)."""
+VLLM_HEALTH_TIMEOUT_S = 5
+"""Timeout of one probe of a vLLM server's ``/health``, in seconds (a busy server on a few
+cores answers slowly)."""
 DEFAULT_GRACE_S = 30
 """Pod termination grace period when the spec sets no graceful-shutdown bound, in seconds."""
 GRACE_MARGIN_S = 10
@@ -150,6 +157,17 @@ def applied_hash(obj: Mapping[str, Any]) -> str | None:
 
 
 # ----------------------------------------------------------------------------- config
+
+
+def runs_vllm(spec: DwdpDeploymentSpec, role: Role) -> bool:
+    """The pods of ``role`` are vLLM servers (``generation.vllm``), not dwdp workers."""
+    return role is Role.GENERATION and spec.vllm is not None
+
+
+def reads_launch_config(spec: DwdpDeploymentSpec, role: Role) -> bool:
+    """The pods of ``role`` read a launch config (its ConfigMap exists): dwdp workers do,
+    vLLM servers do not."""
+    return not runs_vllm(spec, role)
 
 
 def launch_config_text(spec: DwdpDeploymentSpec, role: Role) -> str:
@@ -355,9 +373,12 @@ def serving_policy(
 
 
 def kv_transfer_policy(owner: Owner) -> dict[str, Any]:
-    """The NetworkPolicy of disaggregated serving: the deployment's generation pods reach its
-    context pods on every port (NIXL's UCX endpoints listen on ephemeral ports; the side
-    channel is the serving port, which :func:`serving_policy` may restrict to other peers)."""
+    """The NetworkPolicy of disaggregated serving: the deployment's generation pods (dwdp or
+    vLLM servers: both carry the generation role label) reach its context pods on every port
+    (NIXL's UCX endpoints listen on ephemeral ports; a dwdp reader's side channel is the
+    serving port, which :func:`serving_policy` may restrict to other peers; a vLLM reader's is
+    ``generation.vllm.sideChannelPort`` + local rank, which authenticates no peer: this policy
+    is its boundary)."""
     context = _worker_selector(owner)
     context["matchLabels"][c.LABEL_ROLE] = Role.CONTEXT.value
     generation = _worker_selector(owner)
@@ -394,7 +415,10 @@ def role_template(
     The keys of the optional pod fields (``imagePullSecrets``, ``affinity``,
     ``resourceClaims``) are present only when the spec sets them, so a spec without them
     keeps the revision it had before the fields existed (an operator upgrade rolls no group).
+    The generation role of a vLLM tier has :func:`vllm_template` instead.
     """
+    if runs_vllm(spec, role):
+        return vllm_template(spec)
     shape = role_shapes(spec)[role]
     volumes, mounts = _model_volumes(spec)
     key_volumes, key_mounts = api_key_volumes(spec)
@@ -405,7 +429,7 @@ def role_template(
         "command": list(command),
         "env": [
             *api_key_env(spec),
-            *_cache_env(spec),
+            *_default_env(spec, c.CACHE_ENV),
             *(e.to_yaml_dict() for e in spec.env or ()),
         ],
         "securityContext": spec.security_context.to_yaml_dict(),
@@ -422,15 +446,58 @@ def role_template(
         "worldSize": shape.world_size,
         "terminationGracePeriodSeconds": _grace_seconds(spec),
         "launchConfig": launch_config_text(spec, role),
+        **_optional_pod_fields(spec),
     }
-    if spec.image_pull_secrets:
-        template["imagePullSecrets"] = image_pull_secrets(spec)
-    if spec.affinity is not None and (affinity := spec.affinity.to_yaml_dict()):
-        template["affinity"] = affinity
     claim = spec.gpu.claim_template(role)
     if claim is not None:
         template["resourceClaims"] = [{"name": c.GPU_CLAIM, "resourceClaimTemplateName": claim}]
     return template
+
+
+def _optional_pod_fields(spec: DwdpDeploymentSpec) -> dict[str, Any]:
+    """``imagePullSecrets`` and ``affinity`` of every worker pod, each only when set."""
+    fields: dict[str, Any] = {}
+    if spec.image_pull_secrets:
+        fields["imagePullSecrets"] = image_pull_secrets(spec)
+    if spec.affinity is not None and (affinity := spec.affinity.to_yaml_dict()):
+        fields["affinity"] = affinity
+    return fields
+
+
+def vllm_template(spec: DwdpDeploymentSpec) -> dict[str, Any]:
+    """Everything that reaches every pod of a vLLM generation tier (its revision's input,
+    as :func:`role_template` for dwdp pods): the vLLM image, command line
+    (:mod:`dwdp.operator.vllm`), environment (the defaults of a read-only root and of vLLM less
+    the names ``spec.env`` sets, ``spec.env``, then the operator's: the pod's address and the
+    API key reference), ``generation.vllm.resources`` (else ``spec.resources``; no GPU: vLLM
+    runs on CPU), the workers' security contexts, model volume, writable volumes, placement
+    and grace period."""
+    vllm = vllm_server.vllm_spec(spec)
+    volumes, mounts = _model_volumes(spec)
+    resources = vllm.resources or spec.resources
+    return {
+        "role": Role.GENERATION.value,
+        "engine": c.ENGINE_VLLM,
+        "image": vllm.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": vllm_server.vllm_command(),
+        "args": vllm_server.vllm_args(spec),
+        "env": [
+            *_default_env(spec, {**c.CACHE_ENV, **vllm_server.DEFAULT_ENV}),
+            *(e.to_yaml_dict() for e in spec.env or ()),
+            *vllm_server.vllm_env(spec),
+        ],
+        "securityContext": spec.security_context.to_yaml_dict(),
+        "podSecurityContext": spec.pod_security_context.to_yaml_dict(),
+        "resources": copy.deepcopy((resources.to_yaml_dict() if resources else {}) or {}),
+        "nodeSelector": dict(spec.node_selector or {}),
+        "tolerations": [t.to_yaml_dict() for t in spec.tolerations or ()],
+        "volumes": volumes + _WRITABLE_VOLUMES,
+        "volumeMounts": mounts + _WRITABLE_MOUNTS,
+        "serverPort": spec.server.port,
+        "terminationGracePeriodSeconds": _grace_seconds(spec),
+        **_optional_pod_fields(spec),
+    }
 
 
 def image_pull_secrets(spec: DwdpDeploymentSpec) -> list[dict[str, str]]:
@@ -477,10 +544,11 @@ _WRITABLE_MOUNTS = [
 ]
 
 
-def _cache_env(spec: DwdpDeploymentSpec) -> list[dict[str, Any]]:
-    """:data:`~dwdp.operator.constants.CACHE_ENV` less the names ``spec.env`` sets."""
+def _default_env(spec: DwdpDeploymentSpec, defaults: Mapping[str, str]) -> list[dict[str, Any]]:
+    """``defaults`` (such as :data:`~dwdp.operator.constants.CACHE_ENV`) less the names
+    ``spec.env`` sets."""
     own = {e.name for e in spec.env or ()}
-    return [{"name": k, "value": v} for k, v in c.CACHE_ENV.items() if k not in own]
+    return [{"name": k, "value": v} for k, v in defaults.items() if k not in own]
 
 
 def revisions(
@@ -541,7 +609,16 @@ def worker_pod(
     docs/design.md §4.2, one GPU per rank, restartPolicy Never, the commit-gate readiness gate.
     ``secret``: the incarnation's rendezvous Secret, mounted read-only at
     ``RENDEZVOUS_SECRET_DIR`` and named by ``DWDP_RENDEZVOUS_SECRET_FILE`` (its path, never
-    its value)."""
+    its value). The generation pods of a vLLM tier are :func:`vllm_pod`'s."""
+    if runs_vllm(spec, role):
+        return vllm_pod(
+            spec,
+            owner,
+            group_index=group_index,
+            incarnation=incarnation,
+            revision=revision,
+            pod_group=pod_group,
+        )
     t = role_template(spec, role, command=command)
     shape = role_shapes(spec)[role]
     group = naming.group_name(owner.name, role, group_index)
@@ -630,6 +707,73 @@ def worker_pod(
         }
     if secret is not None:
         _mount_secret(pod_spec, container, secret)
+    for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
+        if t.get(key):
+            pod_spec[key] = t[key]
+    return _finish(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": labels},
+            "spec": pod_spec,
+        },
+        owner,
+    )
+
+
+def vllm_pod(
+    spec: DwdpDeploymentSpec,
+    owner: Owner,
+    *,
+    group_index: int,
+    incarnation: int,
+    revision: str,
+    pod_group: str | None = None,
+) -> dict[str, Any]:
+    """The pod of vLLM generation server ``group_index`` (incarnation ``incarnation``): one
+    vLLM container (:func:`vllm_template`), with the labels of a dwdp generation pod (llm-d's
+    role ``decode`` among them) and ``dwdp.io/engine: vllm``, restartPolicy Never, readiness
+    on vLLM's ``/health`` and the commit-gate readiness gate (the operator opens it once that
+    readiness holds), and no launch config, rendezvous or GPU."""
+    t = vllm_template(spec)
+    group = naming.group_name(owner.name, Role.GENERATION, group_index)
+    name = naming.pod_name(group, incarnation, 0)
+    labels = _incarnation_labels(owner, Role.GENERATION, group_index, incarnation)
+    labels.update({c.LABEL_POD_INDEX: "0", c.LABEL_REVISION: revision})
+    labels.update(_llmd_labels(spec))
+    labels[c.LABEL_ENGINE] = c.ENGINE_VLLM
+    container = {
+        "name": vllm_server.CONTAINER,
+        "image": t["image"],
+        "imagePullPolicy": t["imagePullPolicy"],
+        "command": t["command"],
+        "args": t["args"],
+        "env": t["env"],
+        "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"}],
+        "resources": t["resources"],
+        "securityContext": t["securityContext"],
+        "readinessProbe": {
+            "httpGet": {"path": vllm_server.HEALTH_PATH, "port": spec.server.port},
+            "periodSeconds": READINESS_PERIOD_S,
+            "timeoutSeconds": VLLM_HEALTH_TIMEOUT_S,
+            "failureThreshold": 3,
+        },
+        "terminationMessagePath": c.TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": t["volumeMounts"],
+    }
+    pod_spec: dict[str, Any] = {
+        "hostname": name,
+        "subdomain": naming.headless_service(owner.name, Role.GENERATION),
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": t["terminationGracePeriodSeconds"],
+        "readinessGates": [{"conditionType": c.GATE_CONDITION}],
+        "securityContext": t["podSecurityContext"],
+        "containers": [container],
+        "volumes": t["volumes"],
+    }
+    if pod_group is not None:
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
     for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
         if t.get(key):
             pod_spec[key] = t[key]
@@ -738,7 +882,9 @@ def compute_domain(
 def rendezvous_secret_needed(spec: DwdpDeploymentSpec, role: Role) -> bool:
     """The ranks of a ``role`` group meet at rank 0's TCP store, so each incarnation needs a
     rendezvous Secret (``dwdp.api.launch.opens_rendezvous_store``, the rule the worker
-    follows too)."""
+    follows too); a vLLM server never does."""
+    if runs_vllm(spec, role):
+        return False
     return opens_rendezvous_store(launch_config_for(spec, role))
 
 

@@ -105,6 +105,20 @@ class ObservedPod:
     """``spec.terminationGracePeriodSeconds``."""
     secret: str | None = None
     """The incarnation's rendezvous Secret the pod mounts (None: none)."""
+    vllm: bool = False
+    """A vLLM generation server's pod (label ``dwdp.io/engine: vllm``)."""
+    containers_ready: bool = False
+    """Every container passes its readiness probe (a vLLM server: ``/health`` answers)."""
+
+    def vllm_report(self) -> RankReport | None:
+        """The one rank report of a vLLM server's pod, read from its readiness: ``disabled``
+        (serving with whole weights: committed, as a dwdp rank without DWDP reports) once its
+        ``/health`` passes; None (not reported) before, as a dwdp rank that has not finished
+        its setup, and after (vLLM exits when its engine dies: the pod then fails). None for
+        any other pod."""
+        if not self.vllm or not self.containers_ready:
+            return None
+        return RankReport(rank=0, phase=StatusPhase.DISABLED)
 
     @property
     def failed(self) -> bool:
@@ -197,6 +211,8 @@ def pod_from_object(obj: Mapping[str, Any]) -> ObservedPod | None:
             ),
             None,
         ),
+        vllm=labels.get(c.LABEL_ENGINE) == c.ENGINE_VLLM,
+        containers_ready=bool(cstats) and all(cs.get("ready") is True for cs in cstats),
     )
 
 
@@ -250,7 +266,8 @@ class Observed:
     ``children`` maps every listed non-pod child (ConfigMap, Service, EndpointSlice,
     PodGroup, ComputeDomain; never a Secret) to its applied-hash annotation; ``ranks`` maps
     a pod name to its ranks' reports in local-rank order (None for a rank that did not
-    answer) and holds only the pods that were asked.
+    answer) and holds only the pods that were asked, and every vLLM server pod whose
+    readiness reports (:meth:`ObservedPod.vllm_report`).
     """
 
     pods: tuple[ObservedPod, ...] = ()
@@ -278,7 +295,7 @@ class Observed:
         **extra: Any,
     ) -> Observed:
         """Build the summary from listed objects (worker and router pods) and the ranks'
-        reports."""
+        reports, adding the vLLM server pods' reports from their readiness."""
         pods = list(pods)
         summaries = tuple(
             sorted(
@@ -297,9 +314,11 @@ class Observed:
                 key=lambda r: r.name,
             )
         )
-        return cls(
-            pods=summaries, children=kids, ranks=dict(ranks or {}), router_pods=routers, **extra
-        )
+        reports = dict(ranks or {})
+        for p in summaries:
+            if (report := p.vllm_report()) is not None:
+                reports[p.name] = (report,)
+        return cls(pods=summaries, children=kids, ranks=reports, router_pods=routers, **extra)
 
     def group_pods(self, role: Role, index: int) -> list[ObservedPod]:
         """Every pod of one group (all incarnations, deleting ones included)."""

@@ -309,7 +309,7 @@ def _children(
     wanted = [
         builders.config_map(spec, owner, role, rev)
         for role, rev in sorted(in_use)
-        if role in roles and rev == revisions[role]
+        if role in roles and rev == revisions[role] and builders.reads_launch_config(spec, role)
     ]
     wanted += [builders.headless_service(spec, owner, role) for role in roles]
     wanted.append(builders.client_service(spec, owner))

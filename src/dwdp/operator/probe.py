@@ -29,11 +29,17 @@ VERIFY_INTERVAL_S = 30.0
 
 def to_probe(pods: Iterable[ObservedPod], *, verify: bool = False) -> list[ObservedPod]:
     """The pods whose ranks are asked: running, addressed, live, and gate closed (or,
-    with ``verify``, open too)."""
+    with ``verify``, open too); never a vLLM server's (it answers no ``/dwdp/status``: its
+    readiness stands for its report, :meth:`~dwdp.operator.observe.ObservedPod.vllm_report`)."""
     return [
         p
         for p in pods
-        if p.phase == "Running" and p.ip and p.live and p.started and (verify or not p.gate)
+        if p.phase == "Running"
+        and p.ip
+        and p.live
+        and p.started
+        and not p.vllm
+        and (verify or not p.gate)
     ]
 
 

@@ -647,3 +647,141 @@ def test_the_device_plugin_resource_can_be_renamed() -> None:
         "limits": {"nvidia.com/mig-3g.71gb": 2},
         "requests": {"nvidia.com/mig-3g.71gb": 2},
     }
+
+
+# ----------------------------------------------------------------------------- vLLM generation
+
+
+def vllm_doc(**vllm) -> dict:
+    """One context group of 4 ranks on the cpu backend, one vLLM generation server."""
+    return doc(
+        model={"path": "/models/tiny", "servedName": "tiny-moe", "dtype": "bfloat16",
+               "hostPath": "/srv/models", "mountPath": "/models"},
+        context={"replicas": 1, "ranksPerPod": 4, "handleType": "shm", "dwdp": {"dwdpSize": 4}},
+        generation={"replicas": 1, "vllm": {"image": "vllm-cpu:0.32.0", **vllm}},
+        server={"apiKeySecretRef": {"name": "serving-keys", "key": "openai"}},
+        env=[{"name": "OMP_NUM_THREADS", "value": "2"}, {"name": "UCX_TLS", "value": "tcp,self"}],
+        resources={"requests": {"memory": "16Gi"}},
+    )
+
+
+def _vllm_pod(spec, **kw) -> dict:
+    return builders.worker_pod(spec, OWNER, role=Role.GENERATION, group_index=2, incarnation=1,
+                               pod_index=0, revision="v1", **kw)
+
+
+def test_a_vllm_generation_pod_runs_vllms_server_with_what_the_context_ranks_serve() -> None:
+    spec = parse_deployment(vllm_doc(args=["--max-model-len", "512"])).spec
+    pod = without_hash(_vllm_pod(spec, pod_group="demo-gen2-i1"))
+    dwdp = without_hash(builders.worker_pod(
+        parse_deployment(doc(generation={"replicas": 1}, model=vllm_doc()["spec"]["model"],
+                             env=vllm_doc()["spec"]["env"])).spec,
+        OWNER, role=Role.GENERATION, group_index=2, incarnation=1, pod_index=0, revision="v1"))
+    assert pod["metadata"]["labels"] == {**dwdp["metadata"]["labels"], "dwdp.io/engine": "vllm"}
+    assert pod["metadata"]["labels"]["llm-d.ai/role"] == "decode"
+    (ctr,) = pod["spec"]["containers"]
+    assert ctr["name"] == "vllm" and ctr["image"] == "vllm-cpu:0.32.0"
+    assert ctr["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert ctr["args"] == [
+        "--model", "/models/tiny",
+        "--served-model-name", "tiny-moe",
+        "--host", "$(POD_IP)",
+        "--port", "8000",
+        "--dtype", "bfloat16",
+        "--kv-transfer-config",
+        '{"kv_buffer_device":"cpu","kv_connector":"NixlConnector","kv_role":"kv_consumer"}',
+        "--max-model-len", "512",
+    ]
+    pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert ctr["env"] == [
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/.cache/triton"},
+        {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+        {"name": "DO_NOT_TRACK", "value": "1"},
+        {"name": "OMP_NUM_THREADS", "value": "2"},
+        {"name": "UCX_TLS", "value": "tcp,self"},  # spec.env wins over the default
+        {"name": "POD_IP", "valueFrom": pod_ip},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": pod_ip},
+        {"name": "VLLM_API_KEY",
+         "valueFrom": {"secretKeyRef": {"name": "serving-keys", "key": "openai"}}},
+    ]
+    assert ctr["readinessProbe"] == {
+        "httpGet": {"path": "/health", "port": 8000},
+        "periodSeconds": 2,
+        "timeoutSeconds": 5,
+        "failureThreshold": 3,
+    }
+    assert ctr["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert ctr["resources"] == {"requests": {"memory": "16Gi"}}  # spec.resources, no GPU
+    (dctr,) = dwdp["spec"]["containers"]
+    assert ctr["securityContext"] == dctr["securityContext"]
+    assert ctr["volumeMounts"] == [m for m in dctr["volumeMounts"] if m["name"] in
+                                   ("model", "tmp", "dshm")]
+    assert ctr["volumeMounts"][0] == {"name": "model", "mountPath": "/models", "readOnly": True}
+    keep = ("hostname", "subdomain", "restartPolicy", "terminationGracePeriodSeconds",
+            "readinessGates", "securityContext")
+    assert {k: pod["spec"][k] for k in keep} == {k: dwdp["spec"][k] for k in keep}
+    assert pod["spec"]["volumes"] == [v for v in dwdp["spec"]["volumes"] if v["name"] in
+                                      ("model", "tmp", "dshm")]
+    assert pod["spec"]["schedulingGroup"] == {"podGroupName": "demo-gen2-i1"}
+    assert "resourceClaims" not in pod["spec"]
+
+
+def test_vllm_resources_and_hybrid_kv_cache_manager_come_from_generation_vllm() -> None:
+    spec = parse_deployment(vllm_doc(hybridKvCacheManager=False,
+                                     resources={"limits": {"cpu": 8}})).spec
+    (ctr,) = _vllm_pod(spec)["spec"]["containers"]
+    assert ctr["resources"] == {"limits": {"cpu": 8}}
+    assert ctr["args"][-1] == "--disable-hybrid-kv-cache-manager"
+    context = yaml.safe_load(builders.launch_config_text(spec, Role.CONTEXT))
+    assert context["kvTransfer"]["vllm"]["hybridKvCacheManager"] is False
+    assert context["kvTransfer"]["vllm"]["model"] == "/models/tiny"  # vLLM's --model
+
+
+def test_without_an_api_key_secret_vllm_gets_no_key() -> None:
+    document = vllm_doc()
+    del document["spec"]["server"]
+    (ctr,) = _vllm_pod(parse_deployment(document).spec)["spec"]["containers"]
+    assert "VLLM_API_KEY" not in {e["name"] for e in ctr["env"]}
+
+
+def test_a_vllm_tier_reads_no_launch_config_and_meets_no_rendezvous() -> None:
+    spec = parse_deployment(vllm_doc()).spec
+    assert not builders.reads_launch_config(spec, Role.GENERATION)
+    assert builders.reads_launch_config(spec, Role.CONTEXT)
+    assert not builders.rendezvous_secret_needed(spec, Role.GENERATION)
+    with pytest.raises(ValueError, match="vLLM's: they read no launch config"):
+        builders.launch_config_text(spec, Role.GENERATION)
+
+
+@pytest.mark.parametrize(
+    ("vllm", "rolls"),
+    [
+        ({"args": ["--max-num-seqs", "4"]}, {Role.GENERATION}),
+        ({"image": "vllm-cpu:0.32.0-b"}, {Role.GENERATION}),
+        ({"resources": {"limits": {"cpu": 4}}}, {Role.GENERATION}),
+        # the vLLM servers learn the context ranks' port from each prefill's answer
+        ({"sideChannelPort": 6000}, {Role.CONTEXT}),
+        ({"hybridKvCacheManager": False}, {Role.CONTEXT, Role.GENERATION}),
+    ],
+)
+def test_a_vllm_setting_rolls_the_tiers_that_read_it(vllm: dict, rolls: set[Role]) -> None:
+    base = builders.revisions(parse_deployment(vllm_doc()).spec)
+    changed = builders.revisions(parse_deployment(vllm_doc(**vllm)).spec)
+    assert {role for role in base if changed[role] != base[role]} == rolls
+
+
+def test_the_network_policies_bound_the_vllm_side_channels() -> None:
+    """vLLM's side channel authenticates no peer: the context ranks' channels are reached by
+    the deployment's generation pods only (the KV-transfer policy's source selects the vLLM
+    pods), and the vLLM pods' own channels by nobody (the serving policy selects them and
+    admits the serving ports only)."""
+    spec = parse_deployment(vllm_doc()).spec
+    labels = _vllm_pod(spec)["metadata"]["labels"]
+    kv = builders.kv_transfer_policy(OWNER)["spec"]
+    (source,) = kv["ingress"][0]["from"]
+    assert source["podSelector"]["matchLabels"].items() <= labels.items()
+    assert kv["podSelector"]["matchLabels"][c.LABEL_ROLE] == "context"
+    serving = builders.serving_policy(spec, OWNER)["spec"]
+    assert serving["podSelector"]["matchLabels"].items() <= labels.items()
+    assert serving["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000, "endPort": 8003}]}]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import yaml
 
 from dwdp.api.contract import RENDEZVOUS_SECRET_DIR, RENDEZVOUS_SECRET_PATH, Env
 from dwdp.operator import constants as c
@@ -33,12 +34,14 @@ def body(replicas: int = 2, **spec_patch) -> dict:
 
 class Sim:
     """Applies plans to dicts: pods start Running (scheduled, addressed), ranks answer
-    ``/dwdp/status`` with ``rank_phase`` (None: no answer yet), deletes remove at once."""
+    ``/dwdp/status`` with ``rank_phase`` (None: no answer yet), a vLLM server's container is
+    ready as ``vllm_ready`` says (it answers no ``/dwdp/status``), deletes remove at once."""
 
     def __init__(self, body: dict) -> None:
         self.body = body
         self.objects: dict[tuple[str, str], dict] = {}
         self.rank_phase: str | None = "committed"
+        self.vllm_ready = False
         self.start_ids: dict[str, str] = {}
         """Start id each pod's ranks answer with (none: the field is left out)."""
         self.next_ip = 1
@@ -49,7 +52,7 @@ class Sim:
         ranks = {}
         for p in pods:
             labels = p["metadata"]["labels"]
-            if c.LABEL_ROLE not in labels:  # a router pod: no ranks
+            if c.LABEL_ROLE not in labels or c.LABEL_ENGINE in labels:  # router or vLLM pod
                 continue
             first = int(
                 next(
@@ -90,6 +93,8 @@ class Sim:
                 "containerStatuses": [{"state": {"running": {}}}],
                 "conditions": [],
             }
+            if c.LABEL_ENGINE in pod["metadata"]["labels"]:
+                pod["status"]["containerStatuses"][0]["ready"] = self.vllm_ready
             self.next_ip += 1
             self.objects[("Pod", pod["metadata"]["name"])] = pod
         for gate in p.gates:
@@ -803,3 +808,101 @@ def test_router_enabled_without_generation_is_refused_before_any_pod() -> None:
     invalid = {x["type"]: x for x in p.status["conditions"]}["Invalid"]
     assert "spec.router.enabled" in invalid["message"]
     assert "needs generation servers" in invalid["message"]
+
+
+# ----------------------------------------------------------------------------- vLLM generation
+
+
+def vllm_body(**generation) -> dict:
+    """One context group of 4 ranks on the cpu backend and vLLM generation servers."""
+    return body(
+        replicas=1,
+        model={"path": "/models/tiny", "dtype": "float32"},
+        context={"replicas": 1, "ranksPerPod": 4, "handleType": "shm", "dwdp": {"dwdpSize": 4}},
+        generation={"replicas": 1, "vllm": {"image": "vllm-cpu:0.32.0"}, **generation},
+    )
+
+
+def _set_vllm_ready(sim: Sim, ready: bool) -> None:
+    for (kind, _), obj in sim.objects.items():
+        if kind == "Pod" and c.LABEL_ENGINE in obj["metadata"]["labels"]:
+            obj["status"]["containerStatuses"][0]["ready"] = ready
+
+
+def test_vllm_servers_join_the_router_as_decode_servers_once_their_health_passes() -> None:
+    sim = Sim(vllm_body())
+    first = sim.step("T0")
+    (gen,) = [o for o in first.create_pods if o["metadata"]["labels"][c.LABEL_ROLE] == "generation"]
+    assert gen["metadata"]["name"] == "demo-gen0-i0-p0"
+    assert gen["spec"]["containers"][0]["command"][:3] == [
+        "python3", "-m", "vllm.entrypoints.openai.api_server"
+    ]
+    configs = sorted(o["metadata"]["name"] for o in first.apply if o["kind"] == "ConfigMap")
+    assert len(configs) == 1 and configs[0].startswith("demo-context-")  # vLLM reads none
+    assert not [o for o in first.create if o["metadata"]["name"].startswith("demo-gen")]
+    p = sim.step("T1")  # the context group commits; vLLM is still loading
+    assert [g.pod for g in p.gates] == ["demo-g0-i0-p0"]
+    assert p.status["generation"]["readyReplicas"] == 0
+    assert _router(p)["spec"]["replicas"] == 0  # no decode server yet
+    assert sim.step("T2").gates == ()  # an unready vLLM server is never asked /dwdp/status
+    _set_vllm_ready(sim, True)
+    p = sim.step("T3")
+    assert p.gates == (GateChange("demo-gen0-i0-p0", True, "demo-gen0 committed"),)
+    dep = _router(p)
+    ips = {n: o["status"]["podIP"] for (k, n), o in sim.objects.items() if k == "Pod"}
+    assert dep["spec"]["replicas"] == 1
+    assert _router_urls(dep)[1] == [f"http://{ips['demo-gen0-i0-p0']}:8000"]
+    assert p.status["generation"]["readyReplicas"] == 1 and p.status["phase"] == "Ready"
+    assert p.status["router"]["decodeServers"] == 1
+    _set_vllm_ready(sim, False)  # a slow /health after the commit is not a failure
+    assert sim.step("T4").gates == () and sim.body["status"]["phase"] == "Ready"
+
+
+def test_a_vllm_server_that_exits_fails_and_leaves_the_router() -> None:
+    sim = Sim(vllm_body())
+    sim.vllm_ready = True
+    sim.step("T0")
+    sim.step("T1")
+    pod = sim.objects[("Pod", "demo-gen0-i0-p0")]
+    pod["status"]["phase"] = "Failed"
+    pod["status"]["containerStatuses"] = [
+        {"ready": False, "state": {"terminated": {"exitCode": 1, "message": "EngineDeadError"}}}
+    ]
+    p = sim.step("T2")
+    assert [d.name for d in p.delete if d.kind == "Pod"] == ["demo-gen0-i0-p0"]
+    (entry,) = p.status["generation"]["groups"]
+    assert entry["lastFailure"]["message"] == "demo-gen0-i0-p0: EngineDeadError"
+    assert p.status["generation"]["readyReplicas"] == 0
+    assert _router_urls(_router(p))[1] == []
+
+
+def test_a_vllm_tier_change_rolls_the_vllm_servers_only() -> None:
+    sim = Sim(vllm_body())
+    sim.vllm_ready = True
+    sim.step("T0")
+    sim.step("T1")
+    revisions = {n: o["metadata"]["labels"][c.LABEL_REVISION] for (k, n), o in sim.objects.items()
+                 if k == "Pod"}
+    sim.body["spec"]["generation"]["vllm"]["args"] = ["--max-model-len", "512"]
+    p = sim.step("T2")
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-gen1-i0-p0"]
+    new = p.create_pods[0]["metadata"]["labels"][c.LABEL_REVISION]
+    assert new != revisions["demo-gen0-i0-p0"]
+    assert p.create_pods[0]["spec"]["containers"][0]["args"][-2:] == ["--max-model-len", "512"]
+    assert not [o for o in p.apply if o["kind"] == "ConfigMap"]  # the context config stays
+
+
+def test_hybrid_kv_cache_manager_reaches_both_tiers() -> None:
+    p = plan(vllm_body(vllm={"image": "vllm-cpu:0.32.0", "hybridKvCacheManager": False,
+                             "sideChannelPort": 6100}),
+             Observed(), options=OPTIONS, now="T")
+    (cm,) = [o for o in p.apply if o["kind"] == "ConfigMap"]
+    launch = yaml.safe_load(cm["data"][c.CONFIG_KEY_CONTEXT])
+    assert launch["kvTransfer"]["vllm"] == {
+        "version": "0.32.0",
+        "sideChannelPort": 6100,
+        "model": "/models/tiny",
+        "hybridKvCacheManager": False,
+    }
+    (gen,) = [o for o in p.create_pods if o["metadata"]["labels"][c.LABEL_ROLE] == "generation"]
+    assert "--disable-hybrid-kv-cache-manager" in gen["spec"]["containers"][0]["args"]

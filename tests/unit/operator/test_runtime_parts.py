@@ -287,5 +287,6 @@ def test_only_running_ungated_pods_are_probed() -> None:
         pod("e", deleting=True),
     ]
     assert [p.name for p in to_probe(pods)] == ["a"]
+    assert to_probe([pod("v", vllm=True)]) == []  # a vLLM server answers no /dwdp/status
     assert RankReport(0, "disabled").committed
     assert c.GATE_CONDITION == "dwdp.io/group-ready"

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import pytest
 
+from dwdp.api.contract import StatusPhase
 from dwdp.api.deployment import GroupStatus
 from dwdp.api.enums import Role
 from dwdp.operator.constants import GroupPhase
 from dwdp.operator.group.rollout import stuck_groups
 from dwdp.operator.group.verdict import evaluate_group
-from dwdp.operator.observe import ObservedPod, RankReport, pod_from_object, rank_report_from_json
+from dwdp.operator.observe import (
+    Observed,
+    ObservedPod,
+    RankReport,
+    pod_from_object,
+    rank_report_from_json,
+)
 from dwdp.operator.status import deployment_phase
 
 
@@ -77,6 +84,29 @@ def test_pod_summary_of_a_failed_pod_keeps_its_termination_message() -> None:
     )
     assert pod is not None
     assert (pod.failed, pod.termination_message, pod.exit_code) == (True, "P3: rank 1 failed", 1)
+
+
+@pytest.mark.parametrize(("ready", "gate"), [(False, False), (True, False), (True, True),
+                                            (False, True)])
+def test_a_vllm_servers_readiness_stands_for_its_one_ranks_report(ready: bool, gate: bool):
+    """A vLLM pod answers no /dwdp/status: once its /health passes its one rank reports
+    ``disabled`` (committed, replicated weights); before, and after the commit when /health is
+    slow, nothing (not reported yet), so only its exit fails it."""
+    raw = raw_pod(
+        phase="Running",
+        podIP="127.0.0.9",
+        conditions=[{"type": "dwdp.io/group-ready", "status": "True" if gate else "False"}],
+        containerStatuses=[{"ready": ready, "state": {"running": {}}}],
+    )
+    raw["metadata"]["labels"].update({"dwdp.io/role": "generation", "dwdp.io/engine": "vllm"})
+    raw["spec"]["containers"] = [{"ports": [{"name": "http"}]}]
+    observed = Observed.from_objects(pods=[raw], children=[])
+    (pod,) = observed.pods
+    assert (pod.vllm, pod.containers_ready, pod.ranks) == (True, ready, 1)
+    want = (RankReport(0, StatusPhase.DISABLED),) if ready else None
+    assert observed.ranks.get(pod.name) == want
+    plain = pod_from_object(raw_pod(phase="Running", containerStatuses=[{"ready": True}]))
+    assert plain is not None and not plain.vllm and plain.vllm_report() is None
 
 
 def test_pod_without_the_operators_labels_is_ignored() -> None:
