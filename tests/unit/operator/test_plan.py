@@ -903,6 +903,7 @@ def test_hybrid_kv_cache_manager_reaches_both_tiers() -> None:
         "sideChannelPort": 6100,
         "model": "/models/tiny",
         "hybridKvCacheManager": False,
+        "cpuAttentionKernel": "auto",  # the vLLM hosts' kernel is taken to be this host's
     }
     (gen,) = [o for o in p.create_pods if o["metadata"]["labels"][c.LABEL_ROLE] == "generation"]
     assert "--disable-hybrid-kv-cache-manager" in gen["spec"]["containers"][0]["args"]
