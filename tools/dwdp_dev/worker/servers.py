@@ -215,8 +215,8 @@ class VllmServer(_LoopbackProcess):
         self.args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                      str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         if kv_role is not None:
-            config = {"kv_connector": "NixlConnector", "kv_role": kv_role,
-                      "kv_buffer_device": "cpu"}
+            config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": kv_role,
+                                      "kv_buffer_device": "cpu"}
             if extra_config:
                 config["kv_connector_extra_config"] = dict(extra_config)
             self.args += ["--kv-transfer-config", json.dumps(config)]

@@ -514,8 +514,8 @@ async def _merge(
     if len(streams) == 1:
         yield 0, firsts[0]
         if not firsts[0].finished:
-            async for out in streams[0]:
-                yield 0, out
+            async for update in streams[0]:
+                yield 0, update
         return
     pending: dict[asyncio.Task[RequestOutput | None], int] = {}
     for i, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
