@@ -151,6 +151,18 @@ def _finish(obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
     return obj
 
 
+def _placed_pod(name: str, labels: dict[str, str], pod_spec: dict[str, Any],
+                template: Mapping[str, Any], owner: Owner) -> dict[str, Any]:
+    """The finished Pod ``name`` of ``pod_spec``, placed as ``template`` says (node selector,
+    tolerations, affinity, image pull secrets, where given)."""
+    for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
+        if template.get(key):
+            pod_spec[key] = template[key]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+           "spec": pod_spec}
+    return _finish(pod, owner)
+
+
 def applied_hash(obj: Mapping[str, Any]) -> str | None:
     """The ``dwdp.io/applied-hash`` annotation of an object (None when absent)."""
     return ((obj.get("metadata") or {}).get("annotations") or {}).get(c.ANNOTATION_APPLIED_HASH)
@@ -707,18 +719,7 @@ def worker_pod(
         }
     if secret is not None:
         _mount_secret(pod_spec, container, secret)
-    for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
-        if t.get(key):
-            pod_spec[key] = t[key]
-    return _finish(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "labels": labels},
-            "spec": pod_spec,
-        },
-        owner,
-    )
+    return _placed_pod(name, labels, pod_spec, t, owner)
 
 
 def vllm_pod(
@@ -774,18 +775,7 @@ def vllm_pod(
     }
     if pod_group is not None:
         pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
-    for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
-        if t.get(key):
-            pod_spec[key] = t[key]
-    return _finish(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "labels": labels},
-            "spec": pod_spec,
-        },
-        owner,
-    )
+    return _placed_pod(name, labels, pod_spec, t, owner)
 
 
 def _mount_secret(pod_spec: dict[str, Any], container: dict[str, Any], secret: str) -> None:

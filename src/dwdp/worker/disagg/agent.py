@@ -69,6 +69,22 @@ class RemoteEngine:
     regions: list[list[int]]
 
 
+def new_nixl_agent(engine_id: str, *, host_memory: bool) -> Any:
+    """A NIXL agent named ``engine_id`` on UCX, without a progress thread: UCX's spins a core
+    even while idle (82% of one measured on the host); the engine progresses the agent itself
+    (transfers, and the notifications it polls every loop while leases are held: the peer's
+    READ progresses then too). ``host_memory``: the agent moves host memory between pods that
+    share none, so UCX is held to TCP (``UCX_TLS``, unless set). Raises ``TransferError``
+    without the nixl package."""
+    if host_memory:
+        os.environ.setdefault("UCX_TLS", "tcp")
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise TransferError(f"KV transfer needs the nixl package: {exc}") from exc
+    return nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
 class KvAgent:
     """The NIXL agent over ``cache`` (every layer allocated; see the module docstring).
 
@@ -77,23 +93,13 @@ class KvAgent:
     """
 
     def __init__(self, cache: PagedKVCache, *, model: str, num_layers: int) -> None:
-        if cache.device.type == "cpu":
-            os.environ.setdefault("UCX_TLS", "tcp")
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise TransferError(f"KV transfer needs the nixl package: {exc}") from exc
         missing = [i for i in range(num_layers) if i not in cache.layers]
         if missing:
             raise TransferError(f"KV cache layers {missing} were never allocated")
         self.cache = cache
         self.model = model
         self.engine_id = f"dwdp-{uuid.uuid4().hex[:12]}"
-        # no progress thread: UCX's spins a core even while idle (82% of one measured on the
-        # host); the engine progresses the agent itself (transfers, and the notifications it
-        # polls every loop while leases are held: the peer's READ progresses then too)
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self._agent = nixl_agent(self.engine_id, config)
+        self._agent = new_nixl_agent(self.engine_id, host_memory=cache.device.type == "cpu")
         self._tensors = [t for i in range(num_layers) for t in cache.layers[i]]
         self._registered = self._agent.register_memory(self._tensors)
         self.memory_type = "DRAM" if cache.device.type == "cpu" else "VRAM"  # NIXL's name

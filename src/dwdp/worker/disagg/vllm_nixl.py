@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dwdp.api.defaults import VLLM_SIDE_CHANNEL_PORT, VLLM_VERSIONS
-from dwdp.worker.disagg.agent import TransferError
+from dwdp.worker.disagg.agent import TransferError, new_nixl_agent
 from dwdp.worker.disagg.vllm_layout import (
     VllmLayout,
     check_cpu_kernel,
@@ -271,7 +271,6 @@ class VllmProducer:
         lease_s: float,
         staging_blocks: int | None = None,
     ) -> None:
-        import os
 
         import torch
 
@@ -281,12 +280,6 @@ class VllmProducer:
                 "own address (vLLM's side channel authenticates no peer)"
             )
         layout, self.heads, self.head_dim = staging_layout(cache, num_layers, interop.cpu_kernel)
-        if layout.mem_type == "DRAM":
-            os.environ.setdefault("UCX_TLS", "tcp")  # pods share no memory (see agent.py)
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise TransferError(f"KV transfer needs the nixl package: {exc}") from exc
         self.layout = layout
         self.interop = interop
         self.cache = cache
@@ -309,8 +302,7 @@ class VllmProducer:
                                             self.staging[0].element_size())
         self.device_id = (k0.device.index or 0) if layout.mem_type == "VRAM" else 0
         self._free = list(range(self.num_staging - 1, -1, -1))
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self._agent = nixl_agent(self.engine_id, config)
+        self._agent = new_nixl_agent(self.engine_id, host_memory=layout.mem_type == "DRAM")
         self._registered = self._agent.register_memory(self.staging)
         self._lock = threading.Lock()  # agent and leases
         self._leases: dict[str, _Lease] = {}

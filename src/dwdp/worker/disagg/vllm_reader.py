@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import re
 import threading
 import time
@@ -55,7 +54,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dwdp.worker.disagg.agent import PULL_TIMEOUT_S, LeaseError, TransferError
+from dwdp.worker.disagg.agent import PULL_TIMEOUT_S, LeaseError, TransferError, new_nixl_agent
 from dwdp.worker.disagg.vllm_nixl import (
     GET_META_MSG,
     VllmInterop,
@@ -128,11 +127,6 @@ class VllmReader:
                 f"vLLM interop: this server's KV cache is on {cache.layers[0][0].device}; "
                 "reading vLLM prefill servers is implemented for host caches (CPU_ATTN) only"
             )
-        os.environ.setdefault("UCX_TLS", "tcp")
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise TransferError(f"KV transfer needs the nixl package: {exc}") from exc
         self.cache = cache
         self.interop = interop
         self.num_layers = num_layers
@@ -144,8 +138,7 @@ class VllmReader:
         self.staging_tokens = int(staging_tokens)
         width = self.staging_tokens * self.heads * 2 * self.head_dim
         self.staging = [torch.zeros(width, dtype=self.dtype) for _ in range(num_layers)]
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self._agent = nixl_agent(self.engine_id, config)
+        self._agent = new_nixl_agent(self.engine_id, host_memory=True)
         self._registered = self._agent.register_memory(self.staging)
         self._lock = threading.Lock()  # the agent and the engine table
         self._connecting = threading.Lock()  # one handshake at a time
