@@ -107,6 +107,7 @@ def test_the_operator_writes_a_vllm_tier_the_apiserver_accepts(crd, namespace) -
         "sideChannelPort": 5600,
         "model": "/models/qwen3-moe",
         "hybridKvCacheManager": True,
+        "cpuAttentionKernel": "auto",
     }
     policies = {
         p["metadata"]["name"] for p in _items(cluster, "networkpolicies", namespace)

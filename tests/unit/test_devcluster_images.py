@@ -171,7 +171,7 @@ def test_an_image_name_that_is_no_folder_name_is_one_clear_error(name, capsys) -
 
 def test_a_rebuild_frees_the_superseded_image_before_it_builds(tmp_path: Path,
                                                                monkeypatch) -> None:
-    """The worker image's build needs some 40 GB free at its peak: the copies it replaces
+    """The worker image's build needs 19 GB more disk at its peak: the copies it replaces
     (layout and unpacked root, 10 GB) go before the build, not after (CI ran out of disk);
     the other image's copies stay."""
     monkeypatch.setenv("DWDP_CACHE_DIR", str(tmp_path))

@@ -394,8 +394,9 @@ def _drop_superseded(name: str, keep: Path) -> None:
     """Before a build of ``name``: its other stored layouts, its entry in the refs and the
     unpacked roots no entry needs any more (unless a pod still mounts one) go now rather than
     after the build. The build needs several times the image's size free at its peak (vfs
-    copies of both stages, the committed layer, the pushed layout, then the unpacked root: some
-    40 GB for the worker image), and the superseded copies of a worker image are 10 GB."""
+    copies of both stages, the committed layer, the pushed layout, then the unpacked root: the
+    worker image's took 19 GB more than the disk held before it, measured with its superseded
+    copies gone), and the superseded copies of a worker image are 10 GB."""
     refs = _read_refs()
     if refs.pop(reference(name), None) is not None:
         _write_refs(refs)
