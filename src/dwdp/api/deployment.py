@@ -789,6 +789,12 @@ class FailurePolicy(ApiModel):
         return self
 
 
+_SERVER_PORTS_RANGE = (
+    "must leave room for every local rank (server.port + context.ranksPerPod - 1 at most "
+    "65535): local rank k serves server.port + k"
+)
+
+
 _ROUTER_NEEDS_GENERATION = (
     "router.enabled needs generation servers (generation.replicas > 0): the router sends "
     "every decode to one; leave router.enabled unset to run the router only when there are some"
@@ -841,7 +847,7 @@ def _rules_vllm() -> list[dict[str, str]]:
             f"gpu.generationResourceClaimTemplateName {_VLLM_NO_GPU}",
             field_path=".gpu.generationResourceClaimTemplateName",
         ),
-        side_channel_cel(),
+        *side_channel_cel(),
     ]
 
 
@@ -862,6 +868,11 @@ def _rules_spec() -> list[dict[str, str]]:
             f"(!has(self.resources.requests) || !({plugin} in self.resources.requests)))",
             f"resources {_DRA_WITH_DEVICE_PLUGIN}",
             field_path=".resources",
+        ),
+        cel_rule(
+            "self.server.port + self.context.ranksPerPod - 1 <= 65535",
+            f"server.port {_SERVER_PORTS_RANGE}",
+            field_path=".server.port",
         ),
         cel_rule(
             "self.rendezvous.port < self.server.port || "
@@ -1030,6 +1041,8 @@ class DwdpDeploymentSpec(ApiModel):
         problems = self._vllm_problems()
         rdv, first = self.rendezvous.port, self.server.port
         last = first + self.context.ranks_per_pod - 1
+        if last > 65535:
+            problems.append(Problem(("server", "port"), first, _SERVER_PORTS_RANGE))
         if first <= rdv <= last:
             problems.append(
                 Problem(

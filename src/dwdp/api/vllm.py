@@ -36,6 +36,7 @@ __all__ = [
     "FLAG_PATTERN",
     "OPERATOR_ARGS",
     "SHORT_ARGS",
+    "SIDE_CHANNEL_RANGE_RULE",
     "SIDE_CHANNEL_RULE",
     "VERSION_RULE",
     "DwdpOnlySetting",
@@ -94,14 +95,15 @@ def _flag_pattern(name: str) -> str:
     if name in SHORT_ARGS:
         return f"-{name}(=.*)?"
     shortest = OPERATOR_ARGS[name][0]
-    return f"--(no[-_])?{_prefix_pattern(name, shortest)}(=.*)?"
+    return f"--(no[-_])?{_prefix_pattern(name, shortest)}([.][^=]*)?(=.*)?"
 
 
 _PATTERNS = {name: _flag_pattern(name) for name in (*OPERATOR_ARGS, *SHORT_ARGS)}
 FLAG_PATTERN = "^(" + "|".join(_PATTERNS.values()) + ")$"
 """An argument that is one of :data:`OPERATOR_ARGS` or :data:`SHORT_ARGS` (any prefix vLLM
-takes for it, ``_`` for ``-``, ``--no-`` for a boolean, ``=VALUE`` or not); RE2 (CEL's
-``matches``) and Python read it alike."""
+takes for it, ``_`` for ``-``, ``--no-`` for a boolean, a dotted key of a JSON option, which
+vLLM's parser folds into the option (``--kv-transfer-config.kv_role=...``, ``--X.key+`` to
+append), ``=VALUE`` or not); RE2 (CEL's ``matches``) and Python read it alike."""
 
 ARGS_RULE = "must not hold an argument the operator sets or the context ranks cannot serve"
 """The rule of ``generation.vllm.args`` (the CEL message adds the list, a refusal its reason)."""
@@ -224,25 +226,41 @@ SIDE_CHANNEL_RULE = (
 )
 
 
+SIDE_CHANNEL_RANGE_RULE = (
+    "must leave room for every local rank (sideChannelPort + context.ranksPerPod - 1 at most "
+    "65535): local rank k listens on sideChannelPort + k"
+)
+
+
 def side_channel_problems(
     port: int, *, ranks_per_pod: int, server_port: int, rendezvous_port: int
 ) -> list[Problem]:
     """The context pods' side-channel ports ``port .. port + ranks_per_pod - 1`` meeting their
     server ports or the rendezvous port; path relative to ``generation.vllm``."""
     last = port + ranks_per_pod - 1
+    if last > 65535:
+        return [Problem(("sideChannelPort",), port, SIDE_CHANNEL_RANGE_RULE)]
     apart = last < server_port or port > server_port + ranks_per_pod - 1
     if apart and not port <= rendezvous_port <= last:
         return []
     return [Problem(("sideChannelPort",), port, SIDE_CHANNEL_RULE)]
 
 
-def side_channel_cel() -> dict[str, str]:
-    """:data:`SIDE_CHANNEL_RULE` in CEL, on the spec."""
+def side_channel_cel() -> list[dict[str, str]]:
+    """:data:`SIDE_CHANNEL_RANGE_RULE` and :data:`SIDE_CHANNEL_RULE` in CEL, on the spec."""
     s, k = "self.generation.vllm.sideChannelPort", "self.context.ranksPerPod"
     p, r = "self.server.port", "self.rendezvous.port"
-    return cel_rule(
-        "!has(self.generation) || !has(self.generation.vllm) || "
-        f"(({s} + {k} - 1 < {p} || {s} > {p} + {k} - 1) && ({r} < {s} || {r} > {s} + {k} - 1))",
-        f"generation.vllm.sideChannelPort: {SIDE_CHANNEL_RULE}",
-        field_path=".generation.vllm.sideChannelPort",
-    )
+    vllm = "!has(self.generation) || !has(self.generation.vllm) || "
+    return [
+        cel_rule(
+            f"{vllm}{s} + {k} - 1 <= 65535",
+            f"generation.vllm.sideChannelPort {SIDE_CHANNEL_RANGE_RULE}",
+            field_path=".generation.vllm.sideChannelPort",
+        ),
+        cel_rule(
+            f"{vllm}({s} + {k} - 1 > 65535) || "
+            f"(({s} + {k} - 1 < {p} || {s} > {p} + {k} - 1) && ({r} < {s} || {r} > {s} + {k} - 1))",
+            f"generation.vllm.sideChannelPort: {SIDE_CHANNEL_RULE}",
+            field_path=".generation.vllm.sideChannelPort",
+        ),
+    ]

@@ -24,11 +24,16 @@ REFUSED = [
     "--te", "-tp", "-t", "-tp=2", "--pipeline-parallel-size", "--pi", "-pp",
     "--disable-hybrid-kv-cache-manager", "--disable-h", "--no-disable-hybrid-kv-cache-manager",
     "--config", "--config=/etc/vllm.yaml",
+    # dotted keys: vLLM folds --X.key=value into --X '{"key": value}' (and --X.key+ appends)
+    "--kv-transfer-config.kv_role=kv_producer", "--kv_transfer_config.kv_connector=X",
+    "--kv-t.kv_role", "--served-model-name.x+", "--model.path=/y", "--api-key.x=y",
 ]
 ACCEPTED = [
     "--max-model-len", "--max-num-seqs=16", "--no-enable-prefix-caching", "--enforce-eager",
     "--block-size", "--kv-events-config", "--kv-cache-memory-bytes", "--config-format",
     "--mode", "--se", "--po", "--api", "--d", "--tp", "--pp", "512", "float32", "-O3",
+    "--compilation-config.mode=3", "--kv-events-config.enable_kv_cache_events=true",
+    "--speculative-config.num_speculative_tokens=2",
 ]
 
 

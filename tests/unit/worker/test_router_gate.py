@@ -115,6 +115,17 @@ def test_the_key_gets_the_servers_answer_plain_and_streamed(routed) -> None:
     assert tokens == alone[0].token_ids
 
 
+def test_the_key_lists_the_model_through_the_router(routed) -> None:
+    """``GET /v1/models`` (what OpenAI clients call first) answers with the key, as
+    completions do: the servers behind vllm-router check the key on it too."""
+    url, ctx, _gen, _ = routed
+    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    direct = httpx.get(ctx.base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=10).json()
+    assert [m["id"] for m in r.json()["data"]] == [m["id"] for m in direct["data"]]
+
+
 def test_a_rotated_key_takes_over_within_the_bound(routed) -> None:
     """Runs last: the key file gets a new key; the gate restarts vllm-router with it and the
     servers re-read it; within the bound the new key answers and the old one gets 401."""

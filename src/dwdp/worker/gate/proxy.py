@@ -3,8 +3,10 @@ when the key changes.
 
 Placement: ``RequestGuard`` (``dwdp.worker.server.guard``) in front of ``Gate`` checks the key on
 every path but ``OPEN_PATHS`` (the probes) and bounds the body; ``Gate`` forwards what passed,
-streaming the answer (server-sent events pass through as they come) and dropping the client's
-``Authorization`` (vllm-router sends its own). While no ready child exists (start, or a
+streaming the answer (server-sent events pass through as they come) with the child's key as
+``Authorization`` in place of the client's: vllm-router sends its own key on the requests it
+makes (completions, chat), but passes the client's header on where it proxies a request as it
+came (``GET /v1/models``), and the servers behind it check the key there too. While no ready child exists (start, or a
 rotation) a request waits up to ``wait_s`` seconds for one, then gets 503.
 
 Rotation (``Gate.rotate``): new requests wait; the requests in flight finish (at most
@@ -40,7 +42,8 @@ HOP_BY_HOP = frozenset(
 )
 """Headers that describe one connection, never forwarded."""
 DROPPED_REQUEST = HOP_BY_HOP | {b"authorization", b"content-length"}
-"""Request headers not forwarded: the client's key stays at the gate; httpx sets the length."""
+"""Request headers not forwarded: the gate puts the child's key in place of the client's
+(module docstring); httpx sets the length."""
 
 
 def needs_key(path: str) -> bool:
@@ -155,6 +158,8 @@ class Gate:
         if query:
             url += "?" + query.decode("latin-1")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_REQUEST]
+        if self.child_key is not None:
+            headers.append((b"authorization", f"Bearer {self.child_key}".encode()))
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)
         try:
             response = await self.client.send(request, stream=True)
