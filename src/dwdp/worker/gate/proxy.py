@@ -6,8 +6,9 @@ every path but ``OPEN_PATHS`` (the probes) and bounds the body; ``Gate`` forward
 streaming the answer (server-sent events pass through as they come) with the child's key as
 ``Authorization`` in place of the client's: vllm-router sends its own key on the requests it
 makes (completions, chat), but passes the client's header on where it proxies a request as it
-came (``GET /v1/models``), and the servers behind it check the key there too. While no ready child exists (start, or a
-rotation) a request waits up to ``wait_s`` seconds for one, then gets 503.
+came (``GET /v1/models``), and the servers behind it check the key there too. While no ready
+child exists (start, or a rotation) a request waits up to ``wait_s`` seconds for one, then gets
+503.
 
 Rotation (``Gate.rotate``): new requests wait; the requests in flight finish (at most
 ``drain_s`` seconds); the child stops; a child with the new key starts and, once ready, takes
