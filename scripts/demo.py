@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     say(f"== 1/7 starting the local control plane (state {state})")
     tc = start_cluster(state)
-    ok = False
+    ok = interrupted = False
     try:
         say(f"   up in {time.monotonic() - t0:.1f} s; KUBECONFIG={tc.kubeconfig}")
         say("== 2/7 installing the operator with its Helm chart (charts/dwdp-operator)")
@@ -698,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"   requests/s served through the router: {tp.rps:.2f}")
         say(f"   total {time.monotonic() - t0:.1f} s (apply at +{t_apply - t0:.1f} s)")
         say("DEMO OK" if ok else "DEMO FAILED: some answers differ from the reference")
+    except KeyboardInterrupt:
+        say("\ndemo: interrupted")
+        interrupted = True
     except Exception as exc:
         say(f"DEMO FAILED: {exc}")
         with contextlib.suppress(Exception):
@@ -742,8 +745,14 @@ def main(argv: list[str] | None = None) -> int:
             tc.cluster.down(timeout_s=20)
             shutil.rmtree(state, ignore_errors=True)
             say("   cluster stopped, state removed")
+    if interrupted:
+        return 130  # the shell's code for a run stopped by Ctrl-C (128 + SIGINT)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before the cluster is up, or a second Ctrl-C in the teardown
+        print("\ndemo: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -154,6 +154,9 @@ def _launch_problems(doc: Any) -> list[Any]:
 
     if not isinstance(doc, dict):
         return [Problem((), doc, "a launch config must be a mapping of fields")]
+    if doc.get("kind") == "DwdpDeployment":  # one line, not one per field it does not know
+        rule = "is a DwdpDeployment, not a worker launch config: validate it without --launch"
+        return [Problem(("kind",), "DwdpDeployment", rule)]
     problems = all_problems(LaunchConfig, doc)
     return problems or launch_problems(LaunchConfig.model_validate(doc))
 

@@ -320,3 +320,15 @@ def test_dwdp_validate_refuses_another_vllm_version_in_a_launch_file(tmp_path) -
     proc = _dwdp_validate_launch(tmp_path, {**doc, "kvTransfer": {"vllm": {"version": "0.32.0"}}})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"{path}: launch config of /models/m is valid\n"
+
+
+def test_dwdp_validate_launch_given_a_deployment_says_so_in_one_line(tmp_path) -> None:
+    """A DwdpDeployment given to ``--launch`` gets one line that names the mix-up, not one per
+    deployment field a launch config does not know."""
+    doc = {"apiVersion": "dwdp.io/v1alpha1", "kind": "DwdpDeployment",
+           "metadata": {"name": "m"}, "spec": {"model": {"path": "/models/m"}}}
+    proc = _dwdp_validate_launch(tmp_path, doc)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f'{tmp_path / "launch.yaml"}: kind: is a DwdpDeployment, not a worker launch config: '
+        'validate it without --launch (got "DwdpDeployment")']
