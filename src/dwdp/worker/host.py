@@ -6,6 +6,9 @@ message (the termination message carries it):
 
 - the cuda backend (``handleType`` ``posixFd`` or ``fabric``) on a host where torch sees no
   CUDA device;
+- ``fabric`` without an IMEX channel device in ``/dev/nvidia-caps-imex-channels`` (NVIDIA's
+  DRA driver mounts ``channelN`` there for a ComputeDomain claim; checked before CUDA, so
+  the refusal names the missing channel rather than a driver error);
 - a handle type the device cannot share (``host_check``: CUDA VMM, the handle type's driver
   attribute and a trial allocation; FABRIC refused by the driver means no IMEX channel: run
   the pods in a ComputeDomain);
@@ -19,6 +22,8 @@ message (the termination message carries it):
 from __future__ import annotations
 
 import logging
+import stat
+from pathlib import Path
 
 from dwdp.api.enums import CopyMode, GatherKernel, HandleType
 from dwdp.api.launch import LaunchConfig
@@ -26,20 +31,49 @@ from dwdp.worker.settings import CopySettings, HostInfo
 
 log = logging.getLogger(__name__)
 
+IMEX_CHANNEL_DIR = Path("/dev/nvidia-caps-imex-channels")
+"""Where NVIDIA's DRA driver mounts the IMEX channel devices (``channel0``, ...) of a
+ComputeDomain claim; a FABRIC import or export needs one of them."""
+
 
 class HostGateError(RuntimeError):
     """This host cannot run the launch as configured; the message names the setting, what
     the host lacks and the remedy."""
 
 
-def probe_host(cfg: LaunchConfig, *, device: int) -> HostInfo:
+def imex_channels(directory: Path = IMEX_CHANNEL_DIR) -> list[str]:
+    """The IMEX channel devices granted to this container: the names of the character
+    devices ``channelN`` in ``directory`` (sorted); ``[]`` when there is none or no folder."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    return sorted(
+        e.name
+        for e in entries
+        if e.name.startswith("channel") and stat.S_ISCHR(e.stat().st_mode)
+    )
+
+
+def probe_host(
+    cfg: LaunchConfig, *, device: int, imex_dir: Path = IMEX_CHANNEL_DIR
+) -> HostInfo:
     """The host facts the copy settings need, after checking that the backend the launch's
-    ``handleType`` selects can run here (module docstring). Raises ``HostGateError``."""
+    ``handleType`` selects can run here (module docstring); ``imex_dir``: where the IMEX
+    channel devices are (FABRIC only). Raises ``HostGateError``."""
     if cfg.handle_type == HandleType.SHM:
         return HostInfo(backend="cpu")
+    handle = cfg.handle_type.value
+    if cfg.handle_type == HandleType.FABRIC:
+        channels = imex_channels(imex_dir)
+        if not channels:
+            raise HostGateError(
+                f"handleType: {handle} needs an IMEX channel, and {imex_dir} holds no "
+                "channel device (channelN); " + _remedy(cfg.handle_type)
+            )
+        log.info("IMEX channels granted: %s", ", ".join(channels))
     import torch
 
-    handle = cfg.handle_type.value
     if not torch.cuda.is_available():
         raise HostGateError(
             f"handleType: {handle} runs the cuda backend, but torch sees no CUDA device on "

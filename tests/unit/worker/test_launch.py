@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -435,6 +436,47 @@ def test_cuda_backend_without_cuda_is_refused_before_the_rendezvous(tmp_path, ch
     assert line.startswith("host: HostGateError: handleType: posixFd runs the cuda backend")
     assert "no CUDA device" in line and "handleType: shm" in line and line.count("\n") == 1
     assert b"rendezvous" not in proc.stderr.lower()
+
+
+def test_fabric_without_an_imex_channel_is_refused_before_the_rendezvous(
+    tmp_path, checkpoint
+):
+    """A real ``dwdp worker`` with handleType fabric in a container without an IMEX channel
+    device (this host has no /dev/nvidia-caps-imex-channels): refused by the host gate naming
+    the missing channel and the ComputeDomain remedy, before it joins the group."""
+    from dwdp.worker.host import IMEX_CHANNEL_DIR, imex_channels
+
+    assert imex_channels(IMEX_CHANNEL_DIR) == []
+    config = _config(tmp_path, model=str(checkpoint), handleType="fabric", dwdp={"dwdpSize": 2})
+    proc, line = _rank_one_of_two(tmp_path, config, {})
+    assert proc.returncode == 1, proc.stderr.decode()[-2000:]
+    assert line.startswith(
+        f"host: HostGateError: handleType: fabric needs an IMEX channel, and {IMEX_CHANNEL_DIR} "
+        "holds no channel device"
+    ), line
+    assert "ComputeDomain" in line and "handleType: posixFd" in line and line.count("\n") == 1
+    assert b"rendezvous" not in proc.stderr.lower()
+
+
+def test_an_imex_channel_device_passes_the_channel_check(tmp_path):
+    """With a character device ``channel0`` in the channel folder (as NVIDIA's DRA driver
+    mounts it) the FABRIC gate goes on to CUDA: on this CPU host the refusal is the CUDA
+    one; a regular file of that name is no channel."""
+    from dwdp.api.launch import LaunchConfig
+    from dwdp.worker.host import HostGateError, imex_channels, probe_host
+
+    cfg = LaunchConfig.model_validate(
+        {"model": {"path": str(tmp_path)}, "handleType": "fabric", "dwdp": {"dwdpSize": 2}}
+    )
+    (tmp_path / "channel0").write_bytes(b"")
+    assert imex_channels(tmp_path) == []
+    with pytest.raises(HostGateError, match="needs an IMEX channel"):
+        probe_host(cfg, device=0, imex_dir=tmp_path)
+    (tmp_path / "channel0").unlink()
+    os.mknod(tmp_path / "channel0", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    assert imex_channels(tmp_path) == ["channel0"]
+    with pytest.raises(HostGateError, match="torch sees no CUDA device"):
+        probe_host(cfg, device=0, imex_dir=tmp_path)
 
 
 @pytest.mark.parametrize(
