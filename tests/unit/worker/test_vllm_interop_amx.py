@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
-from _vllm_env import VLLM_PYTHON, needs_vllm  # noqa: E402
+from vllm_env import VLLM_PYTHON, needs_vllm  # noqa: E402
 
 pytest.importorskip("nixl")
 pytest.importorskip("zmq")
