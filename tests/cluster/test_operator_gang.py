@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dwdp_dev.devcluster.testing import TestCluster
-from dwdp_dev.operator.cluster import install_crd, wait_established
+from dwdp_dev.operator.cluster import STANDIN_IMAGE, install_crd, wait_established
 from dwdp_dev.operator.process import OperatorProcess
 
 
@@ -20,7 +20,7 @@ def deployment(name: str, *, pods_per_group: int) -> dict:
         "metadata": {"name": name},
         "spec": {
             "model": {"path": "/models/tiny"},
-            "image": "dwdp-worker:dev",
+            "image": STANDIN_IMAGE,
             "context": {
                 "replicas": 1,
                 "ranksPerPod": 1,

@@ -8,9 +8,11 @@ process-kubelet cluster; its last test stops it and checks what is left on the h
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -118,7 +120,8 @@ def test_pod_runs_as_its_user_behind_a_service(
 ) -> None:
     """A pod of the operator image with runAsUser 1000 runs as uid 1000 (seccomp, no
     capabilities, read-only root, memory limit applied by runc); the host reaches it through
-    its Service's ClusterIP (routed to lo); `kubectl exec` and `kubectl logs` work."""
+    its Service's ClusterIP (routed to lo), and so does another pod from inside the pod
+    network; `kubectl exec`, `kubectl logs` and `kubectl port-forward` work."""
     ns = "real-node"
     real_cluster.kubectl("create", "namespace", ns)
     real_cluster.wait_for(lambda: real_cluster.exists("serviceaccount", "default", ns), timeout=30)
@@ -201,6 +204,47 @@ def test_pod_runs_as_its_user_behind_a_service(
     logs = real_cluster.kubectl("logs", "-n", ns, "web").stdout
     assert "serving as uid 1000" in logs
     assert '"GET / HTTP/1.1" 200' in logs
+
+    # another pod reaches the Service's ClusterIP through kube-proxy's rules in the pod network
+    client = copy.deepcopy(pod)
+    client["metadata"] = {"name": "client"}
+    client["spec"]["containers"][0].update(
+        name="client", command=["python3", "-c", "import time; time.sleep(3600)"]
+    )
+    del client["spec"]["containers"][0]["readinessProbe"], client["spec"]["containers"][0]["ports"]
+    real_cluster.apply(ns, client)
+    real_cluster.kubectl(
+        "wait", "-n", ns, "--for=condition=Ready", "pod/client", "--timeout=90s", timeout=100
+    )
+    fetch = (
+        "import urllib.request as u; "
+        f"print(u.urlopen('http://{ip}/', timeout=5).read().decode())"
+    )
+    inside = real_cluster.kubectl("exec", "-n", ns, "client", "--", "python3", "-c", fetch)
+    assert inside.stdout.strip() == "web uid=1000", inside.stdout + inside.stderr
+
+    # kubectl port-forward: a local port of the host to the pod's 8080
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    forward = subprocess.Popen(
+        ["kubectl", "port-forward", "-n", ns, "pod/web", f"{port}:8080"],
+        env=real_cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def forwarded() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=3) as resp:
+                return resp.read().decode()
+
+        got = real_cluster.wait_for(forwarded, timeout=30, message="port-forward answers")
+        assert got == "web uid=1000"
+    finally:
+        forward.terminate()
+        forward.wait(timeout=10)
 
 
 def test_down_undoes_the_host_changes(real_cluster: TestCluster) -> None:

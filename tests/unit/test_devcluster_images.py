@@ -47,6 +47,18 @@ def test_the_hash_covers_what_the_dockerfile_copies(tmp_path: Path, monkeypatch)
         images.input_hash("nope")
 
 
+def test_a_test_image_lives_in_tools_and_its_hash_covers_the_rank_program() -> None:
+    """The test rank program's image: its Dockerfile is under tools/images (never among the
+    product's images/), it copies the development distribution, and its hash covers it."""
+    dockerfile = images.dockerfile_path("rank-standin")
+    assert dockerfile == REPO / "tools" / "images" / "rank-standin" / "Dockerfile"
+    assert not (REPO / "images" / "rank-standin").exists()
+    assert "tools/dwdp_dev" in images._copy_sources(dockerfile)
+    assert images.dockerfile_path("operator") == REPO / "images" / "operator" / "Dockerfile"
+    with pytest.raises(images.ImageError, match="neither images/nope/Dockerfile nor tools/"):
+        images.dockerfile_path("nope")
+
+
 def test_per_image_build_args_name_the_base_and_enter_the_hash(monkeypatch) -> None:
     worker = images.build_args("worker", "localhost/base:1")
     assert worker["PYTHON_IMAGE"] == worker["BUILD_IMAGE"] == "localhost/base:1"

@@ -98,3 +98,20 @@ def test_pause_archive_is_an_oci_layout_naming_the_sandbox_image(tmp_path: Path)
     (entry,) = index["manifests"]
     assert entry["annotations"]["io.containerd.image.name"] == realnode.PAUSE_IMAGE
     assert f"blobs/sha256/{entry['digest'][7:]}" in names
+
+
+def test_local_names_are_tagged_as_the_kubelet_asks_for_them() -> None:
+    """A real node tags the test rank program's image with the name the operator tests' pods
+    give (``dwdp-rank-standin:dev``) as the CRI normalizes it: Docker Hub's library path for a
+    bare name; a name with a registry host stays as it is."""
+    from dwdp_dev.devcluster import images
+    from dwdp_dev.operator.cluster import STANDIN_IMAGE, deployment
+
+    assert deployment("d", replicas=1, ranks_per_pod=1, dwdp_size=2)["spec"]["image"] == (
+        STANDIN_IMAGE
+    )
+    assert images.LOCAL_NAMES["rank-standin"] == (STANDIN_IMAGE,)
+    assert realnode._qualified(STANDIN_IMAGE) == "docker.io/library/dwdp-rank-standin:dev"
+    assert realnode._qualified("team/x:1") == "docker.io/team/x:1"
+    assert realnode._qualified("localhost/x:1") == "localhost/x:1"
+    assert realnode._qualified("reg.example:5000/a/b:2") == "reg.example:5000/a/b:2"

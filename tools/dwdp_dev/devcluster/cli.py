@@ -48,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--only",
         action="append",
         metavar="NAME",
-        help="image of images/NAME/Dockerfile (repeatable; default operator; the worker image"
+        help="image of images/NAME/Dockerfile, or of tools/images/NAME/Dockerfile for a test"
+        " image (rank-standin) (repeatable; default operator; the worker image"
         " holds CUDA wheels: about 6.7 GB unpacked, 6 to 9 minutes to build cold)",
     )
     up = add("up", "start the cluster (idempotent); waits for a Ready node", _up)

@@ -70,6 +70,11 @@ BUILD_ARGS: dict[str, dict[str, str]] = {
 }
 """The build args of the local build of each image beyond PYTHON_IMAGE (the base), VERSION,
 REVISION and CREATED: the one home of the per-image settings (part of the image's hash)."""
+LOCAL_NAMES: dict[str, tuple[str, ...]] = {"rank-standin": ("dwdp-rank-standin:dev",)}
+"""More names a real node gives an image when it imports it, beside its reference: the
+operator tests' worker pods name the test rank program's image ``dwdp-rank-standin:dev``
+(``dwdp_dev.operator.cluster.deployment``), which the process kubelet does not find in the
+store and runs from the host's .venv instead."""
 PIP_CACHE_ARG = {"PIP_NO_CACHE_DIR": ""}
 """What every local build passes: an empty PIP_NO_CACHE_DIR (pip ignores it) lets a
 Dockerfile that takes it as an ARG use the pip cache mounted for its RUN steps."""
@@ -161,21 +166,34 @@ def base_hash() -> str:
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
 
-def input_hash(name: str) -> str:
-    """Hex digest (16 chars) of everything image ``name`` is built from."""
+def dockerfile_path(name: str) -> Path:
+    """The Dockerfile of image ``name``: ``images/<name>/Dockerfile`` (the product's images)
+    or ``tools/images/<name>/Dockerfile`` (test images, never published). Raises ImageError
+    when neither exists or ``name`` is not a folder name."""
     if re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) is None:
         raise ImageError(
-            f"no image {name!r}: an image name is a folder of images/ (lowercase letters, "
-            "digits and '-', e.g. operator)"
+            f"no image {name!r}: an image name is a folder of images/ or tools/images/ "
+            "(lowercase letters, digits and '-', e.g. operator)"
         )
     repo = _repo()
-    dockerfile = repo / "images" / name / "Dockerfile"
-    if not dockerfile.is_file():
-        raise ImageError(f"no image {name!r}: {dockerfile} is missing")
+    for folder in ("images", "tools/images"):
+        dockerfile = repo / folder / name / "Dockerfile"
+        if dockerfile.is_file():
+            return dockerfile
+    raise ImageError(
+        f"no image {name!r}: neither images/{name}/Dockerfile nor "
+        f"tools/images/{name}/Dockerfile exists"
+    )
+
+
+def input_hash(name: str) -> str:
+    """Hex digest (16 chars) of everything image ``name`` is built from."""
+    repo = _repo()
+    dockerfile = dockerfile_path(name)
     h = hashlib.sha256()
     h.update(f"{RECIPE}\0{base_hash()}\0{version()}\0".encode())
     h.update(json.dumps(build_args(name, BASE_ARG), sort_keys=True).encode() + b"\0")
-    _hash_tree(h, repo, f"images/{name}/Dockerfile")
+    _hash_tree(h, repo, str(dockerfile.relative_to(repo)))
     _hash_tree(h, repo, "images/constraints.txt")
     for src in sorted(set(_copy_sources(dockerfile))):
         _hash_tree(h, repo, src.rstrip("/"))
@@ -355,7 +373,7 @@ def _write_refs(refs: dict[str, dict]) -> None:
 def build_image(
     name: str = "operator", progress: Callable[[str], None] | None = None
 ) -> StoredImage:
-    """Build image ``name`` (``images/<name>/Dockerfile``) unless its inputs are unchanged;
+    """Build image ``name`` (:func:`dockerfile_path`) unless its inputs are unchanged;
     return it as stored (its reference also names it in the store for the kubelet).
 
     Raises ImageError naming a missing tool (debootstrap, umoci, buildah) or the failed
@@ -458,7 +476,7 @@ def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | 
                     "--isolation",
                     "chroot",
                     "--file",
-                    str(repo / "images" / name / "Dockerfile"),
+                    str(dockerfile_path(name)),
                     "--tag",
                     local,
                     *(
@@ -476,7 +494,7 @@ def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | 
                     str(repo),
                 ],
                 logf,
-                what=f"buildah build of images/{name}/Dockerfile",
+                what=f"buildah build of {dockerfile_path(name).relative_to(repo)}",
             )
             staging = layout.with_name(f".{layout.name}.tmp{os.getpid()}")
             shutil.rmtree(staging, ignore_errors=True)

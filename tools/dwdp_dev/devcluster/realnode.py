@@ -599,6 +599,8 @@ oom_score = 0
             # also by digest, as an image pulled from a registry: the kubelet then reports
             # `<repo>@<manifest digest>` as the containers' imageID
             self.ctr("images", "tag", "--force", ref, f"{repo}@{stored.digest}")
+            for name in images.LOCAL_NAMES.get(str(entry.get("name")), ()):
+                self.ctr("images", "tag", "--force", ref, _qualified(name))
             done.append(ref)
         return done
 
@@ -785,6 +787,16 @@ oom_score = 0
             with contextlib.suppress(OSError):
                 Path("/run/containerd").rmdir()
         self.host_file.unlink(missing_ok=True)
+
+
+def _qualified(name: str) -> str:
+    """``name`` as the kubelet asks containerd for it: a reference without a registry host
+    is Docker Hub's (``docker.io/library/...`` for one path component, as the CRI normalizes
+    it); one with a host stays as it is."""
+    first, _, rest = name.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return name
+    return f"docker.io/{name}" if rest else f"docker.io/library/{name}"
 
 
 def _is_shim(pid: int) -> bool:

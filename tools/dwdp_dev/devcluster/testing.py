@@ -8,9 +8,10 @@
   it (every process, pods included) and removes the folder at the end. Set
   ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead.
   ``DWDP_TEST_NODE=real`` (opt-in, a trial of issue 36) gives it a real node (containerd,
-  kubelet, kube-proxy; see realnode.py) instead of the process kubelet; tests that read the
-  process kubelet's files (``TestCluster.pod_log``) or run ``tests/cluster/test_real_node.py``
-  (a real node of its own: one per host) do not work then.
+  kubelet, kube-proxy; see realnode.py) instead of the process kubelet, and builds the test
+  rank program's image (``tools/images/rank-standin``) first so that the node imports it;
+  tests that read the process kubelet's files (``TestCluster.pod_log``) or run
+  ``tests/cluster/test_real_node.py`` (a real node of its own: one per host) do not work then.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
   after the test.
 - ``operator_image`` (session): the operator image in the local OCI store
@@ -187,6 +188,8 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
     state = state_dir or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-"))
     c = Cluster(state)
     node_kind = os.environ.get("DWDP_TEST_NODE", "process")
+    if node_kind == "real":  # imported by `up`: the operator tests' worker pods run it
+        images.build_image("rank-standin", progress=print)
     up_on_free_pod_net(c, binary, **({"node_kind": node_kind} if node_kind != "process" else {}))
     return TestCluster(c, tools_bin), True
 

@@ -56,6 +56,13 @@ def running_operator(cluster: Any, log: Path, **options: Any) -> Iterator[Operat
         print(op.log()[-4000:])
 
 
+STANDIN_IMAGE = "dwdp-rank-standin:dev"
+"""The image the test deployments' worker pods name: the test rank program's
+(``tools/images/rank-standin``). The process kubelet does not find it in the local store and
+runs the pods' command from the host's .venv; a real node runs them from the image, which it
+imports under this name too (``dwdp_dev.devcluster.images.LOCAL_NAMES``)."""
+
+
 def deployment(
     name: str,
     *,
@@ -66,11 +73,12 @@ def deployment(
     **spec: Any,
 ) -> dict:
     """A DwdpDeployment of ``replicas`` context groups of ``dwdp_size`` ranks,
-    ``ranks_per_pod`` per pod, run by the test rank program (1 s graceful shutdown, 30 s
-    rendezvous timeout); ``env`` goes to every rank, ``spec`` overrides top-level fields."""
+    ``ranks_per_pod`` per pod, run by the test rank program (image :data:`STANDIN_IMAGE`,
+    1 s graceful shutdown, 30 s rendezvous timeout); ``env`` goes to every rank, ``spec``
+    overrides top-level fields."""
     body: dict[str, Any] = {
         "model": {"path": "/models/tiny"},
-        "image": "dwdp-worker:dev",
+        "image": STANDIN_IMAGE,
         "context": {
             "replicas": replicas,
             "ranksPerPod": ranks_per_pod,
