@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from dwdp_dev.devcluster.testing import TestCluster
-from dwdp_dev.operator.cluster import running_operator
+from dwdp_dev.operator.cluster import STANDIN_IMAGE, running_operator
 from dwdp_dev.operator.process import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,11 @@ def operator(
 
 
 def example(name: str) -> dict:
-    return yaml.safe_load((EXAMPLES / name).read_text())
+    """``examples/<name>`` with the test rank program's image (this module's operator runs
+    that program in worker pods: ``OperatorProcess``'s worker command)."""
+    doc = yaml.safe_load((EXAMPLES / name).read_text())
+    doc["spec"]["image"] = STANDIN_IMAGE
+    return doc
 
 
 def dwdp(cluster: TestCluster, ns: str, name: str) -> dict:

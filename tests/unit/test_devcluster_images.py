@@ -49,11 +49,15 @@ def test_the_hash_covers_what_the_dockerfile_copies(tmp_path: Path, monkeypatch)
 
 def test_a_test_image_lives_in_tools_and_its_hash_covers_the_rank_program() -> None:
     """The test rank program's image: its Dockerfile is under tools/images (never among the
-    product's images/), it copies the development distribution, and its hash covers it."""
+    product's images/) and it copies the rank program alone of the development distribution,
+    so a change to the local cluster's code does not rebuild it."""
     dockerfile = images.dockerfile_path("rank-standin")
     assert dockerfile == REPO / "tools" / "images" / "rank-standin" / "Dockerfile"
     assert not (REPO / "images" / "rank-standin").exists()
-    assert "tools/dwdp_dev" in images._copy_sources(dockerfile)
+    copied = images._copy_sources(dockerfile)
+    assert "tools/dwdp_dev/operator/rankprog.py" in copied
+    assert not any(c.startswith("tools/dwdp_dev/devcluster") for c in copied)
+    assert "tools/dwdp_dev" not in copied
     assert images.dockerfile_path("operator") == REPO / "images" / "operator" / "Dockerfile"
     with pytest.raises(images.ImageError, match="neither images/nope/Dockerfile nor tools/"):
         images.dockerfile_path("nope")

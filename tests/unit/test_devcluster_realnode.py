@@ -4,9 +4,11 @@ containerd imports, and the apiserver flags that let pods reach it through its S
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import tarfile
+import time
 from pathlib import Path
 
 import yaml
@@ -115,3 +117,22 @@ def test_local_names_are_tagged_as_the_kubelet_asks_for_them() -> None:
     assert realnode._qualified("team/x:1") == "docker.io/team/x:1"
     assert realnode._qualified("localhost/x:1") == "localhost/x:1"
     assert realnode._qualified("reg.example:5000/a/b:2") == "reg.example:5000/a/b:2"
+
+
+def test_a_second_up_leaves_the_watched_configs_untouched(tmp_path: Path) -> None:
+    """kube-proxy stops when its config file is written (even with the same bytes), so a
+    second ``up`` of a running node writes no config whose content is unchanged (the cluster
+    test of an idempotent ``up`` found kube-proxy restarted); a changed one is rewritten."""
+    c = Cluster(tmp_path)
+    pki.ensure_pki(c.pki)
+    node = realnode.RealNode(c)
+    node._write_configs(_real_cfg())
+    files = ["kube-proxy.yaml", "kubelet.yaml", "containerd.toml"]
+    before = {f: (tmp_path / f).stat().st_mtime_ns for f in files}
+    time.sleep(0.01)
+    node._write_configs(_real_cfg())
+    assert {f: (tmp_path / f).stat().st_mtime_ns for f in files} == before
+    other = dataclasses.replace(_real_cfg(), proxy_metrics_port=20006)
+    node._write_configs(other)
+    assert (tmp_path / "kube-proxy.yaml").stat().st_mtime_ns != before["kube-proxy.yaml"]
+    assert "127.0.0.1:20006" in (tmp_path / "kube-proxy.yaml").read_text()

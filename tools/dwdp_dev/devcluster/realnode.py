@@ -343,7 +343,8 @@ class RealNode:
         ):
             d.mkdir(parents=True, exist_ok=True)
         cri = 'plugins."io.containerd.grpc.v1.cri"'
-        (self.state_dir / "containerd.toml").write_text(
+        _write_if_changed(
+            self.state_dir / "containerd.toml",
             f"""version = 2
 root = "{self.containerd_root}"
 state = "{RUN_DIR / "state"}"
@@ -370,7 +371,7 @@ oom_score = 0
   [{cri}.cni]
     bin_dir = "{CNI_BIN}"
     conf_dir = "{self.cni_conf}"
-"""
+""",
         )
         cni = {
             "cniVersion": "1.0.0",
@@ -392,7 +393,7 @@ oom_score = 0
                 {"type": "portmap", "capabilities": {"portMappings": True}},
             ],
         }
-        (self.cni_conf / "10-dwdp.conflist").write_text(json.dumps(cni, indent=1) + "\n")
+        _write_if_changed(self.cni_conf / "10-dwdp.conflist", json.dumps(cni, indent=1) + "\n")
         kubelet = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
@@ -433,7 +434,7 @@ oom_score = 0
             "serializeImagePulls": False,
             "featureGates": {"GenericWorkload": True},
         }
-        (self.state_dir / "kubelet.yaml").write_text(yaml.safe_dump(kubelet, sort_keys=False))
+        _write_if_changed(self.state_dir / "kubelet.yaml", yaml.safe_dump(kubelet, sort_keys=False))
         proxy = {
             "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
             "kind": "KubeProxyConfiguration",
@@ -453,7 +454,9 @@ oom_score = 0
             "oomScoreAdj": 0,
             "featureGates": {"GenericWorkload": True},
         }
-        (self.state_dir / "kube-proxy.yaml").write_text(yaml.safe_dump(proxy, sort_keys=False))
+        # kube-proxy exits when its config file is written, even with the same content
+        proxy_yaml = yaml.safe_dump(proxy, sort_keys=False)
+        _write_if_changed(self.state_dir / "kube-proxy.yaml", proxy_yaml)
 
     # -- network -------------------------------------------------------------------------
     def _guard_rules(self, cfg: ClusterConfig) -> list[tuple[str, list[str]]]:
@@ -787,6 +790,18 @@ oom_score = 0
             with contextlib.suppress(OSError):
                 Path("/run/containerd").rmdir()
         self.host_file.unlink(missing_ok=True)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` unless it holds exactly that: a second ``up`` of a running
+    node must not touch the files its components watch (kube-proxy stops when its config
+    file is written)."""
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    path.write_text(text)
 
 
 def _qualified(name: str) -> str:
