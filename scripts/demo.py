@@ -28,6 +28,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -588,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     say(f"== 1/7 starting the local control plane (state {state})")
     tc = start_cluster(state)
-    ok = interrupted = False
+    ok = False
+    interrupted = 0
     try:
         say(f"   up in {time.monotonic() - t0:.1f} s; KUBECONFIG={tc.kubeconfig}")
         say("== 2/7 installing the operator with its Helm chart (charts/dwdp-operator)")
@@ -698,9 +700,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"   requests/s served through the router: {tp.rps:.2f}")
         say(f"   total {time.monotonic() - t0:.1f} s (apply at +{t_apply - t0:.1f} s)")
         say("DEMO OK" if ok else "DEMO FAILED: some answers differ from the reference")
-    except KeyboardInterrupt:
-        say("\ndemo: interrupted")
-        interrupted = True
+    except KeyboardInterrupt as exc:
+        say(f"\ndemo: {'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}")
+        interrupted = 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:
         say(f"DEMO FAILED: {exc}")
         with contextlib.suppress(Exception):
@@ -745,14 +747,24 @@ def main(argv: list[str] | None = None) -> int:
             tc.cluster.down(timeout_s=20)
             shutil.rmtree(state, ignore_errors=True)
             say("   cluster stopped, state removed")
-    if interrupted:
-        return 130  # the shell's code for a run stopped by Ctrl-C (128 + SIGINT)
+    if interrupted:  # the shell's code for a run stopped by a signal: 128 + SIGINT or SIGTERM
+        return interrupted
     return 0 if ok else 1
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a plain ``kill``, a CI job's timeout) stops the demo as Ctrl-C does: the
+    cluster is torn down and the state folder removed; the exit status is 143."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # before the cluster is up, or a second Ctrl-C in the teardown
+    except KeyboardInterrupt as exc:  # before the cluster is up, or a second signal later
         print("\ndemo: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(143 if isinstance(exc, Terminated) else 130)

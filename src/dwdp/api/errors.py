@@ -45,11 +45,15 @@ UNSET: Final = _Unset()
 
 
 def format_path(path: Sequence[PathPart]) -> str:
-    """``("spec", "tolerations", 0, "key")`` -> ``spec.tolerations[0].key``."""
+    """``("spec", "tolerations", 0, "key")`` -> ``spec.tolerations[0].key``; a key that is
+    empty or holds whitespace or a control character is quoted as JSON in brackets
+    (``parallel["\\n"]``), so a path is always one line."""
     out = ""
     for part in path:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif not part or not part.isprintable() or any(c.isspace() for c in part):
+            out += f"[{json.dumps(part)}]"
         else:
             out += f".{part}" if out else part
     return out or "(document)"

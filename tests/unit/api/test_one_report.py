@@ -107,3 +107,15 @@ def test_a_rule_of_an_inner_object_does_not_hide_the_sections_rules():
     for bad in (0, "AUTO", 1.5, True):
         (only,) = deployment_problems(_doc(dwdp={"dwdpSize": 4, "smReserve": bad}))
         assert str(only).startswith("spec.context.dwdp.smReserve: must be auto or a number"), only
+
+
+def test_a_key_with_a_newline_cannot_forge_a_report_line():
+    """An unknown key holding a newline (or spaces, or nothing) is quoted in brackets, as
+    JSON, so a problem stays one line and no key can print a line that looks like another
+    problem (found by the newcomer check and the launch-config fuzz test)."""
+    forged = "a\n/tmp/x.yaml: spec: fake line"
+    doc = _doc(**{forged: 1, " ": 2})
+    lines = [str(p) for p in deployment_problems(doc)]
+    assert len(lines) == 2 and all("\n" not in line for line in lines), lines
+    assert 'spec.context["a\\n/tmp/x.yaml: spec: fake line"]: unknown field' in lines[0] + lines[1]
+    assert any(line.startswith('spec.context[" "]: unknown field') for line in lines), lines

@@ -149,6 +149,9 @@ def _down(args: argparse.Namespace) -> int:
     from dwdp_dev.devcluster import cluster
 
     c = cluster.Cluster(args.state_dir)
+    if c.config() is None:  # never a folder that holds no cluster: not stopped, not deleted
+        print(f"no cluster in {c.state_dir} (no {c.config_path.name}): nothing stopped or deleted")
+        return 0
     c.down()
     if args.purge and c.state_dir.exists():
         shutil.rmtree(c.state_dir)

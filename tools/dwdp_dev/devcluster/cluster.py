@@ -692,8 +692,10 @@ class Cluster:
 
     def down(self, timeout_s: float = 20.0) -> None:
         """Stop every process of this cluster (kubelets and their pods first), SIGKILL after
-        ``timeout_s`` seconds per stage. Leaves the state (certs, etcd data) in place."""
-        if not self.state_dir.exists():
+        ``timeout_s`` seconds per stage. Leaves the state (certs, etcd data) in place. A
+        folder that holds no cluster (no ``cluster.json``) is left as it is: nothing is
+        written there, not even the lock file."""
+        if not self.config_path.exists():
             return
         with self._locked():
             self._down(timeout_s)

@@ -1,0 +1,73 @@
+"""The demo stopped by a signal tears down what it started: SIGTERM (a plain ``kill``, a CI
+job's timeout) as Ctrl-C does. Found by the newcomer check: a SIGTERM left the whole cluster
+(etcd, apiserver, kubelet, operator, workers) and its state folder behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dwdp_dev.devcluster.cluster import Cluster, read_pidfile
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_sigterm_tears_the_demo_down(tmp_path: Path) -> None:
+    """SIGTERM once the cluster is up and the operator is being installed: the demo says it was
+    terminated, stops every process of its cluster, removes its state folder, exits 143."""
+    state = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/demo.py", "--state-dir", str(state)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _terminate_demo(proc, state)
+    finally:  # a failed check must not leave a cluster running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if state.exists():
+            Cluster(state).down(timeout_s=5)
+
+
+def _terminate_demo(proc: subprocess.Popen[str], state: Path) -> None:
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("== 2/7") or time.monotonic() > deadline:
+            break
+    assert lines and lines[-1].startswith("== 2/7"), "".join(lines[-30:])
+    pids = [p for f in (state / "run").glob("*.pid") if (p := read_pidfile(f)) is not None]
+    assert pids and all(_alive(p) for p in pids), pids  # the control plane runs
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=240)
+    out = "".join(lines) + rest
+    assert proc.returncode == 143, out[-3000:]
+    assert "demo: terminated (SIGTERM)" in out and "cluster stopped, state removed" in out
+    assert "Traceback" not in out, out[-3000:]
+    assert not state.exists()
+    assert not [p for p in pids if _alive(p)]
