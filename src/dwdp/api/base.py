@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
 
@@ -44,10 +44,22 @@ class ApiModel(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-PosInt = Annotated[int, Field(strict=True, ge=1)]
-"""A whole number >= 1 (strings and floats refused)."""
-NonNegInt = Annotated[int, Field(strict=True, ge=0)]
-"""A whole number >= 0 (strings and floats refused)."""
+INT64_MAX = 2**63 - 1
+"""The largest whole number the apiserver takes for an ``integer`` field (int64)."""
+
+
+def _int64(value: int) -> int:
+    if value > INT64_MAX:
+        raise ValueError(
+            f"must be at most {INT64_MAX}: the apiserver stores whole numbers as 64-bit integers"
+        )
+    return value
+
+
+PosInt = Annotated[int, Field(strict=True, ge=1), AfterValidator(_int64)]
+"""A whole number >= 1 and at most :data:`INT64_MAX` (strings and floats refused)."""
+NonNegInt = Annotated[int, Field(strict=True, ge=0), AfterValidator(_int64)]
+"""A whole number >= 0 and at most :data:`INT64_MAX` (strings and floats refused)."""
 Bool = Annotated[bool, Field(strict=True)]
 """true or false (strings and numbers refused)."""
 

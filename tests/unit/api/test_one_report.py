@@ -119,3 +119,16 @@ def test_a_key_with_a_newline_cannot_forge_a_report_line():
     assert len(lines) == 2 and all("\n" not in line for line in lines), lines
     assert 'spec.context["a\\n/tmp/x.yaml: spec: fake line"]: unknown field' in lines[0] + lines[1]
     assert any(line.startswith('spec.context[" "]: unknown field') for line in lines), lines
+
+
+def test_a_whole_number_beyond_int64_is_refused_as_the_apiserver_refuses_it():
+    """The apiserver reads an ``integer`` field as int64 and refuses a larger number; so do
+    the models (found by the newcomer check: ``dwdp validate`` called such a document
+    valid). The largest int64 itself passes the type check."""
+    from dwdp.api.base import INT64_MAX
+
+    too_big = {p.where: str(p) for p in deployment_problems(_doc(replicas=INT64_MAX + 1))}
+    assert set(too_big) == {"spec.context.replicas"}, too_big
+    assert "must be at most 9223372036854775807" in too_big["spec.context.replicas"]
+    at_max = {p.where for p in deployment_problems(_doc(maxBatchSize=INT64_MAX))}
+    assert "spec.context.maxBatchSize" not in at_max
