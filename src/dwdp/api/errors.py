@@ -241,7 +241,12 @@ def _related(path: tuple[PathPart, ...], found: Mapping[tuple[PathPart, ...], Pr
 
 def _drop(doc: object, path: Sequence[PathPart]) -> None:
     """Remove the field at ``path`` from ``doc`` in place (nothing when it is not there),
-    and each object above it that only held it (an unknown section of dropped fields)."""
+    and each object above it that only held it (an unknown section of dropped fields). A
+    list item goes with its whole list (every item's problems are reported in the same
+    pass), so the rules around the list run in the next one."""
+    if path and isinstance(path[-1], int):
+        _drop(doc, path[:-1])
+        return
     *parents, leaf = path or (None,)
     chain: list[tuple[Any, PathPart]] = []
     node: Any = doc

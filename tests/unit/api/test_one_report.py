@@ -132,3 +132,20 @@ def test_a_whole_number_beyond_int64_is_refused_as_the_apiserver_refuses_it():
     assert "must be at most 9223372036854775807" in too_big["spec.context.replicas"]
     at_max = {p.where for p in deployment_problems(_doc(maxBatchSize=INT64_MAX))}
     assert "spec.context.maxBatchSize" not in at_max
+
+
+def test_a_refused_list_item_does_not_hide_the_rules_around_it():
+    """A refused item of a list (a vLLM argument the operator sets) and two rules of the spec
+    around it (the context's handle type and the model's dtype with a vLLM generation tier):
+    three lines in one report (the item was never dropped, so the spec's rules never ran;
+    found by the newcomer check)."""
+    doc = _doc(handleType="fabric")
+    doc["spec"]["generation"] = {
+        "vllm": {"image": "vllm/vllm-cpu:0.32.0", "args": ["--kv-transfer-config.kv_role=x"]}
+    }
+    got = {p.where for p in deployment_problems(doc)}
+    assert got == {
+        "spec.generation.vllm.args[0]",
+        "spec.context.handleType",
+        "spec.model.dtype",
+    }, got
