@@ -63,6 +63,17 @@ def test_a_test_image_lives_in_tools_and_its_hash_covers_the_rank_program() -> N
         images.dockerfile_path("nope")
 
 
+def test_an_image_built_on_another_takes_its_hash_and_its_local_name(monkeypatch) -> None:
+    """The stand-in image is built on the operator image: the build names it in its private
+    storage, and a change to the operator's inputs changes the stand-in's hash too."""
+    args = images.build_args("rank-standin", "localhost/base:1")
+    assert args["OPERATOR_IMAGE"] == "localhost/dwdp-operator:local"
+    assert "ARG OPERATOR_IMAGE" in images.dockerfile_path("rank-standin").read_text()
+    first = images.input_hash("rank-standin")
+    monkeypatch.setitem(images.BUILD_ARGS, "operator", {"X": "1"})
+    assert images.input_hash("rank-standin") != first
+
+
 def test_per_image_build_args_name_the_base_and_enter_the_hash(monkeypatch) -> None:
     worker = images.build_args("worker", "localhost/base:1")
     assert worker["PYTHON_IMAGE"] == worker["BUILD_IMAGE"] == "localhost/base:1"

@@ -70,6 +70,10 @@ BUILD_ARGS: dict[str, dict[str, str]] = {
 }
 """The build args of the local build of each image beyond PYTHON_IMAGE (the base), VERSION,
 REVISION and CREATED: the one home of the per-image settings (part of the image's hash)."""
+BUILT_ON: dict[str, str] = {"rank-standin": "operator"}
+"""Images built on another image of the store (``FROM ${OPERATOR_IMAGE}``: the build arg is
+the other image's name in upper case + ``_IMAGE``): that image is built first, its hash is
+part of this one's, and the build gets it by name in its private storage."""
 LOCAL_NAMES: dict[str, tuple[str, ...]] = {"rank-standin": ("dwdp-rank-standin:dev",)}
 """More names a real node gives an image when it imports it, beside its reference: the
 operator tests' worker pods name the test rank program's image ``dwdp-rank-standin:dev``
@@ -193,6 +197,8 @@ def input_hash(name: str) -> str:
     h = hashlib.sha256()
     h.update(f"{RECIPE}\0{base_hash()}\0{version()}\0".encode())
     h.update(json.dumps(build_args(name, BASE_ARG), sort_keys=True).encode() + b"\0")
+    if name in BUILT_ON:
+        h.update(f"on {input_hash(BUILT_ON[name])}\0".encode())
     _hash_tree(h, repo, str(dockerfile.relative_to(repo)))
     _hash_tree(h, repo, "images/constraints.txt")
     for src in sorted(set(_copy_sources(dockerfile))):
@@ -204,7 +210,19 @@ def build_args(name: str, base: str) -> dict[str, str]:
     """The build args of image ``name`` beyond VERSION, REVISION and CREATED, with ``base``
     (the base image's name) for PYTHON_IMAGE and wherever :data:`BUILD_ARGS` says so."""
     extra = {k: base if v == BASE_ARG else v for k, v in BUILD_ARGS.get(name, {}).items()}
+    if name in BUILT_ON:
+        extra[_built_on_arg(name)] = _local_name(BUILT_ON[name])
     return {"PYTHON_IMAGE": base, **PIP_CACHE_ARG, **extra}
+
+
+def _built_on_arg(name: str) -> str:
+    """The build arg naming the image ``name`` is built on (``OPERATOR_IMAGE``)."""
+    return BUILT_ON[name].upper().replace("-", "_") + "_IMAGE"
+
+
+def _local_name(name: str) -> str:
+    """Image ``name`` as a build's private storage holds it."""
+    return f"localhost/dwdp-{name}:local"
 
 
 # ----------------------------------------------------------------------------- running
@@ -379,6 +397,8 @@ def build_image(
     Raises ImageError naming a missing tool (debootstrap, umoci, buildah) or the failed
     step and its log.
     """
+    if name in BUILT_ON:  # first, and outside the store's lock (held again below)
+        build_image(BUILT_ON[name], progress)
     digest_in = input_hash(name)
     ref = reference(name)
     layout = store_dir() / "oci" / f"dwdp-{name}-{digest_in}"
@@ -467,6 +487,10 @@ def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | 
             based = f"localhost/dwdp-base:{BASE_SUITE}-{base_hash()}"
             into = f"containers-storage:[vfs@{work / 'root'}+{work / 'run'}]{based}"
             _run(["skopeo", "copy", "--quiet", f"oci:{base}:base", into], logf)
+            if name in BUILT_ON:
+                on = store_dir() / "oci" / f"dwdp-{BUILT_ON[name]}-{input_hash(BUILT_ON[name])}"
+                into_on = into.replace(based, _local_name(BUILT_ON[name]))
+                _run(["skopeo", "copy", "--quiet", f"oci:{on}:{tag}", into_on], logf)
             _run(
                 [
                     "buildah",
