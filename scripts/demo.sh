@@ -26,8 +26,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import dwdp.worker.loading.checkpoint, dwdp.operator, fastapi, httpx, kopf" 2>/dev/null; then
   log "installing Python packages (first run: a few minutes)"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]" -e ./tools
+  # -qq: errors only (with -q pip warns about every release of lm-eval's pytablewriter whose
+  # metadata it refuses, some 480 lines)
+  .venv/bin/python -m pip install -qq --upgrade pip
+  .venv/bin/python -m pip install -qq -e ".[test]" -e ./tools
 fi
 export PATH="$PWD/.venv/bin:$PATH"
 

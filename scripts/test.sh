@@ -33,8 +33,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 log "installing Python packages"
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]" -e ./tools
+# -qq: errors only (with -q pip warns about every release of lm-eval's pytablewriter whose
+# metadata it refuses, some 480 lines)
+.venv/bin/python -m pip install -qq --upgrade pip
+.venv/bin/python -m pip install -qq -e ".[test]" -e ./tools
 export PATH="$PWD/.venv/bin:$PATH"
 
 # 3. The local control plane (built once, reused while its inputs are unchanged).
