@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 __all__ = [
     "ApiModel",
     "Bool",
+    "Int64",
     "NonNegInt",
     "PosInt",
     "cel_literal",
@@ -44,18 +45,21 @@ class ApiModel(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-INT64_MAX = 2**63 - 1
-"""The largest whole number the apiserver takes for an ``integer`` field (int64)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The whole numbers the apiserver takes for an ``integer`` field (int64)."""
 
 
 def _int64(value: int) -> int:
-    if value > INT64_MAX:
+    if not INT64_MIN <= value <= INT64_MAX:
+        bound = f"at most {INT64_MAX}" if value > 0 else f"at least {INT64_MIN}"
         raise ValueError(
-            f"must be at most {INT64_MAX}: the apiserver stores whole numbers as 64-bit integers"
+            f"must be {bound}: the apiserver stores whole numbers as 64-bit integers"
         )
     return value
 
 
+Int64 = Annotated[int, Field(strict=True), AfterValidator(_int64)]
+"""A whole number the apiserver can store (int64; strings and floats refused)."""
 PosInt = Annotated[int, Field(strict=True, ge=1), AfterValidator(_int64)]
 """A whole number >= 1 and at most :data:`INT64_MAX` (strings and floats refused)."""
 NonNegInt = Annotated[int, Field(strict=True, ge=0), AfterValidator(_int64)]

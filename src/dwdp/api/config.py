@@ -19,7 +19,16 @@ from pydantic import (
     model_validator,
 )
 
-from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_literal, cel_rule, cel_rules
+from dwdp.api.base import (
+    ApiModel,
+    Bool,
+    Int64,
+    NonNegInt,
+    PosInt,
+    cel_literal,
+    cel_rule,
+    cel_rules,
+)
 from dwdp.api.enums import CopyMode, GatherKernel
 from dwdp.api.errors import Problem, RuleViolations
 from dwdp.api.partition import ExpertPartition, expert_partition
@@ -131,9 +140,8 @@ class DwdpConfig(ApiModel):
         "(one batched copy per layer, peers interleaved); an explicit copyMode must be "
         "batched.",
     )
-    num_prefetch_slots: int = Field(
+    num_prefetch_slots: Int64 = Field(
         default=2,
-        strict=True,
         ge=2,
         description="Depth of the expert prefetch ring, at least 2; the gather runs "
         "slots - 1 MoE layers ahead.",

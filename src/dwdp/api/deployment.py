@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from dwdp.api.base import ApiModel, Bool, NonNegInt, PosInt, cel_rule, cel_rules
+from dwdp.api.base import ApiModel, Bool, Int64, NonNegInt, PosInt, cel_rule, cel_rules
 from dwdp.api.config import DwdpConfig
 from dwdp.api.contract import USER_ENV
 from dwdp.api.defaults import (
@@ -270,9 +270,8 @@ class Toleration(ApiModel):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect; unset matches all."
     )
-    toleration_seconds: int | None = Field(
+    toleration_seconds: Int64 | None = Field(
         default=None,
-        strict=True,
         description="How long a NoExecute taint is tolerated, in seconds.",
     )
 

@@ -132,6 +132,16 @@ def test_a_whole_number_beyond_int64_is_refused_as_the_apiserver_refuses_it():
     assert "must be at most 9223372036854775807" in too_big["spec.context.replicas"]
     at_max = {p.where for p in deployment_problems(_doc(maxBatchSize=INT64_MAX))}
     assert "spec.context.maxBatchSize" not in at_max
+    # every integer field, not only the counts: a negative toleration and the ring depth
+    doc = _doc(dwdp__numPrefetchSlots=INT64_MAX + 1)
+    doc["spec"]["tolerations"] = [
+        {"key": "k", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": -INT64_MAX - 2}
+    ]
+    got = {p.where: str(p) for p in deployment_problems(doc)}
+    toleration = "spec.tolerations[0].tolerationSeconds"
+    assert set(got) == {"spec.context.dwdp.numPrefetchSlots", toleration}, got
+    assert "must be at least -9223372036854775808" in got[toleration]
 
 
 def test_a_refused_list_item_does_not_hide_the_rules_around_it():
