@@ -212,7 +212,7 @@ def test_a_rebuild_frees_the_superseded_image_before_it_builds(tmp_path: Path,
     (store / "refs.json").write_text(json.dumps(refs))
     seen: list[set[str]] = []
 
-    def build(name, layout, tag, progress):
+    def build(name, layout, tag, progress, on=None):
         seen.append({p.name for p in (store / "oci").iterdir()}
                     | {p.name for p in (store / "rootfs").iterdir()})
         (layout / "blobs").mkdir(parents=True)

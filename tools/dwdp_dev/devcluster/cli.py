@@ -149,7 +149,7 @@ def _down(args: argparse.Namespace) -> int:
     from dwdp_dev.devcluster import cluster
 
     c = cluster.Cluster(args.state_dir)
-    if c.config() is None:  # never a folder that holds no cluster: not stopped, not deleted
+    if not c.config_path.exists():  # a folder without a cluster: not stopped, not deleted
         print(f"no cluster in {c.state_dir} (no {c.config_path.name}): nothing stopped or deleted")
         return 0
     c.down()

@@ -397,8 +397,8 @@ def build_image(
     Raises ImageError naming a missing tool (debootstrap, umoci, buildah) or the failed
     step and its log.
     """
-    if name in BUILT_ON:  # first, and outside the store's lock (held again below)
-        build_image(BUILT_ON[name], progress)
+    # the image it is built on first, outside the store's lock (held again below)
+    on = build_image(BUILT_ON[name], progress) if name in BUILT_ON else None
     digest_in = input_hash(name)
     ref = reference(name)
     layout = store_dir() / "oci" / f"dwdp-{name}-{digest_in}"
@@ -409,7 +409,7 @@ def build_image(
             _say(progress, f"images: {ref} up to date ({layout.name})")
         else:
             _drop_superseded(name, layout)
-            digest = _build(name, layout, tag, progress)
+            digest = _build(name, layout, tag, progress, on=on)
         refs = _read_refs()
         entry = {
             "name": name,
@@ -464,7 +464,16 @@ def _prune_rootfs(keep: set[str]) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | None) -> str:
+def _build(
+    name: str,
+    layout: Path,
+    tag: str,
+    progress: Callable[[str], None] | None,
+    *,
+    on: StoredImage | None = None,
+) -> str:
+    """Build ``name`` into ``layout`` (tag ``tag``); ``on``: the stored image it is built on
+    (:data:`BUILT_ON`), copied into the build's storage under its local name."""
     base_layout = store_dir() / "base" / f"{BASE_SUITE}-{base_hash()}"
     _need(
         "buildah", "skopeo", "umoci", *([] if _index_tag(base_layout, "base") else ["debootstrap"])
@@ -485,12 +494,11 @@ def _build(name: str, layout: Path, tag: str, progress: Callable[[str], None] | 
             # buildah derives a container name from an oci: path, which a folder like
             # ~/.cache cannot be part of: the base goes into the private storage by name.
             based = f"localhost/dwdp-base:{BASE_SUITE}-{base_hash()}"
-            into = f"containers-storage:[vfs@{work / 'root'}+{work / 'run'}]{based}"
-            _run(["skopeo", "copy", "--quiet", f"oci:{base}:base", into], logf)
-            if name in BUILT_ON:
-                on = store_dir() / "oci" / f"dwdp-{BUILT_ON[name]}-{input_hash(BUILT_ON[name])}"
-                into_on = into.replace(based, _local_name(BUILT_ON[name]))
-                _run(["skopeo", "copy", "--quiet", f"oci:{on}:{tag}", into_on], logf)
+            into = f"containers-storage:[vfs@{work / 'root'}+{work / 'run'}]"
+            _run(["skopeo", "copy", "--quiet", f"oci:{base}:base", into + based], logf)
+            if on is not None:
+                on_name = into + _local_name(BUILT_ON[name])
+                _run(["skopeo", "copy", "--quiet", f"oci:{on.layout}:{on.tag}", on_name], logf)
             _run(
                 [
                     "buildah",
