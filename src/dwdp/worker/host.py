@@ -22,7 +22,6 @@ message (the termination message carries it):
 from __future__ import annotations
 
 import logging
-import stat
 from pathlib import Path
 
 from dwdp.api.enums import CopyMode, GatherKernel, HandleType
@@ -48,11 +47,7 @@ def imex_channels(directory: Path = IMEX_CHANNEL_DIR) -> list[str]:
         entries = list(directory.iterdir())
     except OSError:
         return []
-    return sorted(
-        e.name
-        for e in entries
-        if e.name.startswith("channel") and stat.S_ISCHR(e.stat().st_mode)
-    )
+    return sorted(e.name for e in entries if e.name.startswith("channel") and e.is_char_device())
 
 
 def probe_host(
