@@ -8,7 +8,6 @@ process-kubelet cluster; its last test stops it and checks what is left on the h
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dwdp_dev.devcluster import build, images, realnode, tools
+from dwdp_dev.devcluster import build, clusterdns, images, realnode, tools
 from dwdp_dev.devcluster.cluster import SERVICE_CIDR, Cluster
 from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
 
@@ -86,6 +85,44 @@ def real_cluster(operator_image: images.StoredImage) -> Iterator[TestCluster]:
         shutil.rmtree(state, ignore_errors=True)
 
 
+def _pod(name: str, image: str, command: list[str], **spec: object) -> dict:
+    """A pod of one container running ``command`` from ``image`` as uid 1000, hardened as the
+    operator's pods are (seccomp, no capabilities, read-only root, limits); ``spec`` adds
+    pod spec fields."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            "securityContext": {
+                "runAsUser": 1000,
+                "runAsGroup": 1000,
+                "runAsNonRoot": True,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": name,
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "command": command,
+                    "resources": {"limits": {"memory": "128Mi", "cpu": "500m"}},
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                }
+            ],
+            **spec,
+        },
+    }
+
+
+SLEEP = ["python3", "-c", "import time; time.sleep(3600)"]
+
+
 def _node(cluster: TestCluster) -> dict:
     cfg = cluster.cluster.config()
     assert cfg is not None
@@ -125,36 +162,11 @@ def test_pod_runs_as_its_user_behind_a_service(
     ns = "real-node"
     real_cluster.kubectl("create", "namespace", ns)
     real_cluster.wait_for(lambda: real_cluster.exists("serviceaccount", "default", ns), timeout=30)
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "web", "labels": {"app": "web"}},
-        "spec": {
-            "terminationGracePeriodSeconds": 2,
-            "securityContext": {
-                "runAsUser": 1000,
-                "runAsGroup": 1000,
-                "runAsNonRoot": True,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "containers": [
-                {
-                    "name": "web",
-                    "image": operator_image.reference,
-                    "imagePullPolicy": "Never",
-                    "command": ["python3", "-u", "-c", SERVER],
-                    "ports": [{"containerPort": 8080}],
-                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
-                    "resources": {"limits": {"memory": "128Mi", "cpu": "500m"}},
-                    "securityContext": {
-                        "allowPrivilegeEscalation": False,
-                        "readOnlyRootFilesystem": True,
-                        "capabilities": {"drop": ["ALL"]},
-                    },
-                }
-            ],
-        },
-    }
+    pod = _pod("web", operator_image.reference, ["python3", "-u", "-c", SERVER])
+    pod["spec"]["containers"][0].update(
+        ports=[{"containerPort": 8080}],
+        readinessProbe={"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+    )
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -206,19 +218,12 @@ def test_pod_runs_as_its_user_behind_a_service(
     assert '"GET / HTTP/1.1" 200' in logs
 
     # another pod reaches the Service's ClusterIP through kube-proxy's rules in the pod network
-    client = copy.deepcopy(pod)
-    client["metadata"] = {"name": "client"}
-    client["spec"]["containers"][0].update(
-        name="client", command=["python3", "-c", "import time; time.sleep(3600)"]
-    )
-    del client["spec"]["containers"][0]["readinessProbe"], client["spec"]["containers"][0]["ports"]
-    real_cluster.apply(ns, client)
+    real_cluster.apply(ns, _pod("client", operator_image.reference, SLEEP))
     real_cluster.kubectl(
         "wait", "-n", ns, "--for=condition=Ready", "pod/client", "--timeout=90s", timeout=100
     )
     fetch = (
-        "import urllib.request as u; "
-        f"print(u.urlopen('http://{ip}/', timeout=5).read().decode())"
+        f"import urllib.request as u; print(u.urlopen('http://{ip}/', timeout=5).read().decode())"
     )
     inside = real_cluster.kubectl("exec", "-n", ns, "client", "--", "python3", "-c", fetch)
     assert inside.stdout.strip() == "web uid=1000", inside.stdout + inside.stderr
@@ -245,6 +250,94 @@ def test_pod_runs_as_its_user_behind_a_service(
     finally:
         forward.terminate()
         forward.wait(timeout=10)
+
+
+def test_cluster_dns_answers_pods(
+    real_cluster: TestCluster, operator_image: images.StoredImage
+) -> None:
+    """Pods resolve through the cluster DNS the kubelet names in their resolv.conf: a
+    Service by its short name, a pod of a headless Service that publishes not-ready addresses
+    by ``<hostname>.<subdomain>.<namespace>.svc`` before it is ready (how a DWDP group's
+    ranks find their rendezvous store), and the pod's address back to that name; a name
+    outside the cluster is refused, not sent off the machine."""
+    ns = "dns"
+    real_cluster.kubectl("create", "namespace", ns)
+    real_cluster.wait_for(lambda: real_cluster.exists("serviceaccount", "default", ns), timeout=30)
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "ranks"},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"app": "rank-0"},
+            "ports": [{"port": 29500}],
+        },
+    }
+    rank = _pod("rank-0", operator_image.reference, SLEEP, hostname="r0", subdomain="ranks")
+    # never ready: the name must resolve all the same
+    rank["spec"]["containers"][0]["readinessProbe"] = {
+        "tcpSocket": {"port": 29500},
+        "periodSeconds": 1,
+    }
+    real_cluster.apply(ns, headless, rank, _pod("client", operator_image.reference, SLEEP))
+    real_cluster.kubectl(
+        "wait", "-n", ns, "--for=condition=Ready", "pod/client", "--timeout=90s", timeout=100
+    )
+    rank_ip = real_cluster.wait_for(
+        lambda: real_cluster.get("pod", "rank-0", ns)["status"].get("podIP"), timeout=60
+    )
+    cfg = real_cluster.cluster.config()
+    assert cfg is not None
+    resolv = real_cluster.kubectl("exec", "-n", ns, "client", "--", "cat", "/etc/resolv.conf")
+    assert f"nameserver {cfg.node_ip}" in resolv.stdout, resolv.stdout
+    assert f"search {ns}.svc.cluster.local svc.cluster.local cluster.local" in resolv.stdout
+
+    lookup = textwrap.dedent(
+        """
+        import socket, sys
+        for name in sys.argv[1:]:
+            try:
+                print(name, socket.gethostbyname(name))
+            except OSError as exc:
+                print(name, "error", type(exc).__name__)
+        """
+    )
+
+    def resolve(*names: str) -> dict[str, str]:
+        out = real_cluster.kubectl(
+            "exec", "-n", ns, "client", "--", "python3", "-c", lookup, *names
+        ).stdout
+        return dict(line.split(" ", 1) for line in out.strip().splitlines())
+
+    rank_name = f"r0.ranks.{ns}.svc"
+    got = real_cluster.wait_for(
+        lambda: (r := resolve(rank_name))[rank_name] == rank_ip and r,
+        timeout=30,
+        message=f"{rank_name} resolves to {rank_ip}",
+    )
+    assert got
+    assert real_cluster.get("pod", "rank-0", ns)["status"]["containerStatuses"][0]["ready"] is False
+    names = resolve(
+        "kubernetes.default", f"kubernetes.default.svc.{clusterdns.DOMAIN}", "example.com"
+    )
+    assert names["kubernetes.default"] == names[f"kubernetes.default.svc.{clusterdns.DOMAIN}"]
+    assert (
+        names["kubernetes.default"]
+        == real_cluster.get("service", "kubernetes", "default")["spec"]["clusterIP"]
+    )
+    assert names["example.com"].startswith("error"), names
+    reverse = real_cluster.kubectl(
+        "exec",
+        "-n",
+        ns,
+        "client",
+        "--",
+        "python3",
+        "-c",
+        f"import socket; print(socket.gethostbyaddr({rank_ip!r})[0])",
+    ).stdout.strip()
+    assert reverse == f"r0.ranks.{ns}.svc.{clusterdns.DOMAIN}"
 
 
 def test_down_undoes_the_host_changes(real_cluster: TestCluster) -> None:

@@ -141,6 +141,7 @@ class ClusterConfig:
     node_healthz_port: int = 0
     proxy_healthz_port: int = 0
     proxy_metrics_port: int = 0
+    dns_ready_port: int = 0
     node_images: list[str] | None = None
 
     def node_names(self) -> list[str]:
@@ -346,6 +347,7 @@ class Cluster:
                     ("node_healthz_port", kubelet),
                     ("proxy_healthz_port", "kube-proxy"),
                     ("proxy_metrics_port", "kube-proxy"),
+                    ("dns_ready_port", "coredns"),
                 )
                 if real
             ),

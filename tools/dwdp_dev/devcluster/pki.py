@@ -182,8 +182,10 @@ def ensure_node_pki(pki: Path, node_name: str, node_ip: str) -> None:
     """The real node's certificates under ``pki``: ``node.crt/.key`` (the kubelet's client:
     ``system:node:<node_name>`` in ``system:nodes``, for the Node authorizer),
     ``node-serving.crt/.key`` (the kubelet's serving certificate for ``node_ip``, 127.0.0.1
-    and the node name; issued again when the node IP changed) and ``proxy.crt/.key``
-    (kube-proxy's client, ``system:kube-proxy``)."""
+    and the node name; issued again when the node IP changed), ``proxy.crt/.key``
+    (kube-proxy's client, ``system:kube-proxy``) and ``coredns.crt/.key`` (the cluster DNS
+    server's client, ``system:coredns``, bound to its read-only role by
+    :mod:`dwdp_dev.devcluster.clusterdns`)."""
     ca = _load(pki, "ca")
     serving = pki / "node-serving.crt"
     if serving.exists():
@@ -206,3 +208,4 @@ def ensure_node_pki(pki: Path, node_name: str, node_ip: str) -> None:
         ips=(node_ip, "127.0.0.1"),
     )
     _issue(pki, "proxy", _name("system:kube-proxy"), server=False, ca=ca)
+    _issue(pki, "coredns", _name("system:coredns"), server=False, ca=ca)

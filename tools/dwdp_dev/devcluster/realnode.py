@@ -19,10 +19,12 @@ What it adds to the host, and what :meth:`RealNode.down` takes away again (issue
 - the Service CIDR routed to ``lo`` (*before* kube-proxy runs, so a packet for a ClusterIP
   never takes the default route off the machine), ``net.ipv4.ip_forward=1`` (pod to Service to
   pod is routed) behind a FORWARD guard that drops whatever would be forwarded from or to the
-  default route's device, and an INPUT guard on that device for the apiserver's and
-  kubelet's ports (the apiserver binds every address so pods reach it through the
-  ``kubernetes`` Service);
+  default route's device, and an INPUT guard on that device for the apiserver's, the
+  kubelet's and the DNS server's ports (the apiserver binds every address so pods reach it
+  through the ``kubernetes`` Service);
 - kube-proxy (iptables mode);
+- the cluster DNS, CoreDNS on the node IP's port 53 (:mod:`dwdp_dev.devcluster.clusterdns`),
+  the kubelet's ``clusterDNS``;
 - the fake ``nvidia.com/gpu`` capacity, patched into the Node's status after it registers.
 
 One real node per host (kube-proxy's chains and the Service route are host-wide): the owner's
@@ -53,7 +55,7 @@ from typing import Any
 
 import yaml
 
-from dwdp_dev.devcluster import build, images, pki
+from dwdp_dev.devcluster import build, clusterdns, images, pki
 from dwdp_dev.devcluster.cluster import (
     SERVICE_CIDR,
     Cluster,
@@ -89,7 +91,7 @@ SYSCTLS = (
     "kernel.keys.root_maxbytes",
 )
 """Sysctls the kubelet, kube-proxy or the bridge plugin may change; restored by ``down``."""
-COMPONENTS = ("containerd", "node-kubelet", "kube-proxy")
+COMPONENTS = ("containerd", "node-kubelet", "kube-proxy", "coredns")
 """The pid-file names of the real node's processes."""
 
 
@@ -289,6 +291,11 @@ class RealNode:
         check_host()
         _check_service_routes()
         self._claim_host(claim=False)
+        cfg = self.cluster.config()
+        if cfg is not None and "coredns" not in self.cluster.running():
+            taken = clusterdns.port_taken(cfg.node_ip)
+            if taken:
+                raise RealNodeError(f"{taken}: the real node's cluster DNS listens there")
 
     def _claim_host(self, claim: bool = True) -> None:
         owner = self.owner()
@@ -335,6 +342,13 @@ class RealNode:
         pki.ensure_node_pki(p, cfg.node_name, cfg.node_ip)
         c.write_kubeconfig(cfg, self.state_dir / "node.kubeconfig", "node")
         c.write_kubeconfig(cfg, self.state_dir / "proxy.kubeconfig", "proxy")
+        c.write_kubeconfig(cfg, self.state_dir / "coredns.kubeconfig", "coredns")
+        _write_if_changed(
+            self.state_dir / "Corefile",
+            clusterdns.corefile(
+                cfg.node_ip, cfg.dns_ready_port, str(self.state_dir / "coredns.kubeconfig")
+            ),
+        )
         for d in (
             self.containerd_root,
             self.kubelet_root,
@@ -417,7 +431,8 @@ oom_score = 0
                 "anonymous": {"enabled": False},
             },
             "authorization": {"mode": "Webhook"},
-            "clusterDomain": "cluster.local",
+            "clusterDomain": clusterdns.DOMAIN,
+            "clusterDNS": [cfg.node_ip],
             "podCIDR": self.pod_cidr(cfg),
             "podLogsDir": str(self.state_dir / "pod-logs"),
             "resolvConf": "/etc/resolv.conf",
@@ -461,7 +476,7 @@ oom_score = 0
     # -- network -------------------------------------------------------------------------
     def _guard_rules(self, cfg: ClusterConfig) -> list[tuple[str, list[str]]]:
         dev = cfg.node_dev
-        ports = f"{cfg.apiserver_port},{cfg.kubelet_port}"
+        ports = f"{cfg.apiserver_port},{cfg.kubelet_port},53"
         mark = ["-m", "comment", "--comment", GUARD, "-j", "DROP"]
         rules = [
             ("iptables", ["FORWARD", "-i", dev, *mark]),
@@ -486,6 +501,7 @@ oom_score = 0
                         ],
                     )
                 )
+                rules.append((ipt, ["INPUT", "-i", dev, "-p", "udp", "--dport", "53", *mark]))
         return rules
 
     def _network_up(self, cfg: ClusterConfig) -> None:
@@ -522,6 +538,8 @@ oom_score = 0
         self.import_images(cfg)
         # the Service route and the guards before anything may send to a ClusterIP
         self._network_up(cfg)
+        if "coredns" not in running:
+            self._start_dns(cfg, timeout_s)
         if "node-kubelet" not in running:
             self.cluster.spawn(
                 "node-kubelet",
@@ -549,6 +567,18 @@ oom_score = 0
                     "--v=1",
                 ],
             )
+
+    def _start_dns(self, cfg: ClusterConfig, timeout_s: float) -> None:
+        """Give the DNS server its role, start it, and wait until it has read the API."""
+        clusterdns.apply_rbac(self._api)
+        pid = self.cluster.spawn(
+            "coredns",
+            [str(build.build_coredns()), "-conf", str(self.state_dir / "Corefile")],
+        )
+        url = f"http://127.0.0.1:{cfg.dns_ready_port}/ready"
+        self.cluster.wait_for_component(
+            "coredns", pid, lambda: self.cluster._get(url)[0] == 200, timeout_s
+        )
 
     def import_images(self, cfg: ClusterConfig) -> list[str]:
         """Import the pause image and the current images of the local store (all, or those
@@ -653,8 +683,7 @@ oom_score = 0
         binary = self._binary(running)
         if "containerd" in running and "node-kubelet" in running and "apiserver" in running:
             self.delete_pods(timeout_s)
-        if "kube-proxy" in running:
-            stop_pids([running["kube-proxy"]], timeout_s)
+        stop_pids([running[n] for n in ("kube-proxy", "coredns") if n in running], timeout_s)
         if binary is not None:
             subprocess.run(
                 [str(binary), "kube-proxy", "--cleanup"], capture_output=True, check=False
