@@ -67,17 +67,25 @@ NODE_GPUS = 16
 ranks + 1 generation server = 9, above the default 8); the cpu backend uses none."""
 
 
-def start_cluster(state: Path, *, gpus: int = NODE_GPUS) -> Any:
+def start_cluster(state: Path, *, gpus: int = NODE_GPUS, node_kind: str = "process") -> Any:
     """Start (or reuse) the local control plane in ``state`` on a pod network no other
-    cluster on this host uses; returns a ``dwdp_dev.devcluster.testing.TestCluster``."""
-    from dwdp_dev.devcluster import build, tools
+    cluster on this host uses; returns a ``dwdp_dev.devcluster.testing.TestCluster``.
+
+    ``node_kind="real"``: a real node (containerd), whose pods run from images: the worker
+    image is built first (``dwdp dev images``; a cold build takes minutes and about 7 GB of
+    disk) and imported under the example's name, ``dwdp-worker:dev``."""
+    from dwdp_dev.devcluster import build, images, tools
     from dwdp_dev.devcluster.cluster import Cluster
     from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
 
     binary = build.build()
     tools_bin = tools.ensure_tools()
+    overrides: dict[str, Any] = {"node": {"gpus": gpus}}
+    if node_kind == "real":
+        images.build_image("worker", progress=lambda line: say(f"   {line}"))
+        overrides.update(node_kind="real", node_images=["operator", "worker"])
     c = Cluster(state)
-    up_on_free_pod_net(c, binary, node={"gpus": gpus})
+    up_on_free_pod_net(c, binary, **overrides)
     return TestCluster(c, tools_bin)
 
 
@@ -392,14 +400,17 @@ def wait_router(
 
 def router_address(tc: Any, ns: str, endpoint: str) -> Endpoint:
     """Where to reach the router Service of ``endpoint`` (``http://NAME.NS.svc:PORT``) from
-    this host: a ready address of its EndpointSlices, at the Service port's target port (what
-    kube-proxy would pick; the local cluster has none)."""
+    this host: on a real node its ClusterIP (kube-proxy's rules, the Service CIDR routed to
+    ``lo``); on process kubelets, which have no kube-proxy, a ready address of its
+    EndpointSlices at the Service port's target port (what kube-proxy would pick)."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(endpoint)
     service = (parts.hostname or "").split(".")[0]
     svc = tc.get("service", service, ns)
     port = next(p for p in svc["spec"]["ports"] if p["port"] == parts.port)
+    if tc.real_node:
+        return Endpoint("router", svc["spec"]["clusterIP"], int(port["port"]))
     target = int(port.get("targetPort") or port["port"])
     found = [e for e in service_endpoints(tc, ns, service) if e.port == target]
     if not found:
@@ -554,6 +565,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=48,
         help="completion requests of the throughput round (default 48)",
     )
+    p.add_argument(
+        "--node",
+        choices=("process", "real"),
+        default="process",
+        help="the local cluster's node: 'process' (the process kubelet, default) or 'real' "
+        "(containerd, the kubelet and kube-proxy; needs root; builds the worker image first)",
+    )
     # scripts/demo.sh checks the options with the system's Python before it makes .venv and
     # builds the control plane (minutes on a fresh machine), so a typo fails at once
     p.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)
@@ -588,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     (state / STATE_MARK).write_text("made by scripts/demo.sh; removed with the folder\n")
     t0 = time.monotonic()
     say(f"== 1/7 starting the local control plane (state {state})")
-    tc = start_cluster(state)
+    tc = start_cluster(state, node_kind=args.node)
     ok = False
     interrupted = 0
     try:

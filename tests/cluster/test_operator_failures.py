@@ -3,8 +3,9 @@ process killed (SIGKILL) while its group serves, and a ResourceQuota that refuse
 pods.
 
 One ``dwdp operator`` process serves the module; the deployments are small (1-2 pods per
-group, 2 groups) and each test deletes what it made. The pods are processes of the process
-kubelet of tools/devcluster, whose ``containerID`` is ``process://<pid>``.
+group, 2 groups) and each test deletes what it made. A rank is killed on the host by the pid
+of its pod's container (``TestCluster.container_pid``: a process of the process kubelet, or a
+real node's containerd task).
 """
 
 from __future__ import annotations
@@ -47,15 +48,6 @@ def group_of(pod: dict) -> str:
     return pod["metadata"]["labels"]["dwdp.io/group"]
 
 
-def pid_of(pod: dict) -> int:
-    """The pid of the pod's (only) container: the process kubelet reports it in the
-    containerID as ``process://<pid>``."""
-    (ctr,) = pod["status"]["containerStatuses"]
-    scheme, _, pid = ctr["containerID"].partition("://")
-    assert scheme == "process", ctr["containerID"]
-    return int(pid)
-
-
 def test_rank_killed_while_serving_replaces_its_group_once_as_a_crash(
     cluster: TestCluster, namespace: str, operator: OperatorProcess
 ) -> None:
@@ -89,7 +81,7 @@ def test_rank_killed_while_serving_replaces_its_group_once_as_a_crash(
 
     # SIGKILL the rank process of one pod of g1 (check that it is that pod's rank first).
     victim = next(p for p in before if group_of(p) == g1)
-    pid = pid_of(victim)
+    pid = cluster.container_pid(victim)
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert f"DWDP_GROUP={g1}".encode() in environ, "containerID pid is not the g1 rank"
     assert b"rankprog" in Path(f"/proc/{pid}/cmdline").read_bytes()

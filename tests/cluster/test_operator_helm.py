@@ -21,7 +21,7 @@ import yaml
 
 from dwdp_dev.devcluster.images import StoredImage
 from dwdp_dev.devcluster.testing import TestCluster
-from dwdp_dev.operator.cluster import pods
+from dwdp_dev.operator.cluster import STANDIN_IMAGE, pods
 from dwdp_dev.operator.process import RANKPROG_COMMAND
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +88,14 @@ def token_kubeconfig(cluster: TestCluster, token: str, folder: Path) -> Path:
     return path
 
 
+def small_example() -> dict:
+    """``examples/02-small.yaml`` with its ranks' image the test rank program's (the
+    chart's ``workerCommand`` runs that program, see :func:`install_release`)."""
+    doc = yaml.safe_load((REPO / "examples" / "02-small.yaml").read_text())
+    doc["spec"]["image"] = STANDIN_IMAGE
+    return doc
+
+
 def install_release(cluster: TestCluster, ns: str) -> None:
     """``helm install`` of the chart watching ``ns``, ranks run by the test rank program."""
     cluster.helm(
@@ -143,9 +151,9 @@ def test_helm_install_runs_the_operator_under_its_rbac(
         assert pod["spec"]["serviceAccountName"] == SA
         assert pod["spec"]["containers"][0]["command"] == ["dwdp", "operator"]
         assert pod["spec"]["containers"][0]["image"] == operator_image.reference
-        assert pod["status"]["containerStatuses"][0]["imageID"] == operator_image.digest
+        assert pod["status"]["containerStatuses"][0]["imageID"] == operator_image.image_id
 
-        doc = yaml.safe_load((REPO / "examples" / "02-small.yaml").read_text())
+        doc = small_example()
         cluster.apply(ns, doc)
 
         def ready() -> bool:
@@ -334,7 +342,7 @@ def test_two_replicas_hand_over_a_rollout_without_extra_pods(
         first = cluster.wait_for(holder, timeout=60, interval=0.5, message="a leader")
         operators = pods(cluster, ns, f"app.kubernetes.io/instance={RELEASE}")
         assert len(operators) == 2
-        cluster.apply(ns, yaml.safe_load((REPO / "examples" / "02-small.yaml").read_text()))
+        cluster.apply(ns, small_example())
 
         def status() -> dict:
             return cluster.get("dwdp", "small", ns).get("status") or {}
@@ -346,8 +354,7 @@ def test_two_replicas_hand_over_a_rollout_without_extra_pods(
         patch = {"spec": {"env": [{"name": "ROLLOUT", "value": "2"}]}}
         cluster.kubectl("patch", "dwdp", "small", "-n", ns, "--type=merge", "-p", json.dumps(patch))
         leader = next(p for p in operators if first.startswith(p["metadata"]["name"] + "_"))
-        (cid,) = [c["containerID"] for c in leader["status"]["containerStatuses"]]
-        os.kill(int(cid.removeprefix("process://")), signal.SIGKILL)
+        os.kill(cluster.container_pid(leader), signal.SIGKILL)
         killed = time.monotonic()
         second = cluster.wait_for(
             lambda: (h := holder()) not in (None, first) and h,

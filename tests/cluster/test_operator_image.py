@@ -1,8 +1,9 @@
 """The operator image from the daemonless cached build (dwdp_dev.devcluster.images), run as an
-image: as its non-root user its ``dwdp --version`` is the repository's, and the process
-kubelet runs a pod naming it from its root filesystem (entrypoint, user, working directory,
-environment, volumes and the service-account token inside), a pod naming an image the
-store lacks from the virtual environment, with a notice in the kubelet's log."""
+image: as its non-root user its ``dwdp --version`` is the repository's, and the kubelet runs a
+pod naming it from its root filesystem (entrypoint, user, working directory, environment,
+volumes and the service-account token inside). A pod naming an image the store lacks runs from
+the virtual environment on the process kubelet, with a notice in its log; a real node does not
+start it (``ErrImageNeverPull``: nothing is pulled from outside)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ def test_kubelet_runs_a_pod_from_its_image(
                     {
                         "name": "main",
                         "image": "dwdp-not-stored:1",
+                        "imagePullPolicy": "Never",
                         "command": ["python", "-c", "import dwdp; print(dwdp.__file__)"],
                     }
                 ],
@@ -114,7 +116,7 @@ def test_kubelet_runs_a_pod_from_its_image(
     logs = cluster.pod_log(ns, "from-image", "main")
     assert pod["status"]["phase"] == "Succeeded", logs
     for status in pod["status"]["containerStatuses"]:
-        assert status["imageID"] == operator_image.digest
+        assert status["imageID"] == operator_image.image_id
     lines = logs.splitlines()
     assert lines[:3] == ["1000", "1000", "/srv"], logs
     assert lines[3].startswith("/opt/dwdp/bin:"), logs
@@ -129,6 +131,15 @@ def test_kubelet_runs_a_pod_from_its_image(
     version = cluster.pod_log(ns, "from-image", "version").strip()
     assert version == f"dwdp {dwdp.__version__}"
 
+    if cluster.real_node:
+
+        def never_pulled() -> bool:
+            statuses = cluster.get("pod", "no-image", ns).get("status", {}).get("containerStatuses")
+            waiting = (statuses or [{}])[0].get("state", {}).get("waiting") or {}
+            return waiting.get("reason") == "ErrImageNeverPull"
+
+        cluster.wait_for(never_pulled, timeout=60, message="no-image: ErrImageNeverPull")
+        return
     plain = cluster.wait_for(lambda: done("no-image"), timeout=60, message="no-image done")
     out = cluster.pod_log(ns, "no-image")
     assert plain["status"]["phase"] == "Succeeded", out

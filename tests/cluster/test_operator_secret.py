@@ -12,7 +12,6 @@ import base64
 import json
 import stat
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -58,16 +57,12 @@ def incarnation_pods(cluster: TestCluster, ns: str, inc: int) -> list[dict]:
 
 
 def mounted_secret(cluster: TestCluster, pod: dict) -> bytes:
-    """The secret file the process kubelet bind-mounts at the pod's rendezvous mount (its
-    volume folder on the host), after checking the pod spec mounts it there read-only."""
+    """The secret file the kubelet mounts at the pod's rendezvous mount (read from its volume
+    folder on the host), after checking the pod spec mounts it there read-only."""
     ctr = pod["spec"]["containers"][0]
     mount = next(m for m in ctr["volumeMounts"] if m["mountPath"] == RENDEZVOUS_SECRET_DIR)
     assert mount["readOnly"] is True
-    meta = pod["metadata"]
-    folder = (
-        Path(cluster.state_dir) / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
-    )
-    path = folder / "volumes" / mount["name"] / RENDEZVOUS_SECRET_KEY
+    path = cluster.secret_volume(pod, mount["name"]) / RENDEZVOUS_SECRET_KEY
     # 0o400 for the pod's user, readable by its fsGroup (as the kubelet's volume ownership
     # makes it): the worker runs as uid 1000, not as the file's owner (root)
     fs_group = pod["spec"]["securityContext"]["fsGroup"]

@@ -179,8 +179,7 @@ def test_pod_runs_as_its_user_behind_a_service(
     )
 
     status = real_cluster.get("pod", "web", ns)["status"]["containerStatuses"][0]
-    repo = operator_image.reference.rsplit(":", 1)[0]
-    assert status["imageID"] == f"{repo}@{operator_image.digest}"  # the store's manifest
+    assert status["imageID"] == operator_image.image_id  # the store's manifest
 
     ip = real_cluster.get("service", "web", ns)["spec"]["clusterIP"]
     route = subprocess.run(["ip", "route", "get", ip], capture_output=True, text=True).stdout

@@ -114,7 +114,7 @@ def test_a_cpu_group_of_two_ranks_serves_from_the_worker_image(
 
         (pod,) = [p for p in pods(cluster, ns) if not p["metadata"].get("deletionTimestamp")]
         statuses = pod["status"]["containerStatuses"]
-        assert [s["imageID"] for s in statuses] == [worker_image.digest] * len(statuses)
+        assert [s["imageID"] for s in statuses] == [worker_image.image_id] * len(statuses)
         assert all(s["image"] == worker_image.reference for s in statuses)
         group = pod["metadata"]["labels"]["dwdp.io/group"]
         status = cluster.get("dwdp", NAME, ns)["status"]

@@ -89,7 +89,8 @@ def image(tmp_path: Path, **config) -> RunImage:
     (tmp_path / "etc").mkdir(exist_ok=True)
     (tmp_path / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\napp:x:1000:1001::/:\n")
     (tmp_path / "etc" / "group").write_text("root:x:0:\nstaff:x:50:\n")
-    return RunImage("img:1", "sha256:ab", tmp_path, config)
+    stored = images.StoredImage("img:1", tmp_path, "1", "sha256:ab")
+    return RunImage("img:1", stored, tmp_path, config)
 
 
 @pytest.mark.parametrize(
@@ -196,8 +197,7 @@ def test_an_image_name_that_is_no_folder_name_is_one_clear_error(name, capsys) -
     assert "lowercase letters, digits and '-'" in out.err
 
 
-def test_a_rebuild_frees_the_superseded_image_before_it_builds(tmp_path: Path,
-                                                               monkeypatch) -> None:
+def test_a_rebuild_frees_the_superseded_image_before_it_builds(tmp_path: Path, monkeypatch) -> None:
     """The worker image's build needs 19 GB more disk at its peak: the copies it replaces
     (layout and unpacked root, 10 GB) go before the build, not after (CI ran out of disk);
     the other image's copies stay."""
@@ -207,14 +207,20 @@ def test_a_rebuild_frees_the_superseded_image_before_it_builds(tmp_path: Path,
     for name, digest in (("worker", "sha256:" + "a" * 64), ("operator", "sha256:" + "b" * 64)):
         (store / "oci" / f"dwdp-{name}-old").mkdir(parents=True)
         (store / "rootfs" / digest[7:39]).mkdir(parents=True)
-        refs[images.reference(name)] = {"name": name, "layout": str(store / "oci" /
-                                        f"dwdp-{name}-old"), "tag": "0.1.0", "digest": digest}
+        refs[images.reference(name)] = {
+            "name": name,
+            "layout": str(store / "oci" / f"dwdp-{name}-old"),
+            "tag": "0.1.0",
+            "digest": digest,
+        }
     (store / "refs.json").write_text(json.dumps(refs))
     seen: list[set[str]] = []
 
     def build(name, layout, tag, progress, on=None):
-        seen.append({p.name for p in (store / "oci").iterdir()}
-                    | {p.name for p in (store / "rootfs").iterdir()})
+        seen.append(
+            {p.name for p in (store / "oci").iterdir()}
+            | {p.name for p in (store / "rootfs").iterdir()}
+        )
         (layout / "blobs").mkdir(parents=True)
         return "sha256:" + "c" * 64
 

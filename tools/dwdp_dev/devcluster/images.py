@@ -74,11 +74,14 @@ BUILT_ON: dict[str, str] = {"rank-standin": "operator"}
 """Images built on another image of the store (``FROM ${OPERATOR_IMAGE}``: the build arg is
 the other image's name in upper case + ``_IMAGE``): that image is built first, its hash is
 part of this one's, and the build gets it by name in its private storage."""
-LOCAL_NAMES: dict[str, tuple[str, ...]] = {"rank-standin": ("dwdp-rank-standin:dev",)}
+LOCAL_NAMES: dict[str, tuple[str, ...]] = {
+    "worker": ("dwdp-worker:dev",),
+    "rank-standin": ("dwdp-rank-standin:dev",),
+}
 """More names a real node gives an image when it imports it, beside its reference: the
-operator tests' worker pods name the test rank program's image ``dwdp-rank-standin:dev``
-(``dwdp_dev.operator.cluster.deployment``), which the process kubelet does not find in the
-store and runs from the host's .venv instead."""
+examples name the worker image ``dwdp-worker:dev``, and the operator tests' worker pods name
+the test rank program's image ``dwdp-rank-standin:dev`` (``dwdp_dev.operator.cluster``); the
+process kubelet finds neither name in the store and runs those pods from the host's .venv."""
 PIP_CACHE_ARG = {"PIP_NO_CACHE_DIR": ""}
 """What every local build passes: an empty PIP_NO_CACHE_DIR (pip ignores it) lets a
 Dockerfile that takes it as an ARG use the pip cache mounted for its RUN steps."""
@@ -96,6 +99,17 @@ class StoredImage:
     layout: Path
     tag: str
     digest: str
+
+    @property
+    def repository(self) -> str:
+        """The reference without its tag, e.g. ``ghcr.io/dwdp/dwdp-worker``."""
+        return self.reference.rsplit(":", 1)[0]
+
+    @property
+    def image_id(self) -> str:
+        """What a kubelet reports as a container's ``imageID`` for this image:
+        ``<repository>@<manifest digest>``, as for an image pulled from a registry."""
+        return f"{self.repository}@{self.digest}"
 
 
 def store_dir() -> Path:

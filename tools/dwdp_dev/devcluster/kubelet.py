@@ -88,11 +88,14 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import urllib3
 
 from dwdp_dev.devcluster.cluster import read_pidfile, write_pidfile
+
+if TYPE_CHECKING:
+    from dwdp_dev.devcluster import images
 
 log = logging.getLogger("dwdp_dev.devcluster.kubelet")
 
@@ -315,9 +318,10 @@ ENTER = Path(__file__).resolve().with_name("enter.py")
 class RunImage:
     """An image of the local store unpacked for the kubelet: its rootfs and config."""
 
-    def __init__(self, ref: str, digest: str, rootfs: Path, config: dict) -> None:
+    def __init__(self, ref: str, stored: images.StoredImage, rootfs: Path, config: dict) -> None:
         self.ref = ref
-        self.digest = digest
+        self.digest = stored.digest
+        self.image_id = stored.image_id
         self.rootfs = rootfs
         self.config = config
 
@@ -531,7 +535,7 @@ class Container:
         out = {
             "name": self.name,
             "image": self.spec.get("image", ""),
-            "imageID": self.image.digest if self.image else "",
+            "imageID": self.image.image_id if self.image else "",
             "ready": self.ready,
             "restartCount": self.restart_count,
             "started": bool(self.running and self.started),
@@ -1805,7 +1809,7 @@ class Kubelet:
             self.image_notices.add(stored.digest)
         if first:
             log.info("image %r runs from the local store: %s (%s)", ref, rootfs, stored.digest)
-        return RunImage(ref, stored.digest, rootfs, config)
+        return RunImage(ref, stored, rootfs, config)
 
     # -- resources ------------------------------------------------------------------
     def allocate_ip(self, uid: str, existing: str | None) -> str:

@@ -278,6 +278,15 @@ class RealNode:
         with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
             return json.loads(resp.read() or b"{}")
 
+    def task_pid(self, container_id: str) -> int:
+        """The host pid of the main process of container ``container_id`` (its containerd
+        task). Raises RealNodeError if containerd runs no such task."""
+        for line in self.ctr("tasks", "ls").splitlines()[1:]:
+            words = line.split()
+            if len(words) >= 2 and words[0] == container_id:
+                return int(words[1])
+        raise RealNodeError(f"containerd runs no task {container_id}")
+
     def owner(self) -> Path | None:
         """The state folder of the real node that owns this host's :data:`RUN_DIR`, if any."""
         try:
@@ -599,7 +608,7 @@ oom_score = 0
             if any(ref in line and stored.digest in line for line in listed.splitlines()):
                 continue
             print(f"dwdp dev: real node: importing {ref} into containerd", file=sys.stderr)
-            repo = ref.rsplit(":", 1)[0]
+            repo = stored.repository
             tar = subprocess.Popen(
                 ["tar", "-C", str(stored.layout), "-cf", "-", "."], stdout=subprocess.PIPE
             )
@@ -630,8 +639,8 @@ oom_score = 0
             if ref not in self.ctr("images", "ls", "-q").split():
                 raise RealNodeError(f"{stored.layout} was imported, but not as {ref}")
             # also by digest, as an image pulled from a registry: the kubelet then reports
-            # `<repo>@<manifest digest>` as the containers' imageID
-            self.ctr("images", "tag", "--force", ref, f"{repo}@{stored.digest}")
+            # `<repo>@<manifest digest>` as the containers' imageID (``stored.image_id``)
+            self.ctr("images", "tag", "--force", ref, stored.image_id)
             for name in images.LOCAL_NAMES.get(str(entry.get("name")), ()):
                 self.ctr("images", "tag", "--force", ref, _qualified(name))
             done.append(ref)

@@ -154,9 +154,44 @@ class TestCluster:
         ns = ["-n", namespace] if namespace else []
         return self.kubectl("get", kind, name, *ns, check=False).returncode == 0
 
+    @property
+    def real_node(self) -> bool:
+        """True if the cluster's node is a real one (containerd), not process kubelets."""
+        cfg = self.cluster.config()
+        return cfg is not None and cfg.node_kind == "real"
+
+    def container_pid(self, pod: dict) -> int:
+        """The host pid of the main process of the pod's (only) container: the process
+        kubelet reports it in the containerID (``process://<pid>``), a real node's
+        containerd runs it as its task (``containerd://<id>``)."""
+        (ctr,) = pod["status"]["containerStatuses"]
+        scheme, _, ident = ctr["containerID"].partition("://")
+        if scheme == "process":
+            return int(ident)
+        assert scheme == "containerd", ctr["containerID"]
+        from dwdp_dev.devcluster import realnode
+
+        return realnode.RealNode(self.cluster).task_pid(ident)
+
+    def secret_volume(self, pod: dict, volume: str) -> Path:
+        """The host folder the kubelet mounts as the pod's Secret volume ``volume``."""
+        meta = pod["metadata"]
+        if self.real_node:
+            volumes = self.state_dir / "kubelet" / "pods" / meta["uid"] / "volumes"
+            return volumes / "kubernetes.io~secret" / volume
+        folder = f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+        return self.state_dir / "pods" / folder / "volumes" / volume
+
     def pod_log(self, namespace: str, pod: str, container: str | None = None) -> str:
         """Return the current log of a pod's container (the first container if None), read
-        from the process kubelet's files; '' if there is none."""
+        from the process kubelet's files, or through the API on a real node; '' if there is
+        none."""
+        if self.real_node:
+            if container is None:
+                spec = self.get("pod", pod, namespace).get("spec") or {}
+                container = (spec.get("containers") or [{}])[0].get("name")
+            got = self.kubectl("logs", "-n", namespace, pod, "-c", str(container), check=False)
+            return got.stdout if got.returncode == 0 else ""
         dirs = sorted(
             self.state_dir.glob(f"pods/{namespace}_{pod}_*"), key=lambda p: p.stat().st_mtime
         )
@@ -181,16 +216,16 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
     keep = os.environ.get("DWDP_TEST_STATE_DIR")
     binary = build.build()
     tools_bin = tools.ensure_tools()
-    if keep:
-        c = Cluster(Path(keep))
-        c.up(binary=binary)
-        return TestCluster(c, tools_bin), False
-    state = state_dir or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-"))
-    c = Cluster(state)
     node_kind = os.environ.get("DWDP_TEST_NODE", "process")
+    overrides = {"node_kind": node_kind} if node_kind != "process" else {}
     if node_kind == "real":  # imported by `up`: the operator tests' worker pods run it
         images.build_image("rank-standin", progress=print)
-    up_on_free_pod_net(c, binary, **({"node_kind": node_kind} if node_kind != "process" else {}))
+    if keep:
+        c = Cluster(Path(keep))
+        up_on_free_pod_net(c, binary, **overrides)
+        return TestCluster(c, tools_bin), False
+    c = Cluster(state_dir or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-")))
+    up_on_free_pod_net(c, binary, **overrides)
     return TestCluster(c, tools_bin), True
 
 
