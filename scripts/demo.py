@@ -731,12 +731,18 @@ def main(argv: list[str] | None = None) -> int:
             say(f'  eval "$(.venv/bin/dwdp dev env --state-dir {state})"  # or:')
             say(f"  export KUBECONFIG={tc.kubeconfig} PATH={tc.tools_bin}:$PATH")
             say(f"  kubectl get dwdp -n {NAMESPACE} -o wide")
-            say(  # the router's address and its http port (the slice lists metrics too)
-                f"  kubectl get endpointslices -n {NAMESPACE} "
-                f"-l kubernetes.io/service-name={NAME}-router -o jsonpath="
-                "'{.items[0].endpoints[0].addresses[0]}:"
-                '{.items[0].ports[?(@.name=="http")].port}\''
-            )
+            if tc.real_node:  # kube-proxy serves the router's Service on this host
+                say(
+                    f"  kubectl get service {NAME}-router -n {NAMESPACE} -o jsonpath="
+                    "'{.spec.clusterIP}:{.spec.ports[?(@.name==\"http\")].port}'"
+                )
+            else:  # the router's address and its http port (the slice lists metrics too)
+                say(
+                    f"  kubectl get endpointslices -n {NAMESPACE} "
+                    f"-l kubernetes.io/service-name={NAME}-router -o jsonpath="
+                    "'{.items[0].endpoints[0].addresses[0]}:"
+                    '{.items[0].ports[?(@.name=="http")].port}\''
+                )
             say(  # the key the router and the ranks check (the Secret holds it base64)
                 f"  KEY=$(kubectl get secret {API_KEY_SECRET} -n {NAMESPACE} "
                 "-o jsonpath='{.data.api-key}' | base64 -d)"

@@ -7,7 +7,7 @@
 # rank prefills, the generation server decodes; each answer says which) checked against a
 # single-process reference, time to Ready and requests/s through the router, teardown.
 # Options go to the driver: --keep (leave it running; prints how to reach and stop it),
-# --state-dir DIR, --requests N.
+# --state-dir DIR, --requests N, --node real (a real node: containerd, kubelet, kube-proxy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -13,6 +13,7 @@ reuse it while its inputs are unchanged.
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,11 +36,8 @@ WORKER = "dwdp launch --host $(DWDP_POD_IP)"
 def model() -> Iterator[tuple[Path, list[str]]]:
     """The demo checkpoint in a folder every user can read, and the reference's answers."""
     models = Path(tempfile.mkdtemp(prefix="dwdp-img-models-"))
+    models.chmod(0o755)  # the ranks read it as uid 1000 (the model's copy is readable by all)
     model_dir = demo.make_model(models)
-    for folder in (models, model_dir):
-        folder.chmod(0o755)  # the ranks read it as uid 1000
-    for f in model_dir.iterdir():
-        f.chmod(0o644)
     yield models, demo.reference_answers(model_dir)
 
 
@@ -87,6 +85,25 @@ def processes_of(group: str) -> dict[int, int]:
         uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
         out[int(proc.name)] = int(uid)
     return out
+
+
+def test_the_worker_image_ships_the_router(worker_image: images.StoredImage) -> None:
+    """The operator runs a deployment's router from the deployment's image (the router gate
+    starts ``vllm-router``): the image's user finds it on the image's PATH and it runs."""
+    rootfs = images.unpack(worker_image)
+    config = images.image_config(worker_image)
+    env = [str(e) for e in config["Env"]]
+    out = subprocess.run(
+        [
+            *("chroot", f"--userspec={config['User']}", str(rootfs), "/usr/bin/env", "-i", *env),
+            *("vllm-router", "--help"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0 and out.stdout.startswith("usage: vllm-router"), out
 
 
 def test_a_cpu_group_of_two_ranks_serves_from_the_worker_image(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from dwdp_dev.devcluster import pki, realnode
+from dwdp_dev.devcluster import clusterdns, pki, realnode
 from dwdp_dev.devcluster.cluster import Cluster, ClusterConfig
 
 
@@ -24,6 +24,7 @@ def _real_cfg() -> ClusterConfig:
         node_healthz_port=20003,
         proxy_healthz_port=20004,
         proxy_metrics_port=20005,
+        dns_ready_port=20006,
         pod_net="100.77",
         node_kind="real",
         node_ip="192.0.2.9",
@@ -45,6 +46,16 @@ def test_configs_carry_the_settings_this_host_needs(tmp_path: Path) -> None:
     assert kubelet["imageGCHighThresholdPercent"] == 100
     assert kubelet["authentication"]["anonymous"]["enabled"] is False
     assert kubelet["containerRuntimeEndpoint"] == f"unix://{realnode.RUN_DIR}/containerd.sock"
+    # pods resolve through the cluster DNS on the node IP
+    assert kubelet["clusterDNS"] == ["192.0.2.9"]
+    assert kubelet["clusterDomain"] == clusterdns.DOMAIN
+
+    corefile = (tmp_path / "Corefile").read_text()
+    assert corefile.startswith("cluster.local:53 in-addr.arpa:53 ip6.arpa:53 {")
+    assert "bind 192.0.2.9\n" in corefile and "ready 127.0.0.1:20006\n" in corefile
+    assert f"kubeconfig {tmp_path / 'coredns.kubeconfig'} dwdp-dev" in corefile
+    dns_user = yaml.safe_load((tmp_path / "coredns.kubeconfig").read_text())["users"][0]
+    assert dns_user["name"] == "coredns"
 
     containerd = (tmp_path / "containerd.toml").read_text()
     assert "restrict_oom_score_adj = true" in containerd
@@ -86,7 +97,8 @@ def test_guards_drop_forwarding_and_the_ports_on_the_default_device(tmp_path: Pa
     flat = [" ".join([ipt, *r]) for ipt, r in rules]
     assert any(r.startswith("iptables FORWARD -i eth9") and r.endswith("DROP") for r in flat)
     assert any(r.startswith("iptables FORWARD -o eth9") and r.endswith("DROP") for r in flat)
-    assert any("INPUT -i eth9" in r and "20001,20002" in r for r in flat)
+    assert any("INPUT -i eth9 -p tcp" in r and "20001,20002,53" in r for r in flat)
+    assert any("INPUT -i eth9 -p udp --dport 53" in r for r in flat)  # the cluster DNS
     assert all(realnode.GUARD in r for r in flat)
 
 
@@ -136,3 +148,23 @@ def test_a_second_up_leaves_the_watched_configs_untouched(tmp_path: Path) -> Non
     node._write_configs(other)
     assert (tmp_path / "kube-proxy.yaml").stat().st_mtime_ns != before["kube-proxy.yaml"]
     assert "127.0.0.1:20006" in (tmp_path / "kube-proxy.yaml").read_text()
+
+
+def test_the_dns_role_only_reads(tmp_path: Path) -> None:
+    """The cluster DNS reads the API with list and watch, bound to its own user only."""
+    role, binding = clusterdns.rbac()
+    assert {v for rule in role["rules"] for v in rule["verbs"]} == {"list", "watch"}
+    assert binding["subjects"] == [
+        {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": clusterdns.USER}
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_a_taken_dns_port_is_named_before_the_node_starts() -> None:
+    """`up` refuses with the address and the port when another server holds port 53 there."""
+    import socket
+
+    assert clusterdns.port_taken("127.0.0.1") is None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as held:
+        held.bind(("127.0.0.1", 53))
+        assert clusterdns.port_taken("127.0.0.1") == "UDP port 53 of 127.0.0.1 is in use"

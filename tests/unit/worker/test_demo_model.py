@@ -198,3 +198,12 @@ def test_cli_bad_out_is_one_line(tmp_path, capsys, command, out, says):
     err = capsys.readouterr().err.strip()
     assert code in (1, 2) and says in err.splitlines()[-1], err
     assert "Traceback" not in err
+
+
+def test_the_cached_model_is_readable_by_the_pods_user(demo_model):
+    """The demo mounts a copy of the cached folder into pods that run as uid 1000: the folder
+    and every file in it are readable by all (training writes through private temporary
+    files and folders)."""
+    assert demo_model.stat().st_mode & 0o777 == 0o755
+    for path in demo_model.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o644, path

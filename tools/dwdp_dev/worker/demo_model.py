@@ -261,16 +261,19 @@ def train_demo_model(
 def cached_demo_model(cache: str | Path, settings: TrainSettings | None = None) -> Path:
     """The trained demo model under ``cache/demo-<digest>``: trained there on first use (in a
     temporary sibling folder, renamed when complete, so an interrupted run leaves nothing
-    half-written behind); returns the folder."""
+    half-written behind); returns the folder, readable by every user (pods that mount a copy
+    of it run as uid 1000)."""
     settings = settings or TrainSettings()
     cache = Path(cache)
     final = cache / f"demo-{inputs_digest(settings)}"
     if (final / MARKER).is_file():
+        _readable_by_all(final)
         return final
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".train-", dir=cache))
     try:
         train_demo_model(tmp, settings)
+        _readable_by_all(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # another run finished first: its copy is equally good
@@ -279,3 +282,12 @@ def cached_demo_model(cache: str | Path, settings: TrainSettings | None = None) 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _readable_by_all(folder: Path) -> None:
+    """Make ``folder`` (0o755) and its files (0o644) readable by every user: a temporary
+    folder and the files written through temporary files are the owner's alone."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
