@@ -71,9 +71,10 @@ def start_cluster(state: Path, *, gpus: int = NODE_GPUS, node_kind: str = "proce
     """Start (or reuse) the local control plane in ``state`` on a pod network no other
     cluster on this host uses; returns a ``dwdp_dev.devcluster.testing.TestCluster``.
 
-    ``node_kind="real"``: a real node (containerd), whose pods run from images: the worker
-    image is built first (``dwdp dev images``; a cold build takes minutes and about 7 GB of
-    disk) and imported under the example's name, ``dwdp-worker:dev``."""
+    ``node_kind="real"``: a real node (containerd), whose pods run from images: the operator
+    and worker images are built first (``dwdp dev images``; a cold build of the worker takes
+    minutes and about 7 GB of disk), and the worker's is imported under the example's name,
+    ``dwdp-worker:dev``."""
     from dwdp_dev.devcluster import build, images, tools
     from dwdp_dev.devcluster.cluster import Cluster
     from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
@@ -82,7 +83,8 @@ def start_cluster(state: Path, *, gpus: int = NODE_GPUS, node_kind: str = "proce
     tools_bin = tools.ensure_tools()
     overrides: dict[str, Any] = {"node": {"gpus": gpus}}
     if node_kind == "real":
-        images.build_image("worker", progress=lambda line: say(f"   {line}"))
+        for name in ("operator", "worker"):
+            images.build_image(name, progress=lambda line: say(f"   {line}"))
         overrides.update(node_kind="real", node_images=["operator", "worker"])
     c = Cluster(state)
     up_on_free_pod_net(c, binary, **overrides)

@@ -60,3 +60,37 @@ def _terminate_demo(proc: subprocess.Popen[str], state: Path) -> None:
     assert "Traceback" not in out, out[-3000:]
     assert not state.exists()
     assert not [name for name in running if read_pidfile(kept / name) is not None]
+
+
+def test_sigterm_while_the_cluster_starts_stops_what_started(tmp_path: Path) -> None:
+    """SIGTERM during step 1, once etcd runs and before the cluster is up: the demo exits 143
+    and no process of its cluster is left running (the start stops what it started)."""
+    state = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/demo.py", "--state-dir", str(state)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    kept = tmp_path / "pids"
+    try:
+        deadline = time.monotonic() + 240
+        etcd = state / "run" / "etcd.pid"
+        while read_pidfile(etcd) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_pidfile(etcd) is not None, "etcd did not start"
+        shutil.copytree(state / "run", kept)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 143, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        left = [f.name for f in kept.glob("*.pid") if read_pidfile(f) is not None]
+        assert not left, (left, out[-3000:])
+        assert not (state / "run").exists() or not Cluster(state).running()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if state.exists():
+            Cluster(state).down(timeout_s=5)

@@ -233,14 +233,14 @@ def up_on_free_pod_net(c: Cluster, binary: Path, **overrides: Any) -> None:
     """Bring ``c`` up (``Cluster.up`` with ``overrides``); a cluster not configured yet gets a
     pod network ``100.N.0.0/16`` that no other cluster on this host routes, so tests and the
     demo can run side by side. What started is stopped if the start fails (the error is
-    re-raised)."""
+    re-raised), also when a signal stops the start (KeyboardInterrupt)."""
     if c.config() is None:
         routed = routed_pod_nets()
         free = [n for n in range(65, 128) if f"100.{n}" not in routed]
         overrides["pod_net"] = f"100.{random.choice(free or [127])}"
     try:
         c.up(binary=binary, **overrides)
-    except Exception:
+    except BaseException:
         c.down(timeout_s=5)
         raise
 
