@@ -662,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         groups = sorted({e.group for e in ctx})
         at = router_address(tc, NAMESPACE, router["endpoint"])
         say(
-            f"   router {router['endpoint']} (at {at.address}:{at.port}, its EndpointSlice) "
+            f"   router {router['endpoint']} (at {at.address}:{at.port}, "
+            f"{'its ClusterIP' if tc.real_node else 'its EndpointSlice'}) "
             f"in front of {len(ctx)} ranks in {len(groups)} groups ({', '.join(groups)}) "
             f"and {len(gen)} generation server(s)"
         )
