@@ -16,17 +16,22 @@ from dwdp_dev.devcluster.cluster import Cluster, read_pidfile
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_sigterm_tears_the_demo_down(tmp_path: Path) -> None:
-    """SIGTERM once the cluster is up and the operator is being installed: the demo says it was
-    terminated, stops every process of its cluster, removes its state folder, exits 143."""
-    state = tmp_path / "demo"
-    proc = subprocess.Popen(
+def _start_demo(state: Path) -> subprocess.Popen[str]:
+    """The demo in ``state``, its output (stdout and stderr) piped."""
+    return subprocess.Popen(
         [sys.executable, "scripts/demo.py", "--state-dir", str(state)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def test_sigterm_tears_the_demo_down(tmp_path: Path) -> None:
+    """SIGTERM once the cluster is up and the operator is being installed: the demo says it was
+    terminated, stops every process of its cluster, removes its state folder, exits 143."""
+    state = tmp_path / "demo"
+    proc = _start_demo(state)
     try:
         _terminate_demo(proc, state)
     finally:  # a failed check must not leave a cluster running
@@ -66,13 +71,7 @@ def test_sigterm_while_the_cluster_starts_stops_what_started(tmp_path: Path) -> 
     """SIGTERM during step 1, once etcd runs and before the cluster is up: the demo exits 143
     and no process of its cluster is left running (the start stops what it started)."""
     state = tmp_path / "demo"
-    proc = subprocess.Popen(
-        [sys.executable, "scripts/demo.py", "--state-dir", str(state)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _start_demo(state)
     kept = tmp_path / "pids"
     try:
         deadline = time.monotonic() + 240

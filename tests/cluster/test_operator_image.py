@@ -7,11 +7,9 @@ start it (``ErrImageNeverPull``: nothing is pulled from outside)."""
 
 from __future__ import annotations
 
-import subprocess
-
 import dwdp
 from dwdp_dev.devcluster import images
-from dwdp_dev.devcluster.testing import TestCluster
+from dwdp_dev.devcluster.testing import TestCluster, run_in_image
 
 
 def test_image_runs_as_non_root_and_its_dwdp_is_the_repository_version(
@@ -23,18 +21,8 @@ def test_image_runs_as_non_root_and_its_dwdp_is_the_repository_version(
     assert config["Entrypoint"] == ["dwdp"] and config["Cmd"] == ["operator"]
     labels = config["Labels"]
     assert labels["org.opencontainers.image.version"] == dwdp.__version__
-    rootfs = images.unpack(operator_image)
-    env = [str(e) for e in config["Env"]]
-    out = subprocess.run(
-        [
-            *("chroot", f"--userspec={user}", str(rootfs), "/usr/bin/env", "-i", *env),
-            *("sh", "-c", 'id -u; cd "$HOME"; dwdp --version'),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    out = run_in_image(operator_image, "sh", "-c", 'id -u; cd "$HOME"; dwdp --version')
+    assert out.returncode == 0, out
     uid, version = out.stdout.split("\n", 1)
     assert uid == user.split(":")[0]
     assert version.strip() == f"dwdp {dwdp.__version__}"

@@ -13,7 +13,6 @@ reuse it while its inputs are unchanged.
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dwdp_dev.devcluster import images
-from dwdp_dev.devcluster.testing import TestCluster, demo_driver
+from dwdp_dev.devcluster.testing import TestCluster, demo_driver, run_in_image
 from dwdp_dev.operator.cluster import pods, running_operator
 
 pytestmark = pytest.mark.timeout(1800)
@@ -90,19 +89,7 @@ def processes_of(group: str) -> dict[int, int]:
 def test_the_worker_image_ships_the_router(worker_image: images.StoredImage) -> None:
     """The operator runs a deployment's router from the deployment's image (the router gate
     starts ``vllm-router``): the image's user finds it on the image's PATH and it runs."""
-    rootfs = images.unpack(worker_image)
-    config = images.image_config(worker_image)
-    env = [str(e) for e in config["Env"]]
-    out = subprocess.run(
-        [
-            *("chroot", f"--userspec={config['User']}", str(rootfs), "/usr/bin/env", "-i", *env),
-            *("vllm-router", "--help"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = run_in_image(worker_image, "vllm-router", "--help")
     assert out.returncode == 0 and out.stdout.startswith("usage: vllm-router"), out
 
 

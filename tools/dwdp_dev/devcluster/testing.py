@@ -245,6 +245,24 @@ def up_on_free_pod_net(c: Cluster, binary: Path, **overrides: Any) -> None:
         raise
 
 
+def run_in_image(image: images.StoredImage, *command: str) -> subprocess.CompletedProcess:
+    """Run ``command`` in ``image``'s root filesystem (unpacked once per digest) as the image's
+    user with only the image's environment (``chroot``; needs root), as a runtime would start
+    it; text output, at most 60 s. The caller checks the exit status."""
+    config = images.image_config(image)
+    env = [str(e) for e in config["Env"]]
+    return subprocess.run(
+        [
+            *("chroot", f"--userspec={config['User']}", str(images.unpack(image))),
+            *("/usr/bin/env", "-i", *env, *command),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 DEMO_MODULE = "dwdp_demo_driver"
 """Module name under which :func:`demo_driver` loads ``scripts/demo.py``."""
 
