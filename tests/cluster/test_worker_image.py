@@ -104,6 +104,7 @@ def test_a_cpu_group_of_two_ranks_serves_from_the_worker_image(
     ns = namespace
     start = time.monotonic()
     rootfs = images.unpack(worker_image)  # once per digest; the kubelet reuses it
+    cluster.import_images()  # built after the cluster started: a real node imports it now
     print(f"worker image unpacked at {rootfs} in {time.monotonic() - start:.0f} s")
     log = tmp_path / "operator.log"
     with running_operator(cluster, log, extra_args=("--worker-command", WORKER)):

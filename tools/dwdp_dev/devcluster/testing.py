@@ -173,6 +173,16 @@ class TestCluster:
 
         return realnode.RealNode(self.cluster).task_pid(ident)
 
+    def import_images(self) -> None:
+        """Make images built after ``up`` runnable: a real node imports every current image of
+        the store it lacks (minutes for the worker image); process kubelets read the store
+        directly and need nothing."""
+        cfg = self.cluster.config()
+        if cfg is not None and cfg.node_kind == "real":
+            from dwdp_dev.devcluster import realnode
+
+            realnode.RealNode(self.cluster).import_images(cfg)
+
     def secret_volume(self, pod: dict, volume: str) -> Path:
         """The host folder the kubelet mounts as the pod's Secret volume ``volume``."""
         meta = pod["metadata"]
