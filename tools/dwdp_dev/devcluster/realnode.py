@@ -578,8 +578,12 @@ oom_score = 0
             )
 
     def _start_dns(self, cfg: ClusterConfig, timeout_s: float) -> None:
-        """Give the DNS server its role, start it, and wait until it has read the API."""
-        clusterdns.apply_rbac(self._api)
+        """Give the DNS server its role, start it, and wait until it has read the API.
+        Raises RealNodeError if the API refuses the role."""
+        try:
+            clusterdns.apply_rbac(self._api)
+        except (OSError, ValueError) as exc:  # urllib's HTTPError and URLError are OSErrors
+            raise RealNodeError(f"cannot give the cluster DNS its role: {exc}") from None
         pid = self.cluster.spawn(
             "coredns",
             [str(build.build_coredns()), "-conf", str(self.state_dir / "Corefile")],
