@@ -608,7 +608,17 @@ def main(argv: list[str] | None = None) -> int:
     (state / STATE_MARK).write_text("made by scripts/demo.sh; removed with the folder\n")
     t0 = time.monotonic()
     say(f"== 1/7 starting the local control plane (state {state})")
-    tc = start_cluster(state, node_kind=args.node)
+    try:
+        tc = start_cluster(state, node_kind=args.node)
+    except KeyboardInterrupt as exc:  # the start stopped what it had started
+        code = _stopped(exc)
+        say("== tearing down")
+        shutil.rmtree(state, ignore_errors=True)
+        say("   cluster stopped, state removed")
+        return code
+    except Exception as exc:  # the state folder keeps the components' logs it names
+        say(f"DEMO FAILED: the local cluster did not start: {exc}")
+        return 1
     ok = False
     interrupted = 0
     try:
@@ -625,9 +635,9 @@ def main(argv: list[str] | None = None) -> int:
         say(
             f"   {model_dir}: {cfg.get('num_hidden_layers')} layers, "
             f"{cfg.get('n_routed_experts')} routed experts + {cfg.get('n_shared_experts')} "
-            f"shared, hidden {cfg.get('hidden_size')}; trained on {trained['examples']} "
-            f"texts in {trained['seconds']} s (final loss {trained['final_loss']}), "
-            f"ready in {time.monotonic() - t_model:.1f} s"
+            f"shared, hidden {cfg.get('hidden_size')}; trained once on {trained['examples']} "
+            f"texts in {trained['seconds']} s (final loss {trained['final_loss']}; kept in the "
+            f"cache), ready in {time.monotonic() - t_model:.1f} s"
         )
         say(f"== 4/7 kubectl apply -f {EXAMPLE.relative_to(REPO)} (namespace {NAMESPACE})")
         tc.kubectl("create", "namespace", NAMESPACE, check=False)
@@ -722,8 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"   total {time.monotonic() - t0:.1f} s (apply at +{t_apply - t0:.1f} s)")
         say("DEMO OK" if ok else "DEMO FAILED: some answers differ from the reference")
     except KeyboardInterrupt as exc:
-        say(f"\ndemo: {'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}")
-        interrupted = 143 if isinstance(exc, Terminated) else 130
+        interrupted = _stopped(exc)
     except Exception as exc:
         say(f"DEMO FAILED: {exc}")
         with contextlib.suppress(Exception):
@@ -782,6 +791,12 @@ def main(argv: list[str] | None = None) -> int:
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a plain ``kill``, a CI job's timeout) stops the demo as Ctrl-C does: the
     cluster is torn down and the state folder removed; the exit status is 143."""
+
+
+def _stopped(exc: KeyboardInterrupt) -> int:
+    """Say how the demo was stopped; return the shell's code for it: 128 + SIGTERM or SIGINT."""
+    say(f"\ndemo: {'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}")
+    return 143 if isinstance(exc, Terminated) else 130
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -68,8 +68,10 @@ def _terminate_demo(proc: subprocess.Popen[str], state: Path) -> None:
 
 
 def test_sigterm_while_the_cluster_starts_stops_what_started(tmp_path: Path) -> None:
-    """SIGTERM during step 1, once etcd runs and before the cluster is up: the demo exits 143
-    and no process of its cluster is left running (the start stops what it started)."""
+    """SIGTERM during step 1, once etcd runs and before the cluster is up: the demo says it was
+    terminated, exits 143, leaves no process of its cluster running (the start stops what it
+    started) and removes its state folder. Found by the newcomer check on a real node: the
+    control plane and then the folder (861 MB of half-imported images) were left behind."""
     state = tmp_path / "demo"
     proc = _start_demo(state)
     kept = tmp_path / "pids"
@@ -86,7 +88,8 @@ def test_sigterm_while_the_cluster_starts_stops_what_started(tmp_path: Path) -> 
         assert "Traceback" not in out, out[-3000:]
         left = [f.name for f in kept.glob("*.pid") if read_pidfile(f) is not None]
         assert not left, (left, out[-3000:])
-        assert not (state / "run").exists() or not Cluster(state).running()
+        assert "demo: terminated (SIGTERM)" in out and "cluster stopped, state removed" in out
+        assert not state.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
