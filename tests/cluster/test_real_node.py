@@ -123,6 +123,12 @@ def _pod(name: str, image: str, command: list[str], **spec: object) -> dict:
 SLEEP = ["python3", "-c", "import time; time.sleep(3600)"]
 
 
+def _namespace(cluster: TestCluster, ns: str) -> None:
+    """Create namespace ``ns`` and wait for its default ServiceAccount (pods need it)."""
+    cluster.kubectl("create", "namespace", ns)
+    cluster.wait_for(lambda: cluster.exists("serviceaccount", "default", ns), timeout=30)
+
+
 def _node(cluster: TestCluster) -> dict:
     cfg = cluster.cluster.config()
     assert cfg is not None
@@ -160,8 +166,7 @@ def test_pod_runs_as_its_user_behind_a_service(
     its Service's ClusterIP (routed to lo), and so does another pod from inside the pod
     network; `kubectl exec`, `kubectl logs` and `kubectl port-forward` work."""
     ns = "real-node"
-    real_cluster.kubectl("create", "namespace", ns)
-    real_cluster.wait_for(lambda: real_cluster.exists("serviceaccount", "default", ns), timeout=30)
+    _namespace(real_cluster, ns)
     pod = _pod("web", operator_image.reference, ["python3", "-u", "-c", SERVER])
     pod["spec"]["containers"][0].update(
         ports=[{"containerPort": 8080}],
@@ -260,8 +265,7 @@ def test_cluster_dns_answers_pods(
     ranks find their rendezvous store), and the pod's address back to that name; a name
     outside the cluster is refused, not sent off the machine."""
     ns = "dns"
-    real_cluster.kubectl("create", "namespace", ns)
-    real_cluster.wait_for(lambda: real_cluster.exists("serviceaccount", "default", ns), timeout=30)
+    _namespace(real_cluster, ns)
     headless = {
         "apiVersion": "v1",
         "kind": "Service",

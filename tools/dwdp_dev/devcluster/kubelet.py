@@ -320,7 +320,6 @@ class RunImage:
 
     def __init__(self, ref: str, stored: images.StoredImage, rootfs: Path, config: dict) -> None:
         self.ref = ref
-        self.digest = stored.digest
         self.image_id = stored.image_id
         self.rootfs = rootfs
         self.config = config

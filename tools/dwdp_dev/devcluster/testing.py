@@ -178,7 +178,7 @@ class TestCluster:
         the store it lacks (minutes for the worker image); process kubelets read the store
         directly and need nothing."""
         cfg = self.cluster.config()
-        if cfg is not None and cfg.node_kind == "real":
+        if self.real_node and cfg is not None:
             from dwdp_dev.devcluster import realnode
 
             realnode.RealNode(self.cluster).import_images(cfg)
