@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import add_group_arguments, group_transport, load, run_group, write_result
@@ -126,12 +127,29 @@ def serving_app(app) -> Iterator[str]:
         thread.join(60)
 
 
+def drive_blocking(base: str, work: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """``drive`` run to its end (the entry point of a client process)."""
+    return asyncio.run(drive(base, work, concurrency))
+
+
 def _drive_workload(base: str, n: int, vocab: int, seed: int, concurrency: int,
                     max_output: int) -> dict:
     """``drive`` over ``workload(n, vocab, seed)`` (in a client process: ``MAX_OUTPUT`` is
     set here, since a spawned process starts from the module's default)."""
     MAX_OUTPUT[0] = max_output
-    return asyncio.run(drive(base, workload(n, vocab, seed), concurrency))
+    return drive_blocking(base, workload(n, vocab, seed), concurrency)
+
+
+@contextlib.contextmanager
+def client_process() -> Iterator[Any]:
+    """One spawned process (without torch) for the streaming clients, so that their parsing
+    of the streams does not take the serving process's interpreter lock; yields its
+    ``ProcessPoolExecutor``."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+        yield clients
 
 
 def serve_and_drive(engine, per_slot: int, vocab: int,
@@ -140,11 +158,7 @@ def serve_and_drive(engine, per_slot: int, vocab: int,
     ``levels``. The clients run in another process (spawned, without torch), so their
     parsing of the streams does not take the serving process's interpreter lock: the
     figures are the server's, as a remote client would see them."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    spawn = multiprocessing.get_context("spawn")
-    with serving(engine) as base, ProcessPoolExecutor(1, mp_context=spawn) as clients:
+    with serving(engine) as base, client_process() as clients:
         def run(n: int, seed: int, c: int) -> dict:
             return clients.submit(_drive_workload, base, n, vocab, seed, c,
                                   MAX_OUTPUT[0]).result()

@@ -1,7 +1,8 @@
 """Prefix caching through HTTP: the engine with ``prefix_caching`` on against the same engine
 with it off, on one device, in one run.
 
-Two workloads, each served by both engines (uvicorn on 127.0.0.1, the OpenAI app):
+Two workloads, each served by both engines (uvicorn on 127.0.0.1, the OpenAI app; one engine
+per setting serves both, ``sequential`` first):
 
 - ``sequential``: six requests sharing a ``--prefix``-token prefix (1536) plus 16 unique tokens
   each, answered one after another (greedy, 4 output tokens), after two warm-up requests of
@@ -11,8 +12,12 @@ Two workloads, each served by both engines (uvicorn on 127.0.0.1, the OpenAI app
   caching.
 - ``shared`` (a shared system prompt): ``--shared-requests`` (64) requests of a 2048-token
   shared prefix plus 128 unique tokens, 64 output tokens, EOS ignored, at concurrency 16
-  (streaming clients of ``bench/gpu_serve.py``). Reported: time to first token p50/p99 and
-  output tokens/s with and without caching, and their TTFT ratio.
+  (streaming clients of ``bench/gpu_serve.py``, in a process of their own, so their parsing
+  of the streams does not take the server's interpreter lock). Reported: time to first token
+  p50/p99 and output tokens/s with and without caching, and their TTFT ratio.
+
+Each engine is configured as a server on that device runs by default: on a GPU its decode
+steps replay CUDA graphs (``cuda_graphs``, captured when it starts), on the CPU they run eagerly.
 
 The model: on a GPU the Qwen3-MoE slice of the other GPU benches (``--layers`` layers of 128
 experts, bf16, the worker's kernels); on the CPU a small float32 Qwen3-MoE (hidden 256, 16
@@ -26,7 +31,6 @@ Writes OUT/prefix_cache.json and OUT/prefix_cache.txt (OUT/prefix_cache-cpu.* on
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import statistics
 import sys
@@ -37,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import load, write_result
-from gpu_serve import drive, serving
+from gpu_serve import client_process, drive_blocking, serving
 
 UNIQUE, SEQUENTIAL_REQUESTS, SEQUENTIAL_OUTPUT = 16, 6, 4
 SHARED_PREFIX, SHARED_UNIQUE, SHARED_OUTPUT, SHARED_CONCURRENCY = 2048, 128, 64, 16
@@ -63,75 +67,95 @@ def model_and_tokenizer(args: argparse.Namespace, work: Path) -> tuple[Any, Any]
 
 
 def engine(model: Any, tok: Any, *, caching: bool) -> Any:
-    """A started continuous engine (blocks of 16, 4096 tokens a request, 64 requests)."""
+    """A started continuous engine (blocks of 16, 4096 tokens a request, 64 requests; CUDA
+    graphs on a GPU)."""
     from dwdp.worker.engine.base import EngineConfig
     from dwdp.worker.engine.continuous import ContinuousEngine
 
     config = EngineConfig(max_batch_size=64, max_num_tokens=8192, max_model_len=4096,
-                          kv_capacity_tokens=64 * 4096, prefix_caching=caching)
+                          kv_capacity_tokens=64 * 4096, prefix_caching=caching,
+                          cuda_graphs=model.device.type == "cuda")
     return ContinuousEngine(model, tok, model_name="bench", config=config).start()
 
 
-def sequential(model: Any, tok: Any, args: argparse.Namespace) -> dict:
-    """The ``sequential`` workload against both engines (module docstring)."""
-    import httpx
-
+def sequential_prompts(vocab: int, args: argparse.Namespace) -> tuple[list, list]:
+    """(warm-up prompts, measured prompts) of the ``sequential`` workload."""
     rng = random.Random(1)
-    vocab = model.config.vocab_size
     prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
     prompts = [prefix + [rng.randrange(vocab) for _ in range(UNIQUE)]
                for _ in range(SEQUENTIAL_REQUESTS)]
     other = [rng.randrange(vocab) for _ in range(args.prefix)]
-    warm_up = [other + [rng.randrange(vocab) for _ in range(UNIQUE)] for _ in range(2)]
-    out: dict[str, Any] = {}
-    for name, caching in (("off", False), ("on", True)):
-        eng = engine(model, tok, caching=caching)
-        rows = []
-        try:
-            with serving(eng) as base, httpx.Client(base_url=base, timeout=600) as client:
-                for warm in warm_up:  # first calls compile: a prompt of the same shapes,
-                    client.post("/v1/completions", json={  # then one served from its blocks
-                        "prompt": warm, "max_tokens": SEQUENTIAL_OUTPUT, "ignore_eos": True})
-                for prompt in prompts:
-                    start = time.perf_counter()
-                    r = client.post("/v1/completions", json={
-                        "prompt": prompt, "max_tokens": SEQUENTIAL_OUTPUT, "ignore_eos": True})
-                    r.raise_for_status()
-                    body = r.json()
-                    rows.append({
-                        "latency_s": time.perf_counter() - start,
-                        "cached_tokens": body["usage"]["prompt_tokens_details"]["cached_tokens"],
-                        "token_ids": body["choices"][0]["token_ids"],
-                    })
-        finally:
-            eng.stop()
-        out[name] = rows
-    on, off = out["on"], out["off"]
-    out["warm_over_first"] = (statistics.median(r["latency_s"] for r in on[1:])
-                              / on[0]["latency_s"])
-    out["answers_equal"] = [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
-    return out
+    return [other + [rng.randrange(vocab) for _ in range(UNIQUE)] for _ in range(2)], prompts
 
 
-def shared(model: Any, tok: Any, args: argparse.Namespace) -> dict:
-    """The ``shared`` workload against both engines (module docstring)."""
+def sequential(base: str, warm_up: list, prompts: list) -> list[dict]:
+    """The ``sequential`` workload against the server at ``base``: a row per measured
+    request (module docstring)."""
+    import httpx
+
+    rows = []
+    with httpx.Client(base_url=base, timeout=600) as client:
+        for warm in warm_up:  # first calls: a prompt of the same shapes, then one served
+            client.post("/v1/completions", json={  # from its blocks
+                "prompt": warm, "max_tokens": SEQUENTIAL_OUTPUT, "ignore_eos": True})
+        for prompt in prompts:
+            start = time.perf_counter()
+            r = client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": SEQUENTIAL_OUTPUT, "ignore_eos": True})
+            r.raise_for_status()
+            body = r.json()
+            rows.append({
+                "latency_s": time.perf_counter() - start,
+                "cached_tokens": body["usage"]["prompt_tokens_details"]["cached_tokens"],
+                "token_ids": body["choices"][0]["token_ids"],
+            })
+    return rows
+
+
+def shared_work(vocab: int, args: argparse.Namespace) -> tuple[list, list]:
+    """(warm-up, measured) (prompt, output tokens) pairs of the ``shared`` workload."""
     rng = random.Random(2)
-    vocab = model.config.vocab_size
     prefix = [rng.randrange(vocab) for _ in range(SHARED_PREFIX)]
     work = [(prefix + [rng.randrange(vocab) for _ in range(SHARED_UNIQUE)], SHARED_OUTPUT)
             for _ in range(args.shared_requests)]
-    warm = [([rng.randrange(vocab) for _ in range(64)], 4) for _ in range(2)]
-    out: dict[str, Any] = {}
+    return [([rng.randrange(vocab) for _ in range(64)], 4) for _ in range(2)], work
+
+
+def measure(model: Any, tok: Any, args: argparse.Namespace) -> dict:
+    """Both workloads (those ``--skip`` leaves) against the engine with caching off, then on:
+    one engine per setting serves both, the ``sequential`` one first."""
+    vocab = model.config.vocab_size
+    seq_warm, seq_prompts = sequential_prompts(vocab, args)
+    shared_warm, shared_load = shared_work(vocab, args)
+    seq: dict[str, Any] = {}
+    sh: dict[str, Any] = {}
     for name, caching in (("off", False), ("on", True)):
         eng = engine(model, tok, caching=caching)
         try:
             with serving(eng) as base:
-                asyncio.run(drive(base, warm, 2))
-                out[name] = asyncio.run(drive(base, work, SHARED_CONCURRENCY))
+                if "sequential" not in args.skip:
+                    seq[name] = sequential(base, seq_warm, seq_prompts)
+                if "shared" not in args.skip:
+                    with client_process() as clients:
+                        clients.submit(drive_blocking, base, shared_warm, 2).result()
+                        steps, replays = eng.stats.waves, eng.stats.graph_replays
+                        sh[name] = clients.submit(drive_blocking, base, shared_load,
+                                                  SHARED_CONCURRENCY).result()
+                    sh[name]["steps"] = eng.stats.waves - steps
+                    sh[name]["graph_replays"] = eng.stats.graph_replays - replays
         finally:
             eng.stop()
-    out["ttft_p50_off_over_on"] = out["off"]["ttft_p50_s"] / out["on"]["ttft_p50_s"]
-    return out
+    result: dict[str, Any] = {}
+    if seq:
+        on, off = seq["on"], seq["off"]
+        seq["warm_over_first"] = (statistics.median(r["latency_s"] for r in on[1:])
+                                  / on[0]["latency_s"])
+        seq["answers_equal"] = [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
+        result["sequential"] = seq
+    if sh:
+        sh["ttft_p50_off_over_on"] = sh["off"]["ttft_p50_s"] / sh["on"]["ttft_p50_s"]
+        result["shared"] = sh
+    return result
 
 
 def report(result: dict, args: argparse.Namespace) -> str:
@@ -151,11 +175,13 @@ def report(result: dict, args: argparse.Namespace) -> str:
         lines.append(f"shared system prompt: {args.shared_requests} requests of a "
                      f"{SHARED_PREFIX}-token prefix + {SHARED_UNIQUE} unique, {SHARED_OUTPUT} "
                      f"output tokens, concurrency {SHARED_CONCURRENCY}")
-        lines.append(f"{'caching':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'out tok/s':>10}")
+        lines.append(f"{'caching':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'out tok/s':>10} "
+                     f"{'steps':>6} {'graphs':>6}")
         for name in ("off", "on"):
             r = sh[name]
             lines.append(f"{name:>8} {r['ttft_p50_s'] * 1e3:>8.1f}ms "
-                         f"{r['ttft_p99_s'] * 1e3:>8.1f}ms {r['output_tokens_per_s']:>10.1f}")
+                         f"{r['ttft_p99_s'] * 1e3:>8.1f}ms {r['output_tokens_per_s']:>10.1f} "
+                         f"{r.get('steps', 0):>6} {r.get('graph_replays', 0):>6}")
         lines.append(f"TTFT p50 off / on = {sh['ttft_p50_off_over_on']:.2f}")
     return "\n".join(lines)
 
@@ -182,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             result["device_name"] = torch.cuda.get_device_name(0)
         else:
             result["threads"] = torch.get_num_threads()
-        if "sequential" not in args.skip:
-            result["sequential"] = sequential(model, tok, args)
-        if "shared" not in args.skip:
-            result["shared"] = shared(model, tok, args)
+        result.update(measure(model, tok, args))
     name = "prefix_cache" if args.device == "cuda" else "prefix_cache-cpu"
     write_result(args, name, report(result, args), result)
     return 0

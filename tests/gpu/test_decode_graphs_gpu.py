@@ -7,7 +7,9 @@ experts' grouped GEMMs take bf16 only):
 - a decode batch between buckets (3 of 1, 2, 4) is padded into the next bucket without
   touching the requests' cache; steps holding prefill chunks run eagerly, with the same tokens;
 - a forward that cannot be captured (a host read inside it) makes the capture raise
-  ``CudaGraphError`` with one line naming the reason, not a silent fallback."""
+  ``CudaGraphError`` with one line naming the reason, not a silent fallback;
+- a started engine has compiled every variant of the paged attention kernels: serving steps of
+  any shape (chunked prefill, cached prefixes, decode of several lengths) compile none."""
 
 from __future__ import annotations
 
@@ -162,3 +164,53 @@ def test_a_forward_that_cannot_be_captured_raises_cuda_graph_error(tmp_path):
     assert error.strip() and "\n" not in error, repr(error)
     assert "not built yet" not in error
     assert "captur" in error.lower(), error  # it names the capture as what failed
+
+
+SERVE_WITHOUT_COMPILES = textwrap.dedent(
+    """
+    import json, sys, triton
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.engine.protocol import SamplingParams
+    from dwdp.worker.gpu.cuda_path import use_cuda_kernels
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+
+    model, tok = load_checkpoint(sys.argv[1])
+    model.to("cuda:0")
+    use_cuda_kernels(model)
+    compiled = []
+
+    def note(**info):
+        compiled.append(info["fn"].name)
+
+    triton.knobs.runtime.jit_post_compile_hook = note
+    config = EngineConfig(max_batch_size=4, max_model_len=512, max_num_tokens=48,
+                          prefix_caching=True)
+    engine = ContinuousEngine(model, tok, model_name="tiny", config=config).start()
+    at_start = list(compiled)
+    prompts = [list(range(5, 8)), list(range(20, 130)), list(range(100, 420)), [7] * 33]
+    again = [list(range(20, 130)) + [3, 4], list(range(100, 420))[:200] + [9] * 40]
+    engine.run_batch(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.run_batch(again, SamplingParams(max_tokens=60, ignore_eos=True))
+    hits = engine.stats.prefix_cache_hits
+    engine.stop()
+    print("RESULT " + json.dumps({"start": at_start, "serving": compiled[len(at_start):],
+                                  "hits": hits}), flush=True)
+    """
+)
+
+
+def test_a_started_engine_compiles_no_attention_kernel_while_it_serves(tmp_path):
+    """In a child process, so that no earlier test has compiled a variant in this one."""
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    path = make_checkpoint("qwen3_moe", tmp_path / "q", **TINY)
+    child = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_COMPILES, str(path)],
+                           capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert child.returncode == 0 and lines, child.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert "_paged_attention_kernel" in result["start"], result  # the warm-up compiled them
+    assert result["hits"] > 0, result  # a step read a cached prefix through the kernel
+    attention = {"_paged_attention_kernel", "_combine_splits_kernel"}
+    assert not attention & set(result["serving"]), result

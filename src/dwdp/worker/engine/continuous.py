@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +74,24 @@ class ModelRunner:
         layout = self.cache.layout(chunks)
         return self._engine._timed(lambda: self.forward(layout))
 
+    def warm_up_kernels(self, max_model_len: int, max_num_tokens: int) -> int:
+        """On the paged kernel's path, one forward per kernel variant a step can need
+        (``dwdp.worker.gpu.paged_attention.warm_up_shapes``, chunks of at most
+        ``max_num_tokens``), each one request on the scratch block, so that no step compiles a
+        variant while requests wait; returns the forwards run (0 off the kernel's path)."""
+        from dwdp.worker.gpu.paged_attention import warm_up_shapes
+
+        cache = self.cache
+        if not cache.kernel:
+            return 0
+        shapes = [(q, s) for q, s in warm_up_shapes(max_model_len, self.device)
+                  if q <= max_num_tokens]
+        for q_len, seq_len in shapes:
+            blocks = [cache.scratch_block] * -(-seq_len // cache.block_size)
+            layout = cache.layout([Chunk([0] * q_len, seq_len - q_len, blocks, True)])
+            self._engine._timed(lambda layout=layout: self.forward(layout))
+        return len(shapes)
+
     def forward(self, layout: StepLayout | KernelLayout) -> Any:
         """The model over ``layout`` (the forward lock and inference mode are the caller's):
         logits [rows of ``layout.logits_index``, vocab]."""
@@ -114,6 +133,7 @@ class ContinuousEngine(EngineBase):
         self._unsettled: list[SchedSequence] = []
         """Requests whose last token is taken, its text not yet (``_settle``)."""
         self._step_lock = threading.Lock()
+        self._warmed = False
 
     def capture_cuda_graphs(self) -> GraphStats:
         """Capture the decode graphs (``dwdp.worker.engine.graphs``) after the KV pool exists
@@ -122,8 +142,7 @@ class ContinuousEngine(EngineBase):
         the capture fails."""
         import torch
 
-        if not self.runner.cache.layers:  # the pool's tensors first: they are not graph memory
-            self._warm_up()
+        self._warm_up()  # the pool's tensors first: they are not graph memory
         device = self.model.device
         before = 0
         if device.type == "cuda":  # the capture empties the allocator's cache: so do we first
@@ -160,7 +179,7 @@ class ContinuousEngine(EngineBase):
 
     # -- disaggregation -------------------------------------------------------------------------
     def attach_kv_transfer(self, make: Callable[[PagedKVCache], KvConnector]) -> KvConnector:
-        """Run one warm-up step (it allocates every layer's cache), then build the server's
+        """Warm up (``_warm_up``: it allocates every layer's cache), then build the server's
         KV connector over the cache with ``make``; call before ``start``. Returns it."""
         self._warm_up()
         self.kv = make(self.runner.cache)
@@ -175,18 +194,30 @@ class ContinuousEngine(EngineBase):
         publisher.publish([])
 
     def start(self) -> ContinuousEngine:
-        """``EngineBase.start``; with ``config.cuda_graphs`` the graphs are captured first
-        (``capture_cuda_graphs``, unless done already: its ``CudaGraphError`` is raised here,
-        before the engine serves)."""
+        """``EngineBase.start``; on the paged kernel's path the engine warms up first
+        (``_warm_up``), and with ``config.cuda_graphs`` the graphs are captured (``capture_cuda_
+        graphs``, unless done already: its ``CudaGraphError`` is raised here, before the engine
+        serves)."""
+        if self._thread is None and self.runner.cache.kernel:
+            self._warm_up()
         if self.config.cuda_graphs and self.runner.graphs is None and self._thread is None:
             self.capture_cuda_graphs()
         super().start()
         return self
 
     def _warm_up(self) -> None:
-        """One step of one token, not counted: it allocates every layer's cache tensors."""
+        """Once, not counted in ``stats``: one step of one token (it allocates every layer's
+        cache tensors), then ``ModelRunner.warm_up_kernels``."""
+        if self._warmed:
+            return
         self.run_batch([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
+        began = time.perf_counter()
+        forwards = self.runner.warm_up_kernels(self.max_model_len, self.config.max_num_tokens)
+        if forwards:
+            log.info("engine: paged attention warmed up (%d forwards, one per kernel variant) "
+                     "in %.1f s", forwards, time.perf_counter() - began)
         self.stats = type(self.stats)()
+        self._warmed = True
 
     def validate_kv_transfer(
         self, prompt_token_ids: Sequence[int], kv_transfer: KvTransferParams | None

@@ -62,13 +62,15 @@ class DecodeGraphs:
 
     Static device tensors, shared by every bucket (bucket ``b`` uses their first ``b`` rows):
     ``longs`` [3, B] int64 (token ids, positions, slots) and ``ints`` int32
-    ``[q_start B | q_len B | seq_len B | block table B x W]``, W = the blocks of one
-    ``max_model_len`` request; pinned host twins are filled per step and copied in. Build with
-    ``DecodeGraphs.capture``.
+    ``[q_start B | q_len B | seq_len B | block table B x W]`` (each part from its
+    ``index_offsets``), W = the blocks of one ``max_model_len`` request; pinned host twins are
+    filled per step and copied in. Build with ``DecodeGraphs.capture``.
     """
 
     def __init__(self, cache: PagedKVCache, *, max_batch_size: int, max_model_len: int) -> None:
         import torch
+
+        from dwdp.worker.gpu.paged_attention import index_offsets
 
         self.cache = cache
         self.buckets = bucket_sizes(max_batch_size)
@@ -76,11 +78,14 @@ class DecodeGraphs:
         self.width = -(-max_model_len // cache.block_size)
         self.scratch_slot = cache.scratch_block * cache.block_size
         self.longs = torch.zeros((3, size), dtype=torch.long, device=device)
-        self.ints = torch.zeros(3 * size + size * self.width, dtype=torch.int32, device=device)
-        self.ints[:size] = torch.arange(size, dtype=torch.int32, device=device)  # q_start
-        self.ints[size : 2 * size] = 1  # q_len
-        self.ints[2 * size : 3 * size] = 1  # seq_len of a padding row
-        self.table = self.ints[3 * size :].view(size, self.width)
+        self.offsets = index_offsets(size)
+        q_start, q_len, seq_len, table = self.offsets
+        self.ints = torch.zeros(table + size * self.width, dtype=torch.int32, device=device)
+        self.ints[q_start : q_start + size] = torch.arange(size, dtype=torch.int32,
+                                                           device=device)
+        self.ints[q_len : q_len + size] = 1
+        self.ints[seq_len : seq_len + size] = 1  # a padding row's
+        self.table = self.ints[table:].view(size, self.width)
         self.table[:, 0] = cache.scratch_block
         pin = self.longs.is_cuda  # pinned host memory: the copies in run asynchronously
         self.host_longs = torch.zeros((3, size), dtype=torch.long, pin_memory=pin)
@@ -101,10 +106,10 @@ class DecodeGraphs:
 
         from dwdp.worker.gpu.paged_attention import PagedRequests
 
-        size = self.buckets[-1]
+        q_start, q_len, seq_len, _ = self.offsets
         requests = PagedRequests(
-            self.ints[:batch], self.ints[size : size + batch],
-            self.ints[2 * size : 2 * size + batch], self.table[:batch], 1,
+            self.ints[q_start : q_start + batch], self.ints[q_len : q_len + batch],
+            self.ints[seq_len : seq_len + batch], self.table[:batch], 1,
             self.width * self.cache.block_size,
         )
         return KernelLayout(
@@ -187,9 +192,9 @@ class DecodeGraphs:
                     for row, c in enumerate(chunks))
         for row in range(n, batch):
             self._fill_table(row, None, 1)
-        size = self.buckets[-1]
+        seq_len = self.offsets[2]
         self.longs[:, :batch].copy_(self.host_longs[:, :batch], non_blocking=True)
-        self.ints[2 * size : 2 * size + batch].copy_(self.host_seq[:batch], non_blocking=True)
+        self.ints[seq_len : seq_len + batch].copy_(self.host_seq[:batch], non_blocking=True)
         self.table[:batch, :width].copy_(self.host_table[:batch, :width], non_blocking=True)
         self.graphs[batch].replay()
         self.replays += 1

@@ -26,8 +26,18 @@ device's SM count, ``_splits``). A decode step's launch is therefore the same at
 batch size when ``max_seq_len`` is held fixed: the CUDA graphs pass the model's maximum length
 (programs past a context's end find no keys and write an empty partial), so one capture serves
 every context length. Softmax in fp32 (online, flash-attention style); the output
-in ``out``'s dtype. On the CPU, Triton's interpreter runs it (tests); the engine's CPU path does
-not use it. Source: written for this project.
+in ``out``'s dtype.
+
+Compiled variants: Triton compiles a kernel per set of ``tl.constexpr`` values and per
+specialisation of its other arguments (an integer equal to 1 or divisible by 16, a pointer
+aligned to 16 bytes). The integers that change from step to step (``num_splits``,
+``split_keys``, the block table's row stride, ``window``) are not specialised, and every part of
+a packed index tensor starts on a 16-byte boundary (``index_offsets``), so the variants a server
+can need are few and known: ``warm_up_shapes`` lists one call per variant, which the engine runs
+before it serves (a compile takes about half a second: in a step it stalls every request).
+
+On the CPU, Triton's interpreter runs it (tests); the engine's CPU path does not use it.
+Source: written for this project.
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ MIN_SPLIT_KEYS = 64
 """Keys of one split at least (a split shorter than this costs more to combine than it saves)."""
 PARTIAL_BYTES = 1 << 26
 """Bound on the fp32 partial outputs of one split call (bytes): fewer splits beyond it."""
+INDEX_ALIGN = 4
+"""int32 elements in 16 bytes: each part of a packed index tensor starts at a multiple of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +80,7 @@ class PagedRequests:
     max_seq_len: int
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_splits", "split_keys", "stride_table"])
 def _paged_attention_kernel(
     q_ptr, k1_ptr, k2_ptr, v_ptr, out_ptr, part_o_ptr, part_ml_ptr,
     q_start_ptr, q_len_ptr, seq_len_ptr, table_ptr,
@@ -161,7 +173,7 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & (dv[None, :] < DV))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, q_start_ptr, num_splits, heads_q,
     stride_ot, stride_oh, DV: tl.constexpr, DVP: tl.constexpr, SP: tl.constexpr,
@@ -296,19 +308,50 @@ def paged_attention(
     return out
 
 
+def index_offsets(rows: int) -> tuple[int, int, int, int]:
+    """Where ``q_start``, ``q_len``, ``seq_len`` and the block table start (int32 elements) in
+    a packed index tensor of ``rows`` requests: each part on a 16-byte boundary."""
+    part = -(-rows // INDEX_ALIGN) * INDEX_ALIGN
+    return 0, part, 2 * part, 3 * part
+
+
 def requests_on(device: Any, q_start: list[int], q_len: list[int], seq_len: list[int],
                 tables: Sequence[Sequence[int]]) -> PagedRequests:
     """``PagedRequests`` from host lists, through one copy of one packed int32 tensor
-    (``[q_start | q_len | seq_len | tables]``, each part contiguous); tables are padded with 0
-    to the longest."""
+    (``[q_start | q_len | seq_len | tables]``, each part contiguous from its
+    ``index_offsets``); tables are padded with 0 to the longest."""
     num = len(q_len)
     width = max((len(t) for t in tables), default=1) or 1
-    table = torch.zeros((num, width), dtype=torch.int32)
+    starts = index_offsets(num)
+    host = torch.zeros(starts[3] + num * width, dtype=torch.int32)
+    for start, part in zip(starts, (q_start, q_len, seq_len), strict=False):
+        host[start : start + num] = torch.tensor(part, dtype=torch.int32)
+    table = host[starts[3] :].view(num, width)
     for row, blocks in enumerate(tables):
         table[row, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
-    host = torch.cat([torch.tensor([*q_start, *q_len, *seq_len], dtype=torch.int32),
-                      table.reshape(-1)])
     dev = host.to(device)
-    return PagedRequests(dev[:num], dev[num : 2 * num], dev[2 * num : 3 * num],
-                         dev[3 * num :].view(num, width), max(q_len, default=0),
+    return PagedRequests(*(dev[s : s + num] for s in starts[:3]),
+                         dev[starts[3] :].view(num, width), max(q_len, default=0),
                          max(seq_len, default=0))
+
+
+def warm_up_shapes(max_seq_len: int, device: Any) -> list[tuple[int, int]]:
+    """(q_len, seq_len) of one-request calls that, between them, compile every kernel variant a
+    step can need on ``device`` for contexts up to ``max_seq_len`` tokens: decode without
+    splits, decode at each power of two of splits up to the most a call can make (one KV head,
+    the most programs per head; the combine kernel's tile), and each query tile of a prefill
+    chunk that follows earlier chunks (``q_len`` at powers of two up to the tallest tile
+    ``_tiling`` can make, at a padded width of 16). A call of several requests tiles by its
+    longest ``q_len`` and splits no more than one request does, so these cover every step
+    (a few of them may compile a variant this model never uses)."""
+    shapes = [(1, 2)]
+    most = min(PROGRAMS_PER_SM * _sm_count(device), -(-max_seq_len // MIN_SPLIT_KEYS))
+    splits = 2
+    while splits <= triton.next_power_of_2(most):
+        shapes.append((1, min(max_seq_len, splits * MIN_SPLIT_KEYS)))
+        splits *= 2
+    q_len = 2
+    while q_len <= min(MAX_TILE_ELEMENTS // 16, max_seq_len - 1):
+        shapes.append((q_len, q_len + 1))
+        q_len *= 2
+    return shapes
