@@ -30,10 +30,12 @@ in ``out``'s dtype.
 
 Compiled variants: Triton compiles a kernel per set of ``tl.constexpr`` values and per
 specialisation of its other arguments (an integer equal to 1 or divisible by 16, a pointer
-aligned to 16 bytes). The integers that change from step to step (``num_splits``,
-``split_keys``, the block table's row stride, ``window``) are not specialised, and every part of
-a packed index tensor starts on a 16-byte boundary (``index_offsets``), so the variants a server
-can need are few and known: ``warm_up_shapes`` lists one call per variant, which the engine runs
+aligned to 16 bytes). The integers that can change from step to step (``num_splits``,
+``split_keys``, ``window``, the block table's row stride, and the query's and output's strides,
+which follow the step's token count) are not specialised; the caches' strides, fixed for a
+model, are (they let the loads of cache rows vectorise). Every part of a packed index tensor
+starts on a 16-byte boundary (``index_offsets``). So the variants a server can need are few and
+known: ``warm_up_shapes`` lists one call per variant, which the engine runs
 before it serves (a compile takes about half a second: in a step it stalls every request).
 
 On the CPU, Triton's interpreter runs it (tests); the engine's CPU path does not use it.
@@ -80,7 +82,8 @@ class PagedRequests:
     max_seq_len: int
 
 
-@triton.jit(do_not_specialize=["window", "num_splits", "split_keys", "stride_table"])
+@triton.jit(do_not_specialize=["window", "num_splits", "split_keys", "stride_qt", "stride_qh",
+                               "stride_ot", "stride_oh", "stride_table"])
 def _paged_attention_kernel(
     q_ptr, k1_ptr, k2_ptr, v_ptr, out_ptr, part_o_ptr, part_ml_ptr,
     q_start_ptr, q_len_ptr, seq_len_ptr, table_ptr,
@@ -173,7 +176,7 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & (dv[None, :] < DV))
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_ot", "stride_oh"])
 def _combine_splits_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, q_start_ptr, num_splits, heads_q,
     stride_ot, stride_oh, DV: tl.constexpr, DVP: tl.constexpr, SP: tl.constexpr,
