@@ -94,6 +94,7 @@ async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) 
         "wall_s": wall,
         "requests_per_s": len(results) / wall,
         "ttft_p50_s": statistics.median(ttfts),
+        "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "itl_p50_s": statistics.median(itls) if itls else None,
         "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,

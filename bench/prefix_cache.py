@@ -14,7 +14,9 @@ per setting serves both, ``sequential`` first):
   shared prefix plus 128 unique tokens, 64 output tokens, EOS ignored, at concurrency 16
   (streaming clients of ``bench/gpu_serve.py``, in a process of their own, so their parsing
   of the streams does not take the server's interpreter lock). Reported: time to first token
-  p50/p99 and output tokens/s with and without caching, and their TTFT ratio.
+  p50/p99 and output tokens/s with and without caching, and their TTFT ratio; and the mean TTFT
+  as the clients see it beside the server's own (its ``dwdp_time_to_first_token_seconds``
+  histogram: handler to first token), which tells the server's wait from the clients'.
 
 Each engine is configured as a server on that device runs by default: on a GPU its decode
 steps replay CUDA graphs (``cuda_graphs``, captured when it starts), on the CPU they run eagerly.
@@ -121,6 +123,24 @@ def shared_work(vocab: int, args: argparse.Namespace) -> tuple[list, list]:
     return [([rng.randrange(vocab) for _ in range(64)], 4) for _ in range(2)], work
 
 
+def server_ttft(base: str) -> tuple[float, float]:
+    """(sum, count) of the server's ``dwdp_time_to_first_token_seconds`` histogram (its
+    ``/metrics``): from a request's arrival at its handler to its first token there, so the
+    clients' parsing and the stream's way back are not in it."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", timeout=60).text
+    got = {"sum": 0.0, "count": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == "dwdp_time_to_first_token_seconds":
+            for sample in family.samples:
+                kind = sample.name.rsplit("_", 1)[-1]
+                if kind in got:
+                    got[kind] += sample.value
+    return got["sum"], got["count"]
+
+
 def measure(model: Any, tok: Any, args: argparse.Namespace) -> dict:
     """Both workloads (those ``--skip`` leaves) against the engine with caching off, then on:
     one engine per setting serves both, the ``sequential`` one first."""
@@ -139,10 +159,13 @@ def measure(model: Any, tok: Any, args: argparse.Namespace) -> dict:
                     with client_process() as clients:
                         clients.submit(drive_blocking, base, shared_warm, 2).result()
                         steps, replays = eng.stats.waves, eng.stats.graph_replays
+                        ttft = server_ttft(base)
                         sh[name] = clients.submit(drive_blocking, base, shared_load,
                                                   SHARED_CONCURRENCY).result()
                     sh[name]["steps"] = eng.stats.waves - steps
                     sh[name]["graph_replays"] = eng.stats.graph_replays - replays
+                    total, count = (a - b for a, b in zip(server_ttft(base), ttft, strict=True))
+                    sh[name]["server_ttft_mean_s"] = total / count if count else None
         finally:
             eng.stop()
     result: dict[str, Any] = {}
@@ -183,6 +206,12 @@ def report(result: dict, args: argparse.Namespace) -> str:
                          f"{r['ttft_p99_s'] * 1e3:>8.1f}ms {r['output_tokens_per_s']:>10.1f} "
                          f"{r.get('steps', 0):>6} {r.get('graph_replays', 0):>6}")
         lines.append(f"TTFT p50 off / on = {sh['ttft_p50_off_over_on']:.2f}")
+        for name in ("off", "on"):
+            r = sh[name]
+            server = r.get("server_ttft_mean_s")
+            lines.append(f"{name:>8} TTFT mean: clients {r['ttft_mean_s'] * 1e3:.1f} ms, server "
+                         f"(handler to first token) "
+                         f"{server * 1e3 if server is not None else float('nan'):.1f} ms")
     return "\n".join(lines)
 
 
