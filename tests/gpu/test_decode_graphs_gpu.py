@@ -188,8 +188,9 @@ SERVE_WITHOUT_COMPILES = textwrap.dedent(
                           prefix_caching=True)
     engine = ContinuousEngine(model, tok, model_name="tiny", config=config).start()
     at_start = list(compiled)
-    prompts = [list(range(5, 8)), list(range(20, 130)), list(range(100, 420)), [7] * 33]
-    again = [list(range(20, 130)) + [3, 4], list(range(100, 420))[:200] + [9] * 40]
+    # token ids below the tiny vocabulary's 384
+    prompts = [list(range(5, 8)), list(range(20, 130)), list(range(80, 380)), [7] * 33]
+    again = [list(range(20, 130)) + [3, 4], list(range(80, 380))[:200] + [9] * 40]
     engine.run_batch(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     engine.run_batch(again, SamplingParams(max_tokens=60, ignore_eos=True))
     hits = engine.stats.prefix_cache_hits
