@@ -335,6 +335,10 @@ def test_a_refused_decode_frees_the_context_ranks_blocks_within_a_second(deploye
 ROTATION_BOUND_S = 60.0
 """The local bound (docs/operations.md, "Rotating the key"): the process kubelet's volume
 resync (5 s), the servers' look at the file (1 s), the router's restart behind its gate."""
+REAL_NODE_ROTATION_BOUND_S = 150.0
+"""The bound on a real node (same section): a real kubelet's sync period plus its Secret
+cache's delay (about a minute by default, at most about two; a run on 2026-12-05 took
+59.5 s), the servers' second, the router's restart."""
 
 
 def test_a_rotated_key_takes_over_without_a_restart(deployed) -> None:
@@ -364,7 +368,7 @@ def test_a_rotated_key_takes_over_without_a_restart(deployed) -> None:
 
     tc.wait_for(
         new_key_served,
-        timeout=ROTATION_BOUND_S,
+        timeout=REAL_NODE_ROTATION_BOUND_S if tc.real_node else ROTATION_BOUND_S,
         interval=0.5,
         message="the router serving the rotated key",
     )

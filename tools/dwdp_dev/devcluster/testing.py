@@ -6,10 +6,11 @@
 - ``cluster`` (session): starts a private cluster in a temporary state folder, on its own
   free ports and its own pod network, so it never clashes with a running demo cluster; stops
   it (every process, pods included) and removes the folder at the end. Set
-  ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead.
-  ``DWDP_TEST_NODE=real`` (opt-in, a trial of issue 36) gives it a real node (containerd,
-  kubelet, kube-proxy; see realnode.py) instead of the process kubelet, and builds the test
-  rank program's image (``tools/images/rank-standin``) first so that the node imports it;
+  ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead. Its
+  node offers :data:`SESSION_GPUS` fake ``nvidia.com/gpu``. ``DWDP_TEST_NODE=real`` (opt-in,
+  a trial of issue 36) gives it a real node (containerd, kubelet, kube-proxy; see
+  realnode.py) instead of the process kubelet, and builds the test rank program's image
+  (``tools/images/rank-standin``) first so that the node imports it;
   tests that read the process kubelet's files (``TestCluster.pod_log``) or run
   ``tests/cluster/test_real_node.py`` (a real node of its own: one per host) do not work then.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
@@ -24,7 +25,8 @@
 
 The ``cluster`` object is a ``TestCluster``: ``kubeconfig``, ``env``, ``kubectl()``,
 ``helm()``, ``api_client()``, ``apply()``, ``get()``, ``exists()``, ``wait_for()``
-and ``pod_log()``.
+and ``pod_log()``. :func:`demo_namespace` readies a namespace of it for the demo's
+deployment (the end-to-end tests).
 """
 
 from __future__ import annotations
