@@ -179,7 +179,8 @@ class TestCluster:
     def container_processes(self, pod: dict) -> list[int]:
         """The host pids of the processes of the pod's (only) container: its main process
         (:meth:`container_pid`) and every descendant, on either node."""
-        return [self.container_pid(pod), *descendants(self.container_pid(pod))]
+        main = self.container_pid(pod)
+        return [main, *descendants(main)]
 
     def import_images(self) -> None:
         """Make images built after ``up`` runnable: a real node imports every current image of
