@@ -10,17 +10,18 @@ prefilled it and the generation server that decoded it. Then one rank process
 of group g0 is killed: the group must fail together, be replaced by incarnation 1 and serve
 the same answers again, while group g1 answers every request throughout.
 
-The test runs its own cluster (the node needs 9 ``nvidia.com/gpu``: one per rank and one for
-the generation server; the shared session cluster has 8), in a temporary state folder.
+The test runs on the session's cluster (``cluster``: the process kubelet, or a real node with
+``DWDP_TEST_NODE=real``), in its own namespace (``testing.demo_namespace``: the operator
+installed as the demo does, deleted with the deployment at the end); the deployment needs 9
+``nvidia.com/gpu`` (one per rank and one for the generation server), which the session node
+offers (``testing.SESSION_GPUS``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from dwdp_dev.devcluster.testing import demo_driver
+from dwdp_dev.devcluster.testing import TestCluster, demo_driver, demo_namespace
 
 pytestmark = pytest.mark.timeout(1800)
 demo = demo_driver()
@@ -38,41 +39,20 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 @pytest.fixture(scope="module")
-def deployed() -> Iterator[tuple[Any, Path, list[str]]]:
-    """A cluster with the operator and the demo deployment Ready; yields (cluster, model
-    directory, reference answers)."""
-    state = Path(tempfile.mkdtemp(prefix="dwdp-e2e-"))
-    try:
-        tc = demo.start_cluster(state)
-    except Exception as exc:
-        shutil.rmtree(state, ignore_errors=True)
-        pytest.fail(f"local cluster did not start: {exc}", pytrace=False)
-    try:
-        tc.kubectl("create", "namespace", NS)
-        demo.install_operator(tc, watch=NS)
-        models = state / "models"
-        model_dir = demo.make_model(models)
+def deployed(
+    cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TestCluster, Path, list[str]]]:
+    """The session cluster with the operator and the demo deployment Ready in namespace
+    ``NS``; yields (cluster, model directory, reference answers)."""
+    tc = cluster
+    models = tmp_path_factory.mktemp("e2e-models")
+    with demo_namespace(tc, NS, models) as model_dir:
         tc.apply(NS, demo.api_key_secret(), demo.manifest(models))
         took = demo.wait_ready(tc, NS, demo.NAME, groups=2, timeout=900)
         print(f"apply -> Ready: {took:.1f} s")
         want = demo.reference_answers(model_dir)
         assert want[0] == " Paris.", f"the demo model does not know its facts: {want}"
         yield tc, model_dir, want
-    finally:
-        print(tc.kubectl("get", "dwdp,pods", "-n", NS, "-o", "wide", check=False).stdout)
-        tc.kubectl(
-            "delete",
-            "dwdp",
-            demo.NAME,
-            "-n",
-            NS,
-            "--wait=true",
-            "--timeout=60s",
-            check=False,
-            timeout=90,
-        )
-        tc.cluster.down(timeout_s=20)
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def _by_group(endpoints: list[Any]) -> dict[str, list[Any]]:
@@ -150,7 +130,8 @@ def _selected(tc: Any, selector: dict[str, Any]) -> list[str]:
 def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) -> None:
     """The groups that committed and served above ran with the restrictive defaults: every
     worker pod asks for them, and the rank processes really have a read-only root, no
-    capability and no_new_privs (the process kubelet applies those three). The
+    capability and no_new_privs (the process kubelet and a real node's runtime apply those
+    three). The
     NetworkPolicies select the deployment's worker pods (serving ports) and each group's
     own pods (every port); the local cluster does not enforce them."""
     tc, _model, _want = deployed
@@ -194,13 +175,16 @@ def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) 
         "demo-serving",
     ]
     kv = policies["demo-kv-transfer"]  # generation pods reach context pods (NIXL)
-    context = sorted(n for n, p in workers.items() if p["metadata"]["labels"]["dwdp.io/role"]
-                     == "context")
+    context = sorted(
+        n for n, p in workers.items() if p["metadata"]["labels"]["dwdp.io/role"] == "context"
+    )
     assert _selected(tc, kv["podSelector"]) == context
     assert _selected(tc, kv["ingress"][0]["from"][0]["podSelector"]) == sorted(
-        set(workers) - set(context))
-    assert {p["metadata"]["labels"]["llm-d.ai/role"] for n, p in workers.items()
-            if n in context} == {"prefill"}
+        set(workers) - set(context)
+    )
+    assert {
+        p["metadata"]["labels"]["llm-d.ai/role"] for n, p in workers.items() if n in context
+    } == {"prefill"}
     serving = policies["demo-serving"]
     assert _selected(tc, serving["podSelector"]) == sorted(workers)
     assert serving["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000, "endPort": 8003}]}]
@@ -213,30 +197,36 @@ def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) 
         assert spec["ingress"] == [{"from": [{"podSelector": spec["podSelector"]}]}]
 
 
-def _rank_pids(tc: Any, group: str, local_rank: int) -> list[int]:
-    """PIDs of the ``dwdp worker`` processes of ``group``'s local rank ``local_rank`` in this
-    test's cluster (a demo cluster elsewhere on the machine has groups of the same names)."""
-    pods = str(tc.state_dir / "pods") + "/"
+def _rank_pids(tc: TestCluster, group: str, local_rank: int) -> list[int]:
+    """Host PIDs of the ``dwdp worker`` processes of ``group``'s local rank ``local_rank``:
+    among the processes of the group's pod's container (:meth:`TestCluster.container_processes`,
+    a process kubelet's host process or a real node's container, and their children), those
+    whose environment names that group and local rank."""
+    pods = json.loads(
+        tc.kubectl("get", "pods", "-n", NS, "-l", f"dwdp.io/group={group}", "-o", "json").stdout
+    )["items"]
     pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+    for pod in pods:
+        if pod["metadata"].get("deletionTimestamp"):
             continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"worker" not in cmd or b"dwdp" not in cmd:
+        for pid in tc.container_processes(pod):
+            proc = Path(f"/proc/{pid}")
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+                env = dict(
+                    e.split(b"=", 1)
+                    for e in (proc / "environ").read_bytes().split(b"\0")
+                    if b"=" in e
+                )
+            except OSError:
                 continue
-            if not os.readlink(proc / "cwd").startswith(pods):
-                continue
-            env = dict(
-                e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e
-            )
-        except OSError:
-            continue
-        if (
-            env.get(b"DWDP_GROUP") == group.encode()
-            and env.get(b"DWDP_LOCAL_RANK") == str(local_rank).encode()
-        ):
-            pids.append(int(proc.name))
+            if (
+                b"worker" in cmd  # python -m dwdp worker, started by the pod's launcher
+                and b"dwdp" in cmd
+                and env.get(b"DWDP_GROUP") == group.encode()
+                and env.get(b"DWDP_LOCAL_RANK") == str(local_rank).encode()
+            ):
+                pids.append(pid)
     return pids
 
 

@@ -3,7 +3,8 @@ the test rank program as the worker (issue 7's acceptance).
 
 One operator process serves the module (it watches every namespace and serves the
 validating webhook on 127.0.0.1); each test has its own namespace. Pods are local processes
-run by the process kubelet; the node has 8 GPUs, so tests stay within that.
+run by the process kubelet; the tests stay within 8 GPUs (the node has 16:
+``testing.SESSION_GPUS``).
 """
 
 from __future__ import annotations

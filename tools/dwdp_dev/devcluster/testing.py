@@ -6,10 +6,11 @@
 - ``cluster`` (session): starts a private cluster in a temporary state folder, on its own
   free ports and its own pod network, so it never clashes with a running demo cluster; stops
   it (every process, pods included) and removes the folder at the end. Set
-  ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead.
-  ``DWDP_TEST_NODE=real`` (opt-in, a trial of issue 36) gives it a real node (containerd,
-  kubelet, kube-proxy; see realnode.py) instead of the process kubelet, and builds the test
-  rank program's image (``tools/images/rank-standin``) first so that the node imports it;
+  ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead. Its
+  node offers :data:`SESSION_GPUS` fake ``nvidia.com/gpu``. ``DWDP_TEST_NODE=real`` (opt-in,
+  a trial of issue 36) gives it a real node (containerd, kubelet, kube-proxy; see
+  realnode.py) instead of the process kubelet, and builds the test rank program's image
+  (``tools/images/rank-standin``) first so that the node imports it;
   tests that read the process kubelet's files (``TestCluster.pod_log``) or run
   ``tests/cluster/test_real_node.py`` (a real node of its own: one per host) do not work then.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
@@ -24,11 +25,13 @@
 
 The ``cluster`` object is a ``TestCluster``: ``kubeconfig``, ``env``, ``kubectl()``,
 ``helm()``, ``api_client()``, ``apply()``, ``get()``, ``exists()``, ``wait_for()``
-and ``pod_log()``.
+and ``pod_log()``. :func:`demo_namespace` readies a namespace of it for the demo's
+deployment (the end-to-end tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -173,6 +176,12 @@ class TestCluster:
 
         return realnode.RealNode(self.cluster).task_pid(ident)
 
+    def container_processes(self, pod: dict) -> list[int]:
+        """The host pids of the processes of the pod's (only) container: its main process
+        (:meth:`container_pid`) and every descendant, on either node."""
+        main = self.container_pid(pod)
+        return [main, *descendants(main)]
+
     def import_images(self) -> None:
         """Make images built after ``up`` runnable: a real node imports every current image of
         the store it lacks (minutes for the worker image); process kubelets read the store
@@ -220,6 +229,32 @@ class TestCluster:
             return ""
 
 
+def descendants(pid: int) -> list[int]:
+    """The pids of every living descendant of process ``pid`` (children first)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(proc.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = sorted(children.get(todo.pop(0), ()))
+        out += kids
+        todo += kids
+    return out
+
+
+SESSION_GPUS = 16
+"""``nvidia.com/gpu`` of the session cluster's node: the demo deployment of
+tests/cluster/test_e2e_demo.py asks 9 (2 groups of 4 ranks and a generation server) while
+pods of earlier tests may still be terminating; the cpu backend uses none."""
+
+
 def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool]:
     """Start (or reuse) a cluster for tests; return it and whether the caller owns it
     (and must stop it). Raises build.BuildError/ClusterError if it cannot start."""
@@ -227,7 +262,9 @@ def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool
     binary = build.build()
     tools_bin = tools.ensure_tools()
     node_kind = os.environ.get("DWDP_TEST_NODE", "process")
-    overrides = {"node_kind": node_kind} if node_kind != "process" else {}
+    overrides: dict[str, Any] = {"node": {"gpus": SESSION_GPUS}}
+    if node_kind != "process":
+        overrides["node_kind"] = node_kind
     if node_kind == "real":  # imported by `up`: the operator tests' worker pods run it
         images.build_image("rank-standin", progress=print)
     if keep:
@@ -295,6 +332,65 @@ def demo_driver() -> ModuleType:
     sys.modules[DEMO_MODULE] = module
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def demo_namespace(tc: TestCluster, ns: str, models: Path) -> Iterator[Path]:
+    """Namespace ``ns`` of the session cluster made ready for the demo's DwdpDeployment, as
+    the demo does it: on a real node the operator and worker images built and imported (the
+    worker's under the example's name, ``dwdp-worker:dev``; process kubelets run the worker
+    from ``.venv``), the operator installed by its Helm chart (:func:`demo_driver`'s
+    ``install_operator``, in namespace ``<ns>-operator``, watching ``ns``) and the demo model
+    put in ``models`` (the deployment's ``hostPath``, made readable by the ranks' user).
+    Yields the model's directory. On exit every DwdpDeployment of ``ns`` is deleted (the
+    operator removes its children), the operator uninstalled (its release's cluster-wide RBAC
+    is named by the release, which later Helm tests install again) and both namespaces
+    deleted."""
+    demo = demo_driver()
+    operator_ns = f"{ns}-operator"
+    tc.kubectl("create", "namespace", ns)
+    try:
+        if tc.real_node:
+            for name in ("operator", "worker"):
+                _stored_image(name)
+            tc.import_images()
+        demo.install_operator(tc, operator_ns, watch=ns)
+        models.chmod(0o755)  # a temporary folder is its owner's only; the ranks run as uid 1000
+        yield demo.make_model(models)
+    finally:
+        print(tc.kubectl("get", "dwdp,pods", "-n", ns, "-o", "wide", check=False).stdout)
+        tc.kubectl(
+            "delete",
+            "dwdp",
+            "--all",
+            "-n",
+            ns,
+            "--wait=true",
+            "--timeout=120s",
+            check=False,
+            timeout=150,
+        )
+        tc.helm(
+            "uninstall",
+            demo.RELEASE,
+            "-n",
+            operator_ns,
+            "--wait",
+            "--timeout",
+            "60s",
+            check=False,
+            timeout=90,
+        )
+        tc.kubectl(
+            "delete",
+            "namespace",
+            ns,
+            operator_ns,
+            "--wait=true",
+            "--timeout=120s",
+            check=False,
+            timeout=150,
+        )
 
 
 @pytest.fixture(scope="session")
