@@ -14,6 +14,7 @@ known to be consistent, so the rank exits rather than serve from it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -89,7 +90,7 @@ class ModelRunner:
         for q_len, seq_len in shapes:
             blocks = [cache.scratch_block] * -(-seq_len // cache.block_size)
             layout = cache.layout([Chunk([0] * q_len, seq_len - q_len, blocks, True)])
-            self._engine._timed(lambda layout=layout: self.forward(layout))
+            self._engine._timed(functools.partial(self.forward, layout))
         return len(shapes)
 
     def forward(self, layout: StepLayout | KernelLayout) -> Any:

@@ -333,9 +333,10 @@ def requests_on(device: Any, q_start: list[int], q_len: list[int], seq_len: list
     for row, blocks in enumerate(tables):
         table[row, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
     dev = host.to(device)
-    return PagedRequests(*(dev[s : s + num] for s in starts[:3]),
-                         dev[starts[3] :].view(num, width), max(q_len, default=0),
-                         max(seq_len, default=0))
+    q_start_at, q_len_at, seq_len_at, table_at = starts
+    return PagedRequests(dev[q_start_at : q_start_at + num], dev[q_len_at : q_len_at + num],
+                         dev[seq_len_at : seq_len_at + num], dev[table_at:].view(num, width),
+                         max(q_len, default=0), max(seq_len, default=0))
 
 
 def warm_up_shapes(max_seq_len: int, device: Any) -> list[tuple[int, int]]:
