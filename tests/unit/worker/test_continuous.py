@@ -134,6 +134,29 @@ def test_aborted_and_stopped_requests_give_their_blocks_back(loaded):
     assert engine.stats.requests_aborted == 2
 
 
+def test_a_step_without_a_graph_streams_the_last_steps_tokens_before_its_forward(loaded):
+    """Eager steps (every step on the CPU; on CUDA those with a prompt chunk) deliver the tokens
+    the previous step took before launching their own forward, whose launch takes the host
+    milliseconds: here a request decodes while another's prompt comes in chunks."""
+    engine = _engine(loaded, max_model_len=128, max_num_tokens=6)
+    late: list[tuple[str, int, int]] = []
+    execute = engine.runner.execute
+
+    def checked(chunks):
+        for seq in engine.scheduler.running:
+            state = seq.state
+            if state.settled < len(state.tokens):
+                late.append((state.request_id, state.settled, len(state.tokens)))
+        return execute(chunks)
+
+    engine.runner.execute = checked
+    out = engine.run_batch([[5, 6, 7], list(range(20, 50))],
+                           SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(r.token_ids) for r in out] == [8, 8]
+    assert engine.stats.waves > 8  # the prompt of 30 came in chunks beside the decode
+    assert not late, f"(request, tokens streamed, tokens taken) at a forward's launch: {late}"
+
+
 def test_a_request_longer_than_the_pool_is_refused_naming_the_limit(loaded):
     engine = _engine(loaded, max_model_len=64, kv_capacity_tokens=32, block_size=8)
     with pytest.raises(RequestError, match=r"prompt \+ max_tokens: 40 tokens.*pool's 32 tokens"):
