@@ -85,3 +85,48 @@ CHILD = textwrap.dedent(
 
 def test_paged_attention_equals_sdpa_over_the_packed_context():
     run_interpreted(CHILD)
+
+
+def _variant(pa, q_lens, seq_lens, group, kv_heads, dim):
+    """What Triton compiles a call of these rows as: (query tile, splits' combine tile or 0)."""
+    req = pa.requests_on("cpu", [0] * len(q_lens), q_lens, seq_lens,
+                         [[0] * -(-s // 16) for s in seq_lens])
+    width = pa._pow2(dim)
+    heads, block_q, _ = pa._tiling(group, req.max_q_len, width)
+    tiles = -(-req.max_q_len // block_q)
+    programs = len(q_lens) * tiles * kv_heads * (group // heads)
+    splits, _ = pa._splits(req, programs, group * kv_heads, width, "cpu")
+    return block_q, (max(2, pa.triton.next_power_of_2(splits)) if splits > 1 else 0)
+
+
+@pytest.mark.parametrize(("group", "kv_heads", "dim"), [(8, 4, 128), (1, 1, 64), (16, 1, 576)])
+def test_the_warm_up_shapes_compile_every_variant_a_step_can_need(group, kv_heads, dim):
+    """Random steps (several rows, prompt chunks beside decode rows, contexts up to the model's
+    length) never need a kernel variant the warm-up's one-row calls did not compile."""
+    import random
+
+    from dwdp.worker.gpu import paged_attention as pa
+
+    max_len, budget = 4096, 512
+    warmed = {_variant(pa, [q], [s], group, kv_heads, dim)
+              for q, s in pa.warm_up_shapes(max_len, "cpu") if q <= budget}
+    rng = random.Random(0)
+    for _ in range(400):
+        rows = rng.randint(1, 64)
+        q_lens = [1 if rng.random() < 0.7 else rng.randint(2, budget // rows + 1)
+                  for _ in range(rows)]
+        seq_lens = [rng.randint(q + 1, max_len) for q in q_lens]
+        got = _variant(pa, q_lens, seq_lens, group, kv_heads, dim)
+        assert got in warmed, (got, sorted(warmed), q_lens[:4], seq_lens[:4])
+
+
+def test_every_part_of_the_packed_index_tensor_starts_on_16_bytes():
+    """Triton specialises a pointer on 16-byte alignment: an unaligned part would compile a
+    variant of its own while serving."""
+    from dwdp.worker.gpu.paged_attention import requests_on
+
+    for rows in range(1, 9):
+        req = requests_on("cpu", list(range(rows)), [1] * rows, [5] * rows, [[3]] * rows)
+        for part in (req.q_start, req.q_len, req.seq_len, req.block_table):
+            assert part.data_ptr() % 16 == 0, (rows, part)
+        assert req.q_len.tolist() == [1] * rows and req.seq_len.tolist() == [5] * rows

@@ -199,10 +199,11 @@ class ContinuousEngine(EngineBase):
         (``_warm_up``), and with ``config.cuda_graphs`` the graphs are captured (``capture_cuda_
         graphs``, unless done already: its ``CudaGraphError`` is raised here, before the engine
         serves)."""
-        if self._thread is None and self.runner.cache.kernel:
-            self._warm_up()
-        if self.config.cuda_graphs and self.runner.graphs is None and self._thread is None:
-            self.capture_cuda_graphs()
+        if self._thread is None:
+            if self.runner.cache.kernel:
+                self._warm_up()
+            if self.config.cuda_graphs and self.runner.graphs is None:
+                self.capture_cuda_graphs()
         super().start()
         return self
 
