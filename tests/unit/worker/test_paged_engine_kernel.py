@@ -95,13 +95,31 @@ REPLAY_CHILD = textwrap.dedent(
         # a budget of 4 tokens: three requests decode while the fourth's prompt comes one
         # token at a time (start > 0, not sampling): those steps are not decode steps
         "budget": ((3, 2, 2, 18), (30, 30, 30, 4), 4, 10),
+        # four requests, each ended by a stop string: the graph steps find a stop while the
+        # next step runs, and a request whose stop is found in the step whose token fills a
+        # block (prefix caching would register it) has freed its blocks by then
+        "stop": ((3, 4, 5, 6), (20, 20, 20, 20), 512, 4),
     }[sys.argv[1]]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
     config = EngineConfig(max_model_len=64, max_batch_size=4, block_size=4,
                           max_num_tokens=max_num_tokens)
     eager = ContinuousEngine(model, tok, model_name="tiny", config=config)
-    want = [r.token_ids for r in eager.run_batch(prompts, params)]
+    if sys.argv[1] == "stop":
+        # a stop at the text of the first k new tokens is found when the token after them is
+        # settled, while the step that brings the request to P + k computed tokens runs (P:
+        # the prompt's length); choose k so that this step fills a block, where the text of
+        # k tokens is whole
+        # (not held back on a partial character) and longer than that of k - 1
+        def stop_at(prompt, free):
+            texts = [tok.decode(free[:k]) for k in range(len(free) + 1)]
+            ends = [k for k in range(2, len(free) - 1) if (len(prompt) + k) % 4 == 0
+                    and not texts[k].endswith("\ufffd") and len(texts[k]) > len(texts[k - 1])]
+            return SamplingParams(max_tokens=20, ignore_eos=True, stop=(texts[ends[0]],))
+
+        free = [r.token_ids for r in eager.run_batch(prompts, params)]
+        params = [stop_at(p, f) for p, f in zip(prompts, free)]
+    want = [(r.token_ids, r.finish_reason) for r in eager.run_batch(prompts, params)]
 
     engine = ContinuousEngine(model, tok, model_name="tiny", config=config)
     graphs = DecodeGraphs(engine.runner.cache, max_batch_size=4, max_model_len=64)
@@ -120,8 +138,10 @@ REPLAY_CHILD = textwrap.dedent(
         graphs.graphs[b] = Eager(b)
         graphs.logits[b] = torch.empty(b, vocab)
     engine.runner.graphs = graphs
-    got = [r.token_ids for r in engine.run_batch(prompts, params)]
+    got = [(r.token_ids, r.finish_reason) for r in engine.run_batch(prompts, params)]
     assert got == want, (got, want)
+    if sys.argv[1] == "stop":
+        assert {reason for _, reason in got} == {"stop"}, got
     assert engine.stats.graph_replays >= replays, engine.stats.graph_replays
     assert engine.allocator.num_in_use == 0
     print("ok")
@@ -129,11 +149,13 @@ REPLAY_CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("case", ["decode", "budget"])
+@pytest.mark.parametrize("case", ["decode", "budget", "stop"])
 def test_decode_steps_through_the_static_graph_inputs_give_the_eager_tokens(case):
     """Requests of different lengths decode through the graphs' static inputs (buckets 1, 2,
     4) and get the tokens of the eager kernel path: as requests end (``decode``), and beside a
     prompt fed one token per step by a 4-token budget (``budget``: those steps run eagerly,
-    a replay would return a row the step has no sampler for). The capture itself needs CUDA
+    a replay would return a row the step has no sampler for), and as stop strings end them
+    (``stop``: found while the next step runs, its token dropped and its blocks, freed, not
+    cached by that step). The capture itself needs CUDA
     (tests/gpu); here each bucket's "graph" runs the forward over the bucket's static layout."""
     run_interpreted(REPLAY_CHILD, case)

@@ -400,6 +400,8 @@ class ContinuousEngine(EngineBase):
         sampled = [p.seq for p in plan if p.chunk.sample]
         for p in plan:
             seq, n = p.seq, len(p.chunk.token_ids)
+            if seq.state.finished:
+                continue  # the settle above ended it (a stop string) and freed its blocks
             self.stats.prompt_tokens += max(
                 0, min(seq.computed + n, len(seq.state.prompt)) - seq.computed
             )
