@@ -1,9 +1,10 @@
-"""The opt-in real node (issue 36): a cluster started with ``node_kind="real"`` runs pods from
-the project's images with containerd + runc under the real kubelet, serves Services through
-kube-proxy with the Service CIDR routed to ``lo``, and ``down`` undoes every host change.
+"""The real node (issue 36): a cluster started with ``node_kind="real"`` runs pods from the
+project's images with containerd + runc under the real kubelet, in a network namespace of its
+own, serves Services through kube-proxy with the Service CIDR routed to the node (a local
+device), and ``down`` undoes every host change.
 
-The module has a cluster of its own (one real node per host), beside the session's
-process-kubelet cluster; its last test stops it and checks what is left on the host.
+The module has a cluster of its own beside the session's (real nodes of several clusters run
+side by side); its last test stops it and checks what is left on the host.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from dwdp_dev.devcluster import build, clusterdns, images, realnode, tools
-from dwdp_dev.devcluster.cluster import SERVICE_CIDR, Cluster
+from dwdp_dev.devcluster.cluster import Cluster
 from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
 
 # The pod's program: an HTTP server on port 8080 that answers its name and uid, and logs
@@ -45,12 +46,15 @@ SERVER = textwrap.dedent(
 
 
 def _host_state() -> dict[str, str]:
-    """What the real node changes on the host: routes, links, iptables rules, sysctls."""
+    """What a real node changes on the host: routes, links, network namespaces, iptables
+    rules, sysctls, cgroups."""
     out = {
         "routes": subprocess.run(["ip", "route"], capture_output=True, text=True).stdout,
-        "bridge": subprocess.run(
-            ["ip", "link", "show", realnode.BRIDGE], capture_output=True, text=True
-        ).stdout,
+        "links": subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout,
+        "netns": subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout,
+        "cgroups": " ".join(
+            sorted(str(p) for h in realnode.cgroup_hierarchies() for p in h.glob("dwdp-node-*"))
+        ),
         "iptables": "".join(
             subprocess.run([ipt, "-S"], capture_output=True, text=True).stdout
             for ipt in ("iptables", "ip6tables")
@@ -136,15 +140,22 @@ def _node(cluster: TestCluster) -> dict:
 
 
 def test_node_is_real_and_ready(real_cluster: TestCluster) -> None:
-    """One Ready node run by containerd, with the fake GPUs patched in; the Service CIDR is
-    routed to lo; `dwdp dev status` reports the node's components."""
+    """One Ready node run by containerd, with the fake GPUs patched in; its Service range is
+    routed to a local device, the veth into the node's namespace (no packet for a ClusterIP
+    takes the default route off the machine); `dwdp dev status` reports the node's
+    components."""
     node = _node(real_cluster)
     assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
     assert node["status"]["nodeInfo"]["kubeletVersion"] == build.kubernetes_version()
     assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
-    first = SERVICE_CIDR.split("/")[0].rsplit(".", 1)[0] + ".1"
+    net = realnode.RealNode(real_cluster.cluster).net
+    first = real_cluster.get("service", "kubernetes", "default")["spec"]["clusterIP"]
+    assert first == net.kubernetes_service_ip
     route = subprocess.run(["ip", "route", "get", first], capture_output=True, text=True).stdout
-    assert " dev lo " in route, route
+    assert f" dev {net.host_veth} " in route, route
+    local = subprocess.run(["ip", "-o", "link", "show", net.host_veth], capture_output=True,
+                           text=True).stdout
+    assert "link/ether" in local and "link-netns" in local, local  # its peer: the node's
     proc = subprocess.run(
         [sys.executable, "-m", "dwdp", "dev", "status", "--state-dir", str(real_cluster.state_dir)],
         capture_output=True,
@@ -163,7 +174,7 @@ def test_pod_runs_as_its_user_behind_a_service(
 ) -> None:
     """A pod of the operator image with runAsUser 1000 runs as uid 1000 (seccomp, no
     capabilities, read-only root, memory limit applied by runc); the host reaches it through
-    its Service's ClusterIP (routed to lo), and so does another pod from inside the pod
+    its Service's ClusterIP (routed to the node), and so does another pod from inside the pod
     network; `kubectl exec`, `kubectl logs` and `kubectl port-forward` work."""
     ns = "real-node"
     _namespace(real_cluster, ns)
@@ -188,7 +199,7 @@ def test_pod_runs_as_its_user_behind_a_service(
 
     ip = real_cluster.get("service", "web", ns)["spec"]["clusterIP"]
     route = subprocess.run(["ip", "route", "get", ip], capture_output=True, text=True).stdout
-    assert " dev lo " in route, route
+    assert f" dev {realnode.RealNode(real_cluster.cluster).net.host_veth} " in route, route
 
     def answer() -> str:
         with urllib.request.urlopen(f"http://{ip}/", timeout=3) as resp:
@@ -345,18 +356,20 @@ def test_cluster_dns_answers_pods(
 
 def test_down_undoes_the_host_changes(real_cluster: TestCluster) -> None:
     """`down` stops every process (pods, kubelet, kube-proxy, containerd and its shims) and
-    leaves routes, links, iptables rules and sysctls as they were before `up`; no mount
-    under the state folder is left."""
+    leaves routes, links, network namespaces, iptables rules, sysctls and cgroups as they were
+    before `up` (another cluster's real node, the session's, runs on); no mount under the
+    state folder is left."""
     c = real_cluster.cluster
+    run_dir = realnode.RealNode(c).run_dir
     c.down(timeout_s=10)
     assert c.running() == {}
     after = _host_state()
     before = real_cluster.host_before  # type: ignore[attr-defined]
     assert after == before
     mounts = Path("/proc/mounts").read_text()
-    assert str(c.state_dir) not in mounts and str(realnode.RUN_DIR) not in mounts
-    assert not realnode.RUN_DIR.exists()
+    assert str(c.state_dir) not in mounts and str(run_dir) not in mounts
+    assert not run_dir.exists()
     shims = subprocess.run(
-        ["pgrep", "-f", f"containerd-shim.*{realnode.RUN_DIR}"], capture_output=True, text=True
+        ["pgrep", "-f", f"containerd-shim.*{run_dir}"], capture_output=True, text=True
     ).stdout
     assert shims == ""

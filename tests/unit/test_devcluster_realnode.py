@@ -27,7 +27,7 @@ def _real_cfg() -> ClusterConfig:
         dns_ready_port=20006,
         pod_net="100.77",
         node_kind="real",
-        node_ip="192.0.2.9",
+        node_ip=realnode.NodeNetwork("100.77").node_ip,
         node_dev="eth9",
     )
 
@@ -36,6 +36,7 @@ def test_configs_carry_the_settings_this_host_needs(tmp_path: Path) -> None:
     c = Cluster(tmp_path)
     pki.ensure_pki(c.pki)
     cfg = _real_cfg()
+    cfg.save(c.config_path)
     realnode.RealNode(c)._write_configs(cfg)
 
     kubelet = yaml.safe_load((tmp_path / "kubelet.yaml").read_text())
@@ -45,17 +46,22 @@ def test_configs_carry_the_settings_this_host_needs(tmp_path: Path) -> None:
     assert kubelet["oomScoreAdj"] == 0
     assert kubelet["imageGCHighThresholdPercent"] == 100
     assert kubelet["authentication"]["anonymous"]["enabled"] is False
-    assert kubelet["containerRuntimeEndpoint"] == f"unix://{realnode.RUN_DIR}/containerd.sock"
-    # pods resolve through the cluster DNS on the node IP
-    assert kubelet["clusterDNS"] == ["192.0.2.9"]
+    assert kubelet["containerRuntimeEndpoint"] == f"unix://{realnode.RUN_ROOT}/77/containerd.sock"
+    assert kubelet["cgroupRoot"] == "/dwdp-node-77"  # one root per real node of the host
+    # pods resolve through the cluster DNS on the node IP (the node's end of its veth)
+    assert kubelet["clusterDNS"] == ["100.77.255.254"]
     assert kubelet["clusterDomain"] == clusterdns.DOMAIN
 
     corefile = (tmp_path / "Corefile").read_text()
     assert corefile.startswith("cluster.local:53 in-addr.arpa:53 ip6.arpa:53 {")
-    assert "bind 192.0.2.9\n" in corefile and "ready 127.0.0.1:20006\n" in corefile
+    assert "bind 100.77.255.254\n" in corefile and "ready 100.77.255.254:20006\n" in corefile
     assert f"kubeconfig {tmp_path / 'coredns.kubeconfig'} dwdp-dev" in corefile
     dns_user = yaml.safe_load((tmp_path / "coredns.kubeconfig").read_text())["users"][0]
     assert dns_user["name"] == "coredns"
+    # the node's programs, in its namespace, reach the apiserver at the host's end of the veth
+    for user in ("node", "proxy", "coredns"):
+        doc = yaml.safe_load((tmp_path / f"{user}.kubeconfig").read_text())
+        assert doc["clusters"][0]["cluster"]["server"] == "https://100.77.255.253:20001"
 
     containerd = (tmp_path / "containerd.toml").read_text()
     assert "restrict_oom_score_adj = true" in containerd
@@ -70,36 +76,50 @@ def test_configs_carry_the_settings_this_host_needs(tmp_path: Path) -> None:
     cni = json.loads((tmp_path / "cni" / "net.d" / "10-dwdp.conflist").read_text())
     bridge = cni["plugins"][0]
     assert bridge["bridge"] == realnode.BRIDGE and bridge["ipMasq"] is False
-    assert bridge["ipam"]["ranges"] == [[{"subnet": "100.77.0.0/16"}]]
+    assert bridge["ipam"]["ranges"] == [[{"subnet": "100.77.0.0/17"}]]
 
     # the kubelet's serving certificate names the node IP
     from cryptography import x509
 
     cert = x509.load_pem_x509_certificate((c.pki / "node-serving.crt").read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert "192.0.2.9" in {str(i) for i in san.get_values_for_type(x509.IPAddress)}
+    assert "100.77.255.254" in {str(i) for i in san.get_values_for_type(x509.IPAddress)}
 
 
 def test_apiserver_flags_of_a_real_node(tmp_path: Path) -> None:
+    """Pods reach the apiserver through the ``kubernetes`` Service of the node's own Service
+    range, whose endpoint is the host's end of the node's veth; its certificate names both."""
     c = Cluster(tmp_path)
     cmd = c._component_cmd("apiserver", _real_cfg(), Path("/bin/devcluster"))
     assert "--bind-address=0.0.0.0" in cmd
-    assert "--advertise-address=192.0.2.9" in cmd
+    assert "--advertise-address=100.77.255.253" in cmd
+    assert "--service-cluster-ip-range=100.77.128.0/24" in cmd
     assert "--endpoint-reconciler-type=lease" in cmd
+    pki.ensure_pki(c.pki, apiserver_ips=c._apiserver_ips(_real_cfg()))
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((c.pki / "apiserver.crt").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    ips = {str(i) for i in san.get_values_for_type(x509.IPAddress)}
+    assert {"127.0.0.1", "100.77.128.1", "100.77.255.253"} <= ips
     process = c._component_cmd("apiserver", ClusterConfig(), Path("/bin/devcluster"))
     assert "--bind-address=127.0.0.1" in process
     assert "--advertise-address=127.0.0.1" in process
     assert "--endpoint-reconciler-type=none" in process
 
 
-def test_guards_drop_forwarding_and_the_ports_on_the_default_device(tmp_path: Path) -> None:
-    rules = realnode.RealNode(Cluster(tmp_path))._guard_rules(_real_cfg())
+def test_guards_drop_forwarding_and_the_apiserver_on_the_default_device(tmp_path: Path) -> None:
+    """Nothing is forwarded into or out of the node's veth (its pods reach this host only),
+    and the apiserver's port is dropped on the default route's device; the rules name their
+    node, so one node's ``down`` removes its own."""
+    c = Cluster(tmp_path)
+    _real_cfg().save(c.config_path)
+    rules = realnode.RealNode(c)._guard_rules(_real_cfg())
     flat = [" ".join([ipt, *r]) for ipt, r in rules]
-    assert any(r.startswith("iptables FORWARD -i eth9") and r.endswith("DROP") for r in flat)
-    assert any(r.startswith("iptables FORWARD -o eth9") and r.endswith("DROP") for r in flat)
-    assert any("INPUT -i eth9 -p tcp" in r and "20001,20002,53" in r for r in flat)
-    assert any("INPUT -i eth9 -p udp --dport 53" in r for r in flat)  # the cluster DNS
-    assert all(realnode.GUARD in r for r in flat)
+    assert any(r.startswith("iptables FORWARD -i dwdp77h") and r.endswith("DROP") for r in flat)
+    assert any(r.startswith("iptables FORWARD -o dwdp77h") and r.endswith("DROP") for r in flat)
+    assert any("INPUT -i eth9 -p tcp --dport 20001" in r for r in flat)
+    assert all(f"{realnode.GUARD}-77" in r for r in flat)
 
 
 def test_pause_archive_is_an_oci_layout_naming_the_sandbox_image(tmp_path: Path) -> None:
@@ -137,6 +157,7 @@ def test_a_second_up_leaves_the_watched_configs_untouched(tmp_path: Path) -> Non
     test of an idempotent ``up`` found kube-proxy restarted); a changed one is rewritten."""
     c = Cluster(tmp_path)
     pki.ensure_pki(c.pki)
+    _real_cfg().save(c.config_path)
     node = realnode.RealNode(c)
     node._write_configs(_real_cfg())
     files = ["kube-proxy.yaml", "kubelet.yaml", "containerd.toml"]
@@ -158,13 +179,3 @@ def test_the_dns_role_only_reads(tmp_path: Path) -> None:
         {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": clusterdns.USER}
     ]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-
-
-def test_a_taken_dns_port_is_named_before_the_node_starts() -> None:
-    """`up` refuses with the address and the port when another server holds port 53 there."""
-    import socket
-
-    assert clusterdns.port_taken("127.0.0.1") is None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as held:
-        held.bind(("127.0.0.1", 53))
-        assert clusterdns.port_taken("127.0.0.1") == "UDP port 53 of 127.0.0.1 is in use"

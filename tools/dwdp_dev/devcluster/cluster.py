@@ -330,9 +330,10 @@ class Cluster:
             from dwdp_dev.devcluster import realnode
 
             try:
-                cfg.node_dev, cfg.node_ip = realnode.default_device()
+                cfg.node_dev = realnode.default_device()
             except realnode.RealNodeError as exc:
                 raise ClusterError(str(exc)) from None
+            cfg.node_ip = realnode.NodeNetwork(cfg.pod_net).node_ip
         kubelet = "node-kubelet" if real else "kubelet-0"
         for field, comp in (
             ("etcd_port", "etcd"),
@@ -356,15 +357,41 @@ class Cluster:
             if not port or (comp not in running and not _port_free(port)):
                 setattr(cfg, field, _free_port())
         cfg.save(self.config_path)
-        pki.ensure_pki(self.pki)
+        pki.ensure_pki(self.pki, apiserver_ips=self._apiserver_ips(cfg))
         self.write_kubeconfig(cfg)
         return cfg
 
+    @staticmethod
+    def _apiserver_ips(cfg: ClusterConfig) -> tuple[str, ...]:
+        """The addresses the apiserver's certificate names: loopback, the ``kubernetes``
+        Service's, and a real node's host end of its veth (where the node's programs reach
+        it)."""
+        if cfg.node_kind != "real":
+            return ("127.0.0.1", "10.0.0.1")
+        from dwdp_dev.devcluster import realnode
+
+        net = realnode.NodeNetwork(cfg.pod_net)
+        return ("127.0.0.1", net.kubernetes_service_ip, net.host_ip)
+
+    @staticmethod
+    def service_cidr(cfg: ClusterConfig) -> str:
+        """The cluster's Service range: a real node's own (:class:`realnode.NodeNetwork`),
+        :data:`SERVICE_CIDR` with process kubelets (which serve no ClusterIP)."""
+        if cfg.node_kind != "real":
+            return SERVICE_CIDR
+        from dwdp_dev.devcluster import realnode
+
+        return realnode.NodeNetwork(cfg.pod_net).service_cidr
+
     def write_kubeconfig(
-        self, cfg: ClusterConfig, path: Path | None = None, user: str = "admin"
+        self,
+        cfg: ClusterConfig,
+        path: Path | None = None,
+        user: str = "admin",
+        host: str = "127.0.0.1",
     ) -> None:
         """Write a kubeconfig for the client certificate ``pki/<user>.crt`` (default: the
-        admin kubeconfig)."""
+        admin kubeconfig) naming the apiserver at ``host``."""
         path = path or self.kubeconfig
 
         def b64(name: str) -> str:
@@ -377,7 +404,7 @@ class Cluster:
                 {
                     "name": "dwdp-dev",
                     "cluster": {
-                        "server": f"https://127.0.0.1:{cfg.apiserver_port}",
+                        "server": f"https://{host}:{cfg.apiserver_port}",
                         "certificate-authority-data": b64("ca.crt"),
                     },
                 }
@@ -428,9 +455,15 @@ class Cluster:
             ]
         if name == "apiserver":
             # A real node's pods reach the apiserver through the `kubernetes` Service, whose
-            # endpoint is the advertised address: the node IP, every address bound (the
-            # real node's INPUT guard drops the port on the default route's device).
+            # endpoint is the advertised address: the host's end of the node's veth, every
+            # address bound (the real node's INPUT guard drops the port on the default
+            # route's device).
             real = cfg.node_kind == "real"
+            advertise = "127.0.0.1"
+            if real:
+                from dwdp_dev.devcluster import realnode
+
+                advertise = realnode.NodeNetwork(cfg.pod_net).host_ip
             return [
                 str(binary),
                 "apiserver",
@@ -438,7 +471,7 @@ class Cluster:
                 f"--bind-address={'0.0.0.0' if real else '127.0.0.1'}",
                 f"--etcd-servers=http://127.0.0.1:{cfg.etcd_port}",
                 f"--secure-port={cfg.apiserver_port}",
-                f"--advertise-address={cfg.node_ip if real else '127.0.0.1'}",
+                f"--advertise-address={advertise}",
                 f"--cert-dir={self.state_dir / 'apiserver-certs'}",
                 f"--tls-cert-file={p / 'apiserver.crt'}",
                 f"--tls-private-key-file={p / 'apiserver.key'}",
@@ -446,7 +479,7 @@ class Cluster:
                 f"--service-account-issuer={SA_ISSUER}",
                 f"--service-account-key-file={p / 'sa.pub'}",
                 f"--service-account-signing-key-file={p / 'sa.key'}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-cluster-ip-range={self.service_cidr(cfg)}",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
                 "--allow-privileged=true",
@@ -483,7 +516,7 @@ class Cluster:
                 f"--root-ca-file={p / 'ca.crt'}",
                 f"--cluster-signing-cert-file={p / 'ca.crt'}",
                 f"--cluster-signing-key-file={p / 'ca.key'}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-cluster-ip-range={self.service_cidr(cfg)}",
                 "--concurrent-gc-syncs=5",
             ]
         if name == "scheduler":

@@ -11,13 +11,11 @@ does in a kubeadm cluster: Services, headless Services' pods by ``<hostname>.<su
   other machine, so there is nothing upstream to forward to).
 - It reads the API as ``system:coredns`` (its client certificate, :func:`pki.ensure_node_pki`)
   with :data:`ROLE`: list and watch of what its ``kubernetes`` plugin reads, nothing else.
-- ``http://127.0.0.1:<dns_ready_port>/ready`` answers 200 once the plugin has synced.
+- ``http://<node IP>:<dns_ready_port>/ready`` answers 200 once the plugin has synced.
 """
 
 from __future__ import annotations
 
-import errno
-import socket
 from typing import Any, Protocol
 
 DOMAIN = "cluster.local"
@@ -42,7 +40,7 @@ def corefile(node_ip: str, ready_port: int, kubeconfig: str) -> str:
     return f"""{" ".join(f"{z}:53" for z in ZONES)} {{
     bind {node_ip}
     errors
-    ready 127.0.0.1:{ready_port}
+    ready {node_ip}:{ready_port}
     kubernetes {zones} {{
         kubeconfig {kubeconfig} dwdp-dev
         ttl 5
@@ -90,16 +88,3 @@ def apply_rbac(api: Api) -> None:
             obj,
             "application/apply-patch+yaml",
         )
-
-
-def port_taken(node_ip: str) -> str | None:
-    """Why the server could not listen on ``node_ip:53`` (another DNS server there, for
-    instance), or None if it can. Binds and releases a UDP and a TCP socket."""
-    for kind, name in ((socket.SOCK_DGRAM, "UDP"), (socket.SOCK_STREAM, "TCP")):
-        with socket.socket(socket.AF_INET, kind) as s:
-            try:
-                s.bind((node_ip, 53))
-            except OSError as exc:
-                why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-                return f"{name} port 53 of {node_ip} is {why}"
-    return None

@@ -105,8 +105,21 @@ def _issue(
     (pki / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def ensure_pki(pki: Path) -> None:
-    """Create every missing certificate and key of a cluster under ``pki``."""
+def _names_ips(path: Path, ips: tuple[str, ...]) -> bool:
+    """Whether the certificate at ``path`` exists and names every address of ``ips``."""
+    if not path.exists():
+        return False
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    return set(ips) <= {str(i) for i in san.get_values_for_type(x509.IPAddress)}
+
+
+def ensure_pki(pki: Path, apiserver_ips: tuple[str, ...] = ("127.0.0.1", "10.0.0.1")) -> None:
+    """Create every missing certificate and key of a cluster under ``pki``; the apiserver's
+    serving certificate names ``apiserver_ips`` (issued again when one is missing)."""
     pki.mkdir(parents=True, exist_ok=True)
     if not ((pki / "ca.crt").exists() and (pki / "ca.key").exists()):
         key = _key()
@@ -143,6 +156,8 @@ def ensure_pki(pki: Path) -> None:
         _write_key(pki / "ca.key", key)
         (pki / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     ca = _load(pki, "ca")
+    if not _names_ips(pki / "apiserver.crt", apiserver_ips):
+        (pki / "apiserver.crt").unlink(missing_ok=True)
     _issue(
         pki,
         "apiserver",
@@ -156,7 +171,7 @@ def ensure_pki(pki: Path) -> None:
             "kubernetes.default.svc",
             "kubernetes.default.svc.cluster.local",
         ),
-        ips=("127.0.0.1", "10.0.0.1"),
+        ips=apiserver_ips,
     )
     _issue(pki, "admin", _name("kubernetes-admin", "system:masters"), server=False, ca=ca)
     _issue(
@@ -187,16 +202,8 @@ def ensure_node_pki(pki: Path, node_name: str, node_ip: str) -> None:
     server's client, ``system:coredns``, bound to its read-only role by
     :mod:`dwdp_dev.devcluster.clusterdns`)."""
     ca = _load(pki, "ca")
-    serving = pki / "node-serving.crt"
-    if serving.exists():
-        cert = x509.load_pem_x509_certificate(serving.read_bytes())
-        try:
-            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-            ips = {str(i) for i in san.get_values_for_type(x509.IPAddress)}
-        except x509.ExtensionNotFound:
-            ips = set()
-        if node_ip not in ips:
-            serving.unlink()
+    if not _names_ips(pki / "node-serving.crt", (node_ip,)):
+        (pki / "node-serving.crt").unlink(missing_ok=True)
     _issue(pki, "node", _name(f"system:node:{node_name}", "system:nodes"), server=False, ca=ca)
     _issue(
         pki,

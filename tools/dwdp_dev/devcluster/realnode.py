@@ -2,34 +2,41 @@
 ``Cluster.up(node_kind="real")``): the kubelet and kube-proxy of the control-plane binary (the
 same pinned Kubernetes release), Debian's containerd + runc, the CNI bridge plugins.
 
-What it adds to the host, and what :meth:`RealNode.down` takes away again (issue 36):
+Each real node lives in a network namespace of its own (:class:`NodeNetwork`, from the
+cluster's pod network ``<pod_net>``): containerd, the kubelet, kube-proxy and the cluster DNS
+run in it (``nsenter --net``), so kube-proxy's rules, the pod bridge and the node's ports never
+touch the host's, and several clusters with real nodes run side by side on one host. What a
+node adds to the host, and what :meth:`RealNode.down` takes away again:
 
+- the namespace ``dwdp-node-<N>`` and a veth pair into it: the host end ``<pod_net>.255.253``,
+  the node's end (the node IP) ``<pod_net>.255.254``; the host routes ``<pod_net>.0.0/16``
+  (pods ``<pod_net>.0.0/17``, Services ``<pod_net>.128.0/24``) to the node through it, so a
+  ClusterIP answers from the host and no packet for a pod or a Service leaves the machine;
+- inside the namespace: the CNI bridge :data:`BRIDGE` of the pods (host-local IPAM, no
+  masquerade), ``net.ipv4.ip_forward=1``, the Service CIDR routed to ``lo`` (a Service without
+  endpoints is refused there, never sent back to the host), kube-proxy (iptables mode) and
+  the cluster DNS, CoreDNS on the node IP's port 53 (:mod:`dwdp_dev.devcluster.clusterdns`),
+  the kubelet's ``clusterDNS``;
+- host guards (iptables, comment ``dwdp-real-node-<N>``): nothing is forwarded into or out of
+  the node's veth (pods reach the host, never another machine or another cluster), and the
+  apiserver's port, bound on every address so that pods reach it through the ``kubernetes``
+  Service, is dropped on the default route's device;
 - containerd, spawned from the cluster (pid file, log) with its root under the state folder and
-  its state and sockets in :data:`RUN_DIR` (unix socket paths are short); cgroupfs, runc,
+  its state and sockets in ``<RUN_ROOT>/<N>`` (unix socket paths are short); cgroupfs, runc,
   overlayfs, ``restrict_oom_score_adj`` (this host has no CAP_SYS_RESOURCE: runc fails to lower
   a sandbox's oom_score_adj otherwise);
 - images: a static pause built from ``go/pause`` and every image of the local OCI store that
   is current (:func:`images.lookup`), imported into containerd's ``k8s.io`` namespace under
   their references and ``<repo>@<manifest digest>``; unchanged ones are not imported again;
 - the kubelet (``failCgroupV1: false``, ``cgroupDriver: cgroupfs``, ``failSwapOn: false``,
-  ``oomScoreAdj: 0``, image GC off: the images cannot be pulled again), registered with a
-  ``system:node:<name>`` client certificate; its serving certificate names the node IP;
-- the CNI bridge :data:`BRIDGE` with the pod network ``<pod_net>.0.0/16`` (host-local IPAM, no
-  masquerade: pods reach no other machine);
-- the Service CIDR routed to ``lo`` (*before* kube-proxy runs, so a packet for a ClusterIP
-  never takes the default route off the machine), ``net.ipv4.ip_forward=1`` (pod to Service to
-  pod is routed) behind a FORWARD guard that drops whatever would be forwarded from or to the
-  default route's device, and an INPUT guard on that device for the apiserver's, the
-  kubelet's and the DNS server's ports (the apiserver binds every address so pods reach it
-  through the ``kubernetes`` Service);
-- kube-proxy (iptables mode);
-- the cluster DNS, CoreDNS on the node IP's port 53 (:mod:`dwdp_dev.devcluster.clusterdns`),
-  the kubelet's ``clusterDNS``;
+  ``oomScoreAdj: 0``, image GC off: the images cannot be pulled again, its pods' cgroups
+  under ``/dwdp-node-<N>`` in every hierarchy), registered with a ``system:node:<name>``
+  client certificate; its serving certificate names the node IP;
 - the fake ``nvidia.com/gpu`` capacity, patched into the Node's status after it registers.
 
-One real node per host (kube-proxy's chains and the Service route are host-wide): the owner's
-state folder is recorded in :data:`RUN_DIR`. The sysctls and nftables tables found before the
-node started are recorded in ``<state>/real-node-host.json`` and restored by ``down``.
+The kernel settings the kubelet writes outside any namespace (``vm.*``, ``kernel.*``) are
+recorded in ``<state>/real-node-host.json`` and restored by the ``down`` of the last real node
+of the host.
 """
 
 from __future__ import annotations
@@ -57,7 +64,6 @@ import yaml
 
 from dwdp_dev.devcluster import build, clusterdns, images, pki
 from dwdp_dev.devcluster.cluster import (
-    SERVICE_CIDR,
     Cluster,
     ClusterConfig,
     read_pidfile,
@@ -68,21 +74,15 @@ PACKAGES = ("containerd", "runc", "containernetworking-plugins")
 """The Debian packages the real node needs (containerd 1.6, runc 1.1, the CNI plugins)."""
 CNI_BIN = Path("/usr/lib/cni")
 CNI_PLUGINS = ("bridge", "host-local", "loopback", "portmap")
-RUN_DIR = Path("/run/dwdp-real-node")
-"""containerd's state and sockets, the runc root, and ``owner`` (the state folder of the one
-real node of this host)."""
+RUN_ROOT = Path("/run/dwdp-real-node")
+"""One folder per real node of this host (``<N>``): containerd's state and sockets, the runc
+root, and ``owner`` (the node's state folder)."""
 BRIDGE = "dwdpbr0"
+"""The pods' bridge, inside each node's network namespace."""
 GUARD = "dwdp-real-node"
-"""The comment of every iptables rule the real node adds (its guards)."""
+"""The comment of the host's iptables rules a real node adds (its guards), ``-<N>`` after it."""
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
-KUBELET_CHAINS = ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT")
-"""iptables chains the kubelet makes by itself (kube-proxy's go with ``--cleanup``)."""
 SYSCTLS = (
-    "net.ipv4.ip_forward",
-    "net.ipv4.conf.all.route_localnet",
-    "net.ipv6.conf.all.forwarding",
-    "net.bridge.bridge-nf-call-iptables",
-    "net.bridge.bridge-nf-call-ip6tables",
     "vm.overcommit_memory",
     "vm.panic_on_oom",
     "kernel.panic",
@@ -90,7 +90,7 @@ SYSCTLS = (
     "kernel.keys.root_maxkeys",
     "kernel.keys.root_maxbytes",
 )
-"""Sysctls the kubelet, kube-proxy or the bridge plugin may change; restored by ``down``."""
+"""Sysctls outside any network namespace the kubelet may change; restored by ``down``."""
 COMPONENTS = ("containerd", "node-kubelet", "kube-proxy", "coredns")
 """The pid-file names of the real node's processes."""
 
@@ -137,39 +137,55 @@ def _sh(*cmd: str, check: bool = True, input: bytes | None = None) -> str:
     return proc.stdout.decode(errors="replace")
 
 
-def default_device() -> tuple[str, str]:
-    """The default route's device and its first IPv4 address (the node IP: the kubelet
-    refuses a loopback one). Raises RealNodeError without a default route."""
+def default_device() -> str:
+    """The default route's device (the host's guards drop the apiserver's port there).
+    Raises RealNodeError without a default route."""
     routes = json.loads(_sh("ip", "-j", "route", "show", "default") or "[]")
     if not routes or "dev" not in routes[0]:
-        raise RealNodeError("no default route: the real node takes its IP from its device")
-    dev = routes[0]["dev"]
-    for link in json.loads(_sh("ip", "-j", "-4", "addr", "show", "dev", dev) or "[]"):
-        for addr in link.get("addr_info", []):
-            if addr.get("family") == "inet":
-                return dev, addr["local"]
-    raise RealNodeError(f"the default route's device {dev} has no IPv4 address")
+        raise RealNodeError("no default route: the real node guards its device")
+    return str(routes[0]["dev"])
 
 
-def service_route_ok(service_cidr: str) -> bool:
-    """True if the Service CIDR's first address is routed to ``lo`` (never off the machine)."""
-    first = str(next(ipaddress.ip_network(service_cidr).hosts()))
-    return " dev lo " in _sh("ip", "route", "get", first, check=False) + " "
+class NodeNetwork:
+    """The names and addresses of the real node of pod network ``pod_net`` (``100.N``).
+
+    ``netns``: the node's network namespace (``/run/netns/<netns>``); ``host_veth`` /
+    ``node_veth``: the ends of the veth pair; ``host_ip`` / ``node_ip``: their addresses in
+    ``link`` (a /30 at the top of the pod network); ``pod_cidr``: the pods' bridge subnet;
+    ``service_cidr``: the Services' range; ``routed``: what the host routes to the node."""
+
+    def __init__(self, pod_net: str) -> None:
+        n = int(pod_net.split(".")[1])
+        self.netns = f"dwdp-node-{n}"
+        self.host_veth, self.node_veth = f"dwdp{n}h", f"dwdp{n}n"
+        self.link = f"{pod_net}.255.252/30"
+        self.host_ip, self.node_ip = f"{pod_net}.255.253", f"{pod_net}.255.254"
+        self.pod_cidr = f"{pod_net}.0.0/17"
+        self.service_cidr = f"{pod_net}.128.0/24"
+        self.routed = f"{pod_net}.0.0/16"
+        self.run_dir = RUN_ROOT / str(n)
+        self.cgroup = f"/dwdp-node-{n}"
+        self.guard = f"{GUARD}-{n}"
+
+    @property
+    def enter(self) -> list[str]:
+        """The command prefix that runs a program in the node's namespace (network only)."""
+        return ["nsenter", f"--net=/run/netns/{self.netns}", "--"]
+
+    @property
+    def kubernetes_service_ip(self) -> str:
+        """The first address of the Service range: the ``kubernetes`` Service's."""
+        return str(next(ipaddress.ip_network(self.service_cidr).hosts()))
 
 
-def _check_service_routes() -> None:
-    """Raise RealNodeError if the host routes any address of the Service CIDR elsewhere
-    than ``lo`` (the real node routes all of it to ``lo``, and ``down`` removes that)."""
-    ours = f"{SERVICE_CIDR} dev lo"
-    shown = _sh("ip", "route", "show", "table", "all", "root", SERVICE_CIDR)
-    others = [
-        ln.strip() for ln in shown.splitlines() if ln.strip() and not ln.strip().startswith(ours)
-    ]
-    if others:
-        raise RealNodeError(
-            f"this host routes addresses of the Service CIDR {SERVICE_CIDR} already"
-            f" ({'; '.join(others)}); the real node routes all of it to lo"
-        )
+def cgroup_hierarchies() -> list[Path]:
+    """The mount points of this host's cgroup hierarchies (v1 and the cgroup2 beside them)."""
+    out = []
+    for line in Path("/proc/mounts").read_text().splitlines():
+        words = line.split()
+        if len(words) > 2 and words[2] in ("cgroup", "cgroup2"):
+            out.append(Path(words[1]))
+    return out
 
 
 # ----------------------------------------------------------------------------- images
@@ -248,8 +264,13 @@ class RealNode:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.state_dir = cluster.state_dir
+        cfg = cluster.config()
+        if cfg is None:
+            raise RealNodeError(f"{cluster.state_dir} holds no cluster (no cluster.json)")
+        self.net = NodeNetwork(cfg.pod_net)
+        self.run_dir = self.net.run_dir
         self.containerd_root = self.state_dir / "containerd"
-        self.socket = RUN_DIR / "containerd.sock"
+        self.socket = self.run_dir / "containerd.sock"
         self.kubelet_root = self.state_dir / "kubelet"
         self.cni_conf = self.state_dir / "cni" / "net.d"
         self.host_file = self.state_dir / "real-node-host.json"
@@ -287,71 +308,45 @@ class RealNode:
                 return int(words[1])
         raise RealNodeError(f"containerd runs no task {container_id}")
 
-    def owner(self) -> Path | None:
-        """The state folder of the real node that owns this host's :data:`RUN_DIR`, if any."""
-        try:
-            return Path((RUN_DIR / "owner").read_text().strip())
-        except OSError:
-            return None
-
     def preflight(self) -> None:
         """Raise RealNodeError if this host cannot run the node now (see :func:`check_host`)
-        or another cluster's real node runs here; nothing is started or changed."""
+        or another cluster's real node holds this one's network namespace; nothing is
+        started or changed."""
         check_host()
-        _check_service_routes()
-        self._claim_host(claim=False)
-        cfg = self.cluster.config()
-        if cfg is not None and "coredns" not in self.cluster.running():
-            taken = clusterdns.port_taken(cfg.node_ip)
-            if taken:
-                raise RealNodeError(f"{taken}: the real node's cluster DNS listens there")
-
-    def _claim_host(self, claim: bool = True) -> None:
-        owner = self.owner()
+        owner = _owner(self.run_dir)
         if (
             owner is not None
             and owner != self.state_dir
             and read_pidfile(owner / "run" / "containerd.pid") is not None
         ):
             raise RealNodeError(
-                f"another real node runs on this host (state {owner}); one per host:"
-                f" `dwdp dev down --state-dir {owner}` first"
+                f"the real node of {owner} runs in {self.net.netns} (pod network"
+                f" {self.net.routed}): `dwdp dev down --state-dir {owner}` first"
             )
-        if not claim:
-            return
-        RUN_DIR.mkdir(parents=True, exist_ok=True)
-        (RUN_DIR / "owner").write_text(f"{self.state_dir}\n")
 
     def _record_host(self) -> None:
-        """Record the sysctls and nftables tables as found (once: a second ``up`` keeps the
-        first record, which ``down`` restores and removes)."""
-        if self.host_file.exists():
+        """Record the host-wide sysctls as found (once: a second ``up`` keeps the first
+        record; the last real node's ``down`` restores it), unless another real node runs
+        here already (then its record holds the host's values)."""
+        if self.host_file.exists() or _other_nodes(self.state_dir):
             return
         values = {}
         for key in SYSCTLS:
             path = Path("/proc/sys") / key.replace(".", "/")
             with contextlib.suppress(OSError):
                 values[key] = path.read_text().strip()
-        tables = (
-            _sh("nft", "list", "tables", check=False).split("\n") if shutil.which("nft") else []
-        )
-        record = {
-            "sysctls": values,
-            "nft_tables": [t.strip() for t in tables if t.strip()],
-            "run_containerd": Path("/run/containerd").exists(),
-        }
+        record = {"sysctls": values, "run_containerd": Path("/run/containerd").exists()}
         self.host_file.write_text(json.dumps(record, indent=1) + "\n")
 
     # -- configuration ---------------------------------------------------------------------
-    def pod_cidr(self, cfg: ClusterConfig) -> str:
-        return f"{cfg.pod_net}.0.0/16"
-
     def _write_configs(self, cfg: ClusterConfig) -> None:
         c, p = self.cluster, self.cluster.pki
         pki.ensure_node_pki(p, cfg.node_name, cfg.node_ip)
-        c.write_kubeconfig(cfg, self.state_dir / "node.kubeconfig", "node")
-        c.write_kubeconfig(cfg, self.state_dir / "proxy.kubeconfig", "proxy")
-        c.write_kubeconfig(cfg, self.state_dir / "coredns.kubeconfig", "coredns")
+        # the node's programs reach the apiserver at the host's end of the veth
+        for user in ("node", "proxy", "coredns"):
+            c.write_kubeconfig(
+                cfg, self.state_dir / f"{user}.kubeconfig", user, host=self.net.host_ip
+            )
         _write_if_changed(
             self.state_dir / "Corefile",
             clusterdns.corefile(
@@ -370,7 +365,7 @@ class RealNode:
             self.state_dir / "containerd.toml",
             f"""version = 2
 root = "{self.containerd_root}"
-state = "{RUN_DIR / "state"}"
+state = "{self.run_dir / "state"}"
 oom_score = 0
 [grpc]
   address = "{self.socket}"
@@ -390,7 +385,7 @@ oom_score = 0
       [{cri}.containerd.runtimes.runc.options]
         SystemdCgroup = false
         BinaryName = "{shutil.which("runc") or "/usr/sbin/runc"}"
-        Root = "{RUN_DIR / "runc"}"
+        Root = "{self.run_dir / "runc"}"
   [{cri}.cni]
     bin_dir = "{CNI_BIN}"
     conf_dir = "{self.cni_conf}"
@@ -408,7 +403,7 @@ oom_score = 0
                     "hairpinMode": True,
                     "ipam": {
                         "type": "host-local",
-                        "ranges": [[{"subnet": self.pod_cidr(cfg)}]],
+                        "ranges": [[{"subnet": self.net.pod_cidr}]],
                         "routes": [{"dst": "0.0.0.0/0"}],
                         "dataDir": str(self.state_dir / "cni" / "ipam"),
                     },
@@ -424,6 +419,8 @@ oom_score = 0
             "failCgroupV1": False,
             "cgroupDriver": "cgroupfs",
             "failSwapOn": False,
+            # each real node of the host has its own cgroup root (made by `up`)
+            "cgroupRoot": self.net.cgroup,
             # no CAP_SYS_RESOURCE: lowering an oom_score_adj is refused
             "oomScoreAdj": 0,
             "containerRuntimeEndpoint": f"unix://{self.socket}",
@@ -442,7 +439,7 @@ oom_score = 0
             "authorization": {"mode": "Webhook"},
             "clusterDomain": clusterdns.DOMAIN,
             "clusterDNS": [cfg.node_ip],
-            "podCIDR": self.pod_cidr(cfg),
+            "podCIDR": self.net.pod_cidr,
             "podLogsDir": str(self.state_dir / "pod-logs"),
             "resolvConf": "/etc/resolv.conf",
             "maxPods": cfg.node.pods,
@@ -464,7 +461,7 @@ oom_score = 0
             "kind": "KubeProxyConfiguration",
             "clientConnection": {"kubeconfig": str(self.state_dir / "proxy.kubeconfig")},
             "mode": "iptables",
-            "clusterCIDR": self.pod_cidr(cfg),
+            "clusterCIDR": self.net.pod_cidr,
             "hostnameOverride": cfg.node_name,
             "bindAddress": "0.0.0.0",
             "healthzBindAddress": f"127.0.0.1:{cfg.proxy_healthz_port}",
@@ -484,59 +481,68 @@ oom_score = 0
 
     # -- network -------------------------------------------------------------------------
     def _guard_rules(self, cfg: ClusterConfig) -> list[tuple[str, list[str]]]:
-        dev = cfg.node_dev
-        ports = f"{cfg.apiserver_port},{cfg.kubelet_port},53"
-        mark = ["-m", "comment", "--comment", GUARD, "-j", "DROP"]
+        """The host's iptables rules of this node: nothing forwarded into or out of its veth,
+        the apiserver's port dropped on the default route's device."""
+        mark = ["-m", "comment", "--comment", self.net.guard, "-j", "DROP"]
+        veth = self.net.host_veth
         rules = [
-            ("iptables", ["FORWARD", "-i", dev, *mark]),
-            ("iptables", ["FORWARD", "-o", dev, *mark]),
+            ("iptables", ["FORWARD", "-i", veth, *mark]),
+            ("iptables", ["FORWARD", "-o", veth, *mark]),
         ]
         for ipt in ("iptables", "ip6tables"):
             if shutil.which(ipt):
-                rules.append(
-                    (
-                        ipt,
-                        [
-                            "INPUT",
-                            "-i",
-                            dev,
-                            "-p",
-                            "tcp",
-                            "-m",
-                            "multiport",
-                            "--dports",
-                            ports,
-                            *mark,
-                        ],
-                    )
-                )
-                rules.append((ipt, ["INPUT", "-i", dev, "-p", "udp", "--dport", "53", *mark]))
+                port = ["-p", "tcp", "--dport", str(cfg.apiserver_port)]
+                rules.append((ipt, ["INPUT", "-i", cfg.node_dev, *port, *mark]))
         return rules
 
     def _network_up(self, cfg: ClusterConfig) -> None:
-        _check_service_routes()
-        if not service_route_ok(SERVICE_CIDR):
-            _sh("ip", "route", "add", SERVICE_CIDR, "dev", "lo")
-        if not service_route_ok(SERVICE_CIDR):
-            raise RealNodeError(f"the Service CIDR {SERVICE_CIDR} is not routed to lo")
+        """Make the node's namespace and veth, route the pod network and the Services to it,
+        add the guards (idempotent: a second ``up`` finds them)."""
+        net = self.net
+        if not Path(f"/run/netns/{net.netns}").exists():
+            _sh("ip", "netns", "add", net.netns)
+        inside = [*net.enter, "ip"]
+        if subprocess.run(["ip", "link", "show", net.host_veth], capture_output=True).returncode:
+            _sh("ip", "link", "add", net.host_veth, "type", "veth", "peer", "name",
+                net.node_veth, "netns", net.netns)
+            _sh("ip", "addr", "add", f"{net.host_ip}/30", "dev", net.host_veth)
+            _sh(*inside, "addr", "add", f"{net.node_ip}/30", "dev", net.node_veth)
+        _sh("ip", "link", "set", net.host_veth, "up")
+        for dev in (net.node_veth, "lo"):
+            _sh(*inside, "link", "set", dev, "up")
+        _sh(*inside, "route", "replace", "default", "via", net.host_ip)
+        # a ClusterIP without endpoints ends here, never back on the host
+        _sh(*inside, "route", "replace", net.service_cidr, "dev", "lo")
+        _sh(*net.enter, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        _sh("ip", "route", "replace", net.routed, "via", net.node_ip, "dev", net.host_veth)
         for ipt, rule in self._guard_rules(cfg):
             if subprocess.run([ipt, "-C", *rule], capture_output=True, check=False).returncode:
                 _sh(ipt, "-I", rule[0], "1", *rule[1:])
-        # pod -> ClusterIP -> pod is routed (DNAT), not bridged; only behind the guard above
-        Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+
+    def _cgroups_up(self) -> None:
+        """The node's cgroup root in every hierarchy (the kubelet refuses a missing one)."""
+        for hierarchy in cgroup_hierarchies():
+            with contextlib.suppress(OSError):
+                (hierarchy / self.net.cgroup.lstrip("/")).mkdir(exist_ok=True)
 
     # -- start ---------------------------------------------------------------------------
     def up(self, cfg: ClusterConfig, binary: Path, timeout_s: float) -> None:
         """Start containerd, import the images, start the kubelet; the caller waits for the
         Node to be Ready and then calls :meth:`after_ready`. Raises RealNodeError."""
-        check_host()
-        self._claim_host()
+        self.preflight()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "owner").write_text(f"{self.state_dir}\n")
         self._record_host()
         self._write_configs(cfg)
+        # the namespace, its routes and the guards before anything may send to a ClusterIP
+        self._network_up(cfg)
+        self._cgroups_up()
         running = self.cluster.running()
+        enter = self.net.enter
         if "containerd" not in running:
             pid = self.cluster.spawn(
-                "containerd", ["containerd", "--config", str(self.state_dir / "containerd.toml")]
+                "containerd",
+                [*enter, "containerd", "--config", str(self.state_dir / "containerd.toml")],
             )
             self.cluster.wait_for_component(
                 "containerd",
@@ -545,14 +551,13 @@ oom_score = 0
                 timeout_s,
             )
         self.import_images(cfg)
-        # the Service route and the guards before anything may send to a ClusterIP
-        self._network_up(cfg)
         if "coredns" not in running:
             self._start_dns(cfg, timeout_s)
         if "node-kubelet" not in running:
             self.cluster.spawn(
                 "node-kubelet",
                 [
+                    *enter,
                     str(binary),
                     "kubelet",
                     f"--config={self.state_dir / 'kubelet.yaml'}",
@@ -565,11 +570,10 @@ oom_score = 0
                 ],
             )
         if "kube-proxy" not in running:
-            if not service_route_ok(SERVICE_CIDR):
-                raise RealNodeError("refusing to start kube-proxy: the Service CIDR is not local")
             self.cluster.spawn(
                 "kube-proxy",
                 [
+                    *enter,
                     str(binary),
                     "kube-proxy",
                     f"--config={self.state_dir / 'kube-proxy.yaml'}",
@@ -586,9 +590,10 @@ oom_score = 0
             raise RealNodeError(f"cannot give the cluster DNS its role: {exc}") from None
         pid = self.cluster.spawn(
             "coredns",
-            [str(build.build_coredns()), "-conf", str(self.state_dir / "Corefile")],
+            [*self.net.enter, str(build.build_coredns()), "-conf",
+             str(self.state_dir / "Corefile")],
         )
-        url = f"http://127.0.0.1:{cfg.dns_ready_port}/ready"
+        url = f"http://{cfg.node_ip}:{cfg.dns_ready_port}/ready"
         self.cluster.wait_for_component(
             "coredns", pid, lambda: self.cluster._get(url)[0] == 200, timeout_s
         )
@@ -683,24 +688,11 @@ oom_score = 0
     def down(self, timeout_s: float) -> None:
         """Stop the node and undo every host change (see the module docstring). The control
         plane must still run for the pods to be deleted through the API (else containerd's
-        tasks are killed directly). When another cluster's real node owns the host (this one
-        never started its node), only this cluster's own node processes are stopped: the
-        host-wide state is the other's."""
+        tasks are killed directly)."""
         running = self.cluster.running()
-        owner = self.owner()
-        if owner is not None and owner != self.state_dir:
-            stop_pids([running[n] for n in COMPONENTS if n in running], timeout_s)
-            for name in COMPONENTS:
-                (self.cluster.run / f"{name}.pid").unlink(missing_ok=True)
-            return
-        binary = self._binary(running)
         if "containerd" in running and "node-kubelet" in running and "apiserver" in running:
             self.delete_pods(timeout_s)
         stop_pids([running[n] for n in ("kube-proxy", "coredns") if n in running], timeout_s)
-        if binary is not None:
-            subprocess.run(
-                [str(binary), "kube-proxy", "--cleanup"], capture_output=True, check=False
-            )
         if "node-kubelet" in running:
             stop_pids([running["node-kubelet"]], timeout_s)
         netns = set()
@@ -713,26 +705,31 @@ oom_score = 0
         self._unmount()
         for ns in netns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
-        _sh("ip", "route", "del", SERVICE_CIDR, "dev", "lo", check=False)
+        # the node's namespace takes its veth, bridge, rules and routes with it
+        subprocess.run(["ip", "netns", "del", self.net.netns], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", self.net.host_veth], capture_output=True, check=False)
+        self._cgroups_down()
         self._iptables_down()
-        self._restore_host()
+        if not _other_nodes(self.state_dir):
+            self._restore_host()
         for name in COMPONENTS:
             (self.cluster.run / f"{name}.pid").unlink(missing_ok=True)
-        shutil.rmtree(RUN_DIR, ignore_errors=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            RUN_ROOT.rmdir()  # the last node's
 
-    def _binary(self, running: dict[str, int]) -> Path | None:
-        """The binary the node runs (for ``kube-proxy --cleanup``): the running kubelet's or
-        kube-proxy's, else the built one of the current inputs."""
-        for name in ("kube-proxy", "node-kubelet"):
-            if name in running:
+    def _cgroups_down(self) -> None:
+        """Remove the node's cgroup root (its pods' cgroups first) from every hierarchy."""
+        for hierarchy in cgroup_hierarchies():
+            root = hierarchy / self.net.cgroup.lstrip("/")
+            if not root.is_dir():
+                continue
+            for d in sorted((p for p in root.rglob("*") if p.is_dir()),
+                            key=lambda p: -len(p.parts)):
                 with contextlib.suppress(OSError):
-                    exe = Path(os.readlink(f"/proc/{running[name]}/exe"))
-                    if exe.is_file():
-                        return exe
-        with contextlib.suppress(build.BuildError):
-            return build.find_binary()
-        return None
+                    d.rmdir()
+            with contextlib.suppress(OSError):
+                root.rmdir()
 
     def _kill_containers(self) -> set[str]:
         """Kill and remove what containerd still runs; return the names of the network
@@ -760,13 +757,13 @@ oom_score = 0
 
     def _shim_pids(self) -> list[int]:
         pids = []
-        for f in (RUN_DIR / "state").glob("io.containerd.runtime.v2.task/*/*/shim.pid"):
+        for f in (self.run_dir / "state").glob("io.containerd.runtime.v2.task/*/*/shim.pid"):
             with contextlib.suppress(OSError, ValueError):
                 pids.append(int(f.read_text().strip()))
         return pids
 
     def _unmount(self) -> None:
-        roots = (str(self.kubelet_root), str(self.containerd_root), str(RUN_DIR))
+        roots = (str(self.kubelet_root), str(self.containerd_root), str(self.run_dir))
         mounts = []
         for line in Path("/proc/mounts").read_text().splitlines():
             target = line.split()[1].encode().decode("unicode_escape")
@@ -776,28 +773,14 @@ oom_score = 0
             subprocess.run(["umount", "-l", target], capture_output=True, check=False)
 
     def _iptables_down(self) -> None:
+        """Delete this node's guards from the host's tables."""
         for ipt in ("iptables", "ip6tables"):
             if not shutil.which(ipt):
                 continue
-            for table in ("filter", "nat", "mangle"):
-                rules = _sh(ipt, "-t", table, "-S", check=False).splitlines()
-                for rule in rules:
-                    words = rule.split()
-                    if words[:1] != ["-A"]:
-                        continue
-                    if GUARD in rule or any(f"-j {c}" in rule for c in KUBELET_CHAINS):
-                        subprocess.run(
-                            [ipt, "-t", table, "-D", *shlex.split(rule)[1:]],
-                            capture_output=True,
-                            check=False,
-                        )
-                for chain in KUBELET_CHAINS:
-                    subprocess.run(
-                        [ipt, "-t", table, "-F", chain], capture_output=True, check=False
-                    )
-                    subprocess.run(
-                        [ipt, "-t", table, "-X", chain], capture_output=True, check=False
-                    )
+            for rule in _sh(ipt, "-S", check=False).splitlines():
+                words = shlex.split(rule)
+                if words[:1] == ["-A"] and self.net.guard in words:
+                    subprocess.run([ipt, "-D", *words[1:]], capture_output=True, check=False)
 
     def _restore_host(self) -> None:
         try:
@@ -809,22 +792,6 @@ oom_score = 0
             with contextlib.suppress(OSError):
                 if path.read_text().strip() != value:
                     path.write_text(value + "\n")
-        if shutil.which("nft"):
-            before = set(record.get("nft_tables", []))
-            for line in _sh("nft", "list", "tables", check=False).splitlines():
-                table = line.strip()
-                if not table or table in before:
-                    continue
-                family_name = table.split()[1:]
-                body = _sh("nft", "list", *line.split(), check=False)
-                # left by iptables-nft: only base chains, no rule
-                if all(
-                    w.startswith(("table", "chain", "type", "}", "policy")) or not w
-                    for w in (x.strip() for x in body.splitlines())
-                ):
-                    subprocess.run(
-                        ["nft", "delete", "table", *family_name], capture_output=True, check=False
-                    )
         if not record.get("run_containerd") and Path("/run/containerd").exists():
             for d in sorted(Path("/run/containerd").rglob("*"), key=lambda p: -len(p.parts)):
                 with contextlib.suppress(OSError):
@@ -832,6 +799,26 @@ oom_score = 0
             with contextlib.suppress(OSError):
                 Path("/run/containerd").rmdir()
         self.host_file.unlink(missing_ok=True)
+
+
+def _owner(run_dir: Path) -> Path | None:
+    """The state folder of the real node whose run folder is ``run_dir``, if recorded."""
+    try:
+        return Path((run_dir / "owner").read_text().strip())
+    except OSError:
+        return None
+
+
+def _other_nodes(state_dir: Path) -> list[Path]:
+    """The state folders of the real nodes of this host that run now, but ``state_dir``'s."""
+    out = []
+    for run_dir in sorted(RUN_ROOT.glob("*")) if RUN_ROOT.is_dir() else []:
+        owner = _owner(run_dir)
+        if owner is not None and owner != state_dir and read_pidfile(
+            owner / "run" / "containerd.pid"
+        ) is not None:
+            out.append(owner)
+    return out
 
 
 def _write_if_changed(path: Path, text: str) -> None:

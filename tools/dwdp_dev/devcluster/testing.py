@@ -10,9 +10,7 @@
   node offers :data:`SESSION_GPUS` fake ``nvidia.com/gpu``. ``DWDP_TEST_NODE=real`` (opt-in,
   a trial of issue 36) gives it a real node (containerd, kubelet, kube-proxy; see
   realnode.py) instead of the process kubelet, and builds the test rank program's image
-  (``tools/images/rank-standin``) first so that the node imports it;
-  tests that read the process kubelet's files (``TestCluster.pod_log``) or run
-  ``tests/cluster/test_real_node.py`` (a real node of its own: one per host) do not work then.
+  (``tools/images/rank-standin``) first so that the node imports it.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
   after the test.
 - ``operator_image`` (session): the operator image in the local OCI store
