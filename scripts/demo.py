@@ -67,25 +67,26 @@ NODE_GPUS = 16
 ranks + 1 generation server = 9, above the default 8); the cpu backend uses none."""
 
 
-def start_cluster(state: Path, *, gpus: int = NODE_GPUS, node_kind: str = "process") -> Any:
+def start_cluster(state: Path, *, gpus: int = NODE_GPUS, node_kind: str = "real") -> Any:
     """Start (or reuse) the local control plane in ``state`` on a pod network no other
     cluster on this host uses; returns a ``dwdp_dev.devcluster.testing.TestCluster``.
 
-    ``node_kind="real"``: a real node (containerd), whose pods run from images: the operator
-    and worker images are built first (``dwdp dev images``; a cold build of the worker takes
-    minutes and about 7 GB of disk), and the worker's is imported under the example's name,
-    ``dwdp-worker:dev``."""
+    ``node_kind="real"`` (the default): a real node (containerd), whose pods run from images:
+    the operator and worker images are built first (``dwdp dev images``; a cold build of the
+    worker takes minutes and about 7 GB of disk), and the worker's is imported under the
+    example's name, ``dwdp-worker:dev``. ``"process"``: process kubelets, pods run from
+    ``.venv``."""
     from dwdp_dev.devcluster import build, images, tools
     from dwdp_dev.devcluster.cluster import Cluster
     from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
 
     binary = build.build()
     tools_bin = tools.ensure_tools()
-    overrides: dict[str, Any] = {"node": {"gpus": gpus}}
+    overrides: dict[str, Any] = {"node": {"gpus": gpus}, "node_kind": node_kind}
     if node_kind == "real":
         for name in ("operator", "worker"):
             images.build_image(name, progress=lambda line: say(f"   {line}"))
-        overrides.update(node_kind="real", node_images=["operator", "worker"])
+        overrides["node_images"] = ["operator", "worker"]
     c = Cluster(state)
     up_on_free_pod_net(c, binary, **overrides)
     return TestCluster(c, tools_bin)
@@ -570,9 +571,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--node",
         choices=("process", "real"),
-        default="process",
-        help="the local cluster's node: 'process' (the process kubelet, default) or 'real' "
-        "(containerd, the kubelet and kube-proxy; needs root; builds the worker image first)",
+        default="real",
+        help="the local cluster's node: 'real' (default: containerd, the kubelet and "
+        "kube-proxy; needs root; builds the operator and worker images first) or 'process' "
+        "(process kubelets: pods run as host processes from .venv)",
     )
     # scripts/demo.sh checks the options with the system's Python before it makes .venv and
     # builds the control plane (minutes on a fresh machine), so a typo fails at once

@@ -6,8 +6,12 @@
 # and a generation server, with vllm-router in front), requests through the router (a context
 # rank prefills, the generation server decodes; each answer says which) checked against a
 # single-process reference, time to Ready and requests/s through the router, teardown.
+# The cluster's node is a real one (containerd, the kubelet, kube-proxy): the system packages
+# it and the image builds need are installed first (scripts/system-packages.sh), and the driver
+# builds the operator and worker images (cached; the worker's takes minutes the first time).
 # Options go to the driver: --keep (leave it running; prints how to reach and stop it),
-# --state-dir DIR, --requests N, --node real (a real node: containerd, kubelet, kube-proxy).
+# --state-dir DIR, --requests N, --node process (process kubelets instead: no packages, no
+# images; pods run from .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +36,11 @@ if ! .venv/bin/python -c "import dwdp.worker.loading.checkpoint, dwdp.operator, 
   .venv/bin/python -m pip install -qq -e ".[test]" -e ./tools
 fi
 export PATH="$PWD/.venv/bin:$PATH"
+
+case " $* " in
+  *" --node process "* | *" --node=process "*) ;;
+  *) . scripts/system-packages.sh && install_system_packages ;;
+esac
 
 log "building the local control plane (first build: about 11 minutes on 2 cores; cached afterwards)"
 dwdp dev build --tools

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. From nothing on a fresh machine: installs the system packages
-# the tests need (MPI, the image build tools, the real node's containerd and runc), makes the virtual environment .venv (the product
+# the tests need (MPI, the image build tools, the real node's containerd and runc: see
+# scripts/system-packages.sh), makes the virtual environment .venv (the product
 # and the development distribution in tools/, every Python package),
 # builds the local control plane and the operator image, checks lint and types, and runs every test but the `gpu` ones.
 # Extra arguments go to one pytest (e.g. scripts/test.sh -m unit -x); see step 5.
@@ -9,22 +10,10 @@ cd "$(dirname "$0")/.."
 
 log() { printf '\n== %s\n' "$*"; }
 
-# 1. System packages: MPI for the mpirun tests; debootstrap, umoci, buildah and skopeo for
-# the daemonless image build (the Helm test runs the operator from its image); containerd,
-# runc, the CNI plugins and iptables for the real-node test (tests/cluster/test_real_node.py,
-# `dwdp dev up --node real`; nothing is started by installing them).
-packages=()
-command -v mpirun >/dev/null 2>&1 || packages+=(openmpi-bin libopenmpi-dev)
-for tool in debootstrap umoci buildah skopeo containerd runc iptables; do
-  command -v "$tool" >/dev/null 2>&1 || packages+=("$tool")
-done
-[ -x /usr/lib/cni/bridge ] || packages+=(containernetworking-plugins)
-if [ ${#packages[@]} -gt 0 ]; then
-  log "installing system packages (${packages[*]})"
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${packages[@]}" >/dev/null
-fi
+# 1. System packages (scripts/system-packages.sh): the image build tools and the real node's
+# containerd, runc, CNI plugins and iptables, and MPI for the mpirun tests.
+. scripts/system-packages.sh
+install_system_packages openmpi-bin:mpirun libopenmpi-dev:mpicc
 
 # 2. Python packages in .venv.
 PY=${PYTHON:-python3}

@@ -1,6 +1,10 @@
 """The demo stopped by a signal tears down what it started: SIGTERM (a plain ``kill``, a CI
 job's timeout) as Ctrl-C does. Found by the newcomer check: a SIGTERM left the whole cluster
-(etcd, apiserver, kubelet, operator, workers) and its state folder behind."""
+(etcd, apiserver, kubelet, operator, workers) and its state folder behind.
+
+The demo runs as a user runs it, with a real node: the tests take the operator and worker
+images (``operator_image``, ``worker_image``) so that the demo finds them built, and its
+node's start imports them (about 2 minutes for the worker's)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from dwdp_dev.devcluster import images
 from dwdp_dev.devcluster.cluster import Cluster, read_pidfile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,7 +32,9 @@ def _start_demo(state: Path) -> subprocess.Popen[str]:
     )
 
 
-def test_sigterm_tears_the_demo_down(tmp_path: Path) -> None:
+def test_sigterm_tears_the_demo_down(
+    tmp_path: Path, operator_image: images.StoredImage, worker_image: images.StoredImage
+) -> None:
     """SIGTERM once the cluster is up and the operator is being installed: the demo says it was
     terminated, stops every process of its cluster, removes its state folder, exits 143."""
     state = tmp_path / "demo"
@@ -45,7 +52,7 @@ def test_sigterm_tears_the_demo_down(tmp_path: Path) -> None:
 def _terminate_demo(proc: subprocess.Popen[str], state: Path) -> None:
     assert proc.stdout is not None
     lines: list[str] = []
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 480  # the node's start imports the worker image
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("== 2/7") or time.monotonic() > deadline:
@@ -67,7 +74,9 @@ def _terminate_demo(proc: subprocess.Popen[str], state: Path) -> None:
     assert not [name for name in running if read_pidfile(kept / name) is not None]
 
 
-def test_sigterm_while_the_cluster_starts_stops_what_started(tmp_path: Path) -> None:
+def test_sigterm_while_the_cluster_starts_stops_what_started(
+    tmp_path: Path, operator_image: images.StoredImage, worker_image: images.StoredImage
+) -> None:
     """SIGTERM during step 1, once etcd runs and before the cluster is up: the demo says it was
     terminated, exits 143, leaves no process of its cluster running (the start stops what it
     started) and removes its state folder. Found by the newcomer check on a real node: the

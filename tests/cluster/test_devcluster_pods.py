@@ -1,5 +1,6 @@
-"""Acceptance tests of the local control plane (issue 3): real scheduler, controllers and
-apiserver, pods run as processes by the process kubelet."""
+"""Acceptance tests of the local control plane with the process kubelet (issue 3; ``dwdp dev
+up --node process``): real scheduler, controllers and apiserver, pods run as host processes.
+They run on the session's ``process_cluster``: the session's ``cluster`` has a real node."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from dwdp_dev.devcluster import build
 from dwdp_dev.devcluster.testing import TestCluster
+
+
+@pytest.fixture
+def cluster(process_cluster: TestCluster) -> TestCluster:
+    """This module's cluster (and its ``namespace`` fixture's): the process kubelets'."""
+    return process_cluster
 
 # An HTTP server on the pod's own address, port 8080: / answers the pod name, /healthz
 # answers 200 unless the env HEALTHY is "0" (then 503).

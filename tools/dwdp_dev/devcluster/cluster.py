@@ -1,7 +1,8 @@
 """Start, check and stop one local cluster: etcd, apiserver, controller-manager, scheduler
-and the process kubelet(s), each a process of its own whose pid is kept in the state folder.
-With ``node_kind="real"`` (opt-in) the node is a real one instead: containerd, the kubelet and
-kube-proxy (:mod:`dwdp_dev.devcluster.realnode`).
+and its node, each a process of its own whose pid is kept in the state folder. The node is a
+real one (``node_kind="real"``, the default): containerd, the kubelet, kube-proxy and the
+cluster DNS in a network namespace of their own (:mod:`dwdp_dev.devcluster.realnode`); with
+``node_kind="process"`` it is one or more process kubelets instead (:mod:`.kubelet`).
 
 ``up()`` is idempotent (it starts only what is not running and keeps ports, certificates and
 etcd data across restarts); ``down()`` stops everything, pod processes included, and leaves
@@ -14,7 +15,7 @@ no process behind. Layout of a state folder::
     logs/          one log per component, and audit.log: the apiserver's audit log of
                    every request a service account made (Metadata level, JSON lines)
     run/           one pid file per component
-    pods/          the kubelet's per-pod folders (volumes, logs, pid files)
+    pods/          a process kubelet's per-pod folders (volumes, logs, pid files)
 
 A real node adds ``containerd/`` (its image store), ``kubelet/`` (the kubelet's root),
 ``pod-logs/``, ``cni/`` and the node's configuration files (see realnode.py).
@@ -116,10 +117,11 @@ class ClusterConfig:
     used: the apiserver rejects loopback addresses in EndpointSlices.)
     ``venv_bin`` is put first on the PATH of pods.
 
-    ``node_kind`` is ``"process"`` (the process kubelet, the default) or ``"real"`` (one real
-    node: containerd, kubelet, kube-proxy; its pod network ``<pod_net>.0.0/16`` is a bridge,
-    not routed to ``lo``); ``node_ip``/``node_dev`` are the real node's address and device
-    (the default route's), ``node_images`` the store images it imports (None: every current
+    ``node_kind`` is ``"real"`` (the default: one real node, containerd, kubelet, kube-proxy in
+    a network namespace of its own, its pod network routed to it through a veth; see
+    realnode.py) or ``"process"`` (process kubelets: pods run as host processes);
+    ``node_ip`` is the real node's address (its end of the veth), ``node_dev`` the default
+    route's device (guarded), ``node_images`` the store images it imports (None: every current
     one). A real node's cpu and memory are the host's: ``node.cpu``/``node.memory`` apply
     to process kubelets only.
     """
@@ -135,7 +137,7 @@ class ClusterConfig:
     node_name: str = "dwdp-dev"
     node: NodeSpec = dataclasses.field(default_factory=NodeSpec)
     venv_bin: str | None = None
-    node_kind: str = "process"
+    node_kind: str = "real"
     node_ip: str = ""
     node_dev: str = ""
     node_healthz_port: int = 0
@@ -326,7 +328,10 @@ class Cluster:
         real = cfg.node_kind == "real"
         if real:
             if cfg.nodes != 1:
-                raise ClusterError("a real node cluster has one node (nodes=1)")
+                raise ClusterError(
+                    f"a real node is one node (nodes={cfg.nodes}): process kubelets"
+                    " (`--node process`) run several"
+                )
             from dwdp_dev.devcluster import realnode
 
             try:

@@ -7,10 +7,12 @@
   free ports and its own pod network, so it never clashes with a running demo cluster; stops
   it (every process, pods included) and removes the folder at the end. Set
   ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead. Its
-  node offers :data:`SESSION_GPUS` fake ``nvidia.com/gpu``. ``DWDP_TEST_NODE=real`` (opt-in,
-  a trial of issue 36) gives it a real node (containerd, kubelet, kube-proxy; see
-  realnode.py) instead of the process kubelet, and builds the test rank program's image
-  (``tools/images/rank-standin``) first so that the node imports it.
+  node offers :data:`SESSION_GPUS` fake ``nvidia.com/gpu``. Its node is a real one
+  (containerd, kubelet, kube-proxy; see realnode.py), which imports the images of the local
+  store (the test rank program's, ``tools/images/rank-standin``, is built first);
+  ``DWDP_TEST_NODE=process`` gives it the process kubelet instead.
+- ``process_cluster`` (session): a second cluster, of process kubelets (pods run as host
+  processes, from the host's virtual environment), started when a test asks for it.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
   after the test.
 - ``operator_image`` (session): the operator image in the local OCI store
@@ -253,16 +255,18 @@ tests/cluster/test_e2e_demo.py asks 9 (2 groups of 4 ranks and a generation serv
 pods of earlier tests may still be terminating; the cpu backend uses none."""
 
 
-def start_test_cluster(state_dir: Path | None = None) -> tuple[TestCluster, bool]:
-    """Start (or reuse) a cluster for tests; return it and whether the caller owns it
-    (and must stop it). Raises build.BuildError/ClusterError if it cannot start."""
-    keep = os.environ.get("DWDP_TEST_STATE_DIR")
+def start_test_cluster(
+    state_dir: Path | None = None, node_kind: str | None = None
+) -> tuple[TestCluster, bool]:
+    """Start (or reuse, with ``DWDP_TEST_STATE_DIR``) a cluster for tests whose node is
+    ``node_kind`` (default ``DWDP_TEST_NODE``, else ``real``); return it and whether the
+    caller owns it (and must stop it). Raises build.BuildError/ClusterError if it cannot
+    start."""
+    keep = os.environ.get("DWDP_TEST_STATE_DIR") if node_kind is None else None
     binary = build.build()
     tools_bin = tools.ensure_tools()
-    node_kind = os.environ.get("DWDP_TEST_NODE", "process")
-    overrides: dict[str, Any] = {"node": {"gpus": SESSION_GPUS}}
-    if node_kind != "process":
-        overrides["node_kind"] = node_kind
+    node_kind = node_kind or os.environ.get("DWDP_TEST_NODE", "real")
+    overrides: dict[str, Any] = {"node": {"gpus": SESSION_GPUS}, "node_kind": node_kind}
     if node_kind == "real":  # imported by `up`: the operator tests' worker pods run it
         images.build_image("rank-standin", progress=print)
     if keep:
@@ -391,11 +395,9 @@ def demo_namespace(tc: TestCluster, ns: str, models: Path) -> Iterator[Path]:
         )
 
 
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[TestCluster]:
-    """A running local cluster for the whole session (see the module docstring)."""
+def _session_cluster(node_kind: str | None) -> Iterator[TestCluster]:
     try:
-        tc, owned = start_test_cluster()
+        tc, owned = start_test_cluster(node_kind=node_kind)
     except Exception as exc:
         pytest.fail(f"local cluster did not start: {exc}", pytrace=False)
     try:
@@ -404,6 +406,20 @@ def cluster() -> Iterator[TestCluster]:
         if owned:
             tc.cluster.down(timeout_s=10)
             shutil.rmtree(tc.state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[TestCluster]:
+    """A running local cluster for the whole session (see the module docstring)."""
+    yield from _session_cluster(None)
+
+
+@pytest.fixture(scope="session")
+def process_cluster() -> Iterator[TestCluster]:
+    """A cluster of process kubelets for the whole session, beside ``cluster``: for the
+    process kubelet's own tests and for pods that run a program of the host (the vLLM interop
+    tests run vLLM from ``.venv-vllm``, which no image holds)."""
+    yield from _session_cluster("process")
 
 
 @pytest.fixture
