@@ -750,3 +750,13 @@ def test_an_apiserver_outage_changes_no_container(cluster: TestCluster, namespac
     assert pids_of(back) == [pid] and alive(pid) and _start_ticks(pid) == started
     (status,) = back["status"]["containerStatuses"]
     assert status["restartCount"] == 0 and "running" in status["state"]
+    # the controllers are back too (they reconnect with a back-off): a new namespace gets its
+    # ServiceAccount, as the later tests of the session's process cluster need
+    probe = f"{namespace}-after"
+    cluster.kubectl("create", "namespace", probe)
+    cluster.wait_for(
+        lambda: cluster.exists("serviceaccount", "default", probe),
+        timeout=180,
+        message="the default ServiceAccount of a namespace made after the outage",
+    )
+    cluster.kubectl("delete", "namespace", probe, "--wait=false")

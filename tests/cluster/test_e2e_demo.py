@@ -10,11 +10,10 @@ prefilled it and the generation server that decoded it. Then one rank process
 of group g0 is killed: the group must fail together, be replaced by incarnation 1 and serve
 the same answers again, while group g1 answers every request throughout.
 
-The test runs on the session's cluster (``cluster``: the process kubelet, or a real node with
-``DWDP_TEST_NODE=real``), in its own namespace (``testing.demo_namespace``: the operator
-installed as the demo does, deleted with the deployment at the end); the deployment needs 9
-``nvidia.com/gpu`` (one per rank and one for the generation server), which the session node
-offers (``testing.SESSION_GPUS``).
+The test runs on the session's cluster (``cluster``, a real node), in its own namespace
+(``testing.demo_namespace``: the operator installed as the demo does, deleted with the deployment at
+the end); the deployment needs 9 ``nvidia.com/gpu`` (one per rank and one for the generation
+server), which the session node offers (``testing.SESSION_GPUS``).
 """
 
 from __future__ import annotations
@@ -130,8 +129,7 @@ def _selected(tc: Any, selector: dict[str, Any]) -> list[str]:
 def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) -> None:
     """The groups that committed and served above ran with the restrictive defaults: every
     worker pod asks for them, and the rank processes really have a read-only root, no
-    capability and no_new_privs (the process kubelet and a real node's runtime apply those
-    three). The
+    capability and no_new_privs (the node's runtime applies them). The
     NetworkPolicies select the deployment's worker pods (serving ports) and each group's
     own pods (every port); the local cluster does not enforce them."""
     tc, _model, _want = deployed
@@ -199,8 +197,8 @@ def test_worker_pods_run_locked_down_and_policies_select_their_groups(deployed) 
 
 def _rank_pids(tc: TestCluster, group: str, local_rank: int) -> list[int]:
     """Host PIDs of the ``dwdp worker`` processes of ``group``'s local rank ``local_rank``:
-    among the processes of the group's pod's container (:meth:`TestCluster.container_processes`,
-    a process kubelet's host process or a real node's container, and their children), those
+    among the processes of the group's pod's container (:meth:`TestCluster.container_processes`:
+    its main process and their children), those
     whose environment names that group and local rank."""
     pods = json.loads(
         tc.kubectl("get", "pods", "-n", NS, "-l", f"dwdp.io/group={group}", "-o", "json").stdout

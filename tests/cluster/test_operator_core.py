@@ -2,8 +2,9 @@
 the test rank program as the worker (issue 7's acceptance).
 
 One operator process serves the module (it watches every namespace and serves the
-validating webhook on 127.0.0.1); each test has its own namespace. Pods are local processes
-run by the process kubelet; the tests stay within 8 GPUs (the node has 16:
+validating webhook on 127.0.0.1); each test has its own namespace. Pods run on the session
+cluster's real node from the test rank program's image; the tests stay within 8 GPUs (the
+node has 16:
 ``testing.SESSION_GPUS``).
 """
 

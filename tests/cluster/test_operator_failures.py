@@ -4,8 +4,7 @@ pods.
 
 One ``dwdp operator`` process serves the module; the deployments are small (1-2 pods per
 group, 2 groups) and each test deletes what it made. A rank is killed on the host by the pid
-of its pod's container (``TestCluster.container_pid``: a process of the process kubelet, or a
-real node's containerd task).
+of its pod's container (``TestCluster.container_pid``: the real node's containerd task).
 """
 
 from __future__ import annotations

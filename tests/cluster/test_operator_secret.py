@@ -3,7 +3,8 @@ incarnation, made by the operator, mounted into that incarnation's pods only, re
 the incarnation and gone with the deployment.
 
 The workers (the test rank program) do not read the file: the test looks at what the
-process kubelet bind-mounts at the pod's mount path (its volume folder on the host).
+kubelet mounts at the pod's mount path (its Secret volume folder on the host,
+``TestCluster.secret_volume``).
 """
 
 from __future__ import annotations

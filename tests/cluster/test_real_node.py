@@ -51,7 +51,12 @@ def _host_state() -> dict[str, str]:
     out = {
         "routes": subprocess.run(["ip", "route"], capture_output=True, text=True).stdout,
         "links": subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout,
-        "netns": subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout,
+        # the nodes' own namespaces (pods' namespaces, cni-*, come and go with the session's)
+        "netns": " ".join(
+            sorted(p.name for p in Path("/run/netns").glob("dwdp-node-*"))
+            if Path("/run/netns").is_dir()
+            else []
+        ),
         "cgroups": " ".join(
             sorted(str(p) for h in realnode.cgroup_hierarchies() for p in h.glob("dwdp-node-*"))
         ),

@@ -1,7 +1,6 @@
-"""The pure parts of running images on the local cluster: the build's input hash (what goes
-into an image, so an unchanged input never rebuilds), how the process kubelet composes a
-container's process, user and capabilities from the image and the pod as Kubernetes does,
-and that a mount path resolves through the image's symlinks inside its root."""
+"""The pure parts of the local cluster's images: the build's input hash (what goes into an
+image, so an unchanged input never rebuilds), the store's lookup (only images of the
+checkout's sources), the names and the rebuild's clean-up."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from dwdp_dev.devcluster import images, paths
-from dwdp_dev.devcluster.kubelet import RunImage, SetupError, keep_caps
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,63 +83,6 @@ def test_per_image_build_args_name_the_base_and_enter_the_hash(monkeypatch) -> N
     assert images.input_hash("worker") != first
 
 
-def image(tmp_path: Path, **config) -> RunImage:
-    (tmp_path / "etc").mkdir(exist_ok=True)
-    (tmp_path / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\napp:x:1000:1001::/:\n")
-    (tmp_path / "etc" / "group").write_text("root:x:0:\nstaff:x:50:\n")
-    stored = images.StoredImage("img:1", tmp_path, "1", "sha256:ab")
-    return RunImage("img:1", stored, tmp_path, config)
-
-
-@pytest.mark.parametrize(
-    ("spec", "process"),
-    [
-        ({}, ["dwdp", "operator"]),
-        ({"args": ["--version"]}, ["dwdp", "--version"]),
-        ({"command": ["sh"]}, ["sh"]),
-        ({"command": ["sh"], "args": ["-c", "id"]}, ["sh", "-c", "id"]),
-    ],
-)
-def test_command_and_args_replace_entrypoint_and_cmd(tmp_path: Path, spec, process) -> None:
-    img = image(tmp_path, Entrypoint=["dwdp"], Cmd=["operator"])
-    assert img.command(spec) == process
-
-
-def test_user_from_the_image_and_the_security_context(tmp_path: Path) -> None:
-    pod: dict = {"spec": {}}
-    assert image(tmp_path, User="1000:1000").user(pod, {}) == (1000, 1000)
-    assert image(tmp_path, User="app").user(pod, {}) == (1000, 1001)
-    assert image(tmp_path, User="app:staff").user(pod, {}) == (1000, 50)
-    assert image(tmp_path).user(pod, {}) == (0, 0)
-    ctx = {"securityContext": {"runAsUser": 7, "runAsGroup": 8}}
-    assert image(tmp_path, User="app").user(pod, ctx) == (7, 8)
-    assert image(tmp_path, User="1000:1000").user({"spec": ctx}, {}) == (7, 8)
-    with pytest.raises(SetupError, match="runAsNonRoot"):
-        image(tmp_path).user({"spec": {"securityContext": {"runAsNonRoot": True}}}, {})
-    with pytest.raises(SetupError, match="'ghost' not found"):
-        image(tmp_path, User="ghost").user(pod, {})
-
-
-def test_mount_paths_resolve_inside_the_root(tmp_path: Path) -> None:
-    img = image(tmp_path)
-    (tmp_path / "run").mkdir()
-    (tmp_path / "var").mkdir()
-    (tmp_path / "var" / "run").symlink_to("/run")  # absolute: must not reach the host's /run
-    (tmp_path / "var" / "lock").symlink_to("../run/lock")
-    assert img.inside("/var/run/secrets/token") == "/run/secrets/token"
-    assert img.inside("/var/lock/x") == "/run/lock/x"
-    assert img.inside("/../../etc/./hosts") == "/etc/hosts"
-
-
-def test_capabilities_kept_in_the_bounding_set() -> None:
-    assert keep_caps({}) is None
-    assert keep_caps({"privileged": True, "capabilities": {"drop": ["ALL"]}}) is None
-    assert keep_caps({"capabilities": {"drop": ["ALL"]}}) == []
-    assert keep_caps({"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}) == ["ipc_lock"]
-    some = keep_caps({"capabilities": {"drop": ["NET_RAW"]}})
-    assert some is not None and "net_raw" not in some and "chown" in some
-
-
 def test_lookup_refuses_an_image_built_from_other_sources(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("DWDP_CACHE_DIR", str(tmp_path))
     layout = tmp_path / "images" / "oci" / "dwdp-operator-x"
@@ -160,28 +101,6 @@ def test_lookup_refuses_an_image_built_from_other_sources(tmp_path: Path, monkey
     store.write_text(json.dumps({ref: {**entry, "inputs": "0" * 16}}))
     assert images.lookup(ref)[0] is None and "other sources" in images.lookup(ref)[1]
     assert "not in the local store" in images.lookup("dwdp-worker:dev")[1]
-
-
-def test_finding_an_image_does_not_wait_for_the_kubelets_lock(monkeypatch) -> None:
-    """A starting pod looks its image up under its worker's lock while the watch holds the
-    kubelet's lock and waits for that worker's: the lookup must not need the kubelet's lock
-    (it did, and the e2e demo's router pod never started)."""
-    import threading
-
-    from dwdp_dev.devcluster import images
-    from dwdp_dev.devcluster.kubelet import Kubelet
-
-    monkeypatch.setattr(images, "lookup", lambda ref: (None, "not in the local store"))
-    kubelet = Kubelet.__new__(Kubelet)  # the lock and the notices are all find_image uses
-    kubelet.lock = threading.RLock()
-    kubelet.image_notices = set()
-    kubelet._notices_lock = threading.Lock()
-    found: list[object] = []
-    with kubelet.lock:  # the watch, holding the kubelet's lock
-        lookup = threading.Thread(target=lambda: found.append(kubelet.find_image("x:1")))
-        lookup.start()
-        lookup.join(timeout=5)
-    assert not lookup.is_alive() and found == [None]
 
 
 @pytest.mark.parametrize("name", ["operator/", "../images/operator", "Operator", ""])

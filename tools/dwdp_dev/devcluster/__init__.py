@@ -11,8 +11,7 @@ See docs/design.md §8.
 - ``realnode``: the real node (the default): containerd, the kubelet, kube-proxy and the
   cluster DNS (``clusterdns``) in a network namespace of their own.
 - ``kubelet``: the process kubelet (``--node process``) that runs pods as local processes
-  (from their image's root filesystem when the local image store has it; ``enter``: its
-  chroot helper).
+  from the host's virtual environment (no images).
 - ``images``: the daemonless, cached image build (``dwdp dev images``: debootstrap, umoci,
   buildah) into the local OCI store ``<cache>/images``.
 - ``testing``: the pytest fixtures' implementation (``cluster``, ``process_cluster``,

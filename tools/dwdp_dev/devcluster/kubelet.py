@@ -22,20 +22,9 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
   therefore sits at
   /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT point at
   the apiserver, so in-cluster clients work and RBAC applies.
-- A container whose image is in the local OCI store (``dwdp dev images``, see
-  dwdp_dev.devcluster.images; unpacked once per image digest) runs from the image: its root is
-  an overlay (the unpacked image below, a fresh upper folder per start) with /proc, a small
-  /dev (standard devices, the host's NVIDIA devices), a read-only /sys, the pod's hosts
-  file, the host's resolv.conf and the volumes (token included) mounted under it at their
-  mount paths (through the image's symlinks, inside the root); ``enter.py`` chroots,
-  drops the bounding set (``capabilities``), switches to the user (securityContext
-  runAsUser/runAsGroup over the image's User; runAsNonRoot refuses root), sets no_new_privs
-  and execs the image's Entrypoint + Cmd (the pod's command replaces the Entrypoint and
-  the Cmd, its args the Cmd) in the working directory (the pod's, else the image's) with
-  the image's Env under the kubelet's and the pod's variables. readOnlyRootFilesystem makes
-  that root read-only. Exec probes run in the container's root as its user.
-- Any other container (an image the store lacks: one line in this log per image) is
-  ``command + args`` from the host (its image is ignored) with its env resolved
+- A container is ``command + args`` from the host (its image is ignored: images run on the
+  local cluster's real node, realnode.py; this kubelet is what runs a program of the host's
+  virtual environments, which no image holds) with its env resolved
   (value, fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef, envFrom, ``$(VAR)``), in
   its own process group, stdout+stderr to a log file (``kubectl logs`` works through the
   kubelet's HTTPS port). PATH starts with ``--path-prepend`` (the repo's .venv/bin), so a
@@ -51,13 +40,13 @@ up`` does). What it does, per the Kubernetes kubelet contract, and how:
 - A container's ``securityContext``: ``readOnlyRootFilesystem`` remounts ``/`` read-only in
   the pod's mount namespace (its volumes stay writable or read-only as mounted),
   ``allowPrivilegeEscalation: false`` sets no_new_privs, ``capabilities`` become the
-  process's bounding and inheritable sets (``setpriv``). Not applied to host containers:
-  runAsUser/runAsGroup/fsGroup (they run as the kubelet's user); not applied at all: seccomp
-  profiles; NetworkPolicies are not enforced (no network plugin).
+  process's bounding and inheritable sets (``setpriv``). Not applied: runAsUser/runAsGroup/
+  fsGroup (containers run as the kubelet's user), seccomp profiles; NetworkPolicies are not
+  enforced (no network plugin).
 
 Pods bind their own address, so two pods can serve the same port. Mount points missing on
 the host (e.g. /var/run/secrets/kubernetes.io/serviceaccount) are created empty on the host.
-Not supported: pulling images from registries, ``kubectl exec``/``attach``/``port-forward``,
+Not supported: images, ``kubectl exec``/``attach``/``port-forward``,
 ClusterIP routing (no kube-proxy: reach pods by their address or headless names), resource
 limits enforcement.
 """
@@ -88,14 +77,11 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import urllib3
 
 from dwdp_dev.devcluster.cluster import read_pidfile, write_pidfile
-
-if TYPE_CHECKING:
-    from dwdp_dev.devcluster import images
 
 log = logging.getLogger("dwdp_dev.devcluster.kubelet")
 
@@ -310,129 +296,6 @@ def _fs_group(pod: dict) -> int | None:
     return None if value is None else int(value)
 
 
-# ----------------------------------------------------------------------------- images
-ENTER = Path(__file__).resolve().with_name("enter.py")
-"""The helper that chroots into an image's root, drops privileges and execs."""
-
-
-class RunImage:
-    """An image of the local store unpacked for the kubelet: its rootfs and config."""
-
-    def __init__(self, ref: str, stored: images.StoredImage, rootfs: Path, config: dict) -> None:
-        self.ref = ref
-        self.image_id = stored.image_id
-        self.rootfs = rootfs
-        self.config = config
-
-    def env(self) -> dict[str, str]:
-        """The image's Env as a mapping (PATH defaulted as container runtimes do)."""
-        out = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-        for item in self.config.get("Env") or []:
-            key, _, value = str(item).partition("=")
-            out[key] = value
-        return out
-
-    def command(self, spec: dict) -> list[str]:
-        """The process of a container of this image, as Kubernetes composes it: the pod's
-        command replaces the Entrypoint (and drops the image's Cmd), the pod's args replace
-        the Cmd."""
-        entry = list(self.config.get("Entrypoint") or [])
-        cmd = list(self.config.get("Cmd") or [])
-        if spec.get("command"):
-            return list(spec["command"]) + list(spec.get("args") or [])
-        return entry + (list(spec["args"]) if spec.get("args") else cmd)
-
-    def _lookup(self, table: str, name: str, field: int) -> int | None:
-        try:
-            lines = (self.rootfs / "etc" / table).read_text(errors="replace").splitlines()
-        except OSError:
-            return None
-        for line in lines:
-            parts = line.split(":")
-            if len(parts) > field and parts[0] == name and parts[field].isdigit():
-                return int(parts[field])
-        return None
-
-    def user(self, pod: dict, spec: dict) -> tuple[int, int]:
-        """``(uid, gid)``: the securityContext's runAsUser/runAsGroup (container, then pod)
-        over the image's User (numbers or names of the image's /etc/passwd and group).
-
-        Raises SetupError for a user the image does not know, or root with runAsNonRoot."""
-        pod_sc = pod["spec"].get("securityContext") or {}
-        ctr_sc = spec.get("securityContext") or {}
-        user, _, group = str(self.config.get("User") or "").partition(":")
-        uid: int | None = 0
-        gid: int | None = None
-        if user:
-            uid = int(user) if user.isdigit() else self._lookup("passwd", user, 2)
-            if uid is None:
-                raise SetupError("CreateContainerConfigError", f"image user {user!r} not found")
-            if not user.isdigit():
-                gid = self._lookup("passwd", user, 3)
-        if group:
-            gid = int(group) if group.isdigit() else self._lookup("group", group, 2)
-            if gid is None:
-                raise SetupError("CreateContainerConfigError", f"image group {group!r} not found")
-        for sc in (pod_sc, ctr_sc):
-            if sc.get("runAsUser") is not None:
-                uid = int(sc["runAsUser"])
-            if sc.get("runAsGroup") is not None:
-                gid = int(sc["runAsGroup"])
-        assert uid is not None
-        if gid is None:
-            gid = 0
-        non_root = ctr_sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
-        if non_root and uid == 0:
-            raise SetupError(
-                "CreateContainerConfigError",
-                f"container has runAsNonRoot and image {self.ref} will run as root",
-            )
-        return uid, gid
-
-    def inside(self, dest: str) -> str:
-        """``dest`` (an absolute path in the container) with the image's symlinks resolved
-        inside its root, so a mount at /var/run/... lands under the root (Debian's
-        /var/run -> /run), never on the host."""
-        parts = [p for p in dest.split("/") if p]
-        done: list[str] = []
-        hops = 0
-        while parts:
-            part = parts.pop(0)
-            if part == ".":
-                continue
-            if part == "..":
-                if done:
-                    done.pop()
-                continue
-            here = self.rootfs.joinpath(*done, part)
-            if here.is_symlink() and hops < 40:
-                hops += 1
-                link = os.readlink(here)
-                parts = [p for p in link.split("/") if p] + parts
-                if link.startswith("/"):
-                    done = []
-                continue
-            done.append(part)
-        return "/" + "/".join(done)
-
-
-def keep_caps(security: dict) -> list[str] | None:
-    """The capabilities left in the bounding set of an image container (None: all): the
-    securityContext's ``capabilities`` (drop ALL, or drop some, then add)."""
-    from dwdp_dev.devcluster.enter import CAPS
-
-    caps = security.get("capabilities") or {}
-    if security.get("privileged") or not caps:
-        return None
-
-    def name(cap: object) -> str:
-        return str(cap).lower().removeprefix("cap_")
-
-    drop = {name(x) for x in caps.get("drop") or []}
-    keep = set() if "all" in drop else set(CAPS) - drop
-    return sorted(keep | {name(x) for x in caps.get("add") or []})
-
-
 def field_value(pod: dict, path: str) -> str:
     """Resolve a downward-API fieldPath (``metadata.name``, ``status.podIP`` ...) of ``pod``."""
     meta, spec, status = pod["metadata"], pod.get("spec", {}), pod.get("status", {})
@@ -512,8 +375,6 @@ class Container:
         self.kill_reason: str | None = None
         self.started_mono = 0.0
         self.env: dict[str, str] = {}
-        self.image: RunImage | None = None
-        """The image this container runs from (None: the virtual environment)."""
         self.probes = {
             kind: Probe(spec[key])
             for kind, key in (
@@ -534,7 +395,7 @@ class Container:
         out = {
             "name": self.name,
             "image": self.spec.get("image", ""),
-            "imageID": self.image.image_id if self.image else "",
+            "imageID": "",
             "ready": self.ready,
             "restartCount": self.restart_count,
             "started": bool(self.running and self.started),
@@ -649,12 +510,6 @@ class PodWorker(threading.Thread):
         env["PATH"] = path
         env.update(self._cluster_env(pod))
         return env
-
-    @staticmethod
-    def _host_env() -> dict[str, str]:
-        """The environment of an image container's setup script (host tools only; the
-        container's own environment goes to :data:`ENTER` in its spec file)."""
-        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
     def _cluster_env(self, pod: dict) -> dict[str, str]:
         """What every container's environment gets from the kubelet: HOSTNAME, the
@@ -936,11 +791,8 @@ class PodWorker(threading.Thread):
         with self.lock:
             return copy.deepcopy(self.pod)
 
-    def _container_env(
-        self, pod: dict, spec: dict, image: RunImage | None = None
-    ) -> dict[str, str]:
-        # An image's own environment, not the host's, under the kubelet's variables.
-        env = dict(self.base_env) if image is None else {**image.env(), **self._cluster_env(pod)}
+    def _container_env(self, pod: dict, spec: dict) -> dict[str, str]:
+        env = dict(self.base_env)
         pod_env: dict[str, str] = {}
         for src in spec.get("envFrom") or []:
             prefix = src.get("prefix", "")
@@ -1087,112 +939,9 @@ class PodWorker(threading.Thread):
         script.write_text("\n".join(lines) + "\n")
         return script
 
-    def _image_script(self, pod: dict, ctr: Container, image: RunImage) -> Path:
-        """Write the script that runs ``ctr`` from its image in the pod's mount namespace:
-        an overlay (the unpacked image below, a fresh folder per start above) as the root,
-        /proc, a small /dev (the standard devices, the host's NVIDIA devices, pts, shm), a
-        read-only /sys, the pod's hosts file, the host's resolv.conf, the volumes at their
-        mount paths (shallowest first), then :data:`ENTER` chroots and execs."""
-        q = shlex.quote
-        top = self.dir / "rootfs"
-        root, upper, work = top / ctr.name, top / f".{ctr.name}.upper", top / f".{ctr.name}.work"
-        for folder in (upper, work):
-            shutil.rmtree(folder, ignore_errors=True)
-        for folder in (root, upper, work):
-            folder.mkdir(parents=True, exist_ok=True)
-        lines = ["#!/bin/sh", "set -e", f"R={q(str(root))}"]
-
-        def at(dest: str) -> str:
-            # Below the kubelet's own /dev, /proc and /sys the image's entries do not count.
-            fresh = dest.split("/")[1] in ("dev", "proc", "sys") and dest.count("/") > 1
-            return '"$R"' + q(os.path.normpath(dest) if fresh else image.inside(dest))
-
-        def target(src: Path, dest: str) -> None:
-            if src.is_dir():
-                lines.append(f"[ -d {at(dest)} ] || mkdir -p {at(dest)}")
-            else:
-                parent = at(str(Path(dest).parent))
-                lines.append(f"[ -e {at(dest)} ] || {{ mkdir -p {parent}; : > {at(dest)}; }}")
-
-        def bind(src: Path, dest: str, read_only: bool, flag: str = "--bind") -> None:
-            target(src, dest)
-            lines.append(f"mount {flag} {q(str(src))} {at(dest)}")
-            if read_only:
-                lines.append(f"mount -o remount,bind,ro {at(dest)}")
-
-        options = f"lowerdir={image.rootfs},upperdir={upper},workdir={work}"
-        lines.append(f'mount -t overlay overlay -o {q(options)} "$R"')
-        lines.append(f"mkdir -p {at('/proc')} {at('/sys')} {at('/dev')}")
-        lines.append(f"mount -t proc proc {at('/proc')}")
-        lines.append(f"mount --rbind /sys {at('/sys')}")
-        lines.append(f"mount -o remount,bind,ro {at('/sys')}")
-        lines.append(f"mount -t tmpfs -o mode=755,nosuid,size=65536k tmpfs {at('/dev')}")
-        devices = ["null", "zero", "full", "random", "urandom", "tty"]
-        devices += sorted(p.name for p in Path("/dev").glob("nvidia*"))
-        for dev in devices:
-            if os.path.exists(f"/dev/{dev}"):
-                bind(Path("/dev") / dev, f"/dev/{dev}", False, "--rbind")
-        lines.append(f"mkdir -p {at('/dev/pts')} {at('/dev/shm')}")
-        lines.append(f"mount --bind /dev/pts {at('/dev/pts')}")
-        lines.append(f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs {at('/dev/shm')}")
-        for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")):
-            lines.append(f"ln -s {link} {at('/dev/' + name)}")
-        lines.append(f"ln -s /proc/self/fd/1 {at('/dev/stdout')}")
-        lines.append(f"ln -s /proc/self/fd/2 {at('/dev/stderr')}")
-        lines.append(f"ln -s /dev/pts/ptmx {at('/dev/ptmx')}")
-        bind(self.hosts_file, "/etc/hosts", False)
-        if os.path.isfile("/etc/resolv.conf"):
-            bind(Path("/etc/resolv.conf").resolve(), "/etc/resolv.conf", True)
-        lines.append(f"hostname {q(self.hostname(pod))}")
-        mounts = self._mounts(pod, ctr)
-        uid, gid = image.user(pod, ctr.spec)
-        for src, dest, read_only, empty_dir in sorted(mounts, key=lambda m: m[1].count("/")):
-            if empty_dir:
-                src.chmod(0o777)  # as the kubelet makes an emptyDir: any user may write
-            elif src.is_file() and src.parent == self.dir / "run":
-                src.chmod(0o666)  # the termination-message file
-            bind(src, dest, read_only)
-        workdir = ctr.spec.get("workingDir") or image.config.get("WorkingDir") or "/"
-        lines.append(f"mkdir -p {at(workdir)}")
-        security = ctr.spec.get("securityContext") or {}
-        if security.get("readOnlyRootFilesystem"):
-            lines.append('mount -o remount,bind,ro "$R"')
-        pod_sc = pod["spec"].get("securityContext") or {}
-        groups = sorted(
-            {gid, *(int(g) for g in pod_sc.get("supplementalGroups") or [])}
-            | ({int(pod_sc["fsGroup"])} if pod_sc.get("fsGroup") is not None else set())
-        )
-        env = dict(ctr.env)
-        env.setdefault("HOME", "/")
-        spec = {
-            "root": str(root),
-            "workdir": workdir,
-            "uid": uid,
-            "gid": gid,
-            "groups": groups,
-            "env": env,
-            "argv": [expand(a, ctr.env) for a in image.command(ctr.spec)],
-            "no_new_privs": security.get("allowPrivilegeEscalation") is False,
-            "keep_caps": keep_caps(security),
-        }
-        spec_file = self.dir / "run" / f"{ctr.name}.enter.json"
-        spec_file.write_text(json.dumps(spec))
-        lines.append(f"exec {q(sys.executable)} -I {q(str(ENTER))} {q(str(spec_file))}")
-        script = self.dir / "run" / f"{ctr.name}.sh"
-        script.write_text("\n".join(lines) + "\n")
-        return script
-
     def _start(self, pod: dict, ctr: Container) -> None:
-        try:
-            ctr.image = self.kubelet.find_image(str(ctr.spec.get("image") or ""))
-        except SetupError as exc:
-            ctr.state = {"waiting": {"reason": exc.reason, "message": str(exc)}}
-            ctr.restart_at = time.monotonic() + 5.0
-            return
         command = list(ctr.spec.get("command") or []) + list(ctr.spec.get("args") or [])
-        if ctr.image is not None:
-            command = ctr.image.command(ctr.spec)
-        elif not ctr.spec.get("command"):
+        if not ctr.spec.get("command"):
             ctr.state = {
                 "waiting": {
                     "reason": "CreateContainerConfigError",
@@ -1212,11 +961,8 @@ class PodWorker(threading.Thread):
             }
         )
         try:
-            ctr.env = self._container_env(pod, ctr.spec, ctr.image)
-            if ctr.image is None:
-                script = self._script(pod, ctr)
-            else:
-                script = self._image_script(pod, ctr, ctr.image)
+            ctr.env = self._container_env(pod, ctr.spec)
+            script = self._script(pod, ctr)
         except SetupError as exc:
             ctr.state = {"waiting": {"reason": exc.reason, "message": str(exc)}}
             ctr.restart_at = time.monotonic() + 1.0
@@ -1234,12 +980,12 @@ class PodWorker(threading.Thread):
                     "--",
                     "/bin/sh",
                     str(script),
-                    *(argv if ctr.image is None else []),
+                    *argv,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=ctr.env if ctr.image is None else self._host_env(),
+                env=ctr.env,
                 start_new_session=True,
                 cwd="/",
             )
@@ -1368,17 +1114,12 @@ class PodWorker(threading.Thread):
             if not ctr.running:
                 return False
             assert ctr.proc is not None
-            inside: list[str] = []
-            if ctr.image is not None:  # in the container's root, as its user
-                uid, gid = ctr.image.user(pod, ctr.spec)
-                inside = ["--root", "--wd", f"--setuid={uid}", f"--setgid={gid}"]
             cmd = [
                 shutil.which("nsenter") or "nsenter",
                 "--target",
                 str(ctr.proc.pid),
                 "--mount",
                 "--uts",
-                *inside,
                 "--",
                 *spec["exec"].get("command", []),
             ]
@@ -1775,40 +1516,6 @@ class Kubelet:
         self.stop_event = threading.Event()
         self.wakeups: dict[str, threading.Event] = {}
         self.hosts_version = 0
-        self.image_notices: set[str] = set()
-        self._notices_lock = threading.Lock()
-        """Guards ``image_notices`` alone: ``find_image`` runs under a pod worker's lock, and
-        the watch takes the kubelet's lock before a worker's (taking the kubelet's lock here
-        deadlocked the watch with a starting pod)."""
-
-    # -- images ---------------------------------------------------------------------
-    def find_image(self, ref: str) -> RunImage | None:
-        """The image ``ref`` unpacked from the local OCI store (dwdp_dev.devcluster.images), or
-        None when the store lacks it: the container then runs from the virtual environment
-        (noted once per image in this log).
-
-        Raises SetupError (ErrImagePull) if the stored image cannot be unpacked."""
-        from dwdp_dev.devcluster import images
-
-        stored, why = images.lookup(ref) if ref else (None, "no image")
-        if stored is None:
-            with self._notices_lock:
-                first = ref not in self.image_notices
-                self.image_notices.add(ref)
-            if first:
-                log.info("image %r %s: its containers run from the virtual environment", ref, why)
-            return None
-        try:
-            rootfs = images.unpack(stored)
-            config = images.image_config(stored)
-        except (images.ImageError, OSError, ValueError, KeyError) as exc:
-            raise SetupError("ErrImagePull", f"image {ref}: {exc}") from None
-        with self._notices_lock:
-            first = stored.digest not in self.image_notices
-            self.image_notices.add(stored.digest)
-        if first:
-            log.info("image %r runs from the local store: %s (%s)", ref, rootfs, stored.digest)
-        return RunImage(ref, stored, rootfs, config)
 
     # -- resources ------------------------------------------------------------------
     def allocate_ip(self, uid: str, existing: str | None) -> str:

@@ -9,16 +9,14 @@
   ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead. Its
   node offers :data:`SESSION_GPUS` fake ``nvidia.com/gpu``. Its node is a real one
   (containerd, kubelet, kube-proxy; see realnode.py), which imports the images of the local
-  store (the test rank program's, ``tools/images/rank-standin``, is built first);
-  ``DWDP_TEST_NODE=process`` gives it the process kubelet instead.
+  store (the test rank program's, ``tools/images/rank-standin``, is built first).
 - ``process_cluster`` (session): a second cluster, of process kubelets (pods run as host
   processes, from the host's virtual environment), started when a test asks for it.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
   after the test.
 - ``operator_image`` (session): the operator image in the local OCI store
   (dwdp_dev.devcluster.images: built without a daemon the first time, minutes; reused while its
-  inputs are unchanged). While it is stored, the process kubelet runs pods naming it (the
-  chart's default image) from its root filesystem.
+  inputs are unchanged); the session cluster's node imports it (the chart's default image).
 - ``worker_image`` (session): the worker image (``images/worker/Dockerfile`` with the
   ``worker,cuda`` extras on the same base: about 6 GB of torch and CUDA wheels, a cold build
   takes minutes; cached the same way).
@@ -184,8 +182,7 @@ class TestCluster:
 
     def import_images(self) -> None:
         """Make images built after ``up`` runnable: a real node imports every current image of
-        the store it lacks (minutes for the worker image); process kubelets read the store
-        directly and need nothing."""
+        the store it lacks (minutes for the worker image); process kubelets run no images."""
         cfg = self.cluster.config()
         if self.real_node and cfg is not None:
             from dwdp_dev.devcluster import realnode
@@ -256,16 +253,14 @@ pods of earlier tests may still be terminating; the cpu backend uses none."""
 
 
 def start_test_cluster(
-    state_dir: Path | None = None, node_kind: str | None = None
+    state_dir: Path | None = None, node_kind: str = "real"
 ) -> tuple[TestCluster, bool]:
-    """Start (or reuse, with ``DWDP_TEST_STATE_DIR``) a cluster for tests whose node is
-    ``node_kind`` (default ``DWDP_TEST_NODE``, else ``real``); return it and whether the
-    caller owns it (and must stop it). Raises build.BuildError/ClusterError if it cannot
-    start."""
-    keep = os.environ.get("DWDP_TEST_STATE_DIR") if node_kind is None else None
+    """Start a cluster for tests whose node is ``node_kind`` (or, for a real node, reuse the
+    one in ``DWDP_TEST_STATE_DIR``); return it and whether the caller owns it (and must stop
+    it). Raises build.BuildError/ClusterError if it cannot start."""
+    keep = os.environ.get("DWDP_TEST_STATE_DIR") if node_kind == "real" else None
     binary = build.build()
     tools_bin = tools.ensure_tools()
-    node_kind = node_kind or os.environ.get("DWDP_TEST_NODE", "real")
     overrides: dict[str, Any] = {"node": {"gpus": SESSION_GPUS}, "node_kind": node_kind}
     if node_kind == "real":  # imported by `up`: the operator tests' worker pods run it
         images.build_image("rank-standin", progress=print)
@@ -338,16 +333,14 @@ def demo_driver() -> ModuleType:
 
 @contextlib.contextmanager
 def demo_namespace(tc: TestCluster, ns: str, models: Path) -> Iterator[Path]:
-    """Namespace ``ns`` of the session cluster made ready for the demo's DwdpDeployment, as
-    the demo does it: on a real node the operator and worker images built and imported (the
-    worker's under the example's name, ``dwdp-worker:dev``; process kubelets run the worker
-    from ``.venv``), the operator installed by its Helm chart (:func:`demo_driver`'s
-    ``install_operator``, in namespace ``<ns>-operator``, watching ``ns``) and the demo model
-    put in ``models`` (the deployment's ``hostPath``, made readable by the ranks' user).
-    Yields the model's directory. On exit every DwdpDeployment of ``ns`` is deleted (the
-    operator removes its children), the operator uninstalled (its release's cluster-wide RBAC
-    is named by the release, which later Helm tests install again) and both namespaces
-    deleted."""
+    """Namespace ``ns`` of the session cluster made ready for the demo's DwdpDeployment, as the demo
+    does it: on a real node the operator and worker images built and imported (the worker's under
+    the example's name, ``dwdp-worker:dev``), the operator installed by its Helm chart
+    (:func:`demo_driver`'s ``install_operator``, in namespace ``<ns>-operator``, watching ``ns``)
+    and the demo model put in ``models`` (the deployment's ``hostPath``, made readable by the ranks'
+    user). Yields the model's directory. On exit every DwdpDeployment of ``ns`` is deleted (the
+    operator removes its children), the operator uninstalled (its release's cluster-wide RBAC is
+    named by the release, which later Helm tests install again) and both namespaces deleted."""
     demo = demo_driver()
     operator_ns = f"{ns}-operator"
     tc.kubectl("create", "namespace", ns)
@@ -395,7 +388,7 @@ def demo_namespace(tc: TestCluster, ns: str, models: Path) -> Iterator[Path]:
         )
 
 
-def _session_cluster(node_kind: str | None) -> Iterator[TestCluster]:
+def _session_cluster(node_kind: str) -> Iterator[TestCluster]:
     try:
         tc, owned = start_test_cluster(node_kind=node_kind)
     except Exception as exc:
@@ -411,7 +404,7 @@ def _session_cluster(node_kind: str | None) -> Iterator[TestCluster]:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[TestCluster]:
     """A running local cluster for the whole session (see the module docstring)."""
-    yield from _session_cluster(None)
+    yield from _session_cluster("real")
 
 
 @pytest.fixture(scope="session")
