@@ -181,3 +181,36 @@ def test_the_dns_role_only_reads(tmp_path: Path) -> None:
         {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": clusterdns.USER}
     ]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_a_refused_up_leaves_no_state_folder(tmp_path: Path) -> None:
+    """A real node is one node: `up` with two is refused naming ``--node process``, before
+    anything is written (a newcomer found ``.lock``, ``logs/``, ``pods/`` and ``run/`` left in
+    a new folder, which ``down --purge`` then would not remove)."""
+    import pytest
+
+    from dwdp_dev.devcluster.cluster import ClusterError
+
+    state = tmp_path / "new"
+    with pytest.raises(ClusterError, match="--node process"):
+        Cluster(state).up(binary=Path("/bin/true"), nodes=2)
+    assert not state.exists()
+
+
+def test_up_refuses_an_image_the_checkout_does_not_build(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """``dwdp dev up --images NAME`` takes only images this checkout builds: an unknown name is
+    one line naming it, exit status 1, and no cluster folder (it was accepted, and the node
+    imported nothing)."""
+    from dwdp.cli import main
+
+    def must_not_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(Cluster, "up", must_not_start)  # a regression starts no real node here
+    state = tmp_path / "c"
+    assert main(["dev", "up", "--images", "operator,nosuchimage", "--state-dir", str(state)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no image 'nosuchimage'" in err
+    assert not state.exists()

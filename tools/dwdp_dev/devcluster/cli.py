@@ -132,7 +132,15 @@ def _up(args: argparse.Namespace) -> int:
     if args.node:
         overrides["node_kind"] = args.node
     if args.images is not None:
-        overrides["node_images"] = [n for n in args.images.split(",") if n.strip()]
+        from dwdp_dev.devcluster import images
+
+        names = [n.strip() for n in args.images.split(",") if n.strip()]
+        try:
+            for name in names:
+                images.dockerfile_path(name)  # an image this checkout builds
+        except images.ImageError as exc:
+            raise _user_error(exc) from None
+        overrides["node_images"] = names
     if args.nodes:
         overrides["nodes"] = args.nodes
     node = {

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -302,9 +303,8 @@ class Cluster:
         return ClusterConfig.load(self.config_path) if self.config_path.exists() else None
 
     def _prepare(self, overrides: dict) -> ClusterConfig:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        for d in (self.logs, self.run, self.state_dir / "pods"):
-            d.mkdir(exist_ok=True)
+        """The cluster's settings: stored ones with ``overrides``, checked (ClusterError)
+        before anything is written to the state folder."""
         stored = self.config()
         cfg = stored or ClusterConfig(
             venv_bin=str(paths.default_venv_bin()) if paths.default_venv_bin() else None
@@ -361,6 +361,9 @@ class Cluster:
             port = getattr(cfg, field)
             if not port or (comp not in running and not _port_free(port)):
                 setattr(cfg, field, _free_port())
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.logs, self.run, self.state_dir / "pods"):
+            d.mkdir(exist_ok=True)
         cfg.save(self.config_path)
         pki.ensure_pki(self.pki, apiserver_ips=self._apiserver_ips(cfg))
         self.write_kubeconfig(cfg)
@@ -657,9 +660,15 @@ class Cluster:
         binary is not built.
         """
         start = time.monotonic()
+        created = not self.state_dir.exists()
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        with self._locked():
-            return self._up(start, binary, timeout_s, overrides)
+        try:
+            with self._locked():
+                return self._up(start, binary, timeout_s, overrides)
+        except ClusterError:
+            if created and not self.config_path.exists():  # refused before anything was set up
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+            raise
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
