@@ -45,6 +45,7 @@ def test_configs_carry_the_settings_this_host_needs(tmp_path: Path) -> None:
     assert kubelet["failSwapOn"] is False
     assert kubelet["oomScoreAdj"] == 0
     assert kubelet["imageGCHighThresholdPercent"] == 100
+    assert kubelet["syncFrequency"] == realnode.SYNC_FREQUENCY  # a rotated Secret in seconds
     assert kubelet["authentication"]["anonymous"]["enabled"] is False
     assert kubelet["containerRuntimeEndpoint"] == f"unix://{realnode.RUN_ROOT}/77/containerd.sock"
     assert kubelet["cgroupRoot"] == "/dwdp-node-77"  # one root per real node of the host
