@@ -396,16 +396,16 @@ class ContinuousEngine(EngineBase):
         self.stats.preemptions = self.scheduler.preemptions
         self._count_kv()
         logits = self.runner.execute([p.chunk for p in plan])  # queued; the host goes on
-        self._settle()
         sampled = [p.seq for p in plan if p.chunk.sample]
         for p in plan:
             seq, n = p.seq, len(p.chunk.token_ids)
-            if seq.state.finished:
-                continue  # the settle above ended it (a stop string) and freed its blocks
             self.stats.prompt_tokens += max(
                 0, min(seq.computed + n, len(seq.state.prompt)) - seq.computed
             )
             self.scheduler.commit(seq, n)
+        # after the commits: a stop string found here ends a request of this step and frees
+        # its blocks, which the commit (prefix caching: full blocks registered) still needed
+        self._settle()
         for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
             state = seq.state
             if state.finished:
