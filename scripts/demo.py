@@ -590,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             return PARSED_HELP
         raise
     if args.parse_only:
+        print(args.node)  # scripts/demo.sh installs the real node's packages for "real"
         return 0
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in the log
 

@@ -21,8 +21,8 @@ PY=${PYTHON:-python3}
 # the options first (the system's Python, standard library only): a typo fails before minutes
 # of set-up; --help prints and stops here
 status=0
-"$PY" scripts/demo.py --parse-only "$@" || status=$?
-[ "$status" -eq 10 ] && exit 0
+node=$("$PY" scripts/demo.py --parse-only "$@") || status=$?
+[ "$status" -eq 10 ] && { printf '%s\n' "$node"; exit 0; }  # the help
 [ "$status" -eq 0 ] || exit "$status"
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
@@ -37,10 +37,10 @@ if ! .venv/bin/python -c "import dwdp.worker.loading.checkpoint, dwdp.operator, 
 fi
 export PATH="$PWD/.venv/bin:$PATH"
 
-case " $* " in
-  *" --node process "* | *" --node=process "*) ;;
-  *) . scripts/system-packages.sh && install_system_packages ;;
-esac
+if [ "$node" = real ]; then  # process kubelets need no packages and no images
+  . scripts/system-packages.sh
+  install_system_packages
+fi
 
 log "building the local control plane (first build: about 11 minutes on 2 cores; cached afterwards)"
 dwdp dev build --tools

@@ -2,7 +2,7 @@
 # local cluster's real node and the daemonless image builds need, installed with apt-get when
 # one of their programs is missing (nothing is started by installing them).
 #
-#   install_system_packages [extra-package-if-missing:program ...]
+#   install_system_packages [PACKAGE:PROGRAM ...]   (more packages, each if its program is missing)
 #
 # debootstrap, umoci, buildah and skopeo build the operator and worker images into the local OCI
 # store; containerd, runc, the CNI plugins and iptables run the real node (dwdp dev up), and
@@ -10,12 +10,11 @@
 # layer: 17 s against gzip's 41 s on 2 cores).
 
 install_system_packages() {
-  local packages=() tool pair
-  for tool in debootstrap umoci buildah skopeo containerd runc iptables unpigz; do
-    command -v "$tool" >/dev/null 2>&1 || packages+=("${tool/unpigz/pigz}")
-  done
-  [ -x /usr/lib/cni/bridge ] || packages+=(containernetworking-plugins)
-  for pair in "$@"; do  # PACKAGE:PROGRAM, e.g. openmpi-bin:mpirun
+  local packages=() pair
+  # PACKAGE:PROGRAM, the program telling that the package is installed; the caller's after
+  for pair in debootstrap:debootstrap umoci:umoci buildah:buildah skopeo:skopeo \
+    containerd:containerd runc:runc iptables:iptables pigz:unpigz \
+    containernetworking-plugins:/usr/lib/cni/bridge "$@"; do
     command -v "${pair#*:}" >/dev/null 2>&1 || packages+=("${pair%%:*}")
   done
   if [ ${#packages[@]} -gt 0 ]; then

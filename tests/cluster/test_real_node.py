@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from dwdp_dev.devcluster import build, clusterdns, images, realnode, tools
-from dwdp_dev.devcluster.cluster import Cluster
+from dwdp_dev.devcluster.cluster import Cluster, kubernetes_service_ip
 from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
 
 # The pod's program: an HTTP server on port 8080 that answers its name and uid, and logs
@@ -155,7 +155,7 @@ def test_node_is_real_and_ready(real_cluster: TestCluster) -> None:
     assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
     net = realnode.RealNode(real_cluster.cluster).net
     first = real_cluster.get("service", "kubernetes", "default")["spec"]["clusterIP"]
-    assert first == net.kubernetes_service_ip
+    assert first == kubernetes_service_ip(real_cluster.cluster.config())
     route = subprocess.run(["ip", "route", "get", first], capture_output=True, text=True).stdout
     assert f" dev {net.host_veth} " in route, route
     local = subprocess.run(["ip", "-o", "link", "show", net.host_veth], capture_output=True,
@@ -309,7 +309,8 @@ def test_cluster_dns_answers_pods(
     cfg = real_cluster.cluster.config()
     assert cfg is not None
     resolv = real_cluster.kubectl("exec", "-n", ns, "client", "--", "cat", "/etc/resolv.conf")
-    assert f"nameserver {cfg.node_ip}" in resolv.stdout, resolv.stdout
+    node_ip = realnode.RealNode(real_cluster.cluster).net.node_ip
+    assert f"nameserver {node_ip}" in resolv.stdout, resolv.stdout
     assert f"search {ns}.svc.cluster.local svc.cluster.local cluster.local" in resolv.stdout
 
     lookup = textwrap.dedent(
@@ -365,7 +366,7 @@ def test_down_undoes_the_host_changes(real_cluster: TestCluster) -> None:
     before `up` (another cluster's real node, the session's, runs on); no mount under the
     state folder is left."""
     c = real_cluster.cluster
-    run_dir = realnode.RealNode(c).run_dir
+    run_dir = realnode.RealNode(c).net.run_dir
     c.down(timeout_s=10)
     assert c.running() == {}
     after = _host_state()

@@ -57,6 +57,17 @@ def test_options_are_checked_with_the_standard_library_alone(
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("args", "node"), [((), "real"), (("--node", "process"), "process"),
+                                           (("--node=process",), "process")])
+def test_the_options_name_the_node_demo_sh_installs_packages_for(
+    args: tuple[str, ...], node: str
+) -> None:
+    # demo.sh installs the real node's system packages only when the demo runs one
+    proc = _parse_only(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{node}\n"
+
+
 def test_a_state_dir_the_demo_did_not_make_is_refused_and_kept(tmp_path: Path) -> None:
     # the demo deletes its state folder when it ends: a folder of the user's must never be it
     (tmp_path / "notes.txt").write_text("mine")

@@ -27,14 +27,13 @@ def _real_cfg() -> ClusterConfig:
         dns_ready_port=20006,
         pod_net="100.77",
         node_kind="real",
-        node_ip=realnode.NodeNetwork("100.77").node_ip,
         node_dev="eth9",
     )
 
 
 def test_configs_carry_the_settings_this_host_needs(tmp_path: Path) -> None:
     c = Cluster(tmp_path)
-    pki.ensure_pki(c.pki)
+    pki.ensure_pki(c.pki, apiserver_ips=c._apiserver_ips(_real_cfg()))
     cfg = _real_cfg()
     cfg.save(c.config_path)
     realnode.RealNode(c)._write_configs(cfg)
@@ -159,7 +158,7 @@ def test_a_second_up_leaves_the_watched_configs_untouched(tmp_path: Path) -> Non
     second ``up`` of a running node writes no config whose content is unchanged (the cluster
     test of an idempotent ``up`` found kube-proxy restarted); a changed one is rewritten."""
     c = Cluster(tmp_path)
-    pki.ensure_pki(c.pki)
+    pki.ensure_pki(c.pki, apiserver_ips=c._apiserver_ips(_real_cfg()))
     _real_cfg().save(c.config_path)
     node = realnode.RealNode(c)
     node._write_configs(_real_cfg())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import os
 import random
@@ -40,10 +41,14 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from dwdp_dev.devcluster import build, paths, pki
+
+if TYPE_CHECKING:
+    from dwdp_dev.devcluster import realnode
 
 #: Feature gates for every component: the Workload/PodGroup API and gang scheduling.
 FEATURE_GATES = "GenericWorkload=true"
@@ -120,11 +125,11 @@ class ClusterConfig:
 
     ``node_kind`` is ``"real"`` (the default: one real node, containerd, kubelet, kube-proxy in
     a network namespace of its own, its pod network routed to it through a veth; see
-    realnode.py) or ``"process"`` (process kubelets: pods run as host processes);
-    ``node_ip`` is the real node's address (its end of the veth), ``node_dev`` the default
-    route's device (guarded), ``node_images`` the store images it imports (None: every current
-    one). A real node's cpu and memory are the host's: ``node.cpu``/``node.memory`` apply
-    to process kubelets only.
+    realnode.py) or ``"process"`` (process kubelets: pods run as host processes); ``node_dev``
+    is the default route's device (guarded; the real node's addresses follow from ``pod_net``,
+    :func:`node_network`), ``node_images`` the store images it imports (None: every current
+    one). A real node's cpu and memory are the host's: ``node.cpu``/``node.memory`` apply to
+    process kubelets only.
     """
 
     etcd_port: int = 0
@@ -139,7 +144,6 @@ class ClusterConfig:
     node: NodeSpec = dataclasses.field(default_factory=NodeSpec)
     venv_bin: str | None = None
     node_kind: str = "real"
-    node_ip: str = ""
     node_dev: str = ""
     node_healthz_port: int = 0
     proxy_healthz_port: int = 0
@@ -255,6 +259,28 @@ def ensure_pod_route(pod_net: str) -> None:
         )
 
 
+def node_network(cfg: ClusterConfig) -> realnode.NodeNetwork | None:
+    """A real node's names and addresses (from the cluster's pod network); None for process
+    kubelets."""
+    if cfg.node_kind != "real":
+        return None
+    from dwdp_dev.devcluster import realnode
+
+    return realnode.NodeNetwork(cfg.pod_net)
+
+
+def service_cidr(cfg: ClusterConfig) -> str:
+    """The cluster's Service range: a real node's own (:class:`realnode.NodeNetwork`),
+    :data:`SERVICE_CIDR` with process kubelets (which serve no ClusterIP)."""
+    net = node_network(cfg)
+    return net.service_cidr if net else SERVICE_CIDR
+
+
+def kubernetes_service_ip(cfg: ClusterConfig) -> str:
+    """The ``kubernetes`` Service's ClusterIP: the first address of the Service range."""
+    return str(next(ipaddress.ip_network(service_cidr(cfg)).hosts()))
+
+
 def free_pod_net(preferred: str) -> str:
     """``preferred`` (e.g. ``100.64``) unless another cluster on this host already routes
     it; then the first ``100.N`` (N 65..127) that no cluster routes. Every cluster thus has
@@ -338,7 +364,6 @@ class Cluster:
                 cfg.node_dev = realnode.default_device()
             except realnode.RealNodeError as exc:
                 raise ClusterError(str(exc)) from None
-            cfg.node_ip = realnode.NodeNetwork(cfg.pod_net).node_ip
         kubelet = "node-kubelet" if real else "kubelet-0"
         for field, comp in (
             ("etcd_port", "etcd"),
@@ -374,22 +399,8 @@ class Cluster:
         """The addresses the apiserver's certificate names: loopback, the ``kubernetes``
         Service's, and a real node's host end of its veth (where the node's programs reach
         it)."""
-        if cfg.node_kind != "real":
-            return ("127.0.0.1", "10.0.0.1")
-        from dwdp_dev.devcluster import realnode
-
-        net = realnode.NodeNetwork(cfg.pod_net)
-        return ("127.0.0.1", net.kubernetes_service_ip, net.host_ip)
-
-    @staticmethod
-    def service_cidr(cfg: ClusterConfig) -> str:
-        """The cluster's Service range: a real node's own (:class:`realnode.NodeNetwork`),
-        :data:`SERVICE_CIDR` with process kubelets (which serve no ClusterIP)."""
-        if cfg.node_kind != "real":
-            return SERVICE_CIDR
-        from dwdp_dev.devcluster import realnode
-
-        return realnode.NodeNetwork(cfg.pod_net).service_cidr
+        net = node_network(cfg)
+        return ("127.0.0.1", kubernetes_service_ip(cfg), *([net.host_ip] if net else []))
 
     def write_kubeconfig(
         self,
@@ -467,11 +478,7 @@ class Cluster:
             # address bound (the real node's INPUT guard drops the port on the default
             # route's device).
             real = cfg.node_kind == "real"
-            advertise = "127.0.0.1"
-            if real:
-                from dwdp_dev.devcluster import realnode
-
-                advertise = realnode.NodeNetwork(cfg.pod_net).host_ip
+            net = node_network(cfg)
             return [
                 str(binary),
                 "apiserver",
@@ -479,7 +486,7 @@ class Cluster:
                 f"--bind-address={'0.0.0.0' if real else '127.0.0.1'}",
                 f"--etcd-servers=http://127.0.0.1:{cfg.etcd_port}",
                 f"--secure-port={cfg.apiserver_port}",
-                f"--advertise-address={advertise}",
+                f"--advertise-address={net.host_ip if net else '127.0.0.1'}",
                 f"--cert-dir={self.state_dir / 'apiserver-certs'}",
                 f"--tls-cert-file={p / 'apiserver.crt'}",
                 f"--tls-private-key-file={p / 'apiserver.key'}",
@@ -487,7 +494,7 @@ class Cluster:
                 f"--service-account-issuer={SA_ISSUER}",
                 f"--service-account-key-file={p / 'sa.pub'}",
                 f"--service-account-signing-key-file={p / 'sa.key'}",
-                f"--service-cluster-ip-range={self.service_cidr(cfg)}",
+                f"--service-cluster-ip-range={service_cidr(cfg)}",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
                 "--allow-privileged=true",
@@ -524,7 +531,7 @@ class Cluster:
                 f"--root-ca-file={p / 'ca.crt'}",
                 f"--cluster-signing-cert-file={p / 'ca.crt'}",
                 f"--cluster-signing-key-file={p / 'ca.key'}",
-                f"--service-cluster-ip-range={self.service_cidr(cfg)}",
+                f"--service-cluster-ip-range={service_cidr(cfg)}",
                 "--concurrent-gc-syncs=5",
             ]
         if name == "scheduler":

@@ -1079,7 +1079,7 @@ class PodWorker(threading.Thread):
         self._start(pod, ctr)
 
     # -- probes ---------------------------------------------------------------------
-    def _probe_once(self, pod: dict, ctr: Container, spec: dict, timeout: float) -> bool:
+    def _probe_once(self, ctr: Container, spec: dict, timeout: float) -> bool:
         if "httpGet" in spec:
             hg = spec["httpGet"]
             port = self._port(ctr, hg["port"])
@@ -1167,7 +1167,7 @@ class PodWorker(threading.Thread):
     def _probe_thread(self, pod: dict, ctr: Container, kind: str, probe: Probe) -> None:
         try:
             try:
-                ok = self._probe_once(pod, ctr, probe.spec, probe.timeout)
+                ok = self._probe_once(ctr, probe.spec, probe.timeout)
             except Exception as exc:
                 log.debug("%s: %s probe error: %s", self.name, kind, exc)
                 ok = False

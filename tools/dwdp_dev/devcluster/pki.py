@@ -1,7 +1,7 @@
 """Certificates and keys of one local cluster, made with ``cryptography`` (ECDSA P-256).
 
 Files in ``<state>/pki``: ``ca.crt/.key`` (the cluster CA, also the client CA),
-``apiserver.crt/.key`` (serving: 127.0.0.1, 10.0.0.1 and the kubernetes service names),
+``apiserver.crt/.key`` (serving: the addresses the caller names and the kubernetes service names),
 ``admin.crt/.key`` (client, group system:masters), ``kubelet.crt/.key`` (the process
 kubelet's serving certificate, for ``kubectl logs``), and ``sa.key/.pub`` (the
 service-account token signing key). Existing files are kept, so ``up`` is idempotent.
@@ -117,7 +117,7 @@ def _names_ips(path: Path, ips: tuple[str, ...]) -> bool:
     return set(ips) <= {str(i) for i in san.get_values_for_type(x509.IPAddress)}
 
 
-def ensure_pki(pki: Path, apiserver_ips: tuple[str, ...] = ("127.0.0.1", "10.0.0.1")) -> None:
+def ensure_pki(pki: Path, apiserver_ips: tuple[str, ...]) -> None:
     """Create every missing certificate and key of a cluster under ``pki``; the apiserver's
     serving certificate names ``apiserver_ips`` (issued again when one is missing)."""
     pki.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,6 @@ import contextlib
 import gzip
 import hashlib
 import io
-import ipaddress
 import json
 import os
 import shlex
@@ -154,15 +153,15 @@ class NodeNetwork:
     """The names and addresses of the real node of pod network ``pod_net`` (``100.N``).
 
     ``netns``: the node's network namespace (``/run/netns/<netns>``); ``host_veth`` /
-    ``node_veth``: the ends of the veth pair; ``host_ip`` / ``node_ip``: their addresses in
-    ``link`` (a /30 at the top of the pod network); ``pod_cidr``: the pods' bridge subnet;
-    ``service_cidr``: the Services' range; ``routed``: what the host routes to the node."""
+    ``node_veth``: the ends of the veth pair; ``host_ip`` / ``node_ip``: their addresses (a /30
+    at the top of the pod network; the node IP is the kubelet's, its DNS's and its Node's);
+    ``pod_cidr``: the pods' bridge subnet; ``service_cidr``: the Services' range (its first
+    address is the ``kubernetes`` Service's); ``routed``: what the host routes to the node."""
 
     def __init__(self, pod_net: str) -> None:
         n = int(pod_net.split(".")[1])
         self.netns = f"dwdp-node-{n}"
         self.host_veth, self.node_veth = f"dwdp{n}h", f"dwdp{n}n"
-        self.link = f"{pod_net}.255.252/30"
         self.host_ip, self.node_ip = f"{pod_net}.255.253", f"{pod_net}.255.254"
         self.pod_cidr = f"{pod_net}.0.0/17"
         self.service_cidr = f"{pod_net}.128.0/24"
@@ -175,11 +174,6 @@ class NodeNetwork:
     def enter(self) -> list[str]:
         """The command prefix that runs a program in the node's namespace (network only)."""
         return ["nsenter", f"--net=/run/netns/{self.netns}", "--"]
-
-    @property
-    def kubernetes_service_ip(self) -> str:
-        """The first address of the Service range: the ``kubernetes`` Service's."""
-        return str(next(ipaddress.ip_network(self.service_cidr).hosts()))
 
 
 def cgroup_hierarchies() -> list[Path]:
@@ -272,9 +266,8 @@ class RealNode:
         if cfg is None:
             raise RealNodeError(f"{cluster.state_dir} holds no cluster (no cluster.json)")
         self.net = NodeNetwork(cfg.pod_net)
-        self.run_dir = self.net.run_dir
         self.containerd_root = self.state_dir / "containerd"
-        self.socket = self.run_dir / "containerd.sock"
+        self.socket = self.net.run_dir / "containerd.sock"
         self.kubelet_root = self.state_dir / "kubelet"
         self.cni_conf = self.state_dir / "cni" / "net.d"
         self.host_file = self.state_dir / "real-node-host.json"
@@ -317,12 +310,8 @@ class RealNode:
         or another cluster's real node holds this one's network namespace; nothing is
         started or changed."""
         check_host()
-        owner = _owner(self.run_dir)
-        if (
-            owner is not None
-            and owner != self.state_dir
-            and read_pidfile(owner / "run" / "containerd.pid") is not None
-        ):
+        owner = _running_owner(self.net.run_dir)
+        if owner is not None and owner != self.state_dir:
             raise RealNodeError(
                 f"the real node of {owner} runs in {self.net.netns} (pod network"
                 f" {self.net.routed}): `dwdp dev down --state-dir {owner}` first"
@@ -345,7 +334,7 @@ class RealNode:
     # -- configuration ---------------------------------------------------------------------
     def _write_configs(self, cfg: ClusterConfig) -> None:
         c, p = self.cluster, self.cluster.pki
-        pki.ensure_node_pki(p, cfg.node_name, cfg.node_ip)
+        pki.ensure_node_pki(p, cfg.node_name, self.net.node_ip)
         # the node's programs reach the apiserver at the host's end of the veth
         for user in ("node", "proxy", "coredns"):
             c.write_kubeconfig(
@@ -354,7 +343,7 @@ class RealNode:
         _write_if_changed(
             self.state_dir / "Corefile",
             clusterdns.corefile(
-                cfg.node_ip, cfg.dns_ready_port, str(self.state_dir / "coredns.kubeconfig")
+                self.net.node_ip, cfg.dns_ready_port, str(self.state_dir / "coredns.kubeconfig")
             ),
         )
         for d in (
@@ -369,7 +358,7 @@ class RealNode:
             self.state_dir / "containerd.toml",
             f"""version = 2
 root = "{self.containerd_root}"
-state = "{self.run_dir / "state"}"
+state = "{self.net.run_dir / "state"}"
 oom_score = 0
 [grpc]
   address = "{self.socket}"
@@ -389,7 +378,7 @@ oom_score = 0
       [{cri}.containerd.runtimes.runc.options]
         SystemdCgroup = false
         BinaryName = "{shutil.which("runc") or "/usr/sbin/runc"}"
-        Root = "{self.run_dir / "runc"}"
+        Root = "{self.net.run_dir / "runc"}"
   [{cri}.cni]
     bin_dir = "{CNI_BIN}"
     conf_dir = "{self.cni_conf}"
@@ -445,7 +434,7 @@ oom_score = 0
             },
             "authorization": {"mode": "Webhook"},
             "clusterDomain": clusterdns.DOMAIN,
-            "clusterDNS": [cfg.node_ip],
+            "clusterDNS": [self.net.node_ip],
             "podCIDR": self.net.pod_cidr,
             "podLogsDir": str(self.state_dir / "pod-logs"),
             "resolvConf": "/etc/resolv.conf",
@@ -537,8 +526,8 @@ oom_score = 0
         """Start containerd, import the images, start the kubelet; the caller waits for the
         Node to be Ready and then calls :meth:`after_ready`. Raises RealNodeError."""
         self.preflight()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "owner").write_text(f"{self.state_dir}\n")
+        self.net.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.net.run_dir / "owner").write_text(f"{self.state_dir}\n")
         self._record_host()
         self._write_configs(cfg)
         # the namespace, its routes and the guards before anything may send to a ClusterIP
@@ -572,7 +561,7 @@ oom_score = 0
                     f"--root-dir={self.kubelet_root}",
                     f"--cert-dir={self.kubelet_root / 'pki'}",
                     f"--hostname-override={cfg.node_name}",
-                    f"--node-ip={cfg.node_ip}",
+                    f"--node-ip={self.net.node_ip}",
                     "--v=1",
                 ],
             )
@@ -600,7 +589,7 @@ oom_score = 0
             [*self.net.enter, str(build.build_coredns()), "-conf",
              str(self.state_dir / "Corefile")],
         )
-        url = f"http://{cfg.node_ip}:{cfg.dns_ready_port}/ready"
+        url = f"http://{self.net.node_ip}:{cfg.dns_ready_port}/ready"
         self.cluster.wait_for_component(
             "coredns", pid, lambda: self.cluster._get(url)[0] == 200, timeout_s
         )
@@ -721,7 +710,7 @@ oom_score = 0
             self._restore_host()
         for name in COMPONENTS:
             (self.cluster.run / f"{name}.pid").unlink(missing_ok=True)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        shutil.rmtree(self.net.run_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             RUN_ROOT.rmdir()  # the last node's
 
@@ -764,13 +753,13 @@ oom_score = 0
 
     def _shim_pids(self) -> list[int]:
         pids = []
-        for f in (self.run_dir / "state").glob("io.containerd.runtime.v2.task/*/*/shim.pid"):
+        for f in (self.net.run_dir / "state").glob("io.containerd.runtime.v2.task/*/*/shim.pid"):
             with contextlib.suppress(OSError, ValueError):
                 pids.append(int(f.read_text().strip()))
         return pids
 
     def _unmount(self) -> None:
-        roots = (str(self.kubelet_root), str(self.containerd_root), str(self.run_dir))
+        roots = (str(self.kubelet_root), str(self.containerd_root), str(self.net.run_dir))
         mounts = []
         for line in Path("/proc/mounts").read_text().splitlines():
             target = line.split()[1].encode().decode("unicode_escape")
@@ -808,24 +797,20 @@ oom_score = 0
         self.host_file.unlink(missing_ok=True)
 
 
-def _owner(run_dir: Path) -> Path | None:
-    """The state folder of the real node whose run folder is ``run_dir``, if recorded."""
+def _running_owner(run_dir: Path) -> Path | None:
+    """The state folder of the real node whose run folder is ``run_dir``, if its containerd
+    runs now."""
     try:
-        return Path((run_dir / "owner").read_text().strip())
+        owner = Path((run_dir / "owner").read_text().strip())
     except OSError:
         return None
+    return owner if read_pidfile(owner / "run" / "containerd.pid") is not None else None
 
 
 def _other_nodes(state_dir: Path) -> list[Path]:
     """The state folders of the real nodes of this host that run now, but ``state_dir``'s."""
-    out = []
-    for run_dir in sorted(RUN_ROOT.glob("*")) if RUN_ROOT.is_dir() else []:
-        owner = _owner(run_dir)
-        if owner is not None and owner != state_dir and read_pidfile(
-            owner / "run" / "containerd.pid"
-        ) is not None:
-            out.append(owner)
-    return out
+    runs = sorted(RUN_ROOT.glob("*")) if RUN_ROOT.is_dir() else []
+    return [o for d in runs if (o := _running_owner(d)) is not None and o != state_dir]
 
 
 def _write_if_changed(path: Path, text: str) -> None:
