@@ -167,8 +167,8 @@ def make_engine(model: Any, tok: Any, graphs: bool) -> tuple[Any, dict | None]:
         return engine, None
     start = time.perf_counter()
     stats = engine.capture_cuda_graphs()
-    return engine, {"buckets": list(stats.buckets), "pool_bytes": stats.pool_bytes,
-                    "capture_s": time.perf_counter() - start}
+    return engine, {"buckets": list(stats.buckets), "token_buckets": list(stats.token_buckets),
+                    "pool_bytes": stats.pool_bytes, "capture_s": time.perf_counter() - start}
 
 
 def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: int,

@@ -5,7 +5,9 @@ experts' grouped GEMMs take bf16 only):
 - replayed steps give the greedy tokens (and, within bf16 rounding, the logits) of the same
   engine without graphs, and every decode-only step replays a graph;
 - a decode batch between buckets (3 of 1, 2, 4) is padded into the next bucket without
-  touching the requests' cache; steps holding prefill chunks run eagerly, with the same tokens;
+  touching the requests' cache; steps holding prefill chunks replay the piecewise graphs
+  (attention eager between the pieces), with the same tokens; a step above their largest
+  bucket runs eagerly, with the same tokens;
 - a forward that cannot be captured (a host read inside it) makes the capture raise
   ``CudaGraphError`` with one line naming the reason, not a silent fallback;
 - a started engine has compiled every variant of the paged attention kernels: serving steps of
@@ -25,6 +27,7 @@ torch = pytest.importorskip("torch")
 from dwdp.worker.engine.base import EngineConfig  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.graphs import bucket_sizes  # noqa: E402
+from dwdp.worker.engine.piecewise import token_buckets  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -67,6 +70,7 @@ def _engine(loaded, graphs: bool, **limits) -> ContinuousEngine:
     if graphs:
         captured = engine.capture_cuda_graphs()
         assert captured.buckets == bucket_sizes(MAX_BATCH) == (1, 2, 4)
+        assert captured.token_buckets == token_buckets(min(engine.config.max_num_tokens, 128))
         assert captured.pool_bytes > 0
     return engine
 
@@ -92,9 +96,11 @@ def test_replayed_decode_steps_give_the_eager_tokens(loaded):
     graphs = _engine(loaded, graphs=True)
     got = graphs.run_batch(PROMPTS, params, keep_logits=True)
     _assert_same(got, want)
-    # one prefill step, then every one of the NEW_TOKENS - 1 decode-only steps replays
+    # one prefill step (69 tokens, the pieces of bucket 128), then every one of the
+    # NEW_TOKENS - 1 decode-only steps replays
     assert graphs.stats.waves == eager.stats.waves == NEW_TOKENS
     assert graphs.stats.graph_replays == NEW_TOKENS - 1
+    assert graphs.stats.piecewise_replays == 1
     # served: the engine's own thread replays what this thread captured
     with graphs:
         served = graphs.run_batch(PROMPTS, params, keep_logits=True)
@@ -102,7 +108,7 @@ def test_replayed_decode_steps_give_the_eager_tokens(loaded):
     assert graphs.stats.graph_replays > NEW_TOKENS - 1
 
 
-def test_a_batch_between_buckets_is_padded_and_prefill_steps_run_eagerly(loaded):
+def test_a_batch_between_buckets_is_padded_and_prefill_steps_replay_the_pieces(loaded):
     params = _params(MIXED_NEW_TOKENS)
     eager = _engine(loaded, graphs=False, max_num_tokens=16)
     want = eager.run_batch(MIXED_PROMPTS, params, keep_logits=True)
@@ -110,10 +116,25 @@ def test_a_batch_between_buckets_is_padded_and_prefill_steps_run_eagerly(loaded)
     got = graphs.run_batch(MIXED_PROMPTS, params, keep_logits=True)
     _assert_same(got, want)
     assert graphs.stats.waves == eager.stats.waves == MIXED_STEPS
-    # the 5 steps with a prefill chunk ran eagerly; the decode-only ones (3 requests in
-    # bucket 4, then 2, then 1) replayed
+    # the 5 steps with a prefill chunk (16 tokens, then 14 and 5: buckets 16 and 8) replayed
+    # the pieces; the decode-only ones (3 requests in bucket 4, then 2, then 1) their graphs
     assert graphs.stats.graph_replays == MIXED_DECODE_ONLY
+    assert graphs.stats.piecewise_replays == MIXED_STEPS - MIXED_DECODE_ONLY
     assert graphs.allocator.num_in_use == 0
+
+
+def test_a_step_above_the_largest_token_bucket_runs_eagerly(loaded, monkeypatch):
+    import dwdp.worker.engine.piecewise as piecewise
+
+    monkeypatch.setattr(piecewise, "MAX_CAPTURE_TOKENS", 32)  # the 69-token prefill is above
+    params = _params([NEW_TOKENS] * len(PROMPTS))
+    want = _engine(loaded, graphs=False).run_batch(PROMPTS, params, keep_logits=True)
+    graphs = _engine(loaded, graphs=True)
+    assert graphs.runner.pieces is not None and graphs.runner.pieces.buckets[-1] == 32
+    got = graphs.run_batch(PROMPTS, params, keep_logits=True)
+    _assert_same(got, want)
+    assert graphs.stats.piecewise_replays == 0
+    assert graphs.stats.graph_replays == NEW_TOKENS - 1
 
 
 UNCAPTURABLE = textwrap.dedent(

@@ -414,9 +414,10 @@ def capture_cuda_graphs(engine: Any, ledger: MemoryLedger, watch: MemoryWatch) -
     ledger = ledger.with_cuda_graphs(stats.pool_bytes)
     watch.record(ledger)
     log.info(
-        "CUDA graphs: decode buckets %s, pool %d bytes (%.2f GiB; %.2f GiB reserved before "
-        "the KV pool was sized)",
+        "CUDA graphs: decode buckets %s, piecewise token buckets %s, pool %d bytes (%.2f GiB; "
+        "%.2f GiB reserved before the KV pool was sized)",
         ",".join(map(str, stats.buckets)),
+        ",".join(map(str, stats.token_buckets)),
         stats.pool_bytes,
         stats.pool_bytes / 2**30,
         estimate / 2**30,

@@ -14,10 +14,11 @@ not estimated:
 - ``activations_headroom``: on a GPU, the peak a forward of ``maxNumTokens`` tokens adds
   above the weights (``max_memory_allocated`` around one profiling forward); not measured on
   the host (``None``);
-- ``cuda_graphs``: with ``engine.cudaGraphs`` on, the device memory of the decode graphs'
-  pool: before the capture, the estimate the KV pool is sized without (the peak one forward
-  of ``maxBatchSize`` tokens adds: the largest bucket's decode step holds that many tokens'
-  activations, and every bucket shares its pool), then the pool's measured bytes
+- ``cuda_graphs``: with ``engine.cudaGraphs`` on, the device memory of the graphs' pool
+  (decode and piecewise graphs share it): before the capture, the estimate the KV pool is
+  sized without (the peak one forward of the largest bucket's tokens adds, ``maxBatchSize``
+  for decode or ``piecewise.token_buckets(maxNumTokens)[-1]``: that bucket holds that many
+  tokens' activations, and every bucket shares its pool), then the pool's measured bytes
   (``GraphStats.pool_bytes``, :meth:`MemoryLedger.with_cuda_graphs`); zero when off;
 - ``kv_pool``: the KV cache pool's budget (``dwdp.worker.engine.kv_pool``).
 
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.engine.kv_pool import KvPool, kv_bytes_per_token, size_kv_pool
+from dwdp.worker.engine.piecewise import token_buckets
 from dwdp.worker.server.status import DwdpStatusSource
 
 if TYPE_CHECKING:
@@ -328,8 +330,8 @@ def size_rank_memory(
 ) -> tuple[KvPool, MemoryLedger]:
     """After the commit, before the engine starts: the activation headroom (on a GPU, one
     profiling forward of ``min(max_num_tokens, max_model_len)`` tokens), with ``cuda_graphs``
-    the graphs' estimate (one more profiling forward, of ``min(max_batch_size,
-    max_model_len)`` tokens: module docstring), the KV pool from the memory left
+    the graphs' estimate (one more profiling forward, of the largest bucket's tokens: module
+    docstring), the KV pool from the memory left
     (``dwdp.worker.engine.kv_pool.size_kv_pool``) and the ledger, which ``watch`` keeps.
     ``host_sharers``: the ranks of the pod, which share the host's memory (a pool on the
     host takes its share). Raises ``KvPoolError`` for a pool below one ``max_model_len``
@@ -341,8 +343,8 @@ def size_rank_memory(
         tokens = min(max_num_tokens, max_model_len)
         headroom = Placed(host=None, device=activation_headroom(model, tokens))
         if cuda_graphs:
-            decode = min(max_batch_size, max_model_len)
-            graphs = Placed.on(DEVICE, activation_headroom(model, decode))
+            largest = max(max_batch_size, token_buckets(tokens)[-1])
+            graphs = Placed.on(DEVICE, activation_headroom(model, min(largest, max_model_len)))
     free = free_for_kv_bytes(
         watch.device,
         # the stores are VMM allocations torch does not count; the slots are torch's

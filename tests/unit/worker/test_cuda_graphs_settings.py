@@ -121,12 +121,13 @@ def test_the_graphs_estimate_comes_out_of_the_kv_pool(on_a_fake_gpu) -> None:
     assert forwards == [128] and kept == [128_000]
     assert ledger_off.cuda_graphs == Placed(0, 0)
     (pool_on, ledger_on), watch = _size(cuda_graphs=True)
-    # a second forward of max_batch_size tokens: the largest decode bucket's activations
-    assert forwards == [128, 128, 32] and kept[-1] == 128_000 + 32_000
-    assert ledger_on.cuda_graphs == Placed(host=0, device=32_000)
+    # a second forward, of the largest bucket's tokens: the piecewise graphs' (maxNumTokens
+    # within maxModelLen, 128), above the decode graphs' (maxBatchSize, 32)
+    assert forwards == [128, 128, 128] and kept[-1] == 128_000 + 128_000
+    assert ledger_on.cuda_graphs == Placed(host=0, device=128_000)
     assert ledger_on.activations_headroom == ledger_off.activations_headroom
-    assert pool_off.nbytes - pool_on.nbytes >= 32_000 - pool_on.bytes_per_token
-    assert watch.parts["cuda_graphs"] == Placed(host=0, device=32_000)
+    assert pool_off.nbytes - pool_on.nbytes >= 128_000 - pool_on.bytes_per_token
+    assert watch.parts["cuda_graphs"] == Placed(host=0, device=128_000)
 
 
 def test_the_measured_graph_pool_replaces_the_estimate(on_a_fake_gpu) -> None:

@@ -159,3 +159,82 @@ def test_decode_steps_through_the_static_graph_inputs_give_the_eager_tokens(case
     cached by that step). The capture itself needs CUDA
     (tests/gpu); here each bucket's "graph" runs the forward over the bucket's static layout."""
     run_interpreted(REPLAY_CHILD, case)
+
+
+PIECEWISE_CHILD = textwrap.dedent(
+    """
+    import random
+    import sys
+    import tempfile
+    from dataclasses import replace
+
+    import torch
+
+    import dwdp.worker.engine.paged as paged
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.engine.piecewise import PiecewiseGraphs, _Site
+    from dwdp.worker.engine.protocol import SamplingParams
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    torch.set_num_threads(1)
+    paged.kernel_for = lambda device: True
+    model, tok = load_checkpoint(make_checkpoint(sys.argv[1], tempfile.mkdtemp() + "/m",
+                                                 num_experts=5))
+    vocab = model.config.get_text_config().vocab_size
+    rng = random.Random(3)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 18, 9, 30)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 7)]
+    # then prompts whose first chunk starts after cached blocks (paged rows beside fresh ones)
+    again = [prompts[3][:20] + [5, 6], prompts[1] + [7], [4, 4, 4]]
+    config = EngineConfig(max_model_len=64, max_batch_size=4, block_size=4, max_num_tokens=16)
+
+    def run(engine):
+        out = [(r.token_ids, r.finish_reason) for r in engine.run_batch(prompts, params)]
+        out += [(r.token_ids, r.finish_reason) for r in engine.run_batch(again, params[:3])]
+        assert engine.allocator.num_in_use == 0
+        return out
+
+    want = run(ContinuousEngine(model, tok, model_name="tiny", config=config))
+    engine = ContinuousEngine(model, tok, model_name="tiny", config=config)
+    pieces = PiecewiseGraphs(engine.runner.cache, max_num_tokens=16, max_batch_size=4)
+
+    class Eager:
+        # the capture needs CUDA: here a bucket's "pieces" are the forward over its static
+        # layout, each attention call run over the step's layout into the static output, as
+        # a replay runs it between two pieces
+        def __init__(self, tokens):
+            self.tokens = tokens
+            self.out = None
+
+        def split(self, step, module, query, key, value, scaling, window):
+            if self.out is None:
+                self.out = torch.full((self.tokens, query.shape[1], value.shape[3]), 7.0)
+            _Site(module, query, key, value, scaling, window, self.out).attend(step)
+            return self.out[None]
+
+        def run(self, step):
+            static = replace(pieces.layout(self.tokens), split=lambda *a: self.split(step, *a))
+            return engine.runner.forward(static)
+
+    for tokens in pieces.buckets:
+        pieces.steps[tokens] = Eager(tokens)
+    engine.runner.pieces = pieces
+    got = run(engine)
+    assert got == want, (got, want)
+    # every step replayed the pieces (no decode graphs here): padded ones too
+    assert engine.stats.piecewise_replays == engine.stats.waves, engine.stats
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_steps_through_the_piecewise_static_inputs_give_the_eager_tokens(arch):
+    """Steps of chunked prompts, cached prefixes and decode tokens (1 to 16 tokens, padded into
+    buckets 1, 2, 4, 8, 16) run through the piecewise graphs' static inputs, each attention
+    over the step's own layout into the static output rows, and get the eager kernel path's
+    tokens. The capture itself needs CUDA (tests/gpu); here a bucket's pieces are the forward
+    over its static layout."""
+    run_interpreted(PIECEWISE_CHILD, arch)

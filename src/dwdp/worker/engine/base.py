@@ -92,6 +92,8 @@ class EngineStats:
     """Prompt tokens whose KV was read from a context server (a counter)."""
     graph_replays: int = 0
     """Decode steps run as a CUDA graph replay (a counter; ``EngineConfig.cuda_graphs``)."""
+    piecewise_replays: int = 0
+    """Other steps run as piecewise graph replays (a counter; ``dwdp.worker.engine.piecewise``)."""
     prefix_cache_queries: int = 0
     """Prompt tokens of requests looked up in the prefix cache (a counter; vLLM's name)."""
     prefix_cache_hits: int = 0

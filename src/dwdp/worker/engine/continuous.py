@@ -23,7 +23,7 @@ from typing import Any
 
 from dwdp.worker.engine.base import EngineBase
 from dwdp.worker.engine.blocks import BlockAllocator
-from dwdp.worker.engine.graphs import DecodeGraphs, GraphStats
+from dwdp.worker.engine.graphs import CudaGraphError, DecodeGraphs, GraphStats
 from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
 from dwdp.worker.engine.kv_events import KvEventPublisher
 from dwdp.worker.engine.paged import (
@@ -33,6 +33,7 @@ from dwdp.worker.engine.paged import (
     StepLayout,
     use_paged_attention,
 )
+from dwdp.worker.engine.piecewise import PiecewiseGraphs
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
@@ -54,7 +55,8 @@ DEFAULT_POOL_TOKENS = 65536
 class ModelRunner:
     """Runs one packed step of ``Chunk``s through the model and returns the logits of the
     chunks that sample: [number of sampling chunks, vocab] on the model's device. A decode-only
-    step replays a captured CUDA graph when ``graphs`` holds one that fits."""
+    step replays a captured CUDA graph when ``graphs`` holds one that fits; another step
+    replays the piecewise graphs (``pieces``) when it fits their largest bucket."""
 
     def __init__(self, engine: ContinuousEngine, cache: PagedKVCache) -> None:
         import torch
@@ -63,14 +65,19 @@ class ModelRunner:
         self.cache = cache
         self.device = engine.model.device
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         # a prepared 4D mask makes transformers skip its own mask building: dwdp_paged needs none
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
     def execute(self, chunks: Sequence[Chunk]) -> Any:
-        graphs = self.graphs
+        graphs, pieces, stats = self.graphs, self.pieces, self._engine.stats
         if graphs is not None and graphs.fits(chunks):
             logits = self._engine._timed(lambda: graphs.replay(chunks))
-            self._engine.stats.graph_replays = graphs.replays
+            stats.graph_replays = graphs.replays
+            return logits
+        if pieces is not None and pieces.fits(chunks):
+            logits = self._engine._timed(lambda: pieces.replay(chunks))
+            stats.piecewise_replays = pieces.replays
             return logits
         layout = self.cache.layout(chunks)
         return self._engine._timed(lambda: self.forward(layout))
@@ -137,27 +144,36 @@ class ContinuousEngine(EngineBase):
         self._warmed = False
 
     def capture_cuda_graphs(self) -> GraphStats:
-        """Capture the decode graphs (``dwdp.worker.engine.graphs``) after the KV pool exists
+        """Capture the piecewise graphs (``dwdp.worker.engine.piecewise``) and the decode
+        graphs (``dwdp.worker.engine.graphs``), in one memory pool, after the KV pool exists
         (call after ``attach_kv_transfer``, before ``start``); returns what was captured.
         Raises ``CudaGraphError`` (one line, the reason) when the model is not on CUDA or
         the capture fails."""
         import torch
 
+        cache, cfg = self.runner.cache, self.config
+        if not str(cache.device).startswith("cuda") or not cache.kernel:
+            raise CudaGraphError(
+                f"engine.cudaGraphs: the model is on {cache.device}; CUDA graphs need a CUDA "
+                "device"
+            )
         self._warm_up()  # the pool's tensors first: they are not graph memory
         device = self.model.device
-        before = 0
-        if device.type == "cuda":  # the capture empties the allocator's cache: so do we first
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_reserved(device)
+        torch.cuda.synchronize(device)  # the capture empties the allocator's cache: so first
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(device)
+        pool = torch.cuda.graph_pool_handle()
+        pieces = PiecewiseGraphs.capture(
+            cache, self.runner.forward, pool=pool, max_batch_size=cfg.max_batch_size,
+            max_num_tokens=min(cfg.max_num_tokens, self.max_model_len),
+        )
         graphs = DecodeGraphs.capture(
-            self.runner.cache,
-            self.runner.forward,
-            max_batch_size=self.config.max_batch_size,
+            cache, self.runner.forward, pool=pool, max_batch_size=cfg.max_batch_size,
             max_model_len=self.max_model_len,
         )
-        self.runner.graphs = graphs
-        return GraphStats(graphs.buckets, int(torch.cuda.memory_reserved(device)) - before)
+        self.runner.graphs, self.runner.pieces = graphs, pieces
+        return GraphStats(graphs.buckets, int(torch.cuda.memory_reserved(device)) - before,
+                          token_buckets=pieces.buckets)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """``EngineBase.validate``, and the request must fit the KV cache pool alone: prompt

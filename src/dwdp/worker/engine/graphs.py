@@ -6,8 +6,8 @@ the values of a few small index tensors change. ``DecodeGraphs.capture`` records
 forward once per bucket (1, 2, 4, 8, 16, 32, ... up to ``max_batch_size``, largest first, all
 in one memory pool) over static input tensors; ``DecodeGraphs.run`` copies a step's inputs into
 the smallest bucket that holds it (padding rows write to a scratch block no request owns and
-read only it) and replays. Steps with a prefill chunk, and batches above the largest bucket, run
-eagerly.
+read only it) and replays. Steps with a prefill chunk replay the piecewise graphs
+(``dwdp.worker.engine.piecewise``) or run eagerly.
 
 Errors: ``CudaGraphError`` (the capture failed, or graphs were asked for off CUDA), one line
 naming the reason; the worker stops the rank with it before serving.
@@ -28,11 +28,13 @@ class CudaGraphError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class GraphStats:
-    """What a capture made: the batch-size ``buckets`` (ascending) and ``pool_bytes``, the
-    device memory the graphs' pool holds (bytes, part of the memory ledger)."""
+    """What a capture made: the decode graphs' batch-size ``buckets`` (ascending),
+    ``pool_bytes``, the device memory the graphs' pool holds (bytes, part of the memory
+    ledger), and the piecewise graphs' ``token_buckets`` (``dwdp.worker.engine.piecewise``)."""
 
     buckets: tuple[int, ...]
     pool_bytes: int
+    token_buckets: tuple[int, ...] = ()
 
 
 def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -130,20 +132,16 @@ class DecodeGraphs:
         *,
         max_batch_size: int,
         max_model_len: int,
+        pool: Any,
     ) -> DecodeGraphs:
-        """Capture one graph per bucket, largest first, in one memory pool. ``forward(layout)``
-        runs the model over a layout and returns its logits [rows, vocab]. Raises
-        ``CudaGraphError`` naming the bucket and the first line of the failure."""
+        """Capture one graph per bucket, largest first, into the memory pool ``pool``
+        (``torch.cuda.graph_pool_handle()``). ``forward(layout)`` runs the model over a layout
+        and returns its logits [rows, vocab]. Raises ``CudaGraphError`` naming the bucket and
+        the first line of the failure."""
         import torch
 
-        if not str(cache.device).startswith("cuda") or not cache.kernel:
-            raise CudaGraphError(
-                f"engine.cudaGraphs: the model is on {cache.device}; CUDA graphs need a CUDA "
-                "device"
-            )
         self = cls(cache, max_batch_size=max_batch_size, max_model_len=max_model_len)
         self.longs[2].fill_(self.scratch_slot)  # capture writes and reads the scratch block only
-        pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=cache.device)
         for batch in reversed(self.buckets):
             layout = self.layouts[batch] = self.layout(batch)
@@ -163,7 +161,6 @@ class DecodeGraphs:
                     f"{type(exc).__name__}: {first}"
                 ) from exc
             self.graphs[batch] = graph
-            pool = graph.pool()
         torch.cuda.synchronize(cache.device)
         return self
 

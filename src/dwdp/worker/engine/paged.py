@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -197,23 +197,54 @@ class KernelLayout(_Masks):
     cache: PagedKVCache
     _masks: dict[Any, Any] = field(default_factory=dict)
 
+    split: Callable[..., Any] | None = None
+    """While ``dwdp.worker.engine.piecewise`` captures: the attention call's stand-in, which
+    ends one graph at each layer's attention and returns the static output rows."""
+
     @classmethod
     def build(cls, chunks: Sequence[Chunk], cache: PagedKVCache, device: Any) -> KernelLayout:
         """The layout of ``chunks`` (at least one), in their order: one copy to the device for
         the token data, one for the kernel's request rows."""
+        rows = StepRows.of(chunks, cache.block_size)
+        dev = rows.tokens.to(device, non_blocking=True)
+        return cls(
+            input_ids=dev[0:1],
+            position_ids=dev[2:3],
+            slots=dev[3],
+            logits_index=dev[1, : rows.samples],
+            fresh=rows.fresh,
+            paged=rows.requests(device),
+            cache=cache,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """The host data of one kernel step of ``T`` tokens: ``tokens`` [4, T] int64 (token ids,
+    the row of each sampling chunk's last token padded with 0, positions, cache slots; pinned
+    when CUDA is there, so that its copy runs asynchronously), ``samples`` (the sampling
+    chunks), ``fresh`` (the (q0, q1) rows of chunks that start a prompt) and the paged kernel's
+    request rows of every other chunk (``q_start``, ``q_len``, ``seq_len``, block ``tables``)."""
+
+    tokens: Any
+    samples: int
+    fresh: list[tuple[int, int]]
+    q_start: list[int]
+    q_len: list[int]
+    seq_len: list[int]
+    tables: list[Sequence[int]]
+
+    @classmethod
+    def of(cls, chunks: Sequence[Chunk], block_size: int) -> StepRows:
+        """The rows of ``chunks`` (at least one), in their order."""
         import torch
 
-        from dwdp.worker.gpu.paged_attention import requests_on
-
-        bs = cache.block_size
+        bs = block_size
         ids: list[int] = []
         small: list[int] = []  # positions then slots of single-token chunks, flushed in order
         parts: list[Any] = []
-        fresh: list[tuple[int, int]] = []
-        q_start: list[int] = []
-        q_len: list[int] = []
-        seq_len: list[int] = []
-        tables: list[Sequence[int]] = []
+        rows = cls(tokens=None, samples=0, fresh=[], q_start=[], q_len=[], seq_len=[],
+                   tables=[])
         sample_at: list[int] = []
         q = 0
         for c in chunks:
@@ -231,31 +262,36 @@ class KernelLayout(_Masks):
                 table = torch.tensor(list(c.blocks[: -(-end // bs)]), dtype=torch.long)
                 parts.append(torch.stack([pos, table[pos // bs] * bs + pos % bs]))
             if c.start == 0:
-                fresh.append((q, q + n))
+                rows.fresh.append((q, q + n))
             else:
-                q_start.append(q)
-                q_len.append(n)
-                seq_len.append(end)
-                tables.append(c.blocks[: -(-end // bs)])
+                rows.q_start.append(q)
+                rows.q_len.append(n)
+                rows.seq_len.append(end)
+                rows.tables.append(c.blocks[: -(-end // bs)])
             q += n
             if c.sample:
                 sample_at.append(q - 1)
         if small:
             parts.append(torch.tensor(small, dtype=torch.long).view(-1, 2).T)
-        host = torch.cat(
-            [torch.tensor([ids, sample_at + [0] * (len(ids) - len(sample_at))],
-                          dtype=torch.long), torch.cat(parts, dim=1)]
-        )
-        dev = host.to(device)  # rows: ids, sample index (padded), positions, slots
-        return cls(
-            input_ids=dev[0:1],
-            position_ids=dev[2:3],
-            slots=dev[3],
-            logits_index=dev[1, : len(sample_at)],
-            fresh=fresh,
-            paged=requests_on(device, q_start, q_len, seq_len, tables) if q_len else None,
-            cache=cache,
-        )
+        tokens = torch.empty((4, len(ids)), dtype=torch.long, pin_memory=_can_pin())
+        torch.cat([torch.tensor([ids, sample_at + [0] * (len(ids) - len(sample_at))],
+                                dtype=torch.long), torch.cat(parts, dim=1)], out=tokens)
+        return replace(rows, tokens=tokens, samples=len(sample_at))
+
+    def requests(self, device: Any) -> PagedRequests | None:
+        """The paged kernel's rows on ``device``; None when every chunk starts a prompt."""
+        from dwdp.worker.gpu.paged_attention import requests_on
+
+        if not self.q_len:
+            return None
+        return requests_on(device, self.q_start, self.q_len, self.seq_len, self.tables)
+
+
+def _can_pin() -> bool:
+    """Whether host tensors can be pinned (CUDA is there)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 class PagedKVCache:
@@ -385,7 +421,9 @@ def paged_attention(
             )
     window = sliding_window
     if isinstance(layout, KernelLayout):
-        return _kernel_attention(module, layout, query, key, value, scaling, window), None
+        if layout.split is not None:
+            return layout.split(module, query, key, value, scaling, window), None
+        return kernel_attention(module, layout, query, key, value, scaling, window), None
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty((query.shape[2], query.shape[1], value.shape[3]))  # [T, Hq, Dv]
     _attend_chunks(layout, layout.prefills, query, key, value, out, scaling, window)
@@ -401,15 +439,17 @@ def paged_attention(
     return out[None], None
 
 
-def _kernel_attention(
+def kernel_attention(
     module: Any, layout: KernelLayout, query: Any, key: Any, value: Any,
-    scaling: float | None, window: int | None,
+    scaling: float | None, window: int | None, out: Any = None,
 ) -> Any:
     """The kernel path of ``paged_attention``: ``query`` [1, Hq, T, D], ``key``/``value`` the
-    step's new entries [1, Hkv, T, D]; returns [1, T, Hq, Dv]. Paged rows read the layer's
+    step's new entries [1, Hkv, T, D]; returns [1, T, Hq, Dv] (``out`` [T, Hq, Dv] when given,
+    else a new tensor; rows no chunk names are left as they are). Paged rows read the layer's
     cache through the kernel; fresh chunks attend to their new entries through SDPA."""
     tokens, heads = query.shape[2], query.shape[1]
-    out = query.new_empty((tokens, heads, value.shape[3]))  # [T, Hq, Dv]
+    if out is None:
+        out = query.new_empty((tokens, heads, value.shape[3]))  # [T, Hq, Dv]
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     if layout.paged is not None:
         first, second = layout.cache.layers[module.layer_idx]

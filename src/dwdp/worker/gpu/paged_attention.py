@@ -322,17 +322,19 @@ def requests_on(device: Any, q_start: list[int], q_len: list[int], seq_len: list
                 tables: Sequence[Sequence[int]]) -> PagedRequests:
     """``PagedRequests`` from host lists, through one copy of one packed int32 tensor
     (``[q_start | q_len | seq_len | tables]``, each part contiguous from its
-    ``index_offsets``); tables are padded with 0 to the longest."""
+    ``index_offsets``; pinned for a CUDA device, so that the copy does not wait for the
+    stream); tables are padded with 0 to the longest."""
     num = len(q_len)
     width = max((len(t) for t in tables), default=1) or 1
     starts = index_offsets(num)
-    host = torch.zeros(starts[3] + num * width, dtype=torch.int32)
+    pinned = torch.device(device).type == "cuda"  # then the copy runs asynchronously
+    host = torch.zeros(starts[3] + num * width, dtype=torch.int32, pin_memory=pinned)
     for start, part in zip(starts, (q_start, q_len, seq_len), strict=False):
         host[start : start + num] = torch.tensor(part, dtype=torch.int32)
     table = host[starts[3] :].view(num, width)
     for row, blocks in enumerate(tables):
         table[row, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
-    dev = host.to(device)
+    dev = host.to(device, non_blocking=True)
     q_start_at, q_len_at, seq_len_at, table_at = starts
     return PagedRequests(dev[q_start_at : q_start_at + num], dev[q_len_at : q_len_at + num],
                          dev[seq_len_at : seq_len_at + num], dev[table_at:].view(num, width),
