@@ -32,8 +32,10 @@ from typing import Any
 from dwdp.worker.engine.graphs import CudaGraphError
 from dwdp.worker.engine.paged import Chunk, KernelLayout, PagedKVCache, StepRows, kernel_attention
 
-MAX_CAPTURE_TOKENS = 2048
-"""The largest bucket (tokens of a step); at most the engine's ``max_num_tokens``."""
+MAX_CAPTURE_TOKENS = 4096
+"""The largest bucket (tokens of a step); at most the engine's ``max_num_tokens``. An eager step
+of the 4-layer benchmark model launches for 9 to 14 ms; its GPU time reaches that near 8K
+tokens."""
 FINE_TOKENS = 256
 """Buckets are powers of two up to this many tokens, then multiples of it."""
 
@@ -93,11 +95,17 @@ class _Bucket:
 
 
 class PiecewiseGraphs:
-    """The piecewise graphs of one ``PagedKVCache`` (kernel mode) and their static inputs:
-    ``longs`` [4, B] int64 on the device (token ids, sampled rows, positions, slots, as
-    ``StepRows.tokens``), B the largest bucket, with a pinned host twin; one static attention
-    output per shape, shared by every layer and bucket (a piece reads it before the next
-    attention writes it). Build with ``PiecewiseGraphs.capture``."""
+    """The piecewise graphs of one ``PagedKVCache`` (kernel mode) and their static tensors.
+
+    - ``longs`` [4, B] int64 on the device (token ids, sampled rows, positions, slots, as
+      ``StepRows.tokens``), B the largest bucket, with a pinned host twin;
+    - ``statics``: per shape (without the token dimension), one static tensor of B tokens for
+      each attention argument (query, key, value: a piece copies them in last) and output,
+      and one for the logits; a bucket of T tokens uses their first T rows. Every layer and
+      bucket shares them (a piece reads them before the next attention writes them), so the
+      graphs' pool holds only the largest bucket's transient activations.
+
+    Build with ``PiecewiseGraphs.capture``."""
 
     def __init__(self, cache: PagedKVCache, *, max_num_tokens: int, max_batch_size: int) -> None:
         import torch
@@ -110,7 +118,7 @@ class PiecewiseGraphs:
         self.longs = torch.zeros((4, size), dtype=torch.long, device=cache.device)
         self.longs[3].fill_(self.scratch_slot)
         self.host = torch.zeros((4, size), dtype=torch.long, pin_memory=self.longs.is_cuda)
-        self.outs: dict[tuple[Any, ...], Any] = {}
+        self.statics: dict[tuple[Any, ...], Any] = {}
         self.steps: dict[int, Any] = {}
         """Each bucket's pieces (a ``_Bucket``: ``run(layout)`` returns its logits)."""
         self.replays = 0
@@ -129,6 +137,24 @@ class PiecewiseGraphs:
             paged=None,
             cache=self.cache,
         )
+
+    def static(self, name: str, like: Any, dim: int, rows: int | None = None) -> Any:
+        """The static tensor ``name`` for tensors like ``like`` (same dtype, sizes and order of
+        strides; ``like`` may be a meta tensor), ``like.shape[dim]`` rows along ``dim`` (the
+        tokens): a view of a tensor of ``rows`` rows (default: the largest bucket's tokens) on
+        the cache's device, allocated at its first use (the warm-up, outside any capture)."""
+        import torch
+
+        order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+        sizes = list(like.shape)
+        sizes[dim] = self.buckets[-1] if rows is None else rows
+        key = (name, like.dtype, tuple(order), tuple(sizes))
+        full = self.statics.get(key)
+        if full is None:
+            base = torch.zeros([sizes[d] for d in order], dtype=like.dtype,
+                               device=self.cache.device)
+            full = self.statics[key] = base.permute([order.index(d) for d in range(like.dim())])
+        return full.narrow(dim, 0, like.shape[dim])
 
     @classmethod
     def capture(
@@ -152,8 +178,9 @@ class PiecewiseGraphs:
             try:
                 side.wait_stream(torch.cuda.current_stream(cache.device))
                 with torch.cuda.stream(side), torch.inference_mode():
-                    for _ in range(2):  # warm-up: lazy initialisations happen outside capture
-                        forward(layout)
+                    # warm-up: lazy initialisations and the static tensors, outside capture
+                    for _ in range(2):
+                        self._logits(forward(replace(layout, split=self._prepare)))
                     self.steps[tokens] = self._capture(layout, forward, pool)
                 torch.cuda.current_stream(cache.device).wait_stream(side)
             except Exception as exc:
@@ -165,36 +192,60 @@ class PiecewiseGraphs:
         torch.cuda.synchronize(cache.device)
         return self
 
+    def _prepare(self, module: Any, query: Any, key: Any, value: Any, scaling: float | None,
+                 window: int | None) -> Any:
+        """``KernelLayout.split`` in the warm-up: allocate the static tensors of this call;
+        returns its static output [1, T, Hq, Dv] (no attention runs)."""
+        for name, arg in (("query", query), ("key", key), ("value", value)):
+            self.static(name, arg, 2)
+        return self._out(query, value)[None]
+
+    def _out(self, query: Any, value: Any) -> Any:
+        """The static attention output [T, Hq, Dv] of ``query`` [1, Hq, T, D] and ``value``
+        [1, Hkv, T, Dv]."""
+        import torch
+
+        like = torch.empty((query.shape[2], query.shape[1], value.shape[3]), dtype=query.dtype,
+                           device="meta")
+        return self.static("out", like, 0)
+
+    def _logits(self, logits: Any) -> Any:
+        """The static logits [rows, vocab] of ``logits``, sized for the most rows a step
+        samples."""
+        return self.static("logits", logits, 0, min(self.buckets[-1], self.max_batch_size))
+
     def _capture(self, layout: KernelLayout, forward: Callable[[KernelLayout], Any],
                  pool: Any) -> _Bucket:
         """One bucket's pieces (on the capture stream): a graph is begun, each attention call
-        ends it and begins the next (``_split``), the forward's end ends the last."""
+        ends it and begins the next (``_split``), the forward's end (its logits copied to the
+        static logits) ends the last."""
         import torch
 
         bucket = _Bucket()
         bucket.graphs.append(torch.cuda.CUDAGraph())
         bucket.graphs[-1].capture_begin(pool=pool)
         try:
-            split = functools.partial(self._split, bucket, pool, layout.input_ids.shape[1])
-            bucket.logits = forward(replace(layout, split=split))
+            logits = forward(replace(layout, split=functools.partial(self._split, bucket, pool)))
+            bucket.logits = self._logits(logits)
+            bucket.logits.copy_(logits)
         finally:
             bucket.graphs[-1].capture_end()
         return bucket
 
-    def _split(self, bucket: _Bucket, pool: Any, tokens: int, module: Any, query: Any,
-               key: Any, value: Any, scaling: float | None, window: int | None) -> Any:
-        """``KernelLayout.split`` while capturing: end the running piece at this attention
-        call, keep its arguments, begin the next piece; returns the static output
-        [1, T, Hq, Dv] the next piece reads."""
+    def _split(self, bucket: _Bucket, pool: Any, module: Any, query: Any, key: Any,
+               value: Any, scaling: float | None, window: int | None) -> Any:
+        """``KernelLayout.split`` while capturing: copy the attention's arguments into their
+        static tensors (the running piece's last work), end the piece, keep the call, begin
+        the next piece; returns the static output [1, T, Hq, Dv] the next piece reads."""
         import torch
 
+        q, k, v = (self.static(name, arg, 2) for name, arg in
+                   (("query", query), ("key", key), ("value", value)))
+        for static, arg in ((q, query), (k, key), (v, value)):
+            static.copy_(arg)
         bucket.graphs[-1].capture_end()
-        shape = (self.buckets[-1], query.shape[1], value.shape[3])
-        key_of = (shape, query.dtype)
-        if key_of not in self.outs:  # outside any capture: an ordinary allocation
-            self.outs[key_of] = torch.zeros(shape, dtype=query.dtype, device=query.device)
-        out = self.outs[key_of][:tokens]
-        bucket.sites.append(_Site(module, query, key, value, scaling, window, out))
+        out = self._out(query, value)
+        bucket.sites.append(_Site(module, q, k, v, scaling, window, out))
         bucket.graphs.append(torch.cuda.CUDAGraph())
         bucket.graphs[-1].capture_begin(pool=pool)
         return out[None]
