@@ -81,11 +81,13 @@ def _params(counts: list[int]) -> list[SamplingParams]:
 
 def _assert_same(got, want) -> None:
     """Greedy tokens equal; logits equal within bf16 rounding (a graph runs the eager step's
-    kernels, a padded one at the bucket's batch size, where a GEMM may tile differently)."""
+    kernels, a padded one at the bucket's size, where a GEMM may tile and round differently:
+    a 69-token prefill padded to 128 tokens moved logits by up to 0.05 on an H100, against
+    0.02 for decode steps padded to their bucket)."""
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids, f"request {i}"
         torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits),
-                                   rtol=2e-2, atol=2e-2, msg=lambda m, i=i: f"request {i}: {m}")
+                                   rtol=2e-2, atol=1e-1, msg=lambda m, i=i: f"request {i}: {m}")
 
 
 def test_replayed_decode_steps_give_the_eager_tokens(loaded):
