@@ -269,8 +269,10 @@ class EngineSpec(ApiModel):
 
     cuda_graphs: Bool | None = Field(
         default=None,
-        description="Replay decode-only steps from CUDA graphs captured per batch-size bucket "
-        "at startup (their memory comes out of the KV cache pool); unset: on for a generation "
+        description="Replay steps from CUDA graphs captured at startup: decode-only steps per "
+        "batch-size bucket, other steps up to 4096 tokens piecewise per token-count bucket "
+        "(attention eager between the pieces); their memory comes out of the KV cache pool. "
+        "Unset: on for a generation "
         "server on CUDA, off otherwise. True needs CUDA and is refused with DWDP on (the "
         "prefetch schedule runs host hooks around every MoE layer).",
     )

@@ -392,10 +392,10 @@ class ContinuousEngine(EngineBase):
 
     def _step(self) -> None:
         """Schedule and launch one forward, settle the previous step's tokens while the GPU
-        runs it, then take this step's tokens. A step that will not replay a CUDA graph (one
-        with a prompt chunk, or any step without graphs) settles first: its launch takes the
-        host milliseconds (every layer eagerly), and the tokens the last step took would wait
-        for it before reaching their streams."""
+        runs it, then take this step's tokens. A step that will not replay CUDA graphs (any
+        step without graphs; one with a prompt chunk without the piecewise graphs) settles
+        first: its launch takes the host milliseconds (every layer eagerly), and the tokens
+        the last step took would wait for it before reaching their streams."""
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.state.aborted:
                 self._end(seq, "abort")
@@ -447,12 +447,15 @@ class ContinuousEngine(EngineBase):
         self._publish_kv_events()
 
     def _replays_next(self) -> bool:
-        """Whether the next step can be a graph replay: graphs captured, no request waiting to
-        join and none of the running ones still in its prompt (``DecodeGraphs.fits`` decides
-        on the step itself)."""
-        sched = self.scheduler
-        return (self.runner.graphs is not None and not sched.waiting
-                and all(seq.pending <= 1 for seq in sched.running))
+        """Whether the next step is likely a graph replay (decided before it is scheduled:
+        ``DecodeGraphs.fits`` and ``PiecewiseGraphs.fits`` decide on the step itself): the
+        piecewise graphs captured (they take any step up to their largest bucket), or the
+        decode graphs with no request waiting to join and none of the running ones still in
+        its prompt."""
+        sched, runner = self.scheduler, self.runner
+        return runner.pieces is not None or (
+            runner.graphs is not None and not sched.waiting
+            and all(seq.pending <= 1 for seq in sched.running))
 
     def _settle(self) -> None:
         """Detokenise and stream the tokens the last step took (``RequestState.settle``); a
