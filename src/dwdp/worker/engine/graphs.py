@@ -25,6 +25,13 @@ from dwdp.worker.engine.paged import Chunk, KernelLayout, PagedKVCache
 class CudaGraphError(RuntimeError):
     """CUDA graphs were asked for (``engine.cudaGraphs``) and cannot be captured here."""
 
+    @classmethod
+    def capturing(cls, what: str, exc: BaseException) -> CudaGraphError:
+        """The one-line error of a failed capture of ``what`` (``the decode step of batch
+        8``): the failure's type and first line."""
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return cls(f"engine.cudaGraphs: capturing {what} failed: {type(exc).__name__}: {first}")
+
 
 @dataclass(frozen=True, slots=True)
 class GraphStats:
@@ -155,11 +162,7 @@ class DecodeGraphs:
                 with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
                     self.logits[batch] = forward(layout)
             except Exception as exc:
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise CudaGraphError(
-                    f"engine.cudaGraphs: capturing the decode step of batch {batch} failed: "
-                    f"{type(exc).__name__}: {first}"
-                ) from exc
+                raise CudaGraphError.capturing(f"the decode step of batch {batch}", exc) from exc
             self.graphs[batch] = graph
         torch.cuda.synchronize(cache.device)
         return self

@@ -184,11 +184,8 @@ class PiecewiseGraphs:
                     self.steps[tokens] = self._capture(layout, forward, pool)
                 torch.cuda.current_stream(cache.device).wait_stream(side)
             except Exception as exc:
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise CudaGraphError(
-                    f"engine.cudaGraphs: capturing the pieces of a {tokens}-token step failed: "
-                    f"{type(exc).__name__}: {first}"
-                ) from exc
+                raise CudaGraphError.capturing(f"the pieces of a {tokens}-token step",
+                                               exc) from exc
         torch.cuda.synchronize(cache.device)
         return self
 
