@@ -73,9 +73,9 @@ def start_cluster(state: Path, *, gpus: int = NODE_GPUS, node_kind: str = "real"
 
     ``node_kind="real"`` (the default): a real node (containerd), whose pods run from images:
     the operator and worker images are built first (``dwdp dev images``; a cold build of the
-    worker takes minutes and about 7 GB of disk), and the worker's is imported under the
-    example's name, ``dwdp-worker:dev``. ``"process"``: process kubelets, pods run from
-    ``.venv``."""
+    worker takes minutes and about 7 GB of disk); the node imports the operator's now and the
+    worker's before the deployment is applied (:func:`import_worker`). ``"process"``: process
+    kubelets, pods run from ``.venv``."""
     from dwdp_dev.devcluster import build, images, tools
     from dwdp_dev.devcluster.cluster import Cluster
     from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
@@ -86,10 +86,20 @@ def start_cluster(state: Path, *, gpus: int = NODE_GPUS, node_kind: str = "real"
     if node_kind == "real":
         for name in ("operator", "worker"):
             images.build_image(name, progress=lambda line: say(f"   {line}"))
-        overrides["node_images"] = ["operator", "worker"]
+        overrides["node_images"] = ["operator"]
     c = Cluster(state)
     up_on_free_pod_net(c, binary, **overrides)
     return TestCluster(c, tools_bin)
+
+
+def import_worker(tc: Any) -> None:
+    """On a real node, import the worker image (under the example's name too,
+    ``dwdp-worker:dev``; about two minutes): not at the cluster's start, so that a demo
+    stopped before it applies the deployment does not wait for it."""
+    if tc.real_node:
+        began = time.monotonic()
+        tc.import_images(["worker"])
+        say(f"   the node imported the worker image in {time.monotonic() - began:.1f} s")
 
 
 def make_model(models: Path) -> Path:
@@ -643,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             f"cache), ready in {time.monotonic() - t_model:.1f} s"
         )
         say(f"== 4/7 kubectl apply -f {EXAMPLE.relative_to(REPO)} (namespace {NAMESPACE})")
+        import_worker(tc)
         tc.kubectl("create", "namespace", NAMESPACE, check=False)
         doc = manifest(models)
         spec = doc["spec"]["context"]

@@ -180,13 +180,18 @@ class TestCluster:
         main = self.container_pid(pod)
         return [main, *descendants(main)]
 
-    def import_images(self) -> None:
-        """Make images built after ``up`` runnable: a real node imports every current image of
-        the store it lacks (minutes for the worker image); process kubelets run no images."""
+    def import_images(self, names: list[str] | None = None) -> None:
+        """Make images built after ``up`` (or left out of its ``node_images``) runnable: a real
+        node imports the current images of the store it lacks, all of them or those ``names``
+        (minutes for the worker image); process kubelets run no images."""
         cfg = self.cluster.config()
         if self.real_node and cfg is not None:
+            from dataclasses import replace
+
             from dwdp_dev.devcluster import realnode
 
+            if names is not None:
+                cfg = replace(cfg, node_images=names)
             realnode.RealNode(self.cluster).import_images(cfg)
 
     def secret_volume(self, pod: dict, volume: str) -> Path:
