@@ -138,8 +138,15 @@ def test_a_refused_creation_retries_the_pod_not_the_secret(
 ) -> None:
     """A quota refuses g1's pod: each retry (5 s, 15 s, ... apart) sends the pod again but
     not its Secret, which the first attempt made (Secrets are never read back, so the
-    operator's loop remembers it)."""
+    operator's loop remembers it). The operator's write counters cover every namespace, so
+    the test first waits until no other DwdpDeployment is left (an earlier module's, in a
+    namespace being deleted, would be reconciled by this operator too)."""
     ns, name = namespace, "rdzvquota"
+    cluster.wait_for(
+        lambda: not cluster.kubectl("get", "dwdp", "-A", "-o", "name").stdout.strip(),
+        timeout=120,
+        message="no DwdpDeployment of an earlier test left",
+    )
     quota = {
         "apiVersion": "v1",
         "kind": "ResourceQuota",
