@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -205,7 +205,7 @@ class KernelLayout(_Masks):
     def build(cls, chunks: Sequence[Chunk], cache: PagedKVCache, device: Any) -> KernelLayout:
         """The layout of ``chunks`` (at least one), in their order: one copy to the device for
         the token data, one for the kernel's request rows."""
-        rows = StepRows.of(chunks, cache.block_size)
+        rows = StepRows.of(chunks, cache.block_size, pin=str(device).startswith("cuda"))
         dev = rows.tokens.to(device, non_blocking=True)
         return cls(
             input_ids=dev[0:1],
@@ -222,7 +222,7 @@ class KernelLayout(_Masks):
 class StepRows:
     """The host data of one kernel step of ``T`` tokens: ``tokens`` [4, T] int64 (token ids,
     the row of each sampling chunk's last token padded with 0, positions, cache slots; pinned
-    when CUDA is there, so that its copy runs asynchronously), ``samples`` (the sampling
+    for a CUDA device, so that its copy runs asynchronously), ``samples`` (the sampling
     chunks), ``fresh`` (the (q0, q1) rows of chunks that start a prompt) and the paged kernel's
     request rows of every other chunk (``q_start``, ``q_len``, ``seq_len``, block ``tables``)."""
 
@@ -235,16 +235,20 @@ class StepRows:
     tables: list[Sequence[int]]
 
     @classmethod
-    def of(cls, chunks: Sequence[Chunk], block_size: int) -> StepRows:
-        """The rows of ``chunks`` (at least one), in their order."""
+    def of(cls, chunks: Sequence[Chunk], block_size: int, *, pin: bool) -> StepRows:
+        """The rows of ``chunks`` (at least one), in their order; ``pin``: the tokens in pinned
+        host memory (for a copy to a CUDA device)."""
         import torch
 
         bs = block_size
         ids: list[int] = []
         small: list[int] = []  # positions then slots of single-token chunks, flushed in order
         parts: list[Any] = []
-        rows = cls(tokens=None, samples=0, fresh=[], q_start=[], q_len=[], seq_len=[],
-                   tables=[])
+        fresh: list[tuple[int, int]] = []
+        q_start: list[int] = []
+        q_len: list[int] = []
+        seq_len: list[int] = []
+        tables: list[Sequence[int]] = []
         sample_at: list[int] = []
         q = 0
         for c in chunks:
@@ -262,21 +266,21 @@ class StepRows:
                 table = torch.tensor(list(c.blocks[: -(-end // bs)]), dtype=torch.long)
                 parts.append(torch.stack([pos, table[pos // bs] * bs + pos % bs]))
             if c.start == 0:
-                rows.fresh.append((q, q + n))
+                fresh.append((q, q + n))
             else:
-                rows.q_start.append(q)
-                rows.q_len.append(n)
-                rows.seq_len.append(end)
-                rows.tables.append(c.blocks[: -(-end // bs)])
+                q_start.append(q)
+                q_len.append(n)
+                seq_len.append(end)
+                tables.append(c.blocks[: -(-end // bs)])
             q += n
             if c.sample:
                 sample_at.append(q - 1)
         if small:
             parts.append(torch.tensor(small, dtype=torch.long).view(-1, 2).T)
-        tokens = torch.empty((4, len(ids)), dtype=torch.long, pin_memory=_can_pin())
+        tokens = torch.empty((4, len(ids)), dtype=torch.long, pin_memory=pin)
         torch.cat([torch.tensor([ids, sample_at + [0] * (len(ids) - len(sample_at))],
                                 dtype=torch.long), torch.cat(parts, dim=1)], out=tokens)
-        return replace(rows, tokens=tokens, samples=len(sample_at))
+        return cls(tokens, len(sample_at), fresh, q_start, q_len, seq_len, tables)
 
     def requests(self, device: Any) -> PagedRequests | None:
         """The paged kernel's rows on ``device``; None when every chunk starts a prompt."""
@@ -285,13 +289,6 @@ class StepRows:
         if not self.q_len:
             return None
         return requests_on(device, self.q_start, self.q_len, self.seq_len, self.tables)
-
-
-def _can_pin() -> bool:
-    """Whether host tensors can be pinned (CUDA is there)."""
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 class PagedKVCache:

@@ -256,7 +256,7 @@ class PiecewiseGraphs:
         """Copy the step's token data into the smallest bucket holding it and run its pieces;
         returns the logits of the sampling chunks [samples, vocab] (a view of the bucket's
         output, valid until the next replay)."""
-        rows = StepRows.of(chunks, self.cache.block_size)
+        rows = StepRows.of(chunks, self.cache.block_size, pin=self.longs.is_cuda)
         n = rows.tokens.shape[1]
         tokens = next(b for b in self.buckets if b >= n)
         self.host[:, :n] = rows.tokens
