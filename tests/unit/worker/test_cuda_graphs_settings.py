@@ -138,3 +138,21 @@ def test_the_measured_graph_pool_replaces_the_estimate(on_a_fake_gpu) -> None:
     shown = RankMemory(measured, pool).status(0)["memory"]
     assert shown["cuda_graphs"] == {"host": 0, "device": 20_480}
     assert list(shown)[-2:] == ["cuda_graphs", "kv_pool"]
+
+
+def test_an_engine_off_cuda_refuses_to_capture_graphs(tmp_path) -> None:
+    """The engine's own guard (the worker refuses the setting earlier): no capture starts on
+    the CPU, and the error is one line naming the device."""
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.engine.graphs import CudaGraphError
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    model, tok = load_checkpoint(make_checkpoint("qwen3_moe", tmp_path / "m", num_experts=4))
+    engine = ContinuousEngine(model, tok, model_name="tiny",
+                              config=EngineConfig(max_model_len=32, cuda_graphs=True))
+    with pytest.raises(CudaGraphError, match=r"^engine\.cudaGraphs: the model is on cpu; CUDA "
+                                             r"graphs need a CUDA device$"):
+        engine.capture_cuda_graphs()
+    assert engine.runner.graphs is None and engine.runner.pieces is None
