@@ -8,8 +8,9 @@
   it (every process, pods included) and removes the folder at the end. Set
   ``DWDP_TEST_STATE_DIR`` to use (and keep running) a cluster in that folder instead. Its
   node offers :data:`SESSION_GPUS` fake ``nvidia.com/gpu``. Its node is a real one
-  (containerd, kubelet, kube-proxy; see realnode.py), which imports the images of the local
-  store (the test rank program's, ``tools/images/rank-standin``, is built first).
+  (containerd, kubelet, kube-proxy; see realnode.py), which imports the operator's image and
+  the test rank program's (``tools/images/rank-standin``, built first) before the first test,
+  and the store's other current images (the worker's) beside the first tests.
 - ``process_cluster`` (session): a second cluster, of process kubelets (pods run as host
   processes, from the host's virtual environment), started when a test asks for it.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
@@ -38,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -74,6 +76,8 @@ class TestCluster:
             "PATH": f"{tools_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         }
         self._api_client = None
+        self._importing: threading.Thread | None = None
+        self.closing = False  # set before the cluster stops: a background import's end is moot
 
     def _run(
         self, tool: str, args: tuple[str, ...], input: str | None, check: bool, timeout: float
@@ -183,16 +187,38 @@ class TestCluster:
     def import_images(self, names: list[str] | None = None) -> None:
         """Make images built after ``up`` (or left out of its ``node_images``) runnable: a real
         node imports the current images of the store it lacks, all of them or those ``names``
-        (minutes for the worker image); process kubelets run no images."""
+        (minutes for the worker image), after the import :meth:`import_in_background` started,
+        if any, has ended; process kubelets run no images."""
+        if self._importing is not None:
+            self._importing.join()
+            self._importing = None
+        self._import(names)
+
+    def import_in_background(self) -> None:
+        """Start, in a thread of its own, importing every current image of the store the real
+        node lacks (the worker image's about two minutes), so the tests that need none run
+        meanwhile; :meth:`import_images` waits for it. A failure there is printed, and the next
+        :meth:`import_images` tries again (and raises)."""
+
+        def work() -> None:
+            try:
+                self._import(None)
+            except Exception as exc:  # the foreground import retries and reports it
+                if not self.closing:
+                    print(f"dwdp dev: background image import failed: {exc}", file=sys.stderr)
+
+        if self.real_node:
+            self._importing = threading.Thread(target=work, name="node-image-import", daemon=True)
+            self._importing.start()
+
+    def _import(self, names: list[str] | None) -> None:
         cfg = self.cluster.config()
         if self.real_node and cfg is not None:
             from dataclasses import replace
 
             from dwdp_dev.devcluster import realnode
 
-            if names is not None:
-                cfg = replace(cfg, node_images=names)
-            realnode.RealNode(self.cluster).import_images(cfg)
+            realnode.RealNode(self.cluster).import_images(replace(cfg, node_images=names))
 
     def secret_volume(self, pod: dict, volume: str) -> Path:
         """The host folder the kubelet mounts as the pod's Secret volume ``volume``."""
@@ -269,13 +295,19 @@ def start_test_cluster(
     overrides: dict[str, Any] = {"node": {"gpus": SESSION_GPUS}, "node_kind": node_kind}
     if node_kind == "real":  # imported by `up`: the operator tests' worker pods run it
         images.build_image("rank-standin", progress=print)
-    if keep:
-        c = Cluster(Path(keep))
-        up_on_free_pod_net(c, binary, **overrides)
-        return TestCluster(c, tools_bin), False
-    c = Cluster(state_dir or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-")))
+        overrides["node_images"] = list(UP_IMAGES)
+    folder = Path(keep) if keep else state_dir
+    c = Cluster(folder or Path(tempfile.mkdtemp(prefix="dwdp-test-cluster-")))
     up_on_free_pod_net(c, binary, **overrides)
-    return TestCluster(c, tools_bin), True
+    tc = TestCluster(c, tools_bin)
+    tc.import_in_background()  # the worker image, while the first tests run
+    return tc, not keep
+
+
+UP_IMAGES = ("operator", "rank-standin")
+"""The images a test cluster's real node imports before its ``up`` returns (the operator
+tests need them at once); the others (the worker's about two minutes) are imported beside
+the first tests (:meth:`TestCluster.import_in_background`)."""
 
 
 def up_on_free_pod_net(c: Cluster, binary: Path, **overrides: Any) -> None:
@@ -402,6 +434,7 @@ def _session_cluster(node_kind: str) -> Iterator[TestCluster]:
         yield tc
     finally:
         if owned:
+            tc.closing = True
             tc.cluster.down(timeout_s=10)
             shutil.rmtree(tc.state_dir, ignore_errors=True)
 
