@@ -124,7 +124,8 @@ def main() -> None:
         ("gather", "register"),
         ("gather", "tma"),
     ]:
-        slot.tensor().fill_(0xA5)
+        slot.tensor().fill_(0xA5)  # on torch's stream: landed before the copy stream writes
+        torch.cuda.synchronize()
         g = backend.resolve_gather(GatherKernel(kernel), 16) if kernel else None
         backend.launch_copies(plan, stream, mode=CopyMode(mode), gather=g)
         stream.synchronize()
