@@ -353,10 +353,20 @@ class RealNode:
             self.state_dir / "pod-logs",
         ):
             d.mkdir(parents=True, exist_ok=True)
+        _write_if_changed(self.state_dir / "containerd.toml", self._containerd_toml())
+        conflist = json.dumps(self._cni_conflist(), indent=1) + "\n"
+        _write_if_changed(self.cni_conf / "10-dwdp.conflist", conflist)
+        kubelet = yaml.safe_dump(self._kubelet_config(cfg), sort_keys=False)
+        _write_if_changed(self.state_dir / "kubelet.yaml", kubelet)
+        # kube-proxy exits when its config file is written, even with the same content
+        proxy = yaml.safe_dump(self._proxy_config(cfg), sort_keys=False)
+        _write_if_changed(self.state_dir / "kube-proxy.yaml", proxy)
+
+    def _containerd_toml(self) -> str:
+        """containerd's configuration: its root, state and socket under the node's folders,
+        the CRI plugin with runc (cgroupfs) and the CNI bridge."""
         cri = 'plugins."io.containerd.grpc.v1.cri"'
-        _write_if_changed(
-            self.state_dir / "containerd.toml",
-            f"""version = 2
+        return f"""version = 2
 root = "{self.containerd_root}"
 state = "{self.net.run_dir / "state"}"
 oom_score = 0
@@ -382,9 +392,11 @@ oom_score = 0
   [{cri}.cni]
     bin_dir = "{CNI_BIN}"
     conf_dir = "{self.cni_conf}"
-""",
-        )
-        cni = {
+"""
+
+    def _cni_conflist(self) -> dict[str, Any]:
+        """The pods' network: the bridge with host-local addresses, and port mappings."""
+        return {
             "cniVersion": "1.0.0",
             "name": "dwdp-pods",
             "plugins": [
@@ -404,8 +416,11 @@ oom_score = 0
                 {"type": "portmap", "capabilities": {"portMappings": True}},
             ],
         }
-        _write_if_changed(self.cni_conf / "10-dwdp.conflist", json.dumps(cni, indent=1) + "\n")
-        kubelet = {
+
+    def _kubelet_config(self, cfg: ClusterConfig) -> dict[str, Any]:
+        """The kubelet's KubeletConfiguration (cgroup v1 hierarchies, no systemd, no swap)."""
+        p = self.cluster.pki
+        return {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
             # cgroup v1 hierarchies (a cgroup2 mount beside them), no systemd, no swap
@@ -451,8 +466,10 @@ oom_score = 0
             "serializeImagePulls": False,
             "featureGates": {"GenericWorkload": True},
         }
-        _write_if_changed(self.state_dir / "kubelet.yaml", yaml.safe_dump(kubelet, sort_keys=False))
-        proxy = {
+
+    def _proxy_config(self, cfg: ClusterConfig) -> dict[str, Any]:
+        """kube-proxy's KubeProxyConfiguration (iptables mode, the host's conntrack left alone)."""
+        return {
             "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
             "kind": "KubeProxyConfiguration",
             "clientConnection": {"kubeconfig": str(self.state_dir / "proxy.kubeconfig")},
@@ -471,9 +488,6 @@ oom_score = 0
             "oomScoreAdj": 0,
             "featureGates": {"GenericWorkload": True},
         }
-        # kube-proxy exits when its config file is written, even with the same content
-        proxy_yaml = yaml.safe_dump(proxy, sort_keys=False)
-        _write_if_changed(self.state_dir / "kube-proxy.yaml", proxy_yaml)
 
     # -- network -------------------------------------------------------------------------
     def _guard_rules(self, cfg: ClusterConfig) -> list[tuple[str, list[str]]]:
