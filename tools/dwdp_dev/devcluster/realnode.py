@@ -617,6 +617,14 @@ oom_score = 0
             self.ctr("images", "import", "-", input=pause_archive(build.build_pause()))
             done.append(PAUSE_IMAGE)
         refs = images._read_refs()
+        stored_names = {entry.get("name") for entry in refs.values()}
+        for name in sorted(set(cfg.node_images or ()) - stored_names):
+            # e.g. another checkout's build of that image replaced this one's (one per name)
+            print(
+                f"dwdp dev: real node: no image {name!r} in the local store {images.store_dir()}"
+                f" to import (`dwdp dev images --only {name}` builds it)",
+                file=sys.stderr,
+            )
         for ref, entry in sorted(refs.items()):
             if cfg.node_images is not None and entry.get("name") not in cfg.node_images:
                 continue
