@@ -1,4 +1,5 @@
-"""Test-suite wide settings: every test gets the marker of the folder it lives in.
+"""Test-suite wide settings: every test gets the marker of the folder it lives in, and the
+modules that run the worker image's pods run last (``_LAST``).
 
 tests/unit -> unit, tests/mp -> mp, tests/cluster -> cluster, tests/gpu -> gpu, so
 ``pytest -m "not gpu"`` (the README test command) and ``pytest -m gpu`` select by folder
@@ -17,6 +18,12 @@ _FOLDER_MARKERS = ("unit", "mp", "cluster", "gpu")
 _TESTS = Path(__file__).parent
 
 
+_LAST = ("cluster/test_e2e_demo.py", "cluster/test_router_pd.py", "cluster/test_worker_image.py")
+"""Modules whose pods run the worker image (torch in up to nine containers at once): run after
+every other test of the session. scripts/test.sh runs the unit tests beside the cluster and
+multi-process ones, and these would share the 2 cores with them; by the end they are done."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         try:
@@ -25,6 +32,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if folder in _FOLDER_MARKERS:
             item.add_marker(getattr(pytest.mark, folder))
+    items.sort(key=_runs_last)  # stable: the others keep their order
+
+
+def _runs_last(item: pytest.Item) -> bool:
+    try:
+        return Path(item.fspath).relative_to(_TESTS).as_posix() in _LAST
+    except ValueError:
+        return False
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
