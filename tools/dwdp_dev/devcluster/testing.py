@@ -11,6 +11,9 @@
   (containerd, kubelet, kube-proxy; see realnode.py), which imports the operator's image and
   the test rank program's (``tools/images/rank-standin``, built first) before the first test,
   and the store's other current images (the worker's) beside the first tests.
+  ``DWDP_TEST_NODE=process`` gives it process kubelets instead, to compare the two nodes'
+  times. Three tests that run images fail there: the Helm install's, the operator image's
+  and the worker image's group test.
 - ``process_cluster`` (session): a second cluster, of process kubelets (pods run as host
   processes, from the host's virtual environment), started when a test asks for it.
 - ``namespace`` (function): a fresh namespace whose default ServiceAccount exists; deleted
@@ -441,8 +444,12 @@ def _session_cluster(node_kind: str) -> Iterator[TestCluster]:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[TestCluster]:
-    """A running local cluster for the whole session (see the module docstring)."""
-    yield from _session_cluster("real")
+    """A running local cluster for the whole session (see the module docstring); its node is
+    a real one, or process kubelets with ``DWDP_TEST_NODE=process`` (to compare the two)."""
+    kind = os.environ.get("DWDP_TEST_NODE", "real")
+    if kind not in ("real", "process"):
+        pytest.fail(f"DWDP_TEST_NODE={kind!r}: real or process", pytrace=False)
+    yield from _session_cluster(kind)
 
 
 @pytest.fixture(scope="session")
