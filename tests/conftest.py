@@ -25,21 +25,20 @@ multi-process ones, and these would share the 2 cores with them; by the end they
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        try:
-            folder = Path(item.fspath).relative_to(_TESTS).parts[0]
-        except ValueError:
-            continue
-        if folder in _FOLDER_MARKERS:
-            item.add_marker(getattr(pytest.mark, folder))
-    items.sort(key=_runs_last)  # stable: the others keep their order
+    where = {item: _in_tests(item) for item in items}
+    for item, path in where.items():
+        if path is not None and path.parts[0] in _FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, path.parts[0]))
+    # stable: the others keep their order
+    items.sort(key=lambda item: (p := where[item]) is not None and p.as_posix() in _LAST)
 
 
-def _runs_last(item: pytest.Item) -> bool:
+def _in_tests(item: pytest.Item) -> Path | None:
+    """The item's module relative to tests/ (None outside it)."""
     try:
-        return Path(item.fspath).relative_to(_TESTS).as_posix() in _LAST
+        return Path(item.fspath).relative_to(_TESTS)
     except ValueError:
-        return False
+        return None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
