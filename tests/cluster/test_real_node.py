@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from dwdp_dev.devcluster import build, clusterdns, images, realnode, tools
+from dwdp_dev.devcluster import build, clusterdns, images, nodestore, realnode, tools
 from dwdp_dev.devcluster.cluster import Cluster, kubernetes_service_ip
 from dwdp_dev.devcluster.testing import TestCluster, up_on_free_pod_net
 
@@ -379,3 +379,36 @@ def test_down_undoes_the_host_changes(real_cluster: TestCluster) -> None:
         ["pgrep", "-f", f"containerd-shim.*{run_dir}"], capture_output=True, text=True
     ).stdout
     assert shims == ""
+
+
+def test_the_next_node_runs_the_images_its_store_kept(
+    real_cluster: TestCluster, operator_image: images.StoredImage, capfd: pytest.CaptureFixture
+) -> None:
+    """After a clean `down` (the module's cluster, stopped by the test before), the store of
+    the cache its containerd ran on serves the next cluster's node: the operator image is not
+    imported again and runs at once, and nothing of the earlier cluster's pods is left in
+    it (no container, no CRI sandbox folder)."""
+    old = real_cluster.state_dir / "containerd"
+    assert old.is_symlink(), "the module's node ran on a store of the cache"
+    store = old.resolve()
+    assert (store / nodestore.CLEAN).exists()
+    state = Path(tempfile.mkdtemp(prefix="dwdp-real-node-again-"))
+    c = Cluster(state)
+    capfd.readouterr()
+    try:
+        up_on_free_pod_net(c, build.build(), node_kind="real", node_images=["operator"])
+        err = capfd.readouterr().err
+        node = realnode.RealNode(c)
+        assert node.containerd_root.resolve() == store  # the first free store, as before
+        assert f"importing {operator_image.reference}" not in err, err
+        assert node.ctr("containers", "ls", "-q").strip() == ""
+        assert not any((store / "io.containerd.grpc.v1.cri").glob("sandboxes/*"))
+        tc = TestCluster(c, tools.ensure_tools())
+        _namespace(tc, "again")
+        tc.apply("again", _pod("web", operator_image.reference, SLEEP))
+        tc.kubectl(
+            "wait", "-n", "again", "--for=condition=Ready", "pod/web", "--timeout=60s", timeout=70
+        )
+    finally:
+        c.down(timeout_s=10)
+        shutil.rmtree(state, ignore_errors=True)

@@ -21,8 +21,10 @@ node adds to the host, and what :meth:`RealNode.down` takes away again:
   the node's veth (pods reach the host, never another machine or another cluster), and the
   apiserver's port, bound on every address so that pods reach it through the ``kubernetes``
   Service, is dropped on the default route's device;
-- containerd, spawned from the cluster (pid file, log) with its root under the state folder and
-  its state and sockets in ``<RUN_ROOT>/<N>`` (unix socket paths are short); cgroupfs, runc,
+- containerd, spawned from the cluster (pid file, log) with its root in a store of the cache
+  that keeps the imported images for the next node (:mod:`.nodestore`; ``<state>/containerd``
+  links to it) and its state and sockets in ``<RUN_ROOT>/<N>`` (unix socket paths are short);
+  cgroupfs, runc,
   overlayfs, ``restrict_oom_score_adj`` (this host has no CAP_SYS_RESOURCE: runc fails to lower
   a sandbox's oom_score_adj otherwise);
 - images: a static pause built from ``go/pause`` and every image of the local OCI store that
@@ -61,7 +63,7 @@ from typing import Any
 
 import yaml
 
-from dwdp_dev.devcluster import build, clusterdns, images, pki
+from dwdp_dev.devcluster import build, clusterdns, images, nodestore, pki
 from dwdp_dev.devcluster.cluster import (
     Cluster,
     ClusterConfig,
@@ -367,7 +369,7 @@ class RealNode:
         the CRI plugin with runc (cgroupfs) and the CNI bridge."""
         cri = 'plugins."io.containerd.grpc.v1.cri"'
         return f"""version = 2
-root = "{self.containerd_root}"
+root = "{self.containerd_root.resolve()}"
 state = "{self.net.run_dir / "state"}"
 oom_score = 0
 [grpc]
@@ -543,23 +545,30 @@ oom_score = 0
         self.net.run_dir.mkdir(parents=True, exist_ok=True)
         (self.net.run_dir / "owner").write_text(f"{self.state_dir}\n")
         self._record_host()
-        self._write_configs(cfg)
-        # the namespace, its routes and the guards before anything may send to a ClusterIP
-        self._network_up(cfg)
-        self._cgroups_up()
         running = self.cluster.running()
         enter = self.net.enter
-        if "containerd" not in running:
-            pid = self.cluster.spawn(
-                "containerd",
-                [*enter, "containerd", "--config", str(self.state_dir / "containerd.toml")],
-            )
-            self.cluster.wait_for_component(
-                "containerd",
-                pid,
-                lambda: self.socket.exists() and self.ctr("version", check=False) != "",
-                timeout_s,
-            )
+        # a store of the cache for containerd's root (images kept between clusters), held
+        # until containerd has opened it
+        with (
+            nodestore.claimed(self.containerd_root)
+            if "containerd" not in running
+            else contextlib.nullcontext(self.containerd_root)
+        ):
+            self._write_configs(cfg)
+            # the namespace, its routes and the guards before anything may send to a ClusterIP
+            self._network_up(cfg)
+            self._cgroups_up()
+            if "containerd" not in running:
+                pid = self.cluster.spawn(
+                    "containerd",
+                    [*enter, "containerd", "--config", str(self.state_dir / "containerd.toml")],
+                )
+                self.cluster.wait_for_component(
+                    "containerd",
+                    pid,
+                    lambda: self.socket.exists() and self.ctr("version", check=False) != "",
+                    timeout_s,
+                )
         self.import_images(cfg)
         if "coredns" not in running:
             self._start_dns(cfg, timeout_s)
@@ -670,8 +679,17 @@ oom_score = 0
             self.ctr("images", "tag", "--force", ref, stored.image_id)
             for name in images.LOCAL_NAMES.get(str(entry.get("name")), ()):
                 self.ctr("images", "tag", "--force", ref, _qualified(name))
+            self._drop_other_digests(stored)
             done.append(ref)
         return done
+
+    def _drop_other_digests(self, stored: images.StoredImage) -> None:
+        """Remove the names of ``stored``'s repository that hold another digest (an earlier
+        build, kept by a store of the cache): containerd then collects its blobs and
+        snapshots, so a store keeps one copy of each image."""
+        for name in self.ctr("images", "ls", "-q").split():
+            if name.startswith(f"{stored.repository}@") and name != stored.image_id:
+                self.ctr("images", "rm", name, check=False)
 
     def after_ready(self, cfg: ClusterConfig) -> None:
         """Patch the fake ``nvidia.com/gpu`` capacity into the Node's status (lost whenever
@@ -713,12 +731,16 @@ oom_score = 0
         stop_pids([running[n] for n in ("kube-proxy", "coredns") if n in running], timeout_s)
         if "node-kubelet" in running:
             stop_pids([running["node-kubelet"]], timeout_s)
-        netns = set()
+        netns: set[str] = set()
+        emptied = False
         if "containerd" in running:
             netns = self._kill_containers()
+            emptied = self._holds_no_container()
         shims = self._shim_pids()
         if "containerd" in running:
             stop_pids([running["containerd"]], timeout_s)
+            if emptied:
+                nodestore.mark_clean(self.containerd_root)  # its images serve the next node
         stop_pids([p for p in shims if _is_shim(p)], 5.0)
         self._unmount()
         for ns in netns:
@@ -773,6 +795,13 @@ oom_score = 0
             self.ctr("containers", "rm", cid, check=False)
         return netns
 
+    def _holds_no_container(self) -> bool:
+        """Whether containerd answers that it holds no container (no sandbox either)."""
+        try:
+            return not self.ctr("containers", "ls", "-q").strip()
+        except RealNodeError:
+            return False
+
     def _shim_pids(self) -> list[int]:
         pids = []
         for f in (self.net.run_dir / "state").glob("io.containerd.runtime.v2.task/*/*/shim.pid"):
@@ -781,7 +810,7 @@ oom_score = 0
         return pids
 
     def _unmount(self) -> None:
-        roots = (str(self.kubelet_root), str(self.containerd_root), str(self.net.run_dir))
+        roots = (str(self.kubelet_root), str(self.containerd_root.resolve()), str(self.net.run_dir))
         mounts = []
         for line in Path("/proc/mounts").read_text().splitlines():
             target = line.split()[1].encode().decode("unicode_escape")
