@@ -147,8 +147,8 @@ def _node(cluster: TestCluster) -> dict:
 def test_node_is_real_and_ready(real_cluster: TestCluster) -> None:
     """One Ready node run by containerd, with the fake GPUs patched in; its Service range is
     routed to a local device, the veth into the node's namespace (no packet for a ClusterIP
-    takes the default route off the machine); `dwdp dev status` reports the node's
-    components."""
+    takes the default route off the machine); its cgroup root has the node's CPU weight;
+    `dwdp dev status` reports the node's components."""
     node = _node(real_cluster)
     assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
     assert node["status"]["nodeInfo"]["kubeletVersion"] == build.kubernetes_version()
@@ -161,6 +161,9 @@ def test_node_is_real_and_ready(real_cluster: TestCluster) -> None:
     local = subprocess.run(["ip", "-o", "link", "show", net.host_veth], capture_output=True,
                            text=True).stdout
     assert "link/ether" in local and "link-netns" in local, local  # its peer: the node's
+    # its pods together weigh as several host processes, not as one (cgroup v1 cpu.shares)
+    shares = [h / net.cgroup.lstrip("/") / "cpu.shares" for h in realnode.cgroup_hierarchies()]
+    assert [int(p.read_text()) for p in shares if p.exists()] == [realnode.NODE_CPU_SHARES]
     proc = subprocess.run(
         [sys.executable, "-m", "dwdp", "dev", "status", "--state-dir", str(real_cluster.state_dir)],
         capture_output=True,

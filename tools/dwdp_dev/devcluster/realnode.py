@@ -96,6 +96,12 @@ SYNC_FREQUENCY = "5s"
 """The local node's kubelet sync period (``syncFrequency``): at most how late a rotated Secret
 reaches a running pod's volume (the default, one minute, made the rotated-key test wait 59.5
 and 78.9 s)."""
+NODE_CPU_SHARES = 8192
+"""The CPU weight (cgroup v1 ``cpu.shares``) of the node's cgroup root, where all its pods run.
+The default, 1024, is the weight of one busy process of the host: beside the unit tests (whose
+torch threads run in the host's root cgroup) the nine pods of the demo deployment then shared
+one process's part of the CPU. 8192 gives them together about the weight they had as nine
+host processes under the process kubelet; inside, the kubelet divides it by requests."""
 COMPONENTS = ("containerd", "node-kubelet", "kube-proxy", "coredns")
 """The pid-file names of the real node's processes."""
 
@@ -532,10 +538,15 @@ oom_score = 0
                 _sh(ipt, "-I", rule[0], "1", *rule[1:])
 
     def _cgroups_up(self) -> None:
-        """The node's cgroup root in every hierarchy (the kubelet refuses a missing one)."""
+        """The node's cgroup root in every hierarchy (the kubelet refuses a missing one),
+        with the CPU weight of :data:`NODE_CPU_SHARES` (cgroup v1 ``cpu.shares``)."""
         for hierarchy in cgroup_hierarchies():
+            root = hierarchy / self.net.cgroup.lstrip("/")
             with contextlib.suppress(OSError):
-                (hierarchy / self.net.cgroup.lstrip("/")).mkdir(exist_ok=True)
+                root.mkdir(exist_ok=True)
+            if (root / "cpu.shares").exists():
+                with contextlib.suppress(OSError):
+                    (root / "cpu.shares").write_text(f"{NODE_CPU_SHARES}\n")
 
     # -- start ---------------------------------------------------------------------------
     def up(self, cfg: ClusterConfig, binary: Path, timeout_s: float) -> None:
