@@ -9,12 +9,16 @@ side by side); its last test stops it and checks what is left on the host.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import io
 import json
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 import urllib.request
@@ -361,6 +365,50 @@ def test_cluster_dns_answers_pods(
         f"import socket; print(socket.gethostbyaddr({rank_ip!r})[0])",
     ).stdout.strip()
     assert reverse == f"r0.ranks.{ns}.svc.{clusterdns.DOMAIN}"
+
+
+def _image_archive(name: str, content: bytes, tmp: Path) -> bytes:
+    """A one-layer image archive (``ctr images import``) named ``name`` whose layer holds
+    ``content``: the pause image's format under another name."""
+    binary = tmp / "program"
+    binary.write_bytes(content)
+    src, out = io.BytesIO(realnode.pause_archive(binary)), io.BytesIO()
+    with tarfile.open(fileobj=src) as tin, tarfile.open(fileobj=out, mode="w") as tout:
+        for member in tin.getmembers():
+            data = tin.extractfile(member).read()  # type: ignore[union-attr]
+            if member.name == "index.json":
+                data = data.replace(realnode.PAUSE_IMAGE.encode(), name.encode())
+                member.size = len(data)
+            tout.addfile(member, io.BytesIO(data))
+    return out.getvalue()
+
+
+def test_an_import_drops_the_repositorys_earlier_builds(
+    real_cluster: TestCluster, operator_image: images.StoredImage, tmp_path: Path
+) -> None:
+    """A store of the cache keeps one build of each image: importing an image removes the
+    names of its repository that hold another digest, and the image ID name
+    (``sha256:...``, which the CRI plugin gives every image) that would alone keep that build;
+    its blobs are collected at once. The image's own names and the pause image stay."""
+    node = realnode.RealNode(real_cluster.cluster)
+    repo = operator_image.repository
+    earlier = f"{repo}:earlier"
+    node.ctr("images", "import", "-", input=_image_archive(earlier, b"an earlier build", tmp_path))
+    rows = [line.split() for line in node.ctr("images", "ls").splitlines()[1:]]
+    digest = next(row[2] for row in rows if row[0] == earlier)
+    # what a store holds of an earlier build once its tag moved on: its digest and ID names
+    names = (f"{repo}@{digest}", "sha256:" + hashlib.sha256(b"its config").hexdigest())
+    for name in names:
+        node.ctr("images", "tag", "--force", earlier, name)
+    node.ctr("images", "rm", earlier, operator_image.reference)  # the reference: imported again
+    cfg = real_cluster.cluster.config()
+    assert cfg is not None
+    done = node.import_images(dataclasses.replace(cfg, node_images=["operator"]))
+    assert done == [operator_image.reference]
+    left = node.ctr("images", "ls", "-q").split()
+    assert not set(names) & set(left), left
+    assert {operator_image.reference, operator_image.image_id, realnode.PAUSE_IMAGE} <= set(left)
+    assert digest.partition(":")[2] not in node.ctr("content", "ls", "-q")
 
 
 def test_down_undoes_the_host_changes(real_cluster: TestCluster) -> None:

@@ -690,17 +690,32 @@ oom_score = 0
             self.ctr("images", "tag", "--force", ref, stored.image_id)
             for name in images.LOCAL_NAMES.get(str(entry.get("name")), ()):
                 self.ctr("images", "tag", "--force", ref, _qualified(name))
-            self._drop_other_digests(stored)
+            self._drop_earlier_builds(stored)
             done.append(ref)
         return done
 
-    def _drop_other_digests(self, stored: images.StoredImage) -> None:
+    def _drop_earlier_builds(self, stored: images.StoredImage) -> None:
         """Remove the names of ``stored``'s repository that hold another digest (an earlier
-        build, kept by a store of the cache): containerd then collects its blobs and
-        snapshots, so a store keeps one copy of each image."""
-        for name in self.ctr("images", "ls", "-q").split():
-            if name.startswith(f"{stored.repository}@") and name != stored.image_id:
-                self.ctr("images", "rm", name, check=False)
+        build, kept by a store of the cache), and the names of any image then known only by
+        its ID (the CRI plugin names every image ``sha256:<config digest>`` too, which alone
+        keeps it), and collect their blobs and snapshots at once (``--sync``; containerd's
+        collector would otherwise wait for 100 changes): a store keeps one build of each
+        image."""
+        rows = [line.split()[:3] for line in self.ctr("images", "ls").splitlines()[1:]]
+        stale = {
+            name
+            for name, _, _ in rows
+            if name.startswith(f"{stored.repository}@") and name != stored.image_id
+        }
+        names_of: dict[str, list[str]] = {}
+        for name, _, digest in rows:
+            if name not in stale:
+                names_of.setdefault(digest, []).append(name)
+        for names in names_of.values():
+            if all(name.startswith("sha256:") for name in names):
+                stale.update(names)
+        if stale:
+            self.ctr("images", "rm", "--sync", *sorted(stale), check=False)
 
     def after_ready(self, cfg: ClusterConfig) -> None:
         """Patch the fake ``nvidia.com/gpu`` capacity into the Node's status (lost whenever
