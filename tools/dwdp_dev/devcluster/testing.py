@@ -187,15 +187,16 @@ class TestCluster:
         main = self.container_pid(pod)
         return [main, *descendants(main)]
 
-    def import_images(self, names: list[str] | None = None) -> None:
+    def import_images(self, names: list[str] | None = None) -> list[str]:
         """Make images built after ``up`` (or left out of its ``node_images``) runnable: a real
         node imports the current images of the store it lacks, all of them or those ``names``
         (minutes for the worker image), after the import :meth:`import_in_background` started,
-        if any, has ended; process kubelets run no images."""
+        if any, has ended; process kubelets run no images. Returns the references imported
+        (none where the node's image store holds them already)."""
         if self._importing is not None:
             self._importing.join()
             self._importing = None
-        self._import(names)
+        return self._import(names)
 
     def import_in_background(self) -> None:
         """Start, in a thread of its own, importing every current image of the store the real
@@ -214,14 +215,15 @@ class TestCluster:
             self._importing = threading.Thread(target=work, name="node-image-import", daemon=True)
             self._importing.start()
 
-    def _import(self, names: list[str] | None) -> None:
+    def _import(self, names: list[str] | None) -> list[str]:
         cfg = self.cluster.config()
-        if self.real_node and cfg is not None:
-            from dataclasses import replace
+        if not (self.real_node and cfg is not None):
+            return []
+        from dataclasses import replace
 
-            from dwdp_dev.devcluster import realnode
+        from dwdp_dev.devcluster import realnode
 
-            realnode.RealNode(self.cluster).import_images(replace(cfg, node_images=names))
+        return realnode.RealNode(self.cluster).import_images(replace(cfg, node_images=names))
 
     def secret_volume(self, pod: dict, volume: str) -> Path:
         """The host folder the kubelet mounts as the pod's Secret volume ``volume``."""
