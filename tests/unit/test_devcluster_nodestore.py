@@ -81,3 +81,15 @@ def test_a_store_claimed_meanwhile_is_not_marked_clean(tmp_path: Path) -> None:
     with _containerd_holds(store):  # another node's containerd runs on it now
         nodestore.mark_clean(root)
     assert not (store / nodestore.CLEAN).exists()
+
+
+def test_a_store_left_cleanly_goes_before_one_a_killed_node_left(tmp_path: Path) -> None:
+    top = nodestore.store_dir()
+    with nodestore.claimed(tmp_path / "a" / "containerd") as first:
+        (first / "image-blob").write_text("a killed node's")
+    with _containerd_holds(first), nodestore.claimed(tmp_path / "b" / "containerd") as second:
+        (second / "image-blob").write_text("kept")
+    nodestore.mark_clean(tmp_path / "b" / "containerd")  # only the second went down cleanly
+    with nodestore.claimed(tmp_path / "c" / "containerd") as got:
+        assert got == second == top / "1" and (got / "image-blob").read_text() == "kept"
+    assert (first / "image-blob").exists()  # not emptied: nobody needed it

@@ -68,13 +68,17 @@ def claimed(root: Path) -> Iterator[Path]:
     """Make ``root`` (a node's ``<state>/containerd``) a link to a free store and yield the
     store; or, with every store in use, a plain folder, yielded as it is. The claim is
     exclusive until the block ends: start containerd inside it, so that its lock is held
-    before another node looks for a free store. A store whose last node did not go down
-    cleanly is emptied first. Raises OSError if the folders cannot be made."""
+    before another node looks for a free store. A free store left cleanly is taken before one
+    a killed node left, which is emptied first. Raises OSError if the folders cannot be
+    made."""
     top = store_dir()
     top.mkdir(parents=True, exist_ok=True)
     with open(top / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        free = next((s for s in (top / str(n) for n in range(SLOTS)) if not in_use(s)), None)
+        free_stores = [s for s in (top / str(n) for n in range(SLOTS)) if not in_use(s)]
+        # a store left cleanly first: one a killed node left is emptied (its images imported
+        # again)
+        free = next(iter(sorted(free_stores, key=lambda s: not (s / CLEAN).exists())), None)
         if root.is_symlink() or (free is not None and root.exists()):
             _remove(root)
         if free is None:
