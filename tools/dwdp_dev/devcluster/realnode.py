@@ -24,9 +24,10 @@ node adds to the host, and what :meth:`RealNode.down` takes away again:
 - containerd, spawned from the cluster (pid file, log) with its root in a store of the cache
   that keeps the imported images for the next node (:mod:`.nodestore`; ``<state>/containerd``
   links to it) and its state and sockets in ``<RUN_ROOT>/<N>`` (unix socket paths are short);
-  cgroupfs, runc,
-  overlayfs, ``restrict_oom_score_adj`` (this host has no CAP_SYS_RESOURCE: runc fails to lower
-  a sandbox's oom_score_adj otherwise);
+  cgroupfs, runc, overlayfs, ``restrict_oom_score_adj`` (this host has no CAP_SYS_RESOURCE:
+  runc fails to lower a sandbox's oom_score_adj otherwise);
+- the node's cgroup root (``/dwdp-node-<N>`` in every hierarchy) with the CPU weight
+  :data:`NODE_CPU_SHARES`;
 - images: a static pause built from ``go/pause`` and every image of the local OCI store that
   is current (:func:`images.lookup`), imported into containerd's ``k8s.io`` namespace under
   their references and ``<repo>@<manifest digest>``; unchanged ones are not imported again;
