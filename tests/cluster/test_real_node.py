@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import re
 import shutil
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import textwrap
 import urllib.request
@@ -367,22 +365,6 @@ def test_cluster_dns_answers_pods(
     assert reverse == f"r0.ranks.{ns}.svc.{clusterdns.DOMAIN}"
 
 
-def _image_archive(name: str, content: bytes, tmp: Path) -> bytes:
-    """A one-layer image archive (``ctr images import``) named ``name`` whose layer holds
-    ``content``: the pause image's format under another name."""
-    binary = tmp / "program"
-    binary.write_bytes(content)
-    src, out = io.BytesIO(realnode.pause_archive(binary)), io.BytesIO()
-    with tarfile.open(fileobj=src) as tin, tarfile.open(fileobj=out, mode="w") as tout:
-        for member in tin.getmembers():
-            data = tin.extractfile(member).read()  # type: ignore[union-attr]
-            if member.name == "index.json":
-                data = data.replace(realnode.PAUSE_IMAGE.encode(), name.encode())
-                member.size = len(data)
-            tout.addfile(member, io.BytesIO(data))
-    return out.getvalue()
-
-
 def test_an_import_drops_the_repositorys_earlier_builds(
     real_cluster: TestCluster, operator_image: images.StoredImage, tmp_path: Path
 ) -> None:
@@ -393,7 +375,9 @@ def test_an_import_drops_the_repositorys_earlier_builds(
     node = realnode.RealNode(real_cluster.cluster)
     repo = operator_image.repository
     earlier = f"{repo}:earlier"
-    node.ctr("images", "import", "-", input=_image_archive(earlier, b"an earlier build", tmp_path))
+    program = tmp_path / "program"  # a layer of its own: blobs no other image holds
+    program.write_bytes(b"an earlier build")
+    node.ctr("images", "import", "-", input=realnode.pause_archive(program, earlier))
     rows = [line.split() for line in node.ctr("images", "ls").splitlines()[1:]]
     digest = next(row[2] for row in rows if row[0] == earlier)
     # what a store holds of an earlier build once its tag moved on: its digest and ID names

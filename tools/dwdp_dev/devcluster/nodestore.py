@@ -78,7 +78,7 @@ def claimed(root: Path) -> Iterator[Path]:
         free_stores = [s for s in (top / str(n) for n in range(SLOTS)) if not in_use(s)]
         # a store left cleanly first: one a killed node left is emptied (its images imported
         # again)
-        free = next(iter(sorted(free_stores, key=lambda s: not (s / CLEAN).exists())), None)
+        free = min(free_stores, key=lambda s: not (s / CLEAN).exists(), default=None)
         if root.is_symlink() or (free is not None and root.exists()):
             _remove(root)
         if free is None:

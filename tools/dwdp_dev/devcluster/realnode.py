@@ -196,9 +196,9 @@ def cgroup_hierarchies() -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- images
-def pause_archive(binary: Path) -> bytes:
+def pause_archive(binary: Path, name: str = PAUSE_IMAGE) -> bytes:
     """A one-layer OCI image archive (what ``ctr image import`` reads) of the static pause
-    ``binary`` as ``/pause``, named :data:`PAUSE_IMAGE`."""
+    ``binary`` as ``/pause``, named ``name``."""
 
     def sha(b: bytes) -> str:
         return "sha256:" + hashlib.sha256(b).hexdigest()
@@ -249,7 +249,7 @@ def pause_archive(binary: Path) -> bytes:
                     "mediaType": "application/vnd.oci.image.manifest.v1+json",
                     "digest": sha(manifest),
                     "size": len(manifest),
-                    "annotations": {"io.containerd.image.name": PAUSE_IMAGE},
+                    "annotations": {"io.containerd.image.name": name},
                 }
             ],
         }
