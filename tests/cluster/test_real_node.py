@@ -395,6 +395,29 @@ def test_an_import_drops_the_repositorys_earlier_builds(
     assert digest.partition(":")[2] not in node.ctr("content", "ls", "-q")
 
 
+def test_an_image_missing_from_the_store_is_named_not_skipped_silently(
+    real_cluster: TestCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """An image the node should import that the local store no longer holds (another
+    checkout's build replaced it: one image per name) gets one line naming it and the command
+    that builds it; the node's containerd is left as it was."""
+    node = realnode.RealNode(real_cluster.cluster)
+    cfg = real_cluster.cluster.config()
+    assert cfg is not None
+    before = node.ctr("images", "ls", "-q")
+    monkeypatch.setenv("DWDP_CACHE_DIR", str(tmp_path))  # a local store without images
+    capsys.readouterr()
+    assert node.import_images(dataclasses.replace(cfg, node_images=["operator"])) == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "no image 'operator' in the local store" in err
+    assert "`dwdp dev images --only operator` builds it" in err
+    assert node.ctr("images", "ls", "-q") == before
+
+
 def test_down_undoes_the_host_changes(real_cluster: TestCluster) -> None:
     """`down` stops every process (pods, kubelet, kube-proxy, containerd and its shims) and
     leaves routes, links, network namespaces, iptables rules, sysctls and cgroups as they were

@@ -215,30 +215,3 @@ def test_up_refuses_an_image_the_checkout_does_not_build(
     assert err.count("\n") == 1 and "no image 'nosuchimage'" in err
     assert not state.exists()
 
-
-def test_an_image_missing_from_the_store_is_named_not_skipped_silently(
-    tmp_path: Path, capsys, monkeypatch
-) -> None:
-    """An image the node should import that the store no longer holds (another checkout's
-    build replaced it: one image per name) gets one line naming it and the command that
-    builds it; the node imports nothing in its place."""
-    from dwdp_dev.devcluster import images
-
-    c = Cluster(tmp_path)
-    cfg = dataclasses.replace(_real_cfg(), node_images=["operator"])
-    cfg.save(c.config_path)
-    node = realnode.RealNode(c)
-    calls: list[tuple[str, ...]] = []
-
-    def ctr(*args: str, check: bool = True, input: bytes | None = None) -> str:
-        calls.append(args)
-        return realnode.PAUSE_IMAGE  # containerd holds the pause image only
-
-    monkeypatch.setattr(node, "ctr", ctr)
-    monkeypatch.setattr(images, "_read_refs", lambda: {})
-    assert node.import_images(cfg) == []
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert "no image 'operator' in the local store" in err
-    assert "`dwdp dev images --only operator` builds it" in err
-    assert calls == [("images", "ls")]
