@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import json
 import random
+import socket
 import statistics
 import sys
 import threading
@@ -102,12 +103,47 @@ async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) 
 
 
 @contextlib.contextmanager
-def serving(engine) -> Iterator[str]:
-    """The (started) engine behind the OpenAI app on a free loopback port; yields its URL."""
+def serving(engine, *, api_process: bool = True) -> Iterator[str]:
+    """The (started) engine behind the OpenAI app on a free loopback port; yields its URL.
+
+    As a rank serves it (``api_process``): the HTTP routes in an API server process
+    (``dwdp.worker.server.api_process``, its tokenizer read from the engine tokenizer's
+    directory), the engine in this one. Otherwise the app in a thread of this process."""
     from dwdp.worker.server.app import build_app
 
-    with serving_app(build_app(engine, served_name="bench")) as base:
+    if not api_process:
+        with serving_app(build_app(engine, served_name="bench")) as base:
+            yield base
+        return
+    import httpx
+
+    from dwdp.worker.server.run import serve_with_api_process
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    fields = {"host": "127.0.0.1", "port": port, "tokenizer": engine.tokenizer.name_or_path,
+              "model_name": engine.model_name, "served_name": "bench",
+              "max_model_len": engine.max_model_len}
+    holder: dict[str, Any] = {}
+    thread = threading.Thread(target=serve_with_api_process, daemon=True, args=(
+        build_app(engine, served_name="bench", openai=False), engine, fields),
+        kwargs={"stop_engine": lambda: None, "server_holder": holder})
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert thread.is_alive() and time.monotonic() < deadline, "the API process never served"
+        try:
+            if httpx.get(base + "/ready", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    try:
         yield base
+    finally:
+        holder["stop"]()
+        thread.join(120)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,10 @@
 """Prefix caching through HTTP: the engine with ``prefix_caching`` on against the same engine
 with it off, on one device, in one run.
 
-Two workloads, each served by both engines (uvicorn on 127.0.0.1, the OpenAI app; one engine
-per setting serves both, ``sequential`` first):
+Two workloads, each served by both engines (on 127.0.0.1 as a rank serves: the OpenAI app in an
+API server process, the engine in the bench's; ``--http in-process`` serves the app from a thread
+of the engine's process instead, ``both`` does both in turn; one engine per setting serves
+everything, ``sequential`` first):
 
 - ``sequential``: six requests sharing a ``--prefix``-token prefix (1536) plus 16 unique tokens
   each, answered one after another (greedy, 4 output tokens), after two warm-up requests of
@@ -10,7 +12,8 @@ per setting serves both, ``sequential`` first):
   each request's latency and ``usage.prompt_tokens_details.cached_tokens``, the warm requests'
   median latency over the first one's, and whether every answer equals the engine without
   caching.
-- ``shared`` (a shared system prompt): ``--shared-requests`` (64) requests of a 2048-token
+- ``shared`` (a shared system prompt): ``--shared-requests`` (256: over 64, the p50 of one run
+  moved by a fifth from one run to the next) requests of a 2048-token
   shared prefix plus 128 unique tokens, 64 output tokens, EOS ignored, at concurrency 16
   (streaming clients of ``bench/gpu_serve.py``, in a process of their own, so their parsing
   of the streams does not take the server's interpreter lock). Reported: time to first token
@@ -26,6 +29,7 @@ experts, bf16, the worker's kernels); on the CPU a small float32 Qwen3-MoE (hidd
 experts of 128, 4 layers), big enough that a prefill costs more than an HTTP round trip.
 
 Usage: python bench/prefix_cache.py [--device cuda|cpu] [--layers 4] [--out bench/results]
+                                    [--http api-process|in-process|both]
                                     [--skip sequential,shared]
 Writes OUT/prefix_cache.json and OUT/prefix_cache.txt (OUT/prefix_cache-cpu.* on the CPU).
 """
@@ -141,6 +145,21 @@ def server_ttft(base: str) -> tuple[float, float]:
     return got["sum"], got["count"]
 
 
+def shared(eng: Any, base: str, warm: list, load: list) -> dict:
+    """The ``shared`` workload against ``eng`` served at ``base``: the clients' figures, the
+    engine's steps and graph replays, and the server's mean TTFT."""
+    with client_process() as clients:
+        clients.submit(drive_blocking, base, warm, 2).result()
+        steps, replays = eng.stats.waves, eng.stats.graph_replays
+        ttft = server_ttft(base)
+        row = clients.submit(drive_blocking, base, load, SHARED_CONCURRENCY).result()
+    row["steps"] = eng.stats.waves - steps
+    row["graph_replays"] = eng.stats.graph_replays - replays
+    total, count = (a - b for a, b in zip(server_ttft(base), ttft, strict=True))
+    row["server_ttft_mean_s"] = total / count if count else None
+    return row
+
+
 def measure(model: Any, tok: Any, args: argparse.Namespace) -> dict:
     """Both workloads (those ``--skip`` leaves) against the engine with caching off, then on:
     one engine per setting serves both, the ``sequential`` one first."""
@@ -149,23 +168,17 @@ def measure(model: Any, tok: Any, args: argparse.Namespace) -> dict:
     shared_warm, shared_load = shared_work(vocab, args)
     seq: dict[str, Any] = {}
     sh: dict[str, Any] = {}
+    modes = {"api-process": [True], "in-process": [False], "both": [True, False]}[args.http]
     for name, caching in (("off", False), ("on", True)):
         eng = engine(model, tok, caching=caching)
         try:
-            with serving(eng) as base:
-                if "sequential" not in args.skip:
-                    seq[name] = sequential(base, seq_warm, seq_prompts)
-                if "shared" not in args.skip:
-                    with client_process() as clients:
-                        clients.submit(drive_blocking, base, shared_warm, 2).result()
-                        steps, replays = eng.stats.waves, eng.stats.graph_replays
-                        ttft = server_ttft(base)
-                        sh[name] = clients.submit(drive_blocking, base, shared_load,
-                                                  SHARED_CONCURRENCY).result()
-                    sh[name]["steps"] = eng.stats.waves - steps
-                    sh[name]["graph_replays"] = eng.stats.graph_replays - replays
-                    total, count = (a - b for a, b in zip(server_ttft(base), ttft, strict=True))
-                    sh[name]["server_ttft_mean_s"] = total / count if count else None
+            for apart in modes:
+                key = name if apart else f"{name}/in-process"
+                with serving(eng, api_process=apart) as base:
+                    if "sequential" not in args.skip and apart == modes[0]:
+                        seq[name] = sequential(base, seq_warm, seq_prompts)
+                    if "shared" not in args.skip:
+                        sh[key] = shared(eng, base, shared_warm, shared_load)
         finally:
             eng.stop()
     result: dict[str, Any] = {}
@@ -176,7 +189,10 @@ def measure(model: Any, tok: Any, args: argparse.Namespace) -> dict:
         seq["answers_equal"] = [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
         result["sequential"] = seq
     if sh:
-        sh["ttft_p50_off_over_on"] = sh["off"]["ttft_p50_s"] / sh["on"]["ttft_p50_s"]
+        for suffix in ("", "/in-process"):
+            if f"off{suffix}" in sh:
+                sh[f"ttft_p50_off_over_on{suffix}"] = (sh[f"off{suffix}"]["ttft_p50_s"]
+                                                       / sh[f"on{suffix}"]["ttft_p50_s"])
         result["shared"] = sh
     return result
 
@@ -200,13 +216,15 @@ def report(result: dict, args: argparse.Namespace) -> str:
                      f"output tokens, concurrency {SHARED_CONCURRENCY}")
         lines.append(f"{'caching':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'out tok/s':>10} "
                      f"{'steps':>6} {'graphs':>6}")
-        for name in ("off", "on"):
+        rows = [k for k in sh if isinstance(sh[k], dict)]
+        for name in rows:
             r = sh[name]
             lines.append(f"{name:>8} {r['ttft_p50_s'] * 1e3:>8.1f}ms "
                          f"{r['ttft_p99_s'] * 1e3:>8.1f}ms {r['output_tokens_per_s']:>10.1f} "
                          f"{r.get('steps', 0):>6} {r.get('graph_replays', 0):>6}")
-        lines.append(f"TTFT p50 off / on = {sh['ttft_p50_off_over_on']:.2f}")
-        for name in ("off", "on"):
+        for key in (k for k in sh if k.startswith("ttft_p50_off_over_on")):
+            lines.append(f"TTFT p50 off / on{key[len('ttft_p50_off_over_on'):]} = {sh[key]:.2f}")
+        for name in rows:
             r = sh[name]
             server = r.get("server_ttft_mean_s")
             lines.append(f"{name:>8} TTFT mean: clients {r['ttft_mean_s'] * 1e3:.1f} ms, server "
@@ -220,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--layers", type=int, default=4, help="GPU model's layers")
     ap.add_argument("--prefix", type=int, default=1536, help="sequential: shared prefix tokens")
-    ap.add_argument("--shared-requests", type=int, default=64)
+    ap.add_argument("--shared-requests", type=int, default=256)
     ap.add_argument("--skip", default="", help="workloads to leave out: sequential,shared")
+    ap.add_argument("--http", default="api-process", choices=["api-process", "in-process", "both"],
+                    help="where HTTP is served: an API server process as a rank does (the "
+                    "default), a thread of the engine's process, or both in turn")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     import torch

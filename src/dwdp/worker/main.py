@@ -480,6 +480,26 @@ def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
     )
 
 
+def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
+                       server: dict[str, Any]) -> dict[str, Any]:
+    """What the rank's API server process is told (``ApiProcessSpec``'s fields but the link's
+    addresses): where to listen, the tokenizer's checkpoint, the served names and limits, the
+    KV endpoint, the rank's identity and the graceful-shutdown bound."""
+    from dataclasses import asdict
+
+    return {
+        "host": host,
+        "port": port,
+        "tokenizer": str(cfg.model.path),
+        "model_name": engine.model_name,
+        "served_name": cfg.model.served_name,
+        "max_model_len": engine.max_model_len,
+        "kv_endpoint": asdict(engine.kv.endpoint) if engine.kv is not None else None,
+        "server": server,
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
+    }
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
@@ -502,7 +522,7 @@ def run_worker(opts: WorkerOptions) -> int:
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
-        from dwdp.worker.server.run import serve
+        from dwdp.worker.server.run import serve_with_api_process
 
         stage["now"] = Stage.RENDEZVOUS
         group = join_group(cfg)
@@ -538,9 +558,9 @@ def run_worker(opts: WorkerOptions) -> int:
             fatal.append(exc)
             line = with_memory(phased(Stage.ENGINE, exc), watch)
             write_termination_message(line, opts.termination_log)
-            server = server_holder.get("server")
-            if server is not None:
-                server.should_exit = True
+            stop = server_holder.get("stop")
+            if stop is not None:
+                stop()
 
         engine = ContinuousEngine(
             model,
@@ -556,6 +576,7 @@ def run_worker(opts: WorkerOptions) -> int:
         if cuda_graphs:
             ledger = capture_cuda_graphs(engine, ledger, watch)
         engine.start()
+        server = server_identity(cfg.role.value if cfg.role else None)
         app = build_app(
             engine,
             dwdp=dwdp,
@@ -564,16 +585,16 @@ def run_worker(opts: WorkerOptions) -> int:
             identity=rank_identity(),
             memory=RankMemory(ledger, pool),
             api_key=api_key,
-            server=server_identity(cfg.role.value if cfg.role else None),
+            server=server,
+            openai=False,
         )
         stage["now"] = Stage.SERVE
         log.info("rank serving on %s:%d (role %s, %s)", opts.host, port,
                  cfg.role.value if cfg.role else "unset", dwdp.status().get("phase"))
-        serve(
+        serve_with_api_process(
             app,
-            host=opts.host,
-            port=port,
-            graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+            engine,
+            api_process_fields(cfg, engine, opts.host, port, server),
             stop_engine=engine.stop,
             server_holder=server_holder,
         )

@@ -1,5 +1,6 @@
-"""Graceful shutdown: the bound reaches uvicorn, a hung handler is cancelled at it, and the
-engine is stopped afterwards; without a bound uvicorn's default (wait) applies."""
+"""Graceful shutdown of a rank: the bound reaches its API server process's uvicorn, a hung
+handler is cancelled at it, and the engine is stopped afterwards; without a bound uvicorn's
+default (wait) applies."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
+from ports import free_port  # noqa: E402
+
 from dwdp.worker.server.run import uvicorn_kwargs  # noqa: E402
 
 SERVER = textwrap.dedent(
     """
-    import asyncio, sys
+    import sys, types
     from pathlib import Path
     from dwdp.worker.server.app import build_app
-    from dwdp.worker.server.run import serve
+    from dwdp.worker.server.run import serve_with_api_process
 
     out = Path(sys.argv[1])
     bound = None if sys.argv[2] == "none" else int(sys.argv[2])
@@ -41,26 +44,29 @@ SERVER = textwrap.dedent(
         async def abort(self, request_id):
             return None
 
-        async def generate(self, request_id, prompt, params, kv_transfer=None):
+        async def add_request(self, request_id, prompt, params, kv_transfer=None, *,
+                              shared=None, emit):
             (out / "in-handler").write_text("1")
-            await asyncio.Event().wait()  # a final response that never comes
-            yield None
+            return types.SimpleNamespace(aborted=False)  # a final update that never comes
 
     def stop_engine():
         with (out / "engine-stopped").open("a") as f:
             f.write("stop\\n")
 
-    holder = {}
-
-    def started():
-        port = holder["server"].servers[0].sockets[0].getsockname()[1]
-        (out / "port").write_text(str(port))
-
-    app = build_app(HungEngine(), on_shutdown=stop_engine)
-    serve(app, host="127.0.0.1", port=0, graceful_shutdown_timeout_s=bound,
-          stop_engine=stop_engine, on_started=started, server_holder=holder)
+    engine = HungEngine()
+    api = {"host": "127.0.0.1", "port": int(sys.argv[3]), "tokenizer": sys.argv[4],
+           "model_name": "hung", "max_model_len": 64, "graceful_shutdown_timeout_s": bound}
+    serve_with_api_process(build_app(engine, on_shutdown=stop_engine, openai=False), engine,
+                           api, stop_engine=stop_engine)
     """
 )
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from dwdp_dev.worker.checkpoint import make_checkpoint
+
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ck") / "ck", num_experts=4)
 
 
 def test_uvicorn_keywords():
@@ -73,16 +79,24 @@ def test_uvicorn_keywords():
             uvicorn_kwargs(host="127.0.0.1", port=1, graceful_shutdown_timeout_s=bad)
 
 
-def _start(tmp_path: Path, bound: str):
+def _start(tmp_path: Path, bound: str, tokenizer_dir: Path):
+    """The rank's stand-in (a hung engine) serving through its API process, and one request
+    that reached the engine."""
     script = tmp_path / "server.py"
     script.write_text(SERVER)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), bound])
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "port").is_file():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), bound, str(port),
+                             str(tokenizer_dir)])
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
         assert proc.poll() is None, "server died at start"
         assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{(tmp_path / 'port').read_text()}"
+        try:
+            if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
     responses = []
 
     def request():
@@ -101,8 +115,8 @@ def _start(tmp_path: Path, bound: str):
     return proc, client, responses
 
 
-def test_hung_handler_cancelled_at_the_bound_then_engine_stopped(tmp_path):
-    proc, client, _responses = _start(tmp_path, "1")
+def test_hung_handler_cancelled_at_the_bound_then_engine_stopped(tmp_path, tokenizer_dir):
+    proc, client, _responses = _start(tmp_path, "1", tokenizer_dir)
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=30)
@@ -114,8 +128,8 @@ def test_hung_handler_cancelled_at_the_bound_then_engine_stopped(tmp_path):
     assert stops and set(stops) == {"stop"}  # the lifespan shutdown and the final stop
 
 
-def test_without_a_bound_uvicorn_waits(tmp_path):
-    proc, _client, _responses = _start(tmp_path, "none")
+def test_without_a_bound_uvicorn_waits(tmp_path, tokenizer_dir):
+    proc, _client, _responses = _start(tmp_path, "none", tokenizer_dir)
     try:
         proc.send_signal(signal.SIGTERM)
         with pytest.raises(subprocess.TimeoutExpired):

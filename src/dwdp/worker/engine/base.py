@@ -222,6 +222,31 @@ class EngineBase:
                 f"prompt: token id {bad} outside the vocabulary [0, {self.vocab_size})"
             )
 
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_transfer: KvTransferParams | None = None,
+        *,
+        shared: SharedPrefill | None = None,
+        emit: Callable[[RequestOutput | BaseException], None],
+    ) -> RequestState:
+        """Check and queue a request whose updates go to ``emit``, called on the engine thread
+        (or the thread that stops the engine): ``RequestOutput``s, the last with ``finished``,
+        or one exception that ends it. Raises ``RequestError``, ``TransferError`` or
+        ``EngineError`` before anything is queued. Returns the request's state (set its
+        ``aborted`` to stop it, or call ``abort``)."""
+        self.validate(prompt_token_ids, params)
+        self.validate_kv_transfer(prompt_token_ids, kv_transfer)
+        await self.check_health()
+        state = RequestState(request_id, list(map(int, prompt_token_ids)), params, emit=emit)
+        state.kv_transfer = kv_transfer
+        state.shared = shared
+        await self._prepare(state)
+        self._submit(state)
+        return state
+
     async def generate(
         self,
         request_id: str,
@@ -232,20 +257,14 @@ class EngineBase:
         shared: SharedPrefill | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue the request and stream its updates (see ``EngineClient.generate``)."""
-        self.validate(prompt_token_ids, params)
-        self.validate_kv_transfer(prompt_token_ids, kv_transfer)
-        await self.check_health()
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def emit(out: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(updates.put_nowait, out)
 
-        state = RequestState(request_id, list(map(int, prompt_token_ids)), params, emit=emit)
-        state.kv_transfer = kv_transfer
-        state.shared = shared
-        await self._prepare(state)
-        self._submit(state)
+        state = await self.add_request(request_id, prompt_token_ids, params, kv_transfer,
+                                       shared=shared, emit=emit)
         try:
             while True:
                 out = await updates.get()

@@ -177,7 +177,26 @@ class KvEndpoint:
 
 
 @runtime_checkable
-class KvConnector(Protocol):
+class KvServerSide(Protocol):
+    """What an OpenAI server needs of a KV connector: its endpoint, who prefilled a request,
+    and the release of a lease it will not read. An API server process
+    (``dwdp.worker.server.core_client.RemoteKv``) has only this part."""
+
+    @property
+    def endpoint(self) -> KvEndpoint:
+        """This connector's engine id and side-channel address."""
+
+    async def release(self, params: KvTransferParams) -> None:
+        """Generation side: tell the context server of ``params`` that this server will not
+        read its lease (it refused the request); best effort, errors are logged."""
+
+    def server_of(self, engine_id: str) -> dict[str, Any]:
+        """The identity a connected remote server gave (``role``, ``group``, ``rank``,
+        ``incarnation``, ``pod``; empty when unknown)."""
+
+
+@runtime_checkable
+class KvConnector(KvServerSide, Protocol):
     """What the engine and the server call on a KV connector (see the module docstring).
 
     Blocks are ids in the engine's block table (``dwdp.worker.engine.blocks``), tokens in
@@ -220,10 +239,6 @@ class KvConnector(Protocol):
         decoder, or expired): the engine frees them."""
 
     # -- server side ---------------------------------------------------------------------------
-    @property
-    def endpoint(self) -> KvEndpoint:
-        """This connector's engine id and side-channel address."""
-
     def describe(self, claim: str | None = None, token: str | None = None) -> dict[str, Any]:
         """The side channel's JSON answer; with ``claim`` (a request id) and the lease's
         ``token``, that lease's blocks too (the hold is then extended). Raises ``LeaseError``
@@ -233,16 +248,8 @@ class KvConnector(Protocol):
         """The decode side refused the request: end its lease now (the blocks come back at the
         engine's next ``finished_blocks``). Raises ``LeaseError`` as ``describe``."""
 
-    async def release(self, params: KvTransferParams) -> None:
-        """Generation side: tell the context server of ``params`` that this server will not
-        read its lease (it refused the request); best effort, errors are logged."""
-
     def status(self) -> dict[str, int]:
         """Counters of ``/dwdp/status``'s ``kv_transfer`` (integers)."""
-
-    def server_of(self, engine_id: str) -> dict[str, Any]:
-        """The identity a connected remote server gave (``role``, ``group``, ``rank``,
-        ``incarnation``, ``pod``; empty when unknown)."""
 
     def close(self) -> None:
         """Release what the connector registered (the server is stopping)."""

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
+from dwdp.worker.engine.kv_connector import KvServerSide, KvTransferParams
 
 
 class EngineError(RuntimeError):
@@ -152,8 +152,10 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
-    kv: KvConnector | None
-    """The KV connector (prefill/decode disaggregation), ``None`` when the server moves no KV."""
+    @property
+    def kv(self) -> KvServerSide | None:
+        """The KV connector (prefill/decode disaggregation; in an API server process only its
+        ``KvServerSide``), ``None`` when the server moves no KV."""
 
     @property
     def tokenizer(self) -> Any:

@@ -69,7 +69,7 @@ def _serving(request: Request) -> OpenAIServing:
 
 def _kv(request: Request) -> KvConnector:
     kv = _serving(request).engine.kv
-    if kv is None:
+    if not isinstance(kv, KvConnector):  # None, or an API process's part of one
         raise ServingError(404, "no KV transfer on this server", kind="not_found_error")
     return kv
 
@@ -174,6 +174,7 @@ def build_app(
     memory: RankMemory | None = None,
     api_key: ApiKey | str | None = None,
     server: dict[str, Any] | None = None,
+    openai: bool = True,
 ) -> FastAPI:
     """The app of one rank.
 
@@ -187,6 +188,11 @@ def build_app(
     bounded either way (``dwdp.worker.server.guard``). ``server`` (``role``, ``group``,
     ``rank``, ..., see :func:`dwdp.worker.server.status.server_identity`) names this server in
     the ``dwdp`` field of every completion and chat answer and in the KV side channel's answer.
+
+    ``openai=False`` builds the rank's own app behind an API server process
+    (``dwdp.worker.server.api_process``): that process serves the OpenAI routes and counts the
+    requests, so this app has neither; it keeps health, readiness, the side channel, status and
+    the families ``/metrics`` reads from the engine.
 
     ``on_shutdown`` (a callable) runs in the lifespan shutdown, after uvicorn stopped
     accepting and its graceful-shutdown bound (if any) cancelled the remaining handlers; the
@@ -204,7 +210,7 @@ def build_app(
                 on_shutdown()
 
     app = FastAPI(title="dwdp worker", version="0.1.0", lifespan=lifespan)
-    metrics = ServerMetrics(engine, dwdp, memory)
+    metrics = ServerMetrics(engine, dwdp, memory, requests=openai)
     app.state.serving = OpenAIServing(
         engine, dwdp, metrics, served_name=served_name, server=server
     )
@@ -212,8 +218,9 @@ def build_app(
     app.state.releases = set()  # lease releases in flight (kept until done)
     app.add_middleware(RequestGuard, api_key=api_key)
     _add_error_handlers(app)
-    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: guard refusals count
-    _add_openai_routes(app)
+    if openai:
+        app.add_middleware(RequestCounter, metrics=metrics)  # outermost: guard refusals count
+        _add_openai_routes(app)
     _add_probe_routes(app)
     _add_kv_routes(app)
     _add_status_route(app, memory, identity)
@@ -325,7 +332,7 @@ def _add_status_route(app: FastAPI, memory: RankMemory | None,
         if cache is not None:
             status["prefix_cache"] = cache
         kv = serving.engine.kv
-        if kv is not None:  # a disaggregated server: its KV transfer counters
+        if isinstance(kv, KvConnector):  # a disaggregated server: its KV transfer counters
             stats = getattr(serving.engine, "stats", None)
             status["kv_transfer"] = {
                 **kv.status(),

@@ -114,15 +114,39 @@ class _ScrapeCollector:
 
 
 class ServerMetrics:
-    """The metrics of one app; ``registry`` is what ``/metrics`` renders."""
+    """The metrics of one app; ``registry`` is what ``/metrics`` renders.
+
+    A rank serving through an API server process splits them (``dwdp.worker.server.
+    api_process``): the API process counts the requests (``engine=False``), the rank reads its
+    engine, DWDP and memory (``requests=False``), and the API process's ``/metrics`` renders
+    both; no family is in both registries.
+    """
 
     def __init__(
-        self, engine: object, dwdp: DwdpStatusSource, memory: RankMemory | None = None
+        self,
+        engine: object,
+        dwdp: DwdpStatusSource,
+        memory: RankMemory | None = None,
+        *,
+        requests: bool = True,
+        engine_families: bool = True,
     ) -> None:
         """``engine``: read for its ``stats`` (token and forward counters) when it has
         them; ``dwdp``: the DWDP status source; ``memory``: the ledger and KV pool, when
-        the rank measured them."""
+        the rank measured them. ``requests``: the request counts and latency histograms;
+        ``engine_families``: the families read at scrape time."""
         self.registry = CollectorRegistry(auto_describe=True)
+        sources: list[Any] = []
+        if requests:
+            self._request_families()
+            sources += [self.latency, self.ttft, self.itl]
+        if engine_families:
+            scrape = _ScrapeCollector(engine, dwdp, memory)
+            self.registry.register(scrape)
+            sources.insert(0, scrape)
+        self.registry.register(VllmNames(engine, sources))
+
+    def _request_families(self) -> None:
         self.requests = Counter(
             "dwdp_requests",
             "HTTP requests by endpoint and status code.",
@@ -151,9 +175,6 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        scrape = _ScrapeCollector(engine, dwdp, memory)
-        self.registry.register(scrape)
-        self.registry.register(VllmNames(engine, [scrape, self.latency, self.ttft, self.itl]))
 
 
 Message = MutableMapping[str, Any]

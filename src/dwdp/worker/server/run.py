@@ -1,17 +1,23 @@
-"""The uvicorn lifecycle of one rank: serve until a signal, with the graceful-shutdown bound.
+"""The serving lifecycle of one rank: its API server process, its own app and the engine core,
+until a signal, with the graceful-shutdown bound.
 
-``graceful_shutdown_timeout_s`` (docs/design.md §6.7), when set, reaches uvicorn as
-``timeout_graceful_shutdown``: handlers still running that many seconds after the stop signal
-are cancelled. Unset, uvicorn's default applies (wait for every handler). Either way the engine
-is stopped afterwards: in the app's lifespan shutdown and again, idempotently, in ``finally``.
+``graceful_shutdown_timeout_s`` (docs/design.md §6.7), when set, reaches the API process's
+uvicorn as ``timeout_graceful_shutdown``: handlers still running that many seconds after the
+stop signal are cancelled. Unset, uvicorn's default applies (wait for every handler). Either
+way the engine is stopped afterwards: in the rank app's lifespan shutdown and again,
+idempotently, in ``finally``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
 import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -45,56 +51,112 @@ def uvicorn_kwargs(
     return kwargs
 
 
-def serve(
-    app: Any,
-    *,
-    host: str,
-    port: int,
-    graceful_shutdown_timeout_s: int | None,
-    stop_engine: Callable[[], None],
-    on_started: Callable[[], None] | None = None,
-    server_holder: dict[str, Any] | None = None,
-) -> None:
-    """Run ``app`` on uvicorn in this (main) thread until SIGINT/SIGTERM, then stop the
-    engine, whatever happened; returns normally after a signalled stop. ``on_started`` runs
-    once the socket listens; ``server_holder["server"]`` receives the ``uvicorn.Server``
-    (set its ``should_exit`` to stop it from elsewhere)."""
-    import uvicorn
+@contextlib.contextmanager
+def returning_on_stop_signals(on_stop: Callable[[], None] | None = None) -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM are logged and ``on_stop`` runs, instead of the
+    default (main thread only).
 
-    config = uvicorn.Config(
-        app,
-        **uvicorn_kwargs(
-            host=host, port=port, graceful_shutdown_timeout_s=graceful_shutdown_timeout_s
-        ),
-    )
-    server = uvicorn.Server(config)
-    if server_holder is not None:
-        server_holder["server"] = server
-    if on_started is not None:
-        original = server.startup
-
-        async def startup(sockets: Any = None) -> None:
-            await original(sockets=sockets)
-            if server.started:
-                on_started()
-
-        server.startup = startup  # type: ignore[method-assign]
-    # uvicorn re-raises the stop signal once it has shut down, to the handlers it found: a
-    # signal handler of ours turns that into a normal return, so the engine stop and the
-    # caller's teardown run and a signalled stop exits 0.
+    uvicorn re-raises the stop signal once it has shut down, to the handlers it found: this
+    handler turns that into a normal return, so the engine stop and the caller's teardown run
+    and a signalled stop exits 0."""
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, _note_stop)
+            previous[sig] = signal.signal(sig, functools.partial(_note_stop, on_stop))
     try:
-        server.run()
+        yield
     finally:
-        stop_engine()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if not server.started:
-        raise RuntimeError(f"the HTTP server could not start on {host}:{port}")
 
 
-def _note_stop(signum: int, _frame: Any) -> None:
-    log.info("stop signal %d: the server has shut down", signum)
+def _note_stop(on_stop: Callable[[], None] | None, signum: int, _frame: Any) -> None:
+    log.info("stop signal %d", signum)
+    if on_stop is not None:
+        on_stop()
+
+
+def serve_with_api_process(
+    control_app: Any,
+    engine: Any,
+    api: dict[str, Any],
+    *,
+    stop_engine: Callable[[], None],
+    server_holder: dict[str, Any] | None = None,
+) -> None:
+    """Serve ``engine`` through an API server process (``dwdp.worker.server.api_process``)
+    until SIGINT/SIGTERM, the API process's end or ``server_holder["stop"]()``; then stop the
+    API process (SIGTERM: it drains within its graceful bound), the rank's app and the engine.
+
+    ``control_app``: the rank's own app (``build_app(..., openai=False)``), served on a Unix
+    socket in a directory only this user can enter, beside the engine core's ``ipc://``
+    socket; ``api``: the ``ApiProcessSpec`` fields the caller knows (host, port, tokenizer,
+    names, limits, identity, graceful bound). Raises ``RuntimeError`` when the API process
+    cannot listen or exits on its own with a failure.
+    """
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    import uvicorn
+
+    from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec
+    from dwdp.worker.server.engine_core import EngineCoreServer
+
+    workdir = tempfile.mkdtemp(prefix="dwdp-rank-")  # mode 0700: the link's trust boundary
+    stop = threading.Event()
+    if server_holder is not None:
+        server_holder["stop"] = stop.set
+    core = control = thread = proc = None
+    try:
+        core = EngineCoreServer(engine, f"ipc://{workdir}/core").start()
+        control = uvicorn.Server(uvicorn.Config(
+            control_app, uds=f"{workdir}/control", lifespan="on", log_level="warning",
+            access_log=False))
+        thread = threading.Thread(target=control.run, name="dwdp-rank-app", daemon=True)
+        thread.start()
+        while not control.started and thread.is_alive():
+            time.sleep(0.02)
+        spec = ApiProcessSpec(**api, core_address=f"ipc://{workdir}/core",
+                              control_socket=f"{workdir}/control", parent_pid=os.getpid())
+        proc = subprocess.Popen([sys.executable, "-m", "dwdp.worker.server.api_process"],
+                                stdin=subprocess.PIPE, text=True)
+        assert proc.stdin is not None
+        proc.stdin.write(spec.to_json())
+        proc.stdin.close()
+        with returning_on_stop_signals(on_stop=stop.set):
+            while not stop.wait(0.2) and proc.poll() is None:
+                pass
+        ended = proc.poll()
+        if ended is None:
+            _stop_api_process(proc, api.get("graceful_shutdown_timeout_s"))
+        elif ended == EXIT_CANNOT_LISTEN:
+            raise RuntimeError(f"the HTTP server could not start on {api['host']}:{api['port']}")
+        elif ended != 0:
+            raise RuntimeError(f"the API server process exited with status {ended}")
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if control is not None and thread is not None:
+            control.should_exit = True
+            thread.join(30)
+        if core is not None:
+            core.stop()
+        stop_engine()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _stop_api_process(proc: Any, graceful_shutdown_timeout_s: int | None) -> None:
+    """SIGTERM, then wait for the drain (the graceful bound and 10 s, or without a bound until
+    every handler returned); past that, SIGKILL."""
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    bound = None if graceful_shutdown_timeout_s is None else graceful_shutdown_timeout_s + 10
+    try:
+        proc.wait(bound)
+    except subprocess.TimeoutExpired:
+        log.warning("the API server process did not stop in %s s: killed", bound)
+        proc.kill()
+        proc.wait()

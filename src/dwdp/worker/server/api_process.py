@@ -1,0 +1,226 @@
+"""The API server process of a rank: HTTP on the rank's port, the engine in the rank's process.
+
+``dwdp worker`` starts one (``dwdp.worker.server.run.serve_with_api_process``), as vLLM starts
+its API server apart from its engine core, so that parsing requests, rendering JSON and
+streaming tokens never hold the interpreter lock the engine's step launches need. It serves:
+
+- the OpenAI routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) over an
+  ``EngineCoreClient`` (``dwdp.worker.server.core_client``): tokenization, chat templates,
+  stop strings' text, logprobs and the answers' JSON are done here;
+- the rank's other routes (``/health``, ``/ready``, ``/dwdp/status``, the KV side channel)
+  by passing the request to the rank's own app on its private Unix socket, answer unchanged;
+- ``/metrics``: this process's request families and the rank's engine families, one page.
+
+The API key and the body bound are checked here first (``RequestGuard``); the rank's app checks
+them again. The launch (``ApiProcessSpec``) comes as JSON on standard input. The process exits
+when its parent (the rank) is gone; exit status 3 means the port could not be bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dwdp.worker.apikey import ApiKey
+from dwdp.worker.disagg.agent import KV_AGENT_PATH
+from dwdp.worker.engine.kv_connector import KvEndpoint
+from dwdp.worker.server.core_client import EngineCoreClient
+from dwdp.worker.server.guard import RequestGuard
+from dwdp.worker.server.metrics import RequestCounter, ServerMetrics
+from dwdp.worker.server.serving import OpenAIServing
+from dwdp.worker.server.status import NoDwdp
+
+log = logging.getLogger(__name__)
+
+EXIT_CANNOT_LISTEN = 3
+"""The API process's exit status when its port cannot be bound."""
+PROXY_TIMEOUT_S = 60.0
+"""How long a passed-on request may take in the rank (the side channel's describe waits for
+the agent's lock)."""
+PARENT_POLL_S = 1.0
+"""How often the process checks that the rank is still its parent."""
+_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+_RANK_ROUTES: list[tuple[str, list[str]]] = [
+    ("/health", ["GET"]),
+    ("/ready", ["GET"]),
+    ("/dwdp/status", ["GET"]),
+    (KV_AGENT_PATH, ["GET", "DELETE"]),
+]
+"""The rank's routes this process passes on, by path."""
+
+
+@dataclass(frozen=True)
+class ApiProcessSpec:
+    """What the rank tells its API process at launch (JSON on standard input).
+
+    ``core_address``: the engine core's ``ipc://`` address; ``control_socket``: the path of
+    the rank app's Unix socket; ``tokenizer``: the checkpoint directory; ``kv_endpoint``:
+    ``KvEndpoint``'s fields on a disaggregated server; ``server``: the rank's identity for the
+    ``dwdp`` field; ``parent_pid``: the rank's pid.
+    """
+
+    host: str
+    port: int
+    core_address: str
+    control_socket: str
+    tokenizer: str
+    model_name: str
+    max_model_len: int
+    parent_pid: int
+    served_name: str | None = None
+    kv_endpoint: dict[str, Any] | None = None
+    server: dict[str, Any] | None = None
+    graceful_shutdown_timeout_s: int | None = None
+
+    def to_json(self) -> str:
+        """The spec as the JSON the process reads."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ApiProcessSpec:
+        """The spec of ``to_json``'s text."""
+        return cls(**json.loads(text))
+
+
+def build_api_app(
+    client: EngineCoreClient,
+    *,
+    control_socket: str,
+    served_name: str | None = None,
+    api_key: ApiKey | str | None = None,
+    server: dict[str, Any] | None = None,
+) -> FastAPI:
+    """The API process's app (module docstring): ``client`` connects in the app's lifespan."""
+    import httpx
+
+    from dwdp.worker.server.app import _add_error_handlers, _add_openai_routes
+
+    rank = httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=control_socket),
+        base_url="http://rank",
+        timeout=PROXY_TIMEOUT_S,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.connect()
+        try:
+            yield
+        finally:
+            await client.close()
+            await rank.aclose()
+
+    app = FastAPI(title="dwdp worker", version="0.1.0", lifespan=lifespan)
+    metrics = ServerMetrics(client, NoDwdp(), engine_families=False)
+    app.state.serving = OpenAIServing(client, NoDwdp(), metrics, served_name=served_name,
+                                      server=server)
+    app.state.metrics = metrics
+    app.state.releases = set()
+    app.state.rank = rank
+    app.add_middleware(RequestGuard, api_key=api_key)
+    _add_error_handlers(app)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    _add_openai_routes(app)
+    for path, methods in _RANK_ROUTES:
+        app.add_api_route(path, _pass_on, methods=methods, include_in_schema=False)
+    app.add_api_route("/metrics", _metrics, methods=["GET"], response_class=PlainTextResponse)
+    return app
+
+
+async def _pass_on(request: Request) -> Response:
+    """The rank app's answer to this request (503 in OpenAI's error shape when the rank does
+    not answer)."""
+    import httpx
+
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    try:
+        answer = await request.app.state.rank.request(
+            request.method, request.url.path, params=request.url.query or None,
+            headers=headers, content=await request.body(),
+        )
+    except httpx.HTTPError as exc:
+        body = {"error": {"message": f"the rank's engine process does not answer: {exc}",
+                          "type": "service_unavailable", "code": 503}}
+        return JSONResponse(body, status_code=503)
+    kept = {k: v for k, v in answer.headers.items()
+            if k.lower() not in _HOP_HEADERS | {"content-encoding", "date", "server"}}
+    return Response(answer.content, status_code=answer.status_code, headers=kept)
+
+
+async def _metrics(request: Request) -> Response:
+    """This process's families, then the rank's (``ServerMetrics``: none is in both)."""
+    own = generate_latest(request.app.state.metrics.registry)
+    try:
+        answer = await request.app.state.rank.get("/metrics")
+        rank = answer.content if answer.status_code == 200 else b""
+    except Exception:  # the rank's families are missing from this page, not the page
+        log.warning("the rank's /metrics did not answer", exc_info=True)
+        rank = b""
+    return Response(own + rank, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _watch_parent(parent_pid: int) -> None:
+    """Stop this process (as SIGTERM does) once the rank that started it is gone."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.error("the rank (pid %d) is gone: the API server stops", parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run(spec: ApiProcessSpec) -> int:
+    """Serve until SIGTERM/SIGINT or the rank's end; returns the exit status."""
+    import uvicorn
+
+    from dwdp.api.contract import Env
+    from dwdp.worker.loading.checkpoint import load_tokenizer
+    from dwdp.worker.server.run import uvicorn_kwargs
+
+    client = EngineCoreClient(
+        spec.core_address,
+        tokenizer=load_tokenizer(Path(spec.tokenizer)),
+        model_name=spec.model_name,
+        max_model_len=spec.max_model_len,
+        kv_endpoint=KvEndpoint(**spec.kv_endpoint) if spec.kv_endpoint else None,
+    )
+    api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
+    app = build_api_app(client, control_socket=spec.control_socket,
+                        served_name=spec.served_name, api_key=api_key, server=spec.server)
+    config = uvicorn.Config(app, **uvicorn_kwargs(
+        host=spec.host, port=spec.port,
+        graceful_shutdown_timeout_s=spec.graceful_shutdown_timeout_s))
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        watch = asyncio.ensure_future(_watch_parent(spec.parent_pid))
+        try:
+            await server.serve()
+        finally:
+            watch.cancel()
+
+    asyncio.run(serve())
+    return 0 if server.started else EXIT_CANNOT_LISTEN
+
+
+def main() -> int:
+    """``python -m dwdp.worker.server.api_process`` (the spec on standard input)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed-on request
+    spec = ApiProcessSpec.from_json(sys.stdin.read())
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
