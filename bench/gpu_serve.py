@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import json
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -115,35 +114,12 @@ def serving(engine, *, api_process: bool = True) -> Iterator[str]:
         with serving_app(build_app(engine, served_name="bench")) as base:
             yield base
         return
-    import httpx
+    from dwdp_dev.worker.servers import RankServer, free_port
 
-    from dwdp.worker.server.run import serve_with_api_process
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    fields = {"host": "127.0.0.1", "port": port, "tokenizer": engine.tokenizer.name_or_path,
-              "model_name": engine.model_name, "served_name": "bench",
-              "max_model_len": engine.max_model_len}
-    holder: dict[str, Any] = {}
-    thread = threading.Thread(target=serve_with_api_process, daemon=True, args=(
-        build_app(engine, served_name="bench", openai=False), engine, fields),
-        kwargs={"stop_engine": lambda: None, "server_holder": holder})
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert thread.is_alive() and time.monotonic() < deadline, "the API process never served"
-        try:
-            if httpx.get(base + "/ready", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    try:
+    app = build_app(engine, served_name="bench", openai=False)
+    with RankServer(engine, app, port=free_port(), tokenizer=engine.tokenizer.name_or_path,
+                    served_name="bench") as base:
         yield base
-    finally:
-        holder["stop"]()
-        thread.join(120)
 
 
 @contextlib.contextmanager

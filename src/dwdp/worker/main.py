@@ -481,13 +481,16 @@ def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
 
 
 def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
-                       server: dict[str, Any]) -> dict[str, Any]:
+                       server: dict[str, Any], api_key: ApiKey) -> dict[str, Any]:
     """What the rank's API server process is told (``ApiProcessSpec``'s fields but the link's
     addresses): where to listen, the tokenizer's checkpoint, the served names and limits, the
-    KV endpoint, the rank's identity and the graceful-shutdown bound."""
+    KV endpoint, the rank's identity, the graceful-shutdown bound and the API key."""
     from dataclasses import asdict
 
+    from dwdp.worker.server.api_process import key_fields
+
     return {
+        **key_fields(api_key),
         "host": host,
         "port": port,
         "tokenizer": str(cfg.model.path),
@@ -594,7 +597,7 @@ def run_worker(opts: WorkerOptions) -> int:
         serve_with_api_process(
             app,
             engine,
-            api_process_fields(cfg, engine, opts.host, port, server),
+            api_process_fields(cfg, engine, opts.host, port, server, api_key),
             stop_engine=engine.stop,
             server_holder=server_holder,
         )

@@ -73,6 +73,57 @@ class UvicornThread:
         self.thread.join(30)
 
 
+class RankServer:
+    """An engine served as a rank serves it (``dwdp.worker.server.run.serve_with_api_process``),
+    from a thread of this process: its API server process on 127.0.0.1:``port`` (tokenizer read
+    from ``tokenizer``, a checkpoint directory), the rank's own app ``control_app`` on a
+    private socket. ``api`` adds ``ApiProcessSpec`` fields (``served_name``, ``server``,
+    ``kv_endpoint``, ...). ``__enter__`` returns the base URL once ``/ready`` answers 200;
+    raises ``TimeoutError`` after 120 s and ``RuntimeError`` when serving ends before."""
+
+    def __init__(self, engine: Any, control_app: Any, *, port: int, tokenizer: str | Path,
+                 **api: Any) -> None:
+        self.fields = {"host": "127.0.0.1", "port": port, "tokenizer": str(tokenizer),
+                       "model_name": engine.model_name, "max_model_len": engine.max_model_len,
+                       **api}
+        self.holder: dict[str, Any] = {}
+        self.failure: list[BaseException] = []
+        self.thread = threading.Thread(target=self._serve, args=(engine, control_app),
+                                       name="rank-server", daemon=True)
+
+    def _serve(self, engine: Any, control_app: Any) -> None:
+        from dwdp.worker.server.run import serve_with_api_process
+
+        try:
+            serve_with_api_process(control_app, engine, self.fields, stop_engine=lambda: None,
+                                   server_holder=self.holder)
+        except BaseException as exc:
+            self.failure.append(exc)
+
+    def __enter__(self) -> str:
+        import httpx
+
+        self.thread.start()
+        base = f"http://127.0.0.1:{self.fields['port']}"
+
+        def ready() -> bool:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the rank stopped serving: {self.failure}")
+            try:
+                return httpx.get(base + "/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, "the API server process did not become ready", timeout=120)
+        return base
+
+    def __exit__(self, *exc: Any) -> None:
+        stop = self.holder.get("stop")
+        if stop is not None:
+            stop()
+        self.thread.join(60)
+
+
 class EngineServer:
     """A checkpoint's continuous engine behind the OpenAI app (``api_key`` required), with a
     NIXL KV transfer (``kv=True``: the context and generation roles) whose leases last
@@ -91,7 +142,6 @@ class EngineServer:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.loading.checkpoint import load_checkpoint
-        from dwdp.worker.server.app import build_app
 
         model, tok = load_checkpoint(path)
         if device != "cpu":
@@ -104,16 +154,26 @@ class EngineServer:
         self.api_key, self.kv, self.lease_s, self.model_name = api_key, kv, lease_s, model_name
         self.vllm = vllm  # a VllmInterop: a context rank that vLLM decode servers read
         self.vllm_prefill = vllm_prefill  # a VllmInterop: a generation server reading vLLM's
-        self.thread = UvicornThread(build_app(self.engine, api_key=api_key, server=server),
-                                    graceful_shutdown_timeout_s=None)
+        self.path, self.server = path, server
 
     def __enter__(self) -> EngineServer:
+        from dataclasses import asdict
+
         import httpx
 
-        self.base = self.thread.__enter__()
+        from dwdp.worker.server.api_process import key_fields
+        from dwdp.worker.server.app import build_app
+
+        port = free_port()
         if self.kv:
-            self._attach_kv(int(self.base.rsplit(":", 1)[1]))
+            self._attach_kv(port)
         self.engine.start()
+        app = build_app(self.engine, api_key=self.api_key, server=self.server, openai=False)
+        kv = self.engine.kv
+        self.rank = RankServer(self.engine, app, port=port, tokenizer=self.path,
+                               server=self.server, **key_fields(self.api_key),
+                               kv_endpoint=asdict(kv.endpoint) if kv is not None else None)
+        self.base = self.rank.__enter__()
         key = self.api_key.current() if isinstance(self.api_key, ApiKey) else self.api_key
         self.client = httpx.Client(base_url=self.base, timeout=60,
                                    headers={"Authorization": f"Bearer {key}"})
@@ -146,7 +206,7 @@ class EngineServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.client.close()
-        self.thread.__exit__(*exc)
+        self.rank.__exit__(*exc)
         self.engine.stop()
         if self.engine.kv is not None:
             self.engine.kv.close()

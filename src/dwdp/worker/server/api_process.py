@@ -69,7 +69,8 @@ class ApiProcessSpec:
     ``core_address``: the engine core's ``ipc://`` address; ``control_socket``: the path of
     the rank app's Unix socket; ``tokenizer``: the checkpoint directory; ``kv_endpoint``:
     ``KvEndpoint``'s fields on a disaggregated server; ``server``: the rank's identity for the
-    ``dwdp`` field; ``parent_pid``: the rank's pid.
+    ``dwdp`` field; ``parent_pid``: the rank's pid; ``api_key_file`` or ``api_key``: the key the
+    rank resolved (``key_fields``; the spec travels through a pipe, never the command line).
     """
 
     host: str
@@ -84,6 +85,14 @@ class ApiProcessSpec:
     kv_endpoint: dict[str, Any] | None = None
     server: dict[str, Any] | None = None
     graceful_shutdown_timeout_s: int | None = None
+    api_key_file: str | None = None
+    api_key: str | None = None
+
+    def key(self) -> ApiKey:
+        """The API key to check (re-read from its file when it is one)."""
+        if self.api_key_file is not None:
+            return ApiKey(path=self.api_key_file)
+        return ApiKey(self.api_key)
 
     def to_json(self) -> str:
         """The spec as the JSON the process reads."""
@@ -93,6 +102,16 @@ class ApiProcessSpec:
     def from_json(cls, text: str) -> ApiProcessSpec:
         """The spec of ``to_json``'s text."""
         return cls(**json.loads(text))
+
+
+def key_fields(key: ApiKey | str | None) -> dict[str, str | None]:
+    """``ApiProcessSpec``'s key fields for the key a rank resolved: its file, when it has one
+    (the API process re-reads it as the rank does), else its value."""
+    if isinstance(key, ApiKey):
+        if key.path is not None:
+            return {"api_key_file": str(key.path), "api_key": None}
+        return {"api_key_file": None, "api_key": key.current()}
+    return {"api_key_file": None, "api_key": key}
 
 
 def build_api_app(
@@ -184,7 +203,6 @@ def run(spec: ApiProcessSpec) -> int:
     """Serve until SIGTERM/SIGINT or the rank's end; returns the exit status."""
     import uvicorn
 
-    from dwdp.api.contract import Env
     from dwdp.worker.loading.checkpoint import load_tokenizer
     from dwdp.worker.server.run import uvicorn_kwargs
 
@@ -195,9 +213,8 @@ def run(spec: ApiProcessSpec) -> int:
         max_model_len=spec.max_model_len,
         kv_endpoint=KvEndpoint(**spec.kv_endpoint) if spec.kv_endpoint else None,
     )
-    api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
     app = build_api_app(client, control_socket=spec.control_socket,
-                        served_name=spec.served_name, api_key=api_key, server=spec.server)
+                        served_name=spec.served_name, api_key=spec.key(), server=spec.server)
     config = uvicorn.Config(app, **uvicorn_kwargs(
         host=spec.host, port=spec.port,
         graceful_shutdown_timeout_s=spec.graceful_shutdown_timeout_s))

@@ -118,6 +118,7 @@ class EngineCoreServer:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         self._outbox = asyncio.Queue()
+        writer: asyncio.Task[None] | None = None
         try:
             sock.bind(self.address)
             writer = asyncio.ensure_future(self._write(sock, self._outbox))
@@ -133,7 +134,7 @@ class EngineCoreServer:
         finally:
             for request in list(self._requests.values()):
                 self._abort(request)
-            if self._outbox is not None and self._ready.is_set():
+            if writer is not None:
                 writer.cancel()
             sock.close(0)
             context.term()
