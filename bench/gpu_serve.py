@@ -70,14 +70,16 @@ async def _one(session, base: str, prompt: list[int], n: int) -> dict:
     return {"ttft": ttft, "itl": itl, "tokens": len(stamps), "end": time.perf_counter()}
 
 
-async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) -> dict:
-    """Send ``work`` keeping ``concurrency`` requests in flight; the level's figures."""
+async def _requests(base: str, work: list[tuple[list[int], int]], concurrency: int,
+                    ) -> tuple[list[dict], float, float]:
+    """Send ``work`` keeping ``concurrency`` requests in flight: (each request's figures, the
+    wall clock's start and end)."""
     import aiohttp
 
     queue = list(work)
-    results = []
+    results: list[dict] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        start = time.perf_counter()
+        start = time.time()
 
         async def worker():
             while queue:
@@ -85,7 +87,11 @@ async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) 
                 results.append(await _one(session, base, prompt, n))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
+    return results, start, time.time()
+
+
+def _figures(results: list[dict], concurrency: int, wall: float) -> dict:
+    """A level's figures from its requests' (``_one``)."""
     ttfts = sorted(r["ttft"] for r in results)
     itls = [x for r in results for x in r["itl"]]
     return {
@@ -99,6 +105,32 @@ async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) 
         "itl_p50_s": statistics.median(itls) if itls else None,
         "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
     }
+
+
+async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """Send ``work`` keeping ``concurrency`` requests in flight; the level's figures."""
+    results, start, end = await _requests(base, work, concurrency)
+    return _figures(results, concurrency, end - start)
+
+
+def requests_blocking(base: str, work: list[tuple[list[int], int]], concurrency: int,
+                      ) -> tuple[list[dict], float, float]:
+    """``_requests`` run to its end (the entry point of one of several client processes)."""
+    return asyncio.run(_requests(base, work, concurrency))
+
+
+def drive_split(clients: Any, processes: int, base: str, work: list[tuple[list[int], int]],
+                concurrency: int) -> dict:
+    """``drive`` spread over the ``processes`` of ``clients`` (``client_process``): each sends
+    its share of ``work`` with its share of ``concurrency`` (so no client process's parsing of
+    the streams delays the first tokens it times); the figures of all of them together."""
+    futures = [clients.submit(requests_blocking, base, work[i::processes],
+                              concurrency // processes + (i < concurrency % processes))
+               for i in range(processes)]
+    parts = [f.result() for f in futures]
+    results = [r for part, _, _ in parts for r in part]
+    wall = max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+    return _figures(results, concurrency, wall)
 
 
 @contextlib.contextmanager
@@ -154,14 +186,15 @@ def _drive_workload(base: str, n: int, vocab: int, seed: int, concurrency: int,
 
 
 @contextlib.contextmanager
-def client_process() -> Iterator[Any]:
-    """One spawned process (without torch) for the streaming clients, so that their parsing
-    of the streams does not take the serving process's interpreter lock; yields its
+def client_process(processes: int = 1) -> Iterator[Any]:
+    """``processes`` spawned processes (without torch) for the streaming clients, so that their
+    parsing of the streams does not take the serving process's interpreter lock; yields their
     ``ProcessPoolExecutor``."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+    with ProcessPoolExecutor(processes,
+                             mp_context=multiprocessing.get_context("spawn")) as clients:
         yield clients
 
 
