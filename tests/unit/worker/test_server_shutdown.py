@@ -139,3 +139,27 @@ def test_without_a_bound_uvicorn_waits(tmp_path, tokenizer_dir):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class _IdleEngine:
+    model_name = "idle"
+    max_model_len = 64
+    tokenizer = None
+    kv = None
+
+    async def check_health(self):
+        return None
+
+
+def test_an_api_process_that_cannot_start_names_its_cause(tmp_path):
+    from dwdp.worker.server.app import build_app
+    from dwdp.worker.server.run import serve_with_api_process
+
+    engine, stops = _IdleEngine(), []
+    api = {"host": "127.0.0.1", "port": free_port(), "tokenizer": str(tmp_path / "missing"),
+           "model_name": "idle", "max_model_len": 64}
+    with pytest.raises(RuntimeError, match=r"the API server process exited with status 1: "
+                       r"CheckpointError: checkpoint .*missing: tokenizer"):
+        serve_with_api_process(build_app(engine, openai=False), engine, api,
+                               stop_engine=lambda: stops.append(1))
+    assert stops == [1]

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 EXIT_CANNOT_LISTEN = 3
 """The API process's exit status when its port cannot be bound."""
+FAILURE_FILE = "api-process-failure"
+"""Where, beside the rank's socket, the API process leaves the one-line cause of a failed start
+(``failure_of`` reads it for the rank's termination message)."""
 PROXY_TIMEOUT_S = 60.0
 """How long a passed-on request may take in the rank (the side channel's describe waits for
 the agent's lock)."""
@@ -231,12 +234,30 @@ def run(spec: ApiProcessSpec) -> int:
     return 0 if server.started else EXIT_CANNOT_LISTEN
 
 
+def failure_of(control_socket: str) -> str | None:
+    """The one-line cause an API process left when it failed (``None``: none left)."""
+    path = Path(control_socket).parent / FAILURE_FILE
+    try:
+        return path.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
 def main() -> int:
-    """``python -m dwdp.worker.server.api_process`` (the spec on standard input)."""
+    """``python -m dwdp.worker.server.api_process`` (the spec on standard input). A failure is
+    logged in one line and left for the rank (``failure_of``), never as a traceback."""
+    from dwdp.worker.termination import one_line
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed-on request
     spec = ApiProcessSpec.from_json(sys.stdin.read())
-    return run(spec)
+    try:
+        return run(spec)
+    except Exception as exc:
+        line = one_line(exc)
+        log.error("the API server process failed: %s", line)
+        (Path(spec.control_socket).parent / FAILURE_FILE).write_text(line, encoding="utf-8")
+        return 1
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def serve_with_api_process(
 
     import uvicorn
 
-    from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec
+    from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec, failure_of
     from dwdp.worker.server.engine_core import EngineCoreServer
 
     workdir = tempfile.mkdtemp(prefix="dwdp-rank-")  # mode 0700: the link's trust boundary
@@ -134,7 +134,9 @@ def serve_with_api_process(
         elif ended == EXIT_CANNOT_LISTEN:
             raise RuntimeError(f"the HTTP server could not start on {api['host']}:{api['port']}")
         elif ended != 0:
-            raise RuntimeError(f"the API server process exited with status {ended}")
+            cause = failure_of(spec.control_socket)
+            raise RuntimeError(f"the API server process exited with status {ended}"
+                               + (f": {cause}" if cause else ""))
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
