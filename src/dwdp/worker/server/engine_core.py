@@ -155,8 +155,9 @@ class EngineCoreServer:
             op = message.get("op")
             if op == "generate":
                 key = (peer, str(message["id"]))
-                if key in self._requests:
-                    raise WireError(f"request id {key[1]!r} is already running")
+                if key in self._requests:  # answered, so the stream that sent it ends
+                    self._refuse(key, RequestError(f"request id {key[1]!r} is already running"))
+                    return
                 self._requests[key] = self._spawn(self._add(key, message))
             elif op == "abort":
                 request = self._requests.get((peer, str(message.get("id"))))
@@ -199,10 +200,13 @@ class EngineCoreServer:
             self._forget(key)
         except Exception as exc:
             # a malformed message (WireError, pydantic's) is the request's fault: a 400
-            error = RequestError(str(exc)) if isinstance(exc, ValueError) else exc
             self._forget(key)
-            self._send(peer, {"kind": "outs", "outs": [
-                {"kind": "error", "id": request_id, "error": error_fields(error)}]})
+            self._refuse(key, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
+
+    def _refuse(self, key: Key, error: BaseException) -> None:
+        """End request ``key`` in its API process with ``error``."""
+        self._send(key[0], {"kind": "outs", "outs": [
+            {"kind": "error", "id": key[1], "error": error_fields(error)}]})
 
     def _forget(self, key: Key) -> None:
         """The request ended (or never started): drop what the core keeps of it."""
