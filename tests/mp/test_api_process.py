@@ -197,11 +197,21 @@ def test_the_rank_fails_naming_its_api_process_when_that_dies(tmp_path, ckpt):
 def test_the_api_process_ends_with_its_rank(tmp_path, ckpt):
     with launched_pod(tmp_path, _launch(ckpt), 1) as (proc, _urls, _, _term):
         rank, api = _api_process(proc.pid)
+        rank_dir = _rank_dir(rank)
         os.kill(rank, signal.SIGKILL)
         deadline = time.monotonic() + 20
         while Path(f"/proc/{api}").exists() and "zombie" not in _state(api):
             assert time.monotonic() < deadline, "the API process outlived its rank"
             time.sleep(0.2)
+        assert not rank_dir.exists(), "the killed rank's socket directory was left"
+
+
+def _rank_dir(rank: int) -> Path:
+    """The rank's private socket directory (``dwdp-rank-<pid>-*`` in the temporary folder)."""
+    import tempfile
+
+    (found,) = Path(tempfile.gettempdir()).glob(f"dwdp-rank-{rank}-*")
+    return found
 
 
 def _state(pid: int) -> str:

@@ -194,11 +194,15 @@ async def _metrics(request: Request) -> Response:
     return Response(own + rank, media_type=CONTENT_TYPE_LATEST)
 
 
-async def _watch_parent(parent_pid: int) -> None:
-    """Stop this process (as SIGTERM does) once the rank that started it is gone."""
+async def _watch_parent(parent_pid: int, rank_dir: Path) -> None:
+    """Stop this process (as SIGTERM does) once the rank that started it is gone, and remove
+    the rank's socket directory, which a killed rank could not."""
+    import shutil
+
     while os.getppid() == parent_pid:
         await asyncio.sleep(PARENT_POLL_S)
     log.error("the rank (pid %d) is gone: the API server stops", parent_pid)
+    shutil.rmtree(rank_dir, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -224,7 +228,8 @@ def run(spec: ApiProcessSpec) -> int:
     server = uvicorn.Server(config)
 
     async def serve() -> None:
-        watch = asyncio.ensure_future(_watch_parent(spec.parent_pid))
+        watch = asyncio.ensure_future(
+            _watch_parent(spec.parent_pid, Path(spec.control_socket).parent))
         try:
             await server.serve()
         finally:

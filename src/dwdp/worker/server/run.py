@@ -104,7 +104,8 @@ def serve_with_api_process(
     from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec, failure_of
     from dwdp.worker.server.engine_core import EngineCoreServer
 
-    workdir = tempfile.mkdtemp(prefix="dwdp-rank-")  # mode 0700: the link's trust boundary
+    # mode 0700: the link's trust boundary; named by the rank's pid
+    workdir = tempfile.mkdtemp(prefix=f"dwdp-rank-{os.getpid()}-")
     stop = threading.Event()
     if server_holder is not None:
         server_holder["stop"] = stop.set
