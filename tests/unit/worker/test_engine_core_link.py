@@ -63,3 +63,11 @@ def test_a_malformed_request_is_refused_naming_the_field(tmp_path):
     (refusal,) = got[0]["outs"]
     assert refusal["error"]["type"] == "RequestError"
     assert "params" in refusal["error"]["message"]
+
+
+def test_a_message_of_the_wrong_shape_is_dropped_and_the_core_goes_on(tmp_path):
+    good = generate_message("r3", [1], SamplingParams(), None, None)
+    again = {**good}
+    got, added = _exchange(tmp_path, [{"op": []}, good, again], replies=1)
+    assert added == ["r3"]  # the message after the bad one was served
+    assert got[0]["outs"][0]["error"]["type"] == "RequestError"

@@ -167,8 +167,8 @@ class EngineCoreServer:
                 self._spawn(self._call(peer, message, CALLS[op]))
             else:
                 raise WireError(f"unknown op {op!r}")
-        except (WireError, KeyError) as exc:
-            log.warning("engine core: a message dropped: %s", exc)
+        except Exception as exc:  # a malformed message never stops the core
+            log.warning("engine core: a message dropped: %s: %s", type(exc).__name__, exc)
 
     def _spawn(self, work: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(work)
