@@ -1,5 +1,6 @@
-"""Real servers on loopback for tests and benches: an engine behind the OpenAI app (uvicorn in a
-thread), optionally with its NIXL KV transfer, and vllm-router's binary in front of them.
+"""Real servers on loopback for tests and benches: an engine served as a rank serves it (its API
+server process in front: ``RankServer``; ``UvicornThread`` for a bare app), optionally with
+its NIXL KV transfer, and vllm-router's binary in front of them.
 
 ``EngineServer`` is one worker as ``dwdp.worker.main`` runs it (continuous engine, API key, KV
 transfer for a context or generation role), without the rest of a pod; ``VllmRouter`` runs
