@@ -194,11 +194,43 @@ def test_the_rank_fails_naming_its_api_process_when_that_dies(tmp_path, ckpt):
         assert "the API server process exited with status -9" in term.read_text()
 
 
+def test_a_ctrl_c_to_the_whole_group_still_drains_and_exits_0(tmp_path, ckpt):
+    """A terminal's Ctrl-C reaches the launcher, the rank and its API process at once, and the
+    launcher follows with SIGTERM to its ranks: the rank keeps its handlers until its API
+    process has drained, so no second signal cuts it down."""
+    with launched_pod(tmp_path, _launch(ckpt), 1) as (proc, urls, _, term):
+        rank, api = _api_process(proc.pid)
+        with httpx.stream("POST", urls[0] + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "interrupt", "max_tokens": 200, "ignore_eos": True,
+            "stream": True,
+        }) as answer:
+            lines = answer.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            for pid in (proc.pid, rank, api):  # the process group, as the terminal sends it
+                os.kill(pid, signal.SIGINT)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0, term.read_text() if term.exists() else "no termination log"
+
+
 def test_the_api_process_ends_with_its_rank(tmp_path, ckpt):
-    with launched_pod(tmp_path, _launch(ckpt), 1) as (proc, _urls, _, _term):
+    """A killed rank: the API process ends the stream in flight with an error event and
+    ``[DONE]`` (not a connection left hanging), removes the rank's socket directory and stops."""
+    with launched_pod(tmp_path, _launch(ckpt), 1) as (proc, urls, _, _term):
         rank, api = _api_process(proc.pid)
         rank_dir = _rank_dir(rank)
-        os.kill(rank, signal.SIGKILL)
+        with httpx.stream("POST", urls[0] + "/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": "cut short", "max_tokens": 480, "ignore_eos": True,
+            "stream": True,
+        }) as answer:
+            lines = answer.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            os.kill(rank, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert f"pid {rank}" in error["message"] and error["code"] == 503, error
         deadline = time.monotonic() + 20
         while Path(f"/proc/{api}").exists() and "zombie" not in _state(api):
             assert time.monotonic() < deadline, "the API process outlived its rank"

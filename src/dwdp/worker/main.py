@@ -521,11 +521,13 @@ def run_worker(opts: WorkerOptions) -> int:
         settings = resolve_host_settings(cfg, local_rank, stage)
         stage["now"] = Stage.CONFIG
         cuda_graphs, dense_min_bytes, api_key = rank_settings(cfg, local_rank)
+        from dwdp.worker.server.run import check_socket_dir, serve_with_api_process
+
+        check_socket_dir()
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
-        from dwdp.worker.server.run import serve_with_api_process
 
         stage["now"] = Stage.RENDEZVOUS
         group = join_group(cfg)

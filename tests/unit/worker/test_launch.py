@@ -515,6 +515,31 @@ def test_a_blank_api_key_is_refused_before_the_rendezvous(tmp_path, checkpoint, 
     assert line.startswith("config: ApiKeyError: DWDP_API_KEY: the API key has leading"), line
 
 
+def test_a_temporary_folder_too_long_for_the_ranks_sockets_is_refused_before_the_rendezvous(
+    tmp_path, checkpoint, monkeypatch
+):
+    """The rank's engine link and app listen on Unix sockets under TMPDIR, whose paths have a
+    bound of 107 bytes: a longer folder is a config error naming TMPDIR, before the group is
+    joined and the model loads (not a failure once the model has loaded)."""
+    import tempfile
+
+    long_dir = tmp_path / ("t" * 100)
+    long_dir.mkdir()
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    monkeypatch.setenv("TMPDIR", str(long_dir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+
+    def no_rendezvous(*args, **kwargs):
+        raise AssertionError("the rank joined its group: the TMPDIR check must refuse first")
+
+    monkeypatch.setattr("dwdp.worker.group.join_group", no_rendezvous)
+    code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint)))
+    assert code == 1
+    assert line.startswith(f"config: ValueError: TMPDIR: the temporary folder '{long_dir}' is "
+                           "too long for the rank's Unix sockets"), line
+    assert "the bound is 107" in line, line
+
+
 @pytest.mark.parametrize("secret", [None, b"short"])
 def test_a_missing_or_short_rendezvous_secret_is_a_config_error(tmp_path, checkpoint, secret):
     """A DWDP rank whose DWDP_RENDEZVOUS_SECRET_FILE is unset, or names a file shorter than

@@ -194,14 +194,17 @@ async def _metrics(request: Request) -> Response:
     return Response(own + rank, media_type=CONTENT_TYPE_LATEST)
 
 
-async def _watch_parent(parent_pid: int, rank_dir: Path) -> None:
-    """Stop this process (as SIGTERM does) once the rank that started it is gone, and remove
-    the rank's socket directory, which a killed rank could not."""
+async def _watch_parent(parent_pid: int, rank_dir: Path, client: EngineCoreClient) -> None:
+    """Once the rank that started this process is gone: end every open request with
+    ``EngineDeadError`` (a stream gets its error event and ``[DONE]``, a plain request a 503),
+    remove the rank's socket directory, which a killed rank could not, and stop (as SIGTERM
+    does)."""
     import shutil
 
     while os.getppid() == parent_pid:
         await asyncio.sleep(PARENT_POLL_S)
     log.error("the rank (pid %d) is gone: the API server stops", parent_pid)
+    client.fail(f"the rank's engine process (pid {parent_pid}) is gone")
     shutil.rmtree(rank_dir, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -229,7 +232,7 @@ def run(spec: ApiProcessSpec) -> int:
 
     async def serve() -> None:
         watch = asyncio.ensure_future(
-            _watch_parent(spec.parent_pid, Path(spec.control_socket).parent))
+            _watch_parent(spec.parent_pid, Path(spec.control_socket).parent, client))
         try:
             await server.serve()
         finally:

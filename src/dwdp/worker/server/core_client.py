@@ -145,10 +145,18 @@ class EngineCoreClient:
                 else:
                     raise WireError(f"unknown kind {kind!r}")
         except asyncio.CancelledError:
-            self._lost = EngineDeadError("the API server is shutting down")
+            self.fail("the API server is shutting down")
         except Exception as exc:  # a broken link: nothing can be served any more
-            self._lost = EngineDeadError(f"the link to the engine core failed: {exc}")
-        lost = {"kind": "error", "error": {"type": "EngineDeadError", "message": str(self._lost)}}
+            self.fail(f"the link to the engine core failed: {exc}")
+
+    def fail(self, reason: str) -> None:
+        """Declare the core lost: every open stream and call ends with ``EngineDeadError``
+        (``reason`` its message) and every later one is refused with it. The first reason
+        stays; calling it again does nothing."""
+        if self._lost is not None:
+            return
+        self._lost = EngineDeadError(reason)
+        lost = {"kind": "error", "error": {"type": "EngineDeadError", "message": reason}}
         for queue in self._streams.values():
             queue.put_nowait(lost)
         for future in self._calls.values():

@@ -23,6 +23,37 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+SOCKET_PATH_MAX = 107
+"""The longest path a Unix socket can be bound at (``sun_path``'s 108 bytes, the NUL included);
+ZMQ's ``ipc://`` addresses share the bound."""
+_SOCKET_NAMES = ("core", "control")
+"""The sockets in a rank's private directory: the engine core's link, the rank's app."""
+
+
+def rank_dir_prefix() -> str:
+    """The name a rank's private socket directory starts with (``tempfile.mkdtemp`` adds 8
+    characters): named by the rank's pid, so its API process can find and remove it."""
+    return f"dwdp-rank-{os.getpid()}-"
+
+
+def check_socket_dir(tmpdir: str | None = None) -> None:
+    """Check, before anything loads, that the rank's sockets fit under the temporary folder
+    (``tmpdir``, default ``tempfile.gettempdir()``: ``TMPDIR``, ``TEMP``, ``TMP`` or /tmp).
+
+    Raises ``ValueError`` naming the folder and the bound when
+    ``<tmpdir>/dwdp-rank-<pid>-XXXXXXXX/control`` is longer than ``SOCKET_PATH_MAX`` bytes."""
+    import tempfile
+
+    folder = tmpdir if tmpdir is not None else tempfile.gettempdir()
+    longest = os.path.join(folder, rank_dir_prefix() + "x" * 8, max(_SOCKET_NAMES, key=len))
+    size = len(os.fsencode(longest))
+    if size > SOCKET_PATH_MAX:
+        raise ValueError(
+            f"TMPDIR: the temporary folder {folder!r} is too long for the rank's Unix sockets "
+            f"({longest!r} is {size} bytes, the bound is {SOCKET_PATH_MAX}); "
+            "set TMPDIR to a shorter path")
+
+
 def uvicorn_kwargs(
     *, host: str, port: int, graceful_shutdown_timeout_s: int | None
 ) -> dict[str, Any]:
@@ -104,50 +135,54 @@ def serve_with_api_process(
     from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec, failure_of
     from dwdp.worker.server.engine_core import EngineCoreServer
 
-    # mode 0700: the link's trust boundary; named by the rank's pid
-    workdir = tempfile.mkdtemp(prefix=f"dwdp-rank-{os.getpid()}-")
+    check_socket_dir()
+    # mode 0700: the link's trust boundary
+    workdir = tempfile.mkdtemp(prefix=rank_dir_prefix())
     stop = threading.Event()
     if server_holder is not None:
         server_holder["stop"] = stop.set
     core = control = thread = proc = None
-    try:
-        core = EngineCoreServer(engine, f"ipc://{workdir}/core").start()
-        control = uvicorn.Server(uvicorn.Config(
-            control_app, uds=f"{workdir}/control", lifespan="on", log_level="warning",
-            access_log=False))
-        thread = threading.Thread(target=control.run, name="dwdp-rank-app", daemon=True)
-        thread.start()
-        while not control.started and thread.is_alive():
-            time.sleep(0.02)
-        spec = ApiProcessSpec(**api, core_address=f"ipc://{workdir}/core",
-                              control_socket=f"{workdir}/control", parent_pid=os.getpid())
-        proc = subprocess.Popen([sys.executable, "-m", "dwdp.worker.server.api_process"],
-                                stdin=subprocess.PIPE, text=True)
-        assert proc.stdin is not None
-        proc.stdin.write(spec.to_json())
-        proc.stdin.close()
-        with returning_on_stop_signals(on_stop=stop.set):
+    # the handlers stay until everything has stopped: a second signal (Ctrl-C reaches the
+    # whole process group, and the launcher follows with SIGTERM) must not cut the drain
+    with returning_on_stop_signals(on_stop=stop.set):
+        try:
+            core = EngineCoreServer(engine, f"ipc://{workdir}/core").start()
+            control = uvicorn.Server(uvicorn.Config(
+                control_app, uds=f"{workdir}/control", lifespan="on", log_level="warning",
+                access_log=False))
+            thread = threading.Thread(target=control.run, name="dwdp-rank-app", daemon=True)
+            thread.start()
+            while not control.started and thread.is_alive():
+                time.sleep(0.02)
+            spec = ApiProcessSpec(**api, core_address=f"ipc://{workdir}/core",
+                                  control_socket=f"{workdir}/control", parent_pid=os.getpid())
+            proc = subprocess.Popen([sys.executable, "-m", "dwdp.worker.server.api_process"],
+                                    stdin=subprocess.PIPE, text=True)
+            assert proc.stdin is not None
+            proc.stdin.write(spec.to_json())
+            proc.stdin.close()
             while not stop.wait(0.2) and proc.poll() is None:
                 pass
-        ended = proc.poll()
-        if ended is None:
-            _stop_api_process(proc, api.get("graceful_shutdown_timeout_s"))
-        elif ended == EXIT_CANNOT_LISTEN:
-            raise RuntimeError(f"the HTTP server could not start on {api['host']}:{api['port']}")
-        elif ended != 0:
-            cause = failure_of(spec.control_socket)
-            raise RuntimeError(f"the API server process exited with status {ended}"
-                               + (f": {cause}" if cause else ""))
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-        if control is not None and thread is not None:
-            control.should_exit = True
-            thread.join(30)
-        if core is not None:
-            core.stop()
-        stop_engine()
-        shutil.rmtree(workdir, ignore_errors=True)
+            ended = proc.poll()
+            if ended is None:
+                _stop_api_process(proc, api.get("graceful_shutdown_timeout_s"))
+            elif ended == EXIT_CANNOT_LISTEN:
+                raise RuntimeError(
+                    f"the HTTP server could not start on {api['host']}:{api['port']}")
+            elif ended != 0:
+                cause = failure_of(spec.control_socket)
+                raise RuntimeError(f"the API server process exited with status {ended}"
+                                   + (f": {cause}" if cause else ""))
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if control is not None and thread is not None:
+                control.should_exit = True
+                thread.join(30)
+            if core is not None:
+                core.stop()
+            stop_engine()
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _stop_api_process(proc: Any, graceful_shutdown_timeout_s: int | None) -> None:
