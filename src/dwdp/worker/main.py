@@ -8,11 +8,14 @@ its architecture adapter and the expert partition (one line naming the tensor or
 handle type, the copy operations) and the copy settings resolved once
 (``dwdp.worker.settings``), and whether the engine captures CUDA graphs
 (``resolve_cuda_graphs``: ``engine.cudaGraphs`` on a device that cannot run them stops the rank
-here) -> join the group (rendezvous) -> load the model (with expert DWDP only what the rank
+here) -> start the API server process (``ApiProcess``: a TMPDIR with no room for its sockets
+stops the rank here; it loads the tokenizer while the model loads) -> join the group
+(rendezvous) -> load the model (with expert DWDP only what the rank
 keeps: ``load_model``; with a group every rank votes on the load, and a rank that failed fails
 the group together: ``dwdp.worker.loading.vote``) -> DWDP setup (dense first, then experts;
 commit) -> size the KV pool (beside the graphs' memory when they are on) -> the engine: KV
-transfer, the CUDA graph capture, start -> serve HTTP until a signal. A fatal error anywhere
+transfer, the CUDA graph capture, start -> serve HTTP (the API process told where the engine
+is) until a signal. A fatal error anywhere
 writes a one-line cause to the termination message path and exits non-zero; the engine is
 stopped whatever happens.
 """
@@ -482,9 +485,10 @@ def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
 
 def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
                        server: dict[str, Any], api_key: ApiKey) -> dict[str, Any]:
-    """What the rank's API server process is told (``ApiProcessSpec``'s fields but the link's
-    addresses): where to listen, the tokenizer's checkpoint, the served names and limits, the
-    KV endpoint, the rank's identity, the graceful-shutdown bound and the API key."""
+    """What the rank's API server process is told once the engine runs (``ApiProcessSpec``'s
+    fields but the link's addresses; its tokenizer it loaded when it started): where to listen,
+    the served names and limits, the KV endpoint, the rank's identity, the graceful-shutdown
+    bound and the API key."""
     from dataclasses import asdict
 
     from dwdp.worker.server.api_process import key_fields
@@ -493,7 +497,6 @@ def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
         **key_fields(api_key),
         "host": host,
         "port": port,
-        "tokenizer": str(cfg.model.path),
         "model_name": engine.model_name,
         "served_name": cfg.model.served_name,
         "max_model_len": engine.max_model_len,
@@ -506,6 +509,7 @@ def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
+    api_process: Any = None
     close_events: Callable[[], None] | None = None
     group: Any = None
     stage: dict[str, str] = {"now": Stage.CONFIG}
@@ -521,9 +525,10 @@ def run_worker(opts: WorkerOptions) -> int:
         settings = resolve_host_settings(cfg, local_rank, stage)
         stage["now"] = Stage.CONFIG
         cuda_graphs, dense_min_bytes, api_key = rank_settings(cfg, local_rank)
-        from dwdp.worker.server.run import check_socket_dir, serve_with_api_process
+        from dwdp.worker.server.run import ApiProcess, serve_with_api_process
 
-        check_socket_dir()
+        # the API server process imports and loads the tokenizer while the model loads
+        api_process = ApiProcess(str(cfg.model.path))
         from dwdp.worker.attach import setup_dwdp
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.group import join_group
@@ -602,6 +607,7 @@ def run_worker(opts: WorkerOptions) -> int:
             api_process_fields(cfg, engine, opts.host, port, server, api_key),
             stop_engine=engine.stop,
             server_holder=server_holder,
+            process=api_process,
         )
         close = getattr(dwdp, "close", None)  # the DWDP state, then the group transport
         if close is not None:
@@ -620,6 +626,8 @@ def run_worker(opts: WorkerOptions) -> int:
     finally:
         if stop_engine is not None:
             stop_engine()
+        if api_process is not None:  # a rank that failed before it served
+            api_process.close()
         if close_events is not None:
             close_events()
         if group is not None:

@@ -540,6 +540,33 @@ def test_a_temporary_folder_too_long_for_the_ranks_sockets_is_refused_before_the
     assert "the bound is 107" in line, line
 
 
+def test_a_rank_that_fails_after_starting_its_api_process_leaves_nothing_behind(
+    tmp_path, checkpoint, monkeypatch
+):
+    """The API server process starts at the config stage (it loads the tokenizer while the
+    model loads); a rank that fails later (here: a KV pool below one request, at the engine
+    stage) ends it and removes its socket directory."""
+    import tempfile
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    config = _config(tmp_path, model=str(checkpoint), maxModelLen=256,
+                     kvCache={"freeMemoryFraction": 1e-9})
+    code, line = _run(tmp_path, config)
+    assert code == 1 and line.startswith("engine: KvPoolError"), line
+    (api,) = [p for p in started if "dwdp.worker.server.api_process" in " ".join(p.args)]
+    assert api.returncode == 0, "the API process did not end on its own when its input closed"
+    assert not list(Path(tempfile.gettempdir()).glob(f"dwdp-rank-{os.getpid()}-*"))
+
+
 @pytest.mark.parametrize("secret", [None, b"short"])
 def test_a_missing_or_short_rendezvous_secret_is_a_config_error(tmp_path, checkpoint, secret):
     """A DWDP rank whose DWDP_RENDEZVOUS_SECRET_FILE is unset, or names a file shorter than

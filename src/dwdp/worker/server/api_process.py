@@ -12,8 +12,11 @@ streaming tokens never hold the interpreter lock the engine's step launches need
 - ``/metrics``: this process's request families and the rank's engine families, one page.
 
 The API key and the body bound are checked here first (``RequestGuard``); the rank's app checks
-them again. The launch (``ApiProcessSpec``) comes as JSON on standard input. The process exits
-when its parent (the rank) is gone; exit status 3 means the port could not be bound.
+them again. The launch comes on standard input in two parts (``dwdp.worker.server.run.
+ApiProcess``): a first line naming the tokenizer, which the process loads while the rank loads
+the model, then the rest (``ApiProcessSpec``) once the engine runs; an input that ends before
+the rest (the rank stopped first) ends the process with status 0. The process exits when its
+parent (the rank) is gone; exit status 3 means the port could not be bound.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class ApiProcessSpec:
     """What the rank tells its API process at launch (JSON on standard input).
 
     ``core_address``: the engine core's ``ipc://`` address; ``control_socket``: the path of
-    the rank app's Unix socket; ``tokenizer``: the checkpoint directory; ``kv_endpoint``:
+    the rank app's Unix socket; ``kv_endpoint``:
     ``KvEndpoint``'s fields on a disaggregated server; ``server``: the rank's identity for the
     ``dwdp`` field; ``parent_pid``: the rank's pid; ``api_key_file`` or ``api_key``: the key the
     rank resolved (``key_fields``; the spec travels through a pipe, never the command line).
@@ -80,7 +83,6 @@ class ApiProcessSpec:
     port: int
     core_address: str
     control_socket: str
-    tokenizer: str
     model_name: str
     max_model_len: int
     parent_pid: int
@@ -209,16 +211,16 @@ async def _watch_parent(parent_pid: int, rank_dir: Path, client: EngineCoreClien
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run(spec: ApiProcessSpec) -> int:
-    """Serve until SIGTERM/SIGINT or the rank's end; returns the exit status."""
+def run(spec: ApiProcessSpec, tokenizer: Any) -> int:
+    """Serve with ``tokenizer`` until SIGTERM/SIGINT or the rank's end; returns the exit
+    status."""
     import uvicorn
 
-    from dwdp.worker.loading.checkpoint import load_tokenizer
     from dwdp.worker.server.run import uvicorn_kwargs
 
     client = EngineCoreClient(
         spec.core_address,
-        tokenizer=load_tokenizer(Path(spec.tokenizer)),
+        tokenizer=tokenizer,
         model_name=spec.model_name,
         max_model_len=spec.max_model_len,
         kv_endpoint=KvEndpoint(**spec.kv_endpoint) if spec.kv_endpoint else None,
@@ -252,19 +254,29 @@ def failure_of(control_socket: str) -> str | None:
 
 
 def main() -> int:
-    """``python -m dwdp.worker.server.api_process`` (the spec on standard input). A failure is
-    logged in one line and left for the rank (``failure_of``), never as a traceback."""
+    """``python -m dwdp.worker.server.api_process`` (the launch on standard input: module
+    docstring). A failure is logged in one line and left for the rank (``failure_of``), never
+    as a traceback."""
+    from dwdp.worker.loading.checkpoint import load_tokenizer
     from dwdp.worker.termination import one_line
 
+    # until uvicorn takes the stop signals over, Ctrl-C ends this process without a traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed-on request
-    spec = ApiProcessSpec.from_json(sys.stdin.read())
+    first = json.loads(sys.stdin.readline())
     try:
-        return run(spec)
+        tokenizer = load_tokenizer(Path(first["tokenizer"]))
+        import uvicorn  # noqa: F401  (imported while the rank loads, not after)
+
+        rest = sys.stdin.read()
+        if not rest.strip():
+            return 0  # the rank stopped before it served
+        return run(ApiProcessSpec.from_json(rest), tokenizer)
     except Exception as exc:
         line = one_line(exc)
         log.error("the API server process failed: %s", line)
-        (Path(spec.control_socket).parent / FAILURE_FILE).write_text(line, encoding="utf-8")
+        (Path(first["control_socket"]).parent / FAILURE_FILE).write_text(line, encoding="utf-8")
         return 1
 
 

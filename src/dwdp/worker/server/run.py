@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import signal
@@ -107,6 +108,60 @@ def _note_stop(on_stop: Callable[[], None] | None, signum: int, _frame: Any) -> 
         on_stop()
 
 
+class ApiProcess:
+    """A rank's API server process (``dwdp.worker.server.api_process``) and its private socket
+    directory (mode 0700: the link's trust boundary; ``rank_dir_prefix``).
+
+    Made early (``dwdp worker`` makes it at the config stage), the process imports its modules
+    and loads the tokenizer of ``tokenizer`` (a checkpoint directory) while the rank loads the
+    model, then waits on its standard input; ``tell`` sends it the rest of its spec once the
+    engine runs; ``close`` ends a process never told (its input ends: it exits 0) or one still
+    running, and removes the directory. Raises ``ValueError`` when the temporary folder leaves
+    no room for the sockets (``check_socket_dir``)."""
+
+    def __init__(self, tokenizer: str) -> None:
+        import subprocess
+        import sys
+        import tempfile
+
+        check_socket_dir()
+        self.workdir = tempfile.mkdtemp(prefix=rank_dir_prefix())
+        self.core_address = f"ipc://{self.workdir}/core"
+        self.control_socket = f"{self.workdir}/control"
+        self.proc = subprocess.Popen([sys.executable, "-m", "dwdp.worker.server.api_process"],
+                                     stdin=subprocess.PIPE, text=True)
+        self._write(json.dumps({"tokenizer": tokenizer, "control_socket": self.control_socket})
+                    + "\n")
+
+    def _write(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):  # a process that failed keeps its exit status
+            self.proc.stdin.write(text)
+            self.proc.stdin.flush()
+
+    def tell(self, spec: Any) -> None:
+        """Send the rest of the spec (an ``ApiProcessSpec``): the process starts serving."""
+        self._write(spec.to_json())
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """End the process if it still runs (its input closed, then SIGKILL after 10 s) and
+        remove the socket directory. Safe to call twice."""
+        import shutil
+        import subprocess
+
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
 def serve_with_api_process(
     control_app: Any,
     engine: Any,
@@ -114,53 +169,46 @@ def serve_with_api_process(
     *,
     stop_engine: Callable[[], None],
     server_holder: dict[str, Any] | None = None,
+    process: ApiProcess | None = None,
 ) -> None:
-    """Serve ``engine`` through an API server process (``dwdp.worker.server.api_process``)
-    until SIGINT/SIGTERM, the API process's end or ``server_holder["stop"]()``; then stop the
-    API process (SIGTERM: it drains within its graceful bound), the rank's app and the engine.
+    """Serve ``engine`` through an API server process until SIGINT/SIGTERM, the API process's
+    end or ``server_holder["stop"]()``; then stop the API process (SIGTERM: it drains within
+    its graceful bound), the rank's app and the engine.
 
     ``control_app``: the rank's own app (``build_app(..., openai=False)``), served on a Unix
-    socket in a directory only this user can enter, beside the engine core's ``ipc://``
-    socket; ``api``: the ``ApiProcessSpec`` fields the caller knows (host, port, tokenizer,
-    names, limits, identity, graceful bound). Raises ``RuntimeError`` when the API process
-    cannot listen or exits on its own with a failure.
+    socket in the process's private directory, beside the engine core's ``ipc://`` socket;
+    ``api``: the ``ApiProcessSpec`` fields the caller knows (host, port, names, limits,
+    identity, graceful bound); ``process``: the ``ApiProcess`` started early (when ``None``,
+    one is started here for ``api["tokenizer"]``, a checkpoint directory). Raises
+    ``RuntimeError`` when the API process cannot listen or exits on its own with a failure.
     """
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-
     import uvicorn
 
     from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec, failure_of
     from dwdp.worker.server.engine_core import EngineCoreServer
 
-    check_socket_dir()
-    # mode 0700: the link's trust boundary
-    workdir = tempfile.mkdtemp(prefix=rank_dir_prefix())
+    fields = {k: v for k, v in api.items() if k != "tokenizer"}
     stop = threading.Event()
     if server_holder is not None:
         server_holder["stop"] = stop.set
-    core = control = thread = proc = None
+    core = control = thread = None
     # the handlers stay until everything has stopped: a second signal (Ctrl-C reaches the
     # whole process group, and the launcher follows with SIGTERM) must not cut the drain
     with returning_on_stop_signals(on_stop=stop.set):
         try:
-            core = EngineCoreServer(engine, f"ipc://{workdir}/core").start()
+            process = process or ApiProcess(api["tokenizer"])
+            core = EngineCoreServer(engine, process.core_address).start()
             control = uvicorn.Server(uvicorn.Config(
-                control_app, uds=f"{workdir}/control", lifespan="on", log_level="warning",
+                control_app, uds=process.control_socket, lifespan="on", log_level="warning",
                 access_log=False))
             thread = threading.Thread(target=control.run, name="dwdp-rank-app", daemon=True)
             thread.start()
             while not control.started and thread.is_alive():
                 time.sleep(0.02)
-            spec = ApiProcessSpec(**api, core_address=f"ipc://{workdir}/core",
-                                  control_socket=f"{workdir}/control", parent_pid=os.getpid())
-            proc = subprocess.Popen([sys.executable, "-m", "dwdp.worker.server.api_process"],
-                                    stdin=subprocess.PIPE, text=True)
-            assert proc.stdin is not None
-            proc.stdin.write(spec.to_json())
-            proc.stdin.close()
+            process.tell(ApiProcessSpec(**fields, core_address=process.core_address,
+                                        control_socket=process.control_socket,
+                                        parent_pid=os.getpid()))
+            proc = process.proc
             while not stop.wait(0.2) and proc.poll() is None:
                 pass
             ended = proc.poll()
@@ -170,19 +218,20 @@ def serve_with_api_process(
                 raise RuntimeError(
                     f"the HTTP server could not start on {api['host']}:{api['port']}")
             elif ended != 0:
-                cause = failure_of(spec.control_socket)
+                cause = failure_of(process.control_socket)
                 raise RuntimeError(f"the API server process exited with status {ended}"
                                    + (f": {cause}" if cause else ""))
         finally:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
+            if process is not None and process.proc.poll() is None:
+                process.proc.kill()
             if control is not None and thread is not None:
                 control.should_exit = True
                 thread.join(30)
             if core is not None:
                 core.stop()
             stop_engine()
-            shutil.rmtree(workdir, ignore_errors=True)
+            if process is not None:
+                process.close()
 
 
 def _stop_api_process(proc: Any, graceful_shutdown_timeout_s: int | None) -> None:
