@@ -9,6 +9,7 @@ process adds: either process dying takes the other down, and the rank's exit nam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -194,18 +195,25 @@ def test_the_rank_fails_naming_its_api_process_when_that_dies(tmp_path, ckpt):
         assert "the API server process exited with status -9" in term.read_text()
 
 
+@contextlib.contextmanager
+def _stream_started(url: str, prompt: str, max_tokens: int, *, timeout: float):
+    """The lines of a streaming completion of ``max_tokens`` tokens, its first event read."""
+    with httpx.stream("POST", url + "/v1/completions", timeout=timeout, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "stream": True,
+    }) as answer:
+        lines = answer.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        yield lines
+
+
 def test_a_ctrl_c_to_the_whole_group_still_drains_and_exits_0(tmp_path, ckpt):
     """A terminal's Ctrl-C reaches the launcher, the rank and its API process at once, and the
     launcher follows with SIGTERM to its ranks: the rank keeps its handlers until its API
     process has drained, so no second signal cuts it down."""
     with launched_pod(tmp_path, _launch(ckpt), 1) as (proc, urls, _, term):
         rank, api = _api_process(proc.pid)
-        with httpx.stream("POST", urls[0] + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": "interrupt", "max_tokens": 200, "ignore_eos": True,
-            "stream": True,
-        }) as answer:
-            lines = answer.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
+        with _stream_started(urls[0], "interrupt", 200, timeout=120) as lines:
             for pid in (proc.pid, rank, api):  # the process group, as the terminal sends it
                 os.kill(pid, signal.SIGINT)
             rest = [line for line in lines if line.startswith("data: ")]
@@ -220,12 +228,7 @@ def test_the_api_process_ends_with_its_rank(tmp_path, ckpt):
     with launched_pod(tmp_path, _launch(ckpt), 1) as (proc, urls, _, _term):
         rank, api = _api_process(proc.pid)
         rank_dir = _rank_dir(rank)
-        with httpx.stream("POST", urls[0] + "/v1/completions", timeout=30, json={
-            "model": "tiny", "prompt": "cut short", "max_tokens": 480, "ignore_eos": True,
-            "stream": True,
-        }) as answer:
-            lines = answer.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
+        with _stream_started(urls[0], "cut short", 480, timeout=30) as lines:
             os.kill(rank, signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
