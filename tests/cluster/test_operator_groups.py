@@ -95,7 +95,9 @@ def test_rank_failing_at_p3_restarts_its_group_only_with_growing_backoff(
     # loaded machine and made failure-to-failure gaps flaky).
     waits = [created[k] - seen[k] for k in (1, 2, 3)]
     print(f"failure -> next incarnation (s) for backoffs 5/10/20: {[round(w, 1) for w in waits]}")
-    assert waits[0] < waits[1] < waits[2], waits
+    # each wait is at least its backoff, which doubles: a backoff that did not grow fails the
+    # second and third bounds. No upper bound and no order between the waits: the operator's
+    # reaction on a loaded machine added 6 s to the first one once (11.7, 10.4, 19.4 s).
     assert [w >= b - 1 for w, b in zip(waits, (5, 10, 20), strict=True)] == [True] * 3, waits
     assert g0_incarnations == {0}  # the other group kept running
     st = status(cluster, ns, name)
