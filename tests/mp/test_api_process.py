@@ -208,13 +208,15 @@ def _stream_started(url: str, prompt: str, max_tokens: int, *, timeout: float):
 
 
 def test_a_ctrl_c_to_the_whole_group_still_drains_and_exits_0(tmp_path, ckpt):
-    """A terminal's Ctrl-C reaches the launcher, the rank and its API process at once, and the
-    launcher follows with SIGTERM to its ranks: the rank keeps its handlers until its API
-    process has drained, so no second signal cuts it down."""
+    """A terminal's Ctrl-C reaches the launcher and the rank at once (the API process has a
+    process group of its own: the rank stops it), and the launcher follows with SIGTERM to its
+    ranks: the rank keeps its handlers until its API process has drained, so no second signal
+    cuts it down."""
     with launched_pod(tmp_path, _launch(ckpt), 1) as (proc, urls, _, term):
         rank, api = _api_process(proc.pid)
+        assert os.getpgid(api) == api != os.getpgid(rank)
         with _stream_started(urls[0], "interrupt", 200, timeout=120) as lines:
-            for pid in (proc.pid, rank, api):  # the process group, as the terminal sends it
+            for pid in (proc.pid, rank):  # the process group, as the terminal sends it
                 os.kill(pid, signal.SIGINT)
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"

@@ -163,3 +163,33 @@ def test_an_api_process_that_cannot_start_names_its_cause(tmp_path):
         serve_with_api_process(build_app(engine, openai=False), engine, api,
                                stop_engine=lambda: stops.append(1))
     assert stops == [1]
+
+
+def test_a_rank_killed_before_it_serves_leaves_no_socket_directory(tmp_path, tokenizer_dir):
+    """The API process starts while the rank loads its model; a rank killed then (its input
+    ends before the spec's rest) cannot remove its socket directory, so the API process does,
+    and exits."""
+    rank_code = ("import sys, time\n"
+                 "from dwdp.worker.server.run import ApiProcess\n"
+                 "p = ApiProcess(sys.argv[1])\n"
+                 "print(p.workdir, p.proc.pid, flush=True)\n"
+                 "time.sleep(600)\n")
+    rank = subprocess.Popen([sys.executable, "-c", rank_code, str(tokenizer_dir)],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    workdir, api = rank.stdout.readline().split()  # type: ignore[union-attr]
+    assert Path(workdir).is_dir()
+    rank.kill()
+    rank.wait()
+    deadline = time.monotonic() + 60
+    while Path(workdir).exists() or _running(int(api)):
+        assert time.monotonic() < deadline, "the killed rank's socket directory or API process"
+        time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, which no parent may reap here, does not)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False

@@ -16,7 +16,9 @@ them again. The launch comes on standard input in two parts (``dwdp.worker.serve
 ApiProcess``): a first line naming the tokenizer, which the process loads while the rank loads
 the model, then the rest (``ApiProcessSpec``) once the engine runs; an input that ends before
 the rest (the rank stopped first) ends the process with status 0. The process exits when its
-parent (the rank) is gone; exit status 3 means the port could not be bound.
+parent (the rank) is gone; exit status 3 means the port could not be bound. Either way it
+removes the rank's socket directory, which a killed rank could not. The process runs in a
+process group of its own: a terminal's Ctrl-C reaches the rank, which stops it (SIGTERM).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -201,8 +204,6 @@ async def _watch_parent(parent_pid: int, rank_dir: Path, client: EngineCoreClien
     ``EngineDeadError`` (a stream gets its error event and ``[DONE]``, a plain request a 503),
     remove the rank's socket directory, which a killed rank could not, and stop (as SIGTERM
     does)."""
-    import shutil
-
     while os.getppid() == parent_pid:
         await asyncio.sleep(PARENT_POLL_S)
     log.error("the rank (pid %d) is gone: the API server stops", parent_pid)
@@ -260,8 +261,6 @@ def main() -> int:
     from dwdp.worker.loading.checkpoint import load_tokenizer
     from dwdp.worker.termination import one_line
 
-    # until uvicorn takes the stop signals over, Ctrl-C ends this process without a traceback
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed-on request
     first = json.loads(sys.stdin.readline())
@@ -270,8 +269,9 @@ def main() -> int:
         import uvicorn  # noqa: F401  (imported while the rank loads, not after)
 
         rest = sys.stdin.read()
-        if not rest.strip():
-            return 0  # the rank stopped before it served
+        if not rest.strip():  # the rank stopped, or was killed, before it served
+            shutil.rmtree(Path(first["control_socket"]).parent, ignore_errors=True)
+            return 0
         return run(ApiProcessSpec.from_json(rest), tokenizer)
     except Exception as exc:
         line = one_line(exc)

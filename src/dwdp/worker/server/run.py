@@ -128,8 +128,9 @@ class ApiProcess:
         self.workdir = tempfile.mkdtemp(prefix=rank_dir_prefix())
         self.core_address = f"ipc://{self.workdir}/core"
         self.control_socket = f"{self.workdir}/control"
+        # a group of its own: a terminal's Ctrl-C reaches the rank, which stops it in order
         self.proc = subprocess.Popen([sys.executable, "-m", "dwdp.worker.server.api_process"],
-                                     stdin=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, text=True, process_group=0)
         self._write(json.dumps({"tokenizer": tokenizer, "control_socket": self.control_socket})
                     + "\n")
 
