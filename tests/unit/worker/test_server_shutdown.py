@@ -116,7 +116,9 @@ def _start(tmp_path: Path, bound: str, tokenizer_dir: Path):
 
 
 def test_hung_handler_cancelled_at_the_bound_then_engine_stopped(tmp_path, tokenizer_dir):
-    proc, client, _responses = _start(tmp_path, "1", tokenizer_dir)
+    """The request still running at the bound gets a 503 in OpenAI's error shape naming the
+    setting (uvicorn's own answer was a bare 500), then the engine stops."""
+    proc, client, responses = _start(tmp_path, "1", tokenizer_dir)
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=30)
@@ -124,6 +126,9 @@ def test_hung_handler_cancelled_at_the_bound_then_engine_stopped(tmp_path, token
     client.join(10)
     assert code == 0
     assert 0.9 <= took < 10, took
+    (answer,) = responses
+    assert isinstance(answer, httpx.Response) and answer.status_code == 503, answer
+    assert "gracefulShutdownTimeoutSeconds" in answer.json()["error"]["message"]
     stops = (tmp_path / "engine-stopped").read_text().split()
     assert stops and set(stops) == {"stop"}  # the lifespan shutdown and the final stop
 

@@ -160,11 +160,49 @@ def build_api_app(
     app.add_middleware(RequestGuard, api_key=api_key)
     _add_error_handlers(app)
     app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(AnswerCutAtShutdown)
     _add_openai_routes(app)
     for path, methods in _RANK_ROUTES:
         app.add_api_route(path, _pass_on, methods=methods, include_in_schema=False)
     app.add_api_route("/metrics", _metrics, methods=["GET"], response_class=PlainTextResponse)
     return app
+
+
+class AnswerCutAtShutdown:
+    """ASGI middleware: a request still running when uvicorn cancels it at the graceful bound
+    (``gracefulShutdownTimeoutSeconds``) gets a 503 in OpenAI's error shape, where uvicorn
+    would answer a bare 500 and log a traceback. A response already started (a stream) is left
+    as it is: its error event comes from the engine client (``EngineCoreClient.fail``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if started or task is None:
+                raise
+            task.uncancel()  # the request ends here, with its answer
+            body = json.dumps({"error": {
+                "message": "the server is shutting down: the request was still running at "
+                           "its graceful shutdown bound (gracefulShutdownTimeoutSeconds)",
+                "type": "service_unavailable", "code": 503}}).encode()
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
 
 
 async def _pass_on(request: Request) -> Response:

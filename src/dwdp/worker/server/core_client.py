@@ -120,7 +120,8 @@ class EngineCoreClient:
         self._reader = asyncio.ensure_future(self._read())
 
     async def close(self) -> None:
-        """Stop reading and close the socket (requests in flight fail with ``EngineError``)."""
+        """Stop reading and close the socket (requests in flight fail with ``EngineDeadError``)."""
+        self.fail("the API server is shutting down")
         if self._reader is not None:
             self._reader.cancel()
         if self._socket is not None:
