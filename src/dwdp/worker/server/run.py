@@ -115,8 +115,9 @@ class ApiProcess:
     Made early (``dwdp worker`` makes it at the config stage), the process imports its modules
     and loads the tokenizer of ``tokenizer`` (a checkpoint directory) while the rank loads the
     model, then waits on its standard input; ``tell`` sends it the rest of its spec once the
-    engine runs; ``close`` ends a process never told (its input ends: it exits 0) or one still
-    running, and removes the directory. Raises ``ValueError`` when the temporary folder leaves
+    engine runs; ``close`` ends the process if it still runs and removes the directory. (A rank
+    killed before ``tell`` closes the process's input by dying: the process then removes the
+    directory itself and exits 0.) Raises ``ValueError`` when the temporary folder leaves
     no room for the sockets (``check_socket_dir``)."""
 
     def __init__(self, tokenizer: str) -> None:
@@ -147,14 +148,13 @@ class ApiProcess:
             self.proc.stdin.close()  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """End the process if it still runs (its input closed, then SIGKILL after 10 s) and
-        remove the socket directory. Safe to call twice."""
+        """End the process if it still runs (SIGTERM, SIGKILL after 10 s) and remove the socket
+        directory. Safe to call twice."""
         import shutil
         import subprocess
 
         if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
