@@ -539,6 +539,7 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = Stage.LOAD
         watch = MemoryWatch(_device_for(cfg, local_rank))
         model, tokenizer, loaded = load_rank(cfg, plan, group, watch)
+        api_process.check()
         stage["now"] = Stage.SETUP
         dwdp = setup_dwdp(
             model,

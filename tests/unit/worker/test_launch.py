@@ -540,31 +540,63 @@ def test_a_temporary_folder_too_long_for_the_ranks_sockets_is_refused_before_the
     assert "the bound is 107" in line, line
 
 
+@pytest.fixture
+def api_processes(monkeypatch) -> list[subprocess.Popen]:
+    """The API server processes the rank starts (``subprocess.Popen`` recorded)."""
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        if "dwdp.worker.server.api_process" in " ".join(map(str, proc.args)):
+            started.append(proc)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    return started
+
+
 def test_a_rank_that_fails_after_starting_its_api_process_leaves_nothing_behind(
-    tmp_path, checkpoint, monkeypatch
+    tmp_path, checkpoint, monkeypatch, api_processes
 ):
     """The API server process starts at the config stage (it loads the tokenizer while the
     model loads); a rank that fails later (here: a KV pool below one request, at the engine
     stage) ends it and removes its socket directory."""
     import tempfile
 
-    started: list[subprocess.Popen] = []
-    real_popen = subprocess.Popen
-
-    def recording_popen(*args, **kwargs):
-        proc = real_popen(*args, **kwargs)
-        started.append(proc)
-        return proc
-
-    monkeypatch.setattr(subprocess, "Popen", recording_popen)
     monkeypatch.setenv("DWDP_ROLE", "context")
     config = _config(tmp_path, model=str(checkpoint), maxModelLen=256,
                      kvCache={"freeMemoryFraction": 1e-9})
     code, line = _run(tmp_path, config)
     assert code == 1 and line.startswith("engine: KvPoolError"), line
-    (api,) = [p for p in started if "dwdp.worker.server.api_process" in " ".join(p.args)]
+    (api,) = api_processes
     assert api.returncode is not None, "the API process still runs"
     assert not list(Path(tempfile.gettempdir()).glob(f"dwdp-rank-{os.getpid()}-*"))
+
+
+def test_an_api_process_that_dies_while_the_model_loads_fails_the_rank_after_the_load(
+    tmp_path, checkpoint, monkeypatch, api_processes
+):
+    """Killed during the load, the API process fails the rank at the load stage, naming it,
+    before the DWDP setup and the engine (not once the engine is ready to serve)."""
+    real_load = worker_main.load_rank
+
+    def load_then_kill(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        (api,) = api_processes
+        api.kill()
+        api.wait()
+        return loaded
+
+    def no_setup(*args, **kwargs):
+        raise AssertionError("the DWDP setup ran: the dead API process must fail the rank first")
+
+    monkeypatch.setattr(worker_main, "load_rank", load_then_kill)
+    monkeypatch.setattr("dwdp.worker.attach.setup_dwdp", no_setup)
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint)))
+    assert code == 1
+    assert line.startswith("load: RuntimeError: the API server process exited with status -9"), line
 
 
 @pytest.mark.parametrize("secret", [None, b"short"])

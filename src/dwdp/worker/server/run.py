@@ -147,6 +147,25 @@ class ApiProcess:
         with contextlib.suppress(OSError):
             self.proc.stdin.close()  # type: ignore[union-attr]
 
+    def exit_message(self) -> str | None:
+        """``None`` while the process runs; else "the API server process exited with status N",
+        plus the cause it left when it could not start (``failure_of``)."""
+        from dwdp.worker.server.api_process import failure_of
+
+        ended = self.proc.poll()
+        if ended is None:
+            return None
+        cause = failure_of(self.control_socket)
+        return f"the API server process exited with status {ended}" + (
+            f": {cause}" if cause else "")
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` (``exit_message``) when the process has ended: a rank whose API
+        process died while it loaded fails then, not after its setup."""
+        message = self.exit_message()
+        if message is not None:
+            raise RuntimeError(message)
+
     def close(self) -> None:
         """End the process if it still runs (SIGTERM, SIGKILL after 10 s) and remove the socket
         directory. Safe to call twice."""
@@ -185,7 +204,7 @@ def serve_with_api_process(
     """
     import uvicorn
 
-    from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec, failure_of
+    from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec
     from dwdp.worker.server.engine_core import EngineCoreServer
 
     fields = {k: v for k, v in api.items() if k != "tokenizer"}
@@ -219,9 +238,7 @@ def serve_with_api_process(
                 raise RuntimeError(
                     f"the HTTP server could not start on {api['host']}:{api['port']}")
             elif ended != 0:
-                cause = failure_of(process.control_socket)
-                raise RuntimeError(f"the API server process exited with status {ended}"
-                                   + (f": {cause}" if cause else ""))
+                process.check()
         finally:
             if process is not None and process.proc.poll() is None:
                 process.proc.kill()
