@@ -187,6 +187,22 @@ def test_sigterm_drains_a_stream_in_flight_then_both_exit(tmp_path, ckpt):
         assert not Path(f"/proc/{api}").exists() and not Path(f"/proc/{rank}").exists()
 
 
+def test_a_stream_still_running_at_the_graceful_bound_ends_with_an_error_event(tmp_path, ckpt):
+    """Past ``gracefulShutdownTimeoutSeconds`` a stream is ended, not cut: an error event naming
+    the setting, then ``[DONE]``; and both processes exit 0."""
+    slow = make_checkpoint("qwen3_moe", tmp_path / "ck", num_experts=8, seed=3, num_layers=8,
+                           hidden_size=512, moe_width=512, head_dim=64)  # 480 tokens: ~3 s
+    launch = {**_launch(slow), "gracefulShutdownTimeoutSeconds": 1}
+    with launched_pod(tmp_path, launch, 1) as (proc, urls, _, _term):
+        with _stream_started(urls[0], "too long", 480, timeout=60) as lines:
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert "gracefulShutdownTimeoutSeconds" in error["message"] and error["code"] == 503
+        assert proc.wait(60) == 0
+
+
 def test_the_rank_fails_naming_its_api_process_when_that_dies(tmp_path, ckpt):
     with launched_pod(tmp_path, _launch(ckpt), 1) as (proc, _urls, _, term):
         _rank, api = _api_process(proc.pid)

@@ -59,6 +59,13 @@ FAILURE_FILE = "api-process-failure"
 PROXY_TIMEOUT_S = 60.0
 """How long a passed-on request may take in the rank (the side channel's describe waits for
 the agent's lock)."""
+CUT_AT_BOUND = ("the server is shutting down: the request was still running at its graceful "
+                "shutdown bound (gracefulShutdownTimeoutSeconds)")
+"""What a request still running at the graceful bound is answered (a 503; a stream's error
+event)."""
+END_BEFORE_BOUND_S = 1.0
+"""How long before the graceful bound the requests still running are ended (so that a stream
+sends its error event and ``[DONE]`` before uvicorn cancels it)."""
 PARENT_POLL_S = 1.0
 """How often the process checks that the rank is still its parent."""
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
@@ -160,49 +167,11 @@ def build_api_app(
     app.add_middleware(RequestGuard, api_key=api_key)
     _add_error_handlers(app)
     app.add_middleware(RequestCounter, metrics=metrics)
-    app.add_middleware(AnswerCutAtShutdown)
     _add_openai_routes(app)
     for path, methods in _RANK_ROUTES:
         app.add_api_route(path, _pass_on, methods=methods, include_in_schema=False)
     app.add_api_route("/metrics", _metrics, methods=["GET"], response_class=PlainTextResponse)
     return app
-
-
-class AnswerCutAtShutdown:
-    """ASGI middleware: a request still running when uvicorn cancels it at the graceful bound
-    (``gracefulShutdownTimeoutSeconds``) gets a 503 in OpenAI's error shape, where uvicorn
-    would answer a bare 500 and log a traceback. A response already started (a stream) is left
-    as it is: its error event comes from the engine client (``EngineCoreClient.fail``)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if started or task is None:
-                raise
-            task.uncancel()  # the request ends here, with its answer
-            body = json.dumps({"error": {
-                "message": "the server is shutting down: the request was still running at "
-                           "its graceful shutdown bound (gracefulShutdownTimeoutSeconds)",
-                "type": "service_unavailable", "code": 503}}).encode()
-            await send({"type": "http.response.start", "status": 503, "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
 
 
 async def _pass_on(request: Request) -> Response:
@@ -235,6 +204,17 @@ async def _metrics(request: Request) -> Response:
         log.warning("the rank's /metrics did not answer", exc_info=True)
         rank = b""
     return Response(own + rank, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _end_before_bound(server: Any, client: EngineCoreClient, bound_s: int) -> None:
+    """Once ``server`` is stopping, end the requests still running ``END_BEFORE_BOUND_S``
+    before its graceful bound (at half the bound, for bounds under 2 s) with ``CUT_AT_BOUND``:
+    each stream then ends with an error event and ``[DONE]``, each plain request with a 503,
+    instead of the cut body and the bare 500 of uvicorn's cancellation."""
+    while not server.should_exit:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(max(bound_s - END_BEFORE_BOUND_S, bound_s / 2))
+    client.fail(CUT_AT_BOUND)
 
 
 async def _watch_parent(parent_pid: int, rank_dir: Path, client: EngineCoreClient) -> None:
@@ -272,12 +252,16 @@ def run(spec: ApiProcessSpec, tokenizer: Any) -> int:
     server = uvicorn.Server(config)
 
     async def serve() -> None:
-        watch = asyncio.ensure_future(
-            _watch_parent(spec.parent_pid, Path(spec.control_socket).parent, client))
+        tasks = [asyncio.ensure_future(
+            _watch_parent(spec.parent_pid, Path(spec.control_socket).parent, client))]
+        if spec.graceful_shutdown_timeout_s is not None:
+            tasks.append(asyncio.ensure_future(
+                _end_before_bound(server, client, spec.graceful_shutdown_timeout_s)))
         try:
             await server.serve()
         finally:
-            watch.cancel()
+            for task in tasks:
+                task.cancel()
 
     asyncio.run(serve())
     return 0 if server.started else EXIT_CANNOT_LISTEN
@@ -302,19 +286,27 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed-on request
     first = json.loads(sys.stdin.readline())
+    rank_dir = Path(first["control_socket"]).parent
+
+    def stopped_before_serving(_signum: int, _frame: Any) -> None:
+        # the rank stops this process while it may itself be killed next: the directory goes
+        shutil.rmtree(rank_dir, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stopped_before_serving)  # uvicorn's handlers replace it
     try:
         tokenizer = load_tokenizer(Path(first["tokenizer"]))
         import uvicorn  # noqa: F401  (imported while the rank loads, not after)
 
         rest = sys.stdin.read()
         if not rest.strip():  # the rank stopped, or was killed, before it served
-            shutil.rmtree(Path(first["control_socket"]).parent, ignore_errors=True)
+            shutil.rmtree(rank_dir, ignore_errors=True)
             return 0
         return run(ApiProcessSpec.from_json(rest), tokenizer)
     except Exception as exc:
         line = one_line(exc)
         log.error("the API server process failed: %s", line)
-        (Path(first["control_socket"]).parent / FAILURE_FILE).write_text(line, encoding="utf-8")
+        (rank_dir / FAILURE_FILE).write_text(line, encoding="utf-8")
         return 1
 
 
