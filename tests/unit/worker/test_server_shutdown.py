@@ -27,7 +27,7 @@ SERVER = textwrap.dedent(
     import sys, types
     from pathlib import Path
     from dwdp.worker.server.app import build_app
-    from dwdp.worker.server.run import serve_with_api_process
+    from dwdp.worker.server.run import ApiProcess, serve_with_api_process
 
     out = Path(sys.argv[1])
     bound = None if sys.argv[2] == "none" else int(sys.argv[2])
@@ -54,10 +54,10 @@ SERVER = textwrap.dedent(
             f.write("stop\\n")
 
     engine = HungEngine()
-    api = {"host": "127.0.0.1", "port": int(sys.argv[3]), "tokenizer": sys.argv[4],
-           "model_name": "hung", "max_model_len": 64, "graceful_shutdown_timeout_s": bound}
+    api = {"host": "127.0.0.1", "port": int(sys.argv[3]), "model_name": "hung",
+           "max_model_len": 64, "graceful_shutdown_timeout_s": bound}
     serve_with_api_process(build_app(engine, on_shutdown=stop_engine, openai=False), engine,
-                           api, stop_engine=stop_engine)
+                           api, stop_engine=stop_engine, process=ApiProcess(sys.argv[4]))
     """
 )
 
@@ -159,15 +159,15 @@ class _IdleEngine:
 
 def test_an_api_process_that_cannot_start_names_its_cause(tmp_path):
     from dwdp.worker.server.app import build_app
-    from dwdp.worker.server.run import serve_with_api_process
+    from dwdp.worker.server.run import ApiProcess, serve_with_api_process
 
     engine, stops = _IdleEngine(), []
-    api = {"host": "127.0.0.1", "port": free_port(), "tokenizer": str(tmp_path / "missing"),
-           "model_name": "idle", "max_model_len": 64}
+    api = {"host": "127.0.0.1", "port": free_port(), "model_name": "idle", "max_model_len": 64}
     with pytest.raises(RuntimeError, match=r"the API server process exited with status 1: "
                        r"CheckpointError: checkpoint .*missing: tokenizer"):
         serve_with_api_process(build_app(engine, openai=False), engine, api,
-                               stop_engine=lambda: stops.append(1))
+                               stop_engine=lambda: stops.append(1),
+                               process=ApiProcess(str(tmp_path / "missing")))
     assert stops == [1]
 
 

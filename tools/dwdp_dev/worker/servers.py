@@ -84,20 +84,21 @@ class RankServer:
 
     def __init__(self, engine: Any, control_app: Any, *, port: int, tokenizer: str | Path,
                  **api: Any) -> None:
-        self.fields = {"host": "127.0.0.1", "port": port, "tokenizer": str(tokenizer),
-                       "model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                       **api}
+        self.tokenizer = str(tokenizer)
+        self.fields = {"host": "127.0.0.1", "port": port, "model_name": engine.model_name,
+                       "max_model_len": engine.max_model_len, **api}
         self.holder: dict[str, Any] = {}
         self.failure: list[BaseException] = []
         self.thread = threading.Thread(target=self._serve, args=(engine, control_app),
                                        name="rank-server", daemon=True)
 
     def _serve(self, engine: Any, control_app: Any) -> None:
-        from dwdp.worker.server.run import serve_with_api_process
+        from dwdp.worker.server.run import ApiProcess, serve_with_api_process
 
         try:
             serve_with_api_process(control_app, engine, self.fields, stop_engine=lambda: None,
-                                   server_holder=self.holder)
+                                   server_holder=self.holder,
+                                   process=ApiProcess(self.tokenizer))
         except BaseException as exc:
             self.failure.append(exc)
 

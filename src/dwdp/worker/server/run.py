@@ -27,8 +27,6 @@ log = logging.getLogger(__name__)
 SOCKET_PATH_MAX = 107
 """The longest path a Unix socket can be bound at (``sun_path``'s 108 bytes, the NUL included);
 ZMQ's ``ipc://`` addresses share the bound."""
-_SOCKET_NAMES = ("core", "control")
-"""The sockets in a rank's private directory: the engine core's link, the rank's app."""
 
 
 def rank_dir_prefix() -> str:
@@ -37,16 +35,17 @@ def rank_dir_prefix() -> str:
     return f"dwdp-rank-{os.getpid()}-"
 
 
-def check_socket_dir(tmpdir: str | None = None) -> None:
+def check_socket_dir() -> None:
     """Check, before anything loads, that the rank's sockets fit under the temporary folder
-    (``tmpdir``, default ``tempfile.gettempdir()``: ``TMPDIR``, ``TEMP``, ``TMP`` or /tmp).
+    (``tempfile.gettempdir()``: ``TMPDIR``, ``TEMP``, ``TMP`` or /tmp).
 
     Raises ``ValueError`` naming the folder and the bound when
-    ``<tmpdir>/dwdp-rank-<pid>-XXXXXXXX/control`` is longer than ``SOCKET_PATH_MAX`` bytes."""
+    ``<tmpdir>/dwdp-rank-<pid>-XXXXXXXX/control`` (the longer of its two sockets, ``core`` and
+    ``control``) is longer than ``SOCKET_PATH_MAX`` bytes."""
     import tempfile
 
-    folder = tmpdir if tmpdir is not None else tempfile.gettempdir()
-    longest = os.path.join(folder, rank_dir_prefix() + "x" * 8, max(_SOCKET_NAMES, key=len))
+    folder = tempfile.gettempdir()
+    longest = os.path.join(folder, rank_dir_prefix() + "x" * 8, "control")
     size = len(os.fsencode(longest))
     if size > SOCKET_PATH_MAX:
         raise ValueError(
@@ -166,19 +165,27 @@ class ApiProcess:
         if message is not None:
             raise RuntimeError(message)
 
-    def close(self) -> None:
-        """End the process if it still runs (SIGTERM, SIGKILL after 10 s) and remove the socket
-        directory. Safe to call twice."""
-        import shutil
+    def stop(self, wait_s: float | None) -> None:
+        """SIGTERM the process if it still runs (serving, it drains), wait ``wait_s`` seconds
+        (``None``: until it exits), then SIGKILL."""
         import subprocess
 
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            log.warning("the API server process did not stop in %s s: killed", wait_s)
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        """End the process if it still runs (``stop``, 10 s) and remove the socket directory.
+        Safe to call twice."""
+        import shutil
+
+        self.stop(10)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -189,7 +196,7 @@ def serve_with_api_process(
     *,
     stop_engine: Callable[[], None],
     server_holder: dict[str, Any] | None = None,
-    process: ApiProcess | None = None,
+    process: ApiProcess,
 ) -> None:
     """Serve ``engine`` through an API server process until SIGINT/SIGTERM, the API process's
     end or ``server_holder["stop"]()``; then stop the API process (SIGTERM: it drains within
@@ -198,8 +205,8 @@ def serve_with_api_process(
     ``control_app``: the rank's own app (``build_app(..., openai=False)``), served on a Unix
     socket in the process's private directory, beside the engine core's ``ipc://`` socket;
     ``api``: the ``ApiProcessSpec`` fields the caller knows (host, port, names, limits,
-    identity, graceful bound); ``process``: the ``ApiProcess`` started early (when ``None``,
-    one is started here for ``api["tokenizer"]``, a checkpoint directory). Raises
+    identity, graceful bound); ``process``: the ``ApiProcess`` the caller started (early, so
+    that it loads the tokenizer meanwhile); it is closed here. Raises
     ``RuntimeError`` when the API process cannot listen or exits on its own with a failure.
     """
     import uvicorn
@@ -207,7 +214,6 @@ def serve_with_api_process(
     from dwdp.worker.server.api_process import EXIT_CANNOT_LISTEN, ApiProcessSpec
     from dwdp.worker.server.engine_core import EngineCoreServer
 
-    fields = {k: v for k, v in api.items() if k != "tokenizer"}
     stop = threading.Event()
     if server_holder is not None:
         server_holder["stop"] = stop.set
@@ -216,7 +222,6 @@ def serve_with_api_process(
     # whole process group, and the launcher follows with SIGTERM) must not cut the drain
     with returning_on_stop_signals(on_stop=stop.set):
         try:
-            process = process or ApiProcess(api["tokenizer"])
             core = EngineCoreServer(engine, process.core_address).start()
             control = uvicorn.Server(uvicorn.Config(
                 control_app, uds=process.control_socket, lifespan="on", log_level="warning",
@@ -225,22 +230,23 @@ def serve_with_api_process(
             thread.start()
             while not control.started and thread.is_alive():
                 time.sleep(0.02)
-            process.tell(ApiProcessSpec(**fields, core_address=process.core_address,
+            process.tell(ApiProcessSpec(**api, core_address=process.core_address,
                                         control_socket=process.control_socket,
                                         parent_pid=os.getpid()))
             proc = process.proc
             while not stop.wait(0.2) and proc.poll() is None:
                 pass
             ended = proc.poll()
-            if ended is None:
-                _stop_api_process(proc, api.get("graceful_shutdown_timeout_s"))
+            if ended is None:  # drain: the graceful bound and 10 s, or without one, all of it
+                bound = api.get("graceful_shutdown_timeout_s")
+                process.stop(None if bound is None else bound + 10)
             elif ended == EXIT_CANNOT_LISTEN:
                 raise RuntimeError(
                     f"the HTTP server could not start on {api['host']}:{api['port']}")
             elif ended != 0:
                 process.check()
         finally:
-            if process is not None and process.proc.poll() is None:
+            if process.proc.poll() is None:
                 process.proc.kill()
             if control is not None and thread is not None:
                 control.should_exit = True
@@ -248,20 +254,4 @@ def serve_with_api_process(
             if core is not None:
                 core.stop()
             stop_engine()
-            if process is not None:
-                process.close()
-
-
-def _stop_api_process(proc: Any, graceful_shutdown_timeout_s: int | None) -> None:
-    """SIGTERM, then wait for the drain (the graceful bound and 10 s, or without a bound until
-    every handler returned); past that, SIGKILL."""
-    import subprocess
-
-    proc.send_signal(signal.SIGTERM)
-    bound = None if graceful_shutdown_timeout_s is None else graceful_shutdown_timeout_s + 10
-    try:
-        proc.wait(bound)
-    except subprocess.TimeoutExpired:
-        log.warning("the API server process did not stop in %s s: killed", bound)
-        proc.kill()
-        proc.wait()
+            process.close()
