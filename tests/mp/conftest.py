@@ -8,6 +8,7 @@ each test: no rank process is left running and no store file of the test's group
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -47,6 +48,10 @@ class RankProcesses:
         self.codes: dict[int, int] = {}
 
     def start(self, ranks: list[int], target: Callable[[int, Path], None]) -> None:
+        # Garbage of earlier tests (a NIXL agent in a reference cycle, say) is finalized here,
+        # not in a rank: a rank's own gc.collect() would run its finalizer against UCX state
+        # that is pytest's, and UCX aborts the rank ("unable to modify event set")
+        gc.collect()
         for rank in ranks:
             pid = os.fork()
             if pid == 0:  # the rank process: never return into pytest
