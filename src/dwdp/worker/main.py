@@ -514,6 +514,10 @@ def run_worker(opts: WorkerOptions) -> int:
     group: Any = None
     stage: dict[str, str] = {"now": Stage.CONFIG}
     watch = MemoryWatch("cpu")
+    from dwdp.worker.server.run import StopBeforeServing, StopRequested
+
+    stop_signals = StopBeforeServing(lambda: stage["now"] == Stage.SERVE)
+    stopped = False
     try:
         cfg = check_launch(load_launch_config(opts.config), opts.role)
         local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
@@ -618,6 +622,11 @@ def run_worker(opts: WorkerOptions) -> int:
         if fatal:
             return 1
         return 0
+    except StopRequested as stop:
+        log.info("rank stopped by signal %d during stage %s, before serving", stop.signum,
+                 stage["now"])
+        stopped = True
+        return 0
     except Exception as exc:
         line = write_termination_message(
             with_memory(phased(stage["now"], exc), watch), opts.termination_log
@@ -625,6 +634,7 @@ def run_worker(opts: WorkerOptions) -> int:
         log.error("worker failed: %s", line)
         return 1
     finally:
+        stop_signals.quiet()
         if stop_engine is not None:
             stop_engine()
         if api_process is not None:  # a rank that failed before it served
@@ -634,5 +644,7 @@ def run_worker(opts: WorkerOptions) -> int:
         if group is not None:
             # after a failure too: rank 0 hosts the rendezvous store, and the other ranks
             # still read the collective that failed (they must see its SetupError, not a
-            # lost store); closing twice is safe
-            group.close()
+            # lost store); closing twice is safe. Stopped by a signal, it does not wait for
+            # the peers to leave: none is reading a verdict of this rank's
+            group.close(linger=not stopped)
+        stop_signals.restore()

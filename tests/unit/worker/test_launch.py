@@ -393,6 +393,38 @@ def test_launcher_stops_every_rank_on_sigterm(tmp_path, checkpoint):
             proc.wait()
 
 
+def test_launcher_stopped_while_a_rank_waits_at_the_rendezvous_exits_0(tmp_path, checkpoint):
+    """SIGTERM to the launcher of a pod whose rank waits at the rendezvous (rank 0 of a
+    2-rank group whose rank 1 never comes): the launcher forwards it, the rank stops before
+    serving (exit 0, its API process ended, no socket directory left), and the launcher exits
+    0 with no termination message: a pod deleted while it starts is not a failure."""
+    tmpdir = tmp_path / "t"
+    tmpdir.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = _config(tmp_path, model=str(checkpoint), dwdp={"dwdpSize": 2})
+    proc, term = _launch(tmp_path, config, 1, TMPDIR=str(tmpdir), DWDP_GROUP="g",
+                         DWDP_INCARNATION="1", DWDP_RANK="0", DWDP_WORLD_SIZE="2",
+                         DWDP_RENDEZVOUS=f"127.0.0.1:{port}", DWDP_RENDEZVOUS_TIMEOUT_S="120")
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmpdir.glob("dwdp-rank-*")):  # the rank made its socket directory
+            assert proc.poll() is None and time.monotonic() < deadline, "no rank started"
+            time.sleep(0.2)
+        (rank,) = _children(proc.pid)
+        time.sleep(2)  # on to the rendezvous, where it waits for rank 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert not term.exists() or term.read_text() == ""
+        assert not list(tmpdir.glob("dwdp-rank-*"))
+        assert not Path(f"/proc/{rank}").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # -- the host gate, before the rendezvous -------------------------------------------------
 
 
@@ -597,6 +629,45 @@ def test_an_api_process_that_dies_while_the_model_loads_fails_the_rank_after_the
     code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint)))
     assert code == 1
     assert line.startswith("load: RuntimeError: the API server process exited with status -9"), line
+
+
+def test_a_rank_stopped_while_its_model_loads_exits_0_and_leaves_nothing_behind(
+    tmp_path, checkpoint, monkeypatch, api_processes
+):
+    """SIGTERM during the load (a pod deleted while it starts): the rank stops where it is,
+    ends its API process, removes its socket directory, writes no termination message (it did
+    not fail) and exits 0; a second signal during its teardown is ignored; its process's
+    signal handlers are as they were afterwards."""
+    import tempfile
+
+    from dwdp.worker.server.run import ApiProcess
+
+    def signalled_load(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the load goes on: the signal's handler stops it here
+        raise AssertionError("the load ran on after SIGTERM")  # (a failure: status 1)
+
+    def no_setup(*args, **kwargs):
+        raise AssertionError("the DWDP setup ran after SIGTERM")
+
+    real_close = ApiProcess.close
+
+    def close_signalled_again(self):
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher's follow-up, mid-teardown
+        time.sleep(0.2)
+        real_close(self)
+
+    monkeypatch.setattr(worker_main, "load_rank", signalled_load)
+    monkeypatch.setattr("dwdp.worker.attach.setup_dwdp", no_setup)
+    monkeypatch.setattr(ApiProcess, "close", close_signalled_again)
+    monkeypatch.setenv("DWDP_ROLE", "context")
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint)))
+    assert code == 0 and line == ""
+    (api,) = api_processes
+    assert api.returncode is not None, "the API process still runs"
+    assert not list(Path(tempfile.gettempdir()).glob(f"dwdp-rank-{os.getpid()}-*"))
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 @pytest.mark.parametrize("secret", [None, b"short"])

@@ -101,6 +101,49 @@ def returning_on_stop_signals(on_stop: Callable[[], None] | None = None) -> Iter
             signal.signal(signum, handler)
 
 
+class StopRequested(BaseException):
+    """A stop signal (SIGTERM, SIGINT) reached a rank before it served. Raised where the rank
+    was (the load, the rendezvous, ...) so that it unwinds through its cleanups and exits 0:
+    a pod deleted while its model loads stops cleanly, not killed by the signal. A
+    ``BaseException``, so no ``except Exception`` records it as a failure."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stop signal {signum}")
+        self.signum = signum
+
+
+class StopBeforeServing:
+    """Stop signals of a rank before it serves: the first SIGTERM or SIGINT raises
+    :class:`StopRequested` in the main thread. Later ones are logged and ignored, and so are
+    those that come once serving began (``serve_with_api_process`` installs its own handlers)
+    or once the rank is tearing down (:meth:`quiet`), so that its cleanups run to their end.
+    ``serving()`` says whether serving began. Outside the main thread nothing changes."""
+
+    def __init__(self, serving: Callable[[], bool]) -> None:
+        self._serving = serving
+        self._ignore = False
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self._ignore or self._serving():
+            log.info("stop signal %d: already stopping", signum)
+            return
+        self._ignore = True
+        raise StopRequested(signum)
+
+    def quiet(self) -> None:
+        """From now on, log and ignore stop signals (the rank is tearing down)."""
+        self._ignore = True
+
+    def restore(self) -> None:
+        """Put back the handlers found at the start."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
 def _note_stop(on_stop: Callable[[], None] | None, signum: int, _frame: Any) -> None:
     log.info("stop signal %d", signum)
     if on_stop is not None:

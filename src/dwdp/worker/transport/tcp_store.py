@@ -134,8 +134,11 @@ class TcpStoreTransport(GroupTransport):
         try:
             host_ids = self.allgather(self.host_id, label="join")
             check_rendezvous_hosts(host, host_ids)
-        except BaseException:
+        except Exception:
             self.close()
+            raise
+        except BaseException:  # stopped (a signal): no peer waits on a verdict from here
+            self.close(linger=False)
             raise
         self.host_ids: tuple[str, ...] = tuple(str(h) for h in host_ids)
 
