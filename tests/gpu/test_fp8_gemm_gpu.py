@@ -1,9 +1,11 @@
-"""The FP8 GEMMs on the GPU (``dwdp.worker.gpu.fp8_gemm``): the activations' per-group
-quantization is torch's float8_e4m3fn rounding bitwise; the grouped GEMM equals a float32
-matmul of the same quantized activations and dequantized weights (up to the output's bfloat16
-rounding) for every expert, empty ones included; it replays in a CUDA graph; a model loaded
-from an FP8 checkpoint serves through it and its logits follow those of the checkpoint
-dequantized to bfloat16 (top-1 agreement is measured by ``bench/gpu_fp8.py``)."""
+"""The FP8 GEMMs on the GPU (``dwdp.worker.gpu.fp8_gemm``): the activations' per-group quantization
+is torch's float8_e4m3fn rounding bitwise; the experts' fused gate quantizes SiLU(gate) x up x
+weight within e4m3's rounding, and the experts' FP8 path (hidden rows quantized before routing)
+follows the float32 product of the dequantized weights; the grouped GEMM equals a float32 matmul
+of the same quantized activations and dequantized weights (up to the output's bfloat16 rounding)
+for every expert, empty ones included; it replays in a CUDA graph; a model loaded from an FP8
+checkpoint serves through it and its logits follow those of the checkpoint dequantized to
+bfloat16 (top-1 agreement is measured by ``bench/gpu_fp8.py``)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def test_activation_quantization_is_torchs_rounding():
     from dwdp.worker.gpu.fp8_gemm import quantize_rows
 
     x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16) * 3
-    q, scale = quantize_rows(x)
+    q, scale, _ = quantize_rows(x)
     want_q, want_scale = _emulated(x)
     assert torch.equal(scale, want_scale)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
@@ -73,6 +75,54 @@ def test_grouped_gemm_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert not torch.equal(captured, eager)
     assert torch.equal(captured, grouped_mm(x, weight, scale, offsets))
+
+
+def test_the_fused_gate_quantizes_silu_gate_times_up_times_weight():
+    from torch.nn.functional import silu
+
+    from dwdp.worker.gpu.fp8_gemm import gated_quantize
+
+    gate_up = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16) * 2
+    weights = torch.rand(37, device="cuda", dtype=torch.bfloat16)
+    got = gated_quantize(gate_up, weights)
+    g, u = gate_up.float().chunk(2, dim=-1)
+    want = silu(g) * u * weights.float()[:, None]  # float32, before any rounding
+    amax = want.view(37, 2, 128).abs().amax(-1)
+    torch.testing.assert_close(got.scales, amax / 448.0, rtol=1e-5, atol=0)
+    values = got.values.float().view(37, 2, 128) * got.scales[..., None]
+    err = (values.view(37, 256) - want).abs().view(37, 2, 128).amax(-1)
+    assert bool((err <= amax / 16 * 1.001).all())  # e4m3 rounds to 3 mantissa bits
+
+
+def test_fp8_experts_follow_the_float32_product_of_the_dequantized_weights():
+    """The experts' FP8 path: hidden rows quantized once before routing (``QuantizedRows``
+    gathered into expert order), the gate's output quantized where it is computed."""
+    import types
+
+    from torch.nn.functional import silu
+
+    from dwdp.worker.gpu.cuda_path import grouped_experts_forward
+
+    experts, hidden_size, width, tokens, top_k = 4, 256, 128, 50, 2
+    gu_w, gu_s = _weights(experts, 2 * width, hidden_size)
+    dn_w, dn_s = _weights(experts, hidden_size, width)
+    module = types.SimpleNamespace(num_experts=experts, gate_up_proj=gu_w,
+                                   gate_up_proj_scale_inv=gu_s * 0.05, down_proj=dn_w,
+                                   down_proj_scale_inv=dn_s * 0.05)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
+    index = torch.randint(0, experts, (tokens, top_k), device="cuda")
+    weights = torch.rand(tokens, top_k, device="cuda")
+    out = grouped_experts_forward(module, hidden, index, weights)
+    gate_up = dequantize(gu_w, gu_s * 0.05, torch.float32)
+    down = dequantize(dn_w, dn_s * 0.05, torch.float32)
+    want = torch.zeros(tokens, hidden_size, device="cuda")
+    for t in range(tokens):
+        for k in range(top_k):
+            e = int(index[t, k])
+            h = gate_up[e] @ hidden[t].float()
+            want[t] += weights[t, k] * (down[e] @ (silu(h[:width]) * h[width:]))
+    assert out.shape == (tokens, hidden_size) and out.dtype == torch.bfloat16
+    assert float((out.float() - want).norm() / want.norm()) < 0.05
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])

@@ -9,7 +9,8 @@ load, the GPU benches likewise); it changes nothing on the CPU path. Measured on
 - **Experts**: ``dwdp_grouped_mm`` is registered with transformers' ``ExpertsInterface`` and
   selected when it can serve every experts module (gated experts, weights [E, 2I, H] and
   [E, H, I], no biases; FP8 tables with their block scales go through ``fp8_gemm``'s grouped
-  FP8 GEMM instead of torch's ``grouped_mm``, when H and I are whole 128-column groups).
+  FP8 GEMM instead of torch's ``grouped_mm``, when H and I are whole 128-column groups: the
+  hidden rows are quantized before they are routed and the gate quantizes its output).
   Per MoE layer of ``T`` tokens and top-``K`` routing (``S = T x K`` rows): sort the routed
   (token, expert) pairs by expert, gather the hidden rows [S, H],
   ``grouped_mm`` with the gate/up weights [S, 2I], SiLU(gate) x up x routing weight [S, I] (one
@@ -71,11 +72,20 @@ def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
     counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert
-    rows = hidden_states.index_select(0, order // top_k)  # [S, H]
+    fp8 = getattr(self, "gate_up_proj_scale_inv", None) is not None
+    if fp8:  # quantized once per token, then routed: FP8 rows [S, H] and their scales
+        from dwdp.worker.gpu.fp8_gemm import gated_quantize, quantize_rows
+
+        rows = quantize_rows(hidden_states.contiguous()).index_select(order // top_k)
+    else:
+        rows = hidden_states.index_select(0, order // top_k)  # [S, H]
     gate_up = _experts_mm(self, "gate_up_proj", rows, offsets)  # [S, 2I]
     weights = top_k_weights.reshape(-1).index_select(0, order).to(gate_up.dtype)
     fused = getattr(self, "dwdp_fused", False) and tokens >= FUSE_MIN_TOKENS
-    act = (_compiled("gate", _gate) if fused else _gate)(gate_up, weights)  # [S, I]
+    if fp8:
+        act = gated_quantize(gate_up, weights)  # [S, I] FP8 and its scales
+    else:
+        act = (_compiled("gate", _gate) if fused else _gate)(gate_up, weights)  # [S, I]
     down = _experts_mm(self, "down_proj", act, offsets)  # [S, H]
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)  # (token, k) -> sorted row
@@ -90,7 +100,8 @@ def grouped_experts_forward(self: Any, hidden_states: Any, top_k_index: Any,
 def _experts_mm(self: Any, table: str, rows: Any, offsets: Any) -> Any:
     """``rows`` [S, K] (grouped by expert, ``offsets`` [E] their ends) times each expert's
     matrix of ``table`` ([E, N, K]) transposed: [S, N]. FP8 tables (a ``..._scale_inv``
-    beside them) through ``fp8_gemm.grouped_mm``, others through torch's ``grouped_mm``."""
+    beside them) through ``fp8_gemm.grouped_mm`` (``rows`` may be its ``QuantizedRows``),
+    others through torch's ``grouped_mm``."""
     weight = getattr(self, table)
     scale = getattr(self, table + "_scale_inv", None)
     if scale is not None:
