@@ -60,6 +60,16 @@ def supports(k: int) -> bool:
 
 
 @triton.jit
+def _store_quantized(x, q_at, s_at, ok, q_dtype: tl.constexpr, fp8_max: tl.constexpr):
+    """One [rows, 128] float32 tile ``x`` stored as FP8 at ``q_at`` with its per-row scale
+    (largest magnitude / 448) at ``s_at``; rows where ``ok`` is false are skipped."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / fp8_max
+    q = (x / scale[:, None]).to(q_dtype, fp_downcast_rounding="rtne")
+    tl.store(q_at, q, mask=ok[:, None])
+    tl.store(s_at, scale, mask=ok)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, cols, groups, block_r: tl.constexpr,
                      group: tl.constexpr, fp8_max: tl.constexpr):
     r = tl.program_id(0) * block_r + tl.arange(0, block_r)
@@ -67,10 +77,8 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, cols, groups, block_r: tl.conste
     ok = r < rows
     at = r.to(tl.int64)[:, None] * cols + g * group + tl.arange(0, group)[None, :]
     x = tl.load(x_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / fp8_max
-    q = (x / scale[:, None]).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(q_ptr + at, q, mask=ok[:, None])
-    tl.store(s_ptr + r.to(tl.int64) * groups + g, scale, mask=ok)
+    _store_quantized(x, q_ptr + at, s_ptr + r.to(tl.int64) * groups + g, ok,
+                     q_ptr.dtype.element_ty, fp8_max)
 
 
 class QuantizedRows(NamedTuple):
@@ -113,10 +121,8 @@ def _gated_quantize_kernel(gu_ptr, w_ptr, q_ptr, s_ptr, rows, width, groups,
     up = tl.load(gu_ptr + at + width, mask=ok[:, None], other=0.0).to(tl.float32)
     weight = tl.load(w_ptr + r, mask=ok, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up * weight[:, None]
-    scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-10) / fp8_max
-    q = (y / scale[:, None]).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(q_ptr + r.to(tl.int64)[:, None] * width + cols[None, :], q, mask=ok[:, None])
-    tl.store(s_ptr + r.to(tl.int64) * groups + g, scale, mask=ok)
+    _store_quantized(y, q_ptr + r.to(tl.int64)[:, None] * width + cols[None, :],
+                     s_ptr + r.to(tl.int64) * groups + g, ok, q_ptr.dtype.element_ty, fp8_max)
 
 
 def gated_quantize(gate_up: Any, weights: Any) -> QuantizedRows:
