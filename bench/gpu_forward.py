@@ -8,9 +8,10 @@ copy mode and gather kernel) every rank loads the model and attaches DWDP; rank 
 prefill forwards of 2K, 8K and 16K tokens (one sequence, CUDA events, median of ``--repeats``
 after warm-ups) while the others wait at a barrier. FLOPs are counted from the shapes
 (projections, causal attention, router, top-k experts; no output head: one logit row), so
-``mfu = flops / time / peak``. One forward at 8K tokens of one dense configuration is profiled
-(``torch.profiler``): busy time per CUDA stream (compute, DWDP's copies), their overlap and
-the kernels that take the most time.
+``mfu = flops / time / peak``. One forward at 8K tokens of each ``--profile`` configuration
+is profiled (``torch.profiler``): busy time per CUDA stream (compute, DWDP's copies), their
+overlap, the GEMMs' share of the compute stream (with the bound it puts on what faster GEMMs,
+FP8's, can give) and the kernels that take the most time.
 
 Usage: python bench/gpu_forward.py [--layers 8] [--world 4] [--tokens 2048,8192,16384]
                                    [--repeats 5] [--configs NAMES] [--out bench/results]
@@ -158,16 +159,31 @@ def _stream_profile(model, ids) -> dict:
         for a, b in v:
             overlap += sum(max(0.0, min(b, d) - max(a, c)) for c, d in spans[compute]) / 1e6
     copy = sum(t for s, t in busy.items() if s != compute)
+    gemm = sum(e["dur"] for e in events if e.get("cat") == "kernel" and "dur" in e
+               and int(e.get("args", {}).get("stream", -1)) == compute
+               and _is_gemm(str(e.get("name", "")))) / 1e6
     return {
         "wall_s": (last - first) / 1e6,
         "compute_stream": compute,
         "compute_busy_s": busy.get(compute, 0.0),
+        "compute_gemm_s": gemm,
         "copy_busy_s": copy,
         "copy_overlapped_s": overlap,
         "copy_overlap_fraction": overlap / copy if copy else None,
         "busy_per_stream_s": {str(s): t for s, t in busy.items()},
         "top_kernels_s": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]),
     }
+
+
+GEMM_KERNELS = ("gemm", "nvjet", "_grouped_kernel")
+"""Name fragments of matrix-multiply kernels (lower case): CUTLASS's and cuBLAS's GEMMs
+(``...GemmUniversal...``, ``nvjet_...``, ``sm90_xmma_gemm_...``) and ``fp8_gemm``'s Triton
+kernel. cuDNN's attention (``..._wgmma_...``) is not one."""
+
+
+def _is_gemm(kernel: str) -> bool:
+    name = kernel.lower()
+    return any(part in name for part in GEMM_KERNELS)
 
 
 def _copy_bytes_per_layer(model, att) -> float:
@@ -212,7 +228,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 for t in tokens:
                     ids = torch.randint(0, model.config.vocab_size, (1, t), device="cuda")
                     row["times_s"][str(t)] = _time(model, ids, args.repeats)
-                    if name == args.profile and t == 8192:
+                    if name in args.profile.split(",") and t == 8192:
                         row["profile_8192"] = _stream_profile(model, ids)
                 if att is not None:
                     row["copy_bytes_per_layer"] = _copy_bytes_per_layer(model, att)
@@ -232,7 +248,7 @@ def rank_main(args: argparse.Namespace) -> None:
         Path(args.result).write_text(json.dumps(results))
 
 
-def _report(rows: list[dict], shape, peak: float, tokens: list[int], profiled: str) -> str:
+def _report(rows: list[dict], shape, peak: float, tokens: list[int]) -> str:
     base = next(r for r in rows if r["config"] == "replicated")["times_s"]
     head = (f"Qwen3-MoE {shape.num_layers} layers x {shape.num_experts} experts (hidden "
             f"{shape.hidden_size}, width {shape.moe_intermediate_size}, top-"
@@ -249,17 +265,31 @@ def _report(rows: list[dict], shape, peak: float, tokens: list[int], profiled: s
             cells.append(f"{s * 1e3:>9.2f} {s / base[str(t)]:>6.3f} {r['mfu'][str(t)]:>5.1%}")
         lines.append(f"{r['config']:>44} " + " ".join(cells))
     lines += _fp8_lines(rows, tokens)
-    prof = next((r.get("profile_8192") for r in rows if r.get("profile_8192")), None)
-    if prof:
-        lines.append(
-            f"profile {profiled} at 8192 tokens: wall {prof['wall_s'] * 1e3:.2f} ms, compute "
-            f"stream busy {prof['compute_busy_s'] * 1e3:.2f} ms, copy streams busy "
-            f"{prof['copy_busy_s'] * 1e3:.2f} ms, of which overlapped with compute "
-            f"{(prof['copy_overlap_fraction'] or 0):.1%}"
-        )
-        lines.append("kernels by time: " + "; ".join(
-            f"{k} {v * 1e3:.2f} ms" for k, v in list(prof.get("top_kernels_s", {}).items())[:8]))
+    for r in rows:
+        if r.get("profile_8192"):
+            lines += _profile_lines(r["config"], r["profile_8192"])
     return "\n".join(lines)
+
+
+def _profile_lines(name: str, prof: dict) -> list[str]:
+    """A profiled forward: streams' busy time, the copies' overlap, the GEMMs' share of the
+    compute stream and the largest speed-up faster GEMMs alone could give (Amdahl: at twice
+    their speed, FP8's peak over bf16's), and the kernels that take the most time."""
+    busy, gemm = prof["compute_busy_s"], prof.get("compute_gemm_s", 0.0)
+    lines = [
+        f"profile {name} at 8192 tokens: wall {prof['wall_s'] * 1e3:.2f} ms, compute "
+        f"stream busy {busy * 1e3:.2f} ms, copy streams busy "
+        f"{prof['copy_busy_s'] * 1e3:.2f} ms, of which overlapped with compute "
+        f"{(prof['copy_overlap_fraction'] or 0):.1%}",
+    ]
+    if busy and gemm:
+        lines.append(
+            f"  GEMMs {gemm * 1e3:.2f} ms ({gemm / busy:.1%} of the compute stream); at twice "
+            f"their speed the compute stream would take {(busy - gemm / 2) * 1e3:.2f} ms: at "
+            f"most {busy / (busy - gemm / 2):.2f}x from GEMM speed alone")
+    lines.append("  kernels by time: " + "; ".join(
+        f"{k} {v * 1e3:.2f} ms" for k, v in list(prof.get("top_kernels_s", {}).items())[:8]))
+    return lines
 
 
 def _fp8_lines(rows: list[dict], tokens: list[int]) -> list[str]:
@@ -287,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     add_group_arguments(ap, layers=8)
     ap.add_argument("--tokens", default="2048,8192,16384")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--profile", default=PROFILED, help="configuration profiled at 8192 tokens")
+    ap.add_argument("--profile", default=PROFILED,
+                    help="comma-separated configurations profiled at 8192 tokens")
     ap.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                     help="comma-separated configuration names (default: all)")
     args = ap.parse_args(argv)
@@ -307,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     shape = Qwen3MoeShape(num_layers=args.layers)
     tokens = [int(t) for t in args.tokens.split(",")]
-    text = _report(rows, shape, peak, tokens, args.profile)
+    text = _report(rows, shape, peak, tokens)
     write_result(args, "gpu_forward", text,
                  {"peak_flops": peak, "shape": vars(shape), "rows": rows})
     return 0
