@@ -613,6 +613,7 @@ def run_worker(opts: WorkerOptions) -> int:
             stop_engine=engine.stop,
             server_holder=server_holder,
             process=api_process,
+            stop_pending=lambda: stop_signals.pending is not None,
         )
         close = getattr(dwdp, "close", None)  # the DWDP state, then the group transport
         if close is not None:

@@ -225,3 +225,41 @@ def _running(pid: int) -> bool:
         return "zombie" not in Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
+
+
+def test_a_stop_signal_just_as_serving_begins_stops_the_rank_once_it_serves(tokenizer_dir):
+    """A SIGTERM after the rank's stage turned ``serve`` but before ``serve_with_api_process``
+    took the signals over is kept by ``StopBeforeServing`` (not raised: the rank is past its
+    load, not ignored: the pod is being deleted), and serving stops at once through its usual
+    teardown, with no second signal and no launcher SIGKILL."""
+    from dwdp.worker.server.app import build_app
+    from dwdp.worker.server.run import ApiProcess, StopBeforeServing, serve_with_api_process
+
+    stop_signals = StopBeforeServing(lambda: True)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # delivered to the main thread at its next bytecode: this one
+        assert stop_signals.pending == signal.SIGTERM
+        engine, stops, holder = _IdleEngine(), [], {}
+        forced = threading.Event()
+
+        def force_stop() -> None:  # only if the kept signal was lost: serving would go on
+            forced.set()
+            holder["stop"]()
+
+        watchdog = threading.Timer(60, force_stop)
+        watchdog.start()
+        api = {"host": "127.0.0.1", "port": free_port(), "model_name": "idle",
+               "max_model_len": 64}
+        try:
+            serve_with_api_process(build_app(engine, openai=False), engine, api,
+                                   stop_engine=lambda: stops.append(1), server_holder=holder,
+                                   process=ApiProcess(str(tokenizer_dir)),
+                                   stop_pending=lambda: stop_signals.pending is not None)
+        finally:
+            watchdog.cancel()
+        assert not forced.is_set(), "the signal that came before serving was lost"
+        assert stops == [1]
+    finally:
+        stop_signals.quiet()
+        stop_signals.restore()

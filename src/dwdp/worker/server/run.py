@@ -82,6 +82,19 @@ def uvicorn_kwargs(
     return kwargs
 
 
+def _take_stop_signals(handler: Callable[[int, Any], None]) -> dict[int, Any]:
+    """Install ``handler`` for SIGINT and SIGTERM and return the handlers it replaced (for
+    :func:`_restore_handlers`); outside the main thread nothing changes (``{}``)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_handlers(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
 @contextlib.contextmanager
 def returning_on_stop_signals(on_stop: Callable[[], None] | None = None) -> Iterator[None]:
     """While inside, SIGINT and SIGTERM are logged and ``on_stop`` runs, instead of the
@@ -90,15 +103,11 @@ def returning_on_stop_signals(on_stop: Callable[[], None] | None = None) -> Iter
     uvicorn re-raises the stop signal once it has shut down, to the handlers it found: this
     handler turns that into a normal return, so the engine stop and the caller's teardown run
     and a signalled stop exits 0."""
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, functools.partial(_note_stop, on_stop))
+    previous = _take_stop_signals(functools.partial(_note_stop, on_stop))
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        _restore_handlers(previous)
 
 
 class StopRequested(BaseException):
@@ -114,24 +123,28 @@ class StopRequested(BaseException):
 
 class StopBeforeServing:
     """Stop signals of a rank before it serves: the first SIGTERM or SIGINT raises
-    :class:`StopRequested` in the main thread. Later ones are logged and ignored, and so are
-    those that come once serving began (``serve_with_api_process`` installs its own handlers)
-    or once the rank is tearing down (:meth:`quiet`), so that its cleanups run to their end.
-    ``serving()`` says whether serving began. Outside the main thread nothing changes."""
+    :class:`StopRequested` in the main thread. One that comes once serving began
+    (``serving()`` true) but before ``serve_with_api_process`` took the signals over is kept
+    (:attr:`pending`), for it to act on; later ones, and those once the rank is tearing down
+    (:meth:`quiet`), are logged and ignored, so that its cleanups run to their end. Outside
+    the main thread nothing changes."""
 
     def __init__(self, serving: Callable[[], bool]) -> None:
         self._serving = serving
         self._ignore = False
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self.pending: int | None = None
+        """The stop signal that came after serving began, before it was handled."""
+        self._previous = _take_stop_signals(self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
-        if self._ignore or self._serving():
+        if self._ignore:
             log.info("stop signal %d: already stopping", signum)
             return
         self._ignore = True
+        if self._serving():
+            log.info("stop signal %d: the rank stops as soon as it serves", signum)
+            self.pending = signum
+            return
         raise StopRequested(signum)
 
     def quiet(self) -> None:
@@ -140,8 +153,7 @@ class StopBeforeServing:
 
     def restore(self) -> None:
         """Put back the handlers found at the start."""
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        _restore_handlers(self._previous)
 
 
 def _note_stop(on_stop: Callable[[], None] | None, signum: int, _frame: Any) -> None:
@@ -240,6 +252,7 @@ def serve_with_api_process(
     stop_engine: Callable[[], None],
     server_holder: dict[str, Any] | None = None,
     process: ApiProcess,
+    stop_pending: Callable[[], bool] = lambda: False,
 ) -> None:
     """Serve ``engine`` through an API server process until SIGINT/SIGTERM, the API process's
     end or ``server_holder["stop"]()``; then stop the API process (SIGTERM: it drains within
@@ -249,7 +262,9 @@ def serve_with_api_process(
     socket in the process's private directory, beside the engine core's ``ipc://`` socket;
     ``api``: the ``ApiProcessSpec`` fields the caller knows (host, port, names, limits,
     identity, graceful bound); ``process``: the ``ApiProcess`` the caller started (early, so
-    that it loads the tokenizer meanwhile); it is closed here. Raises
+    that it loads the tokenizer meanwhile); it is closed here; ``stop_pending()``:
+    whether a stop signal came before this took the signals over
+    (``StopBeforeServing.pending``): then it stops at once, through the same teardown. Raises
     ``RuntimeError`` when the API process cannot listen or exits on its own with a failure.
     """
     import uvicorn
@@ -264,6 +279,8 @@ def serve_with_api_process(
     # the handlers stay until everything has stopped: a second signal (Ctrl-C reaches the
     # whole process group, and the launcher follows with SIGTERM) must not cut the drain
     with returning_on_stop_signals(on_stop=stop.set):
+        if stop_pending():
+            stop.set()
         try:
             core = EngineCoreServer(engine, process.core_address).start()
             control = uvicorn.Server(uvicorn.Config(
