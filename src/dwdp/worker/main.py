@@ -506,6 +506,50 @@ def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
     }
 
 
+def size_memory(model: Any, dwdp: Any, watch: MemoryWatch, cfg: LaunchConfig,
+                max_model_len: int, cuda_graphs: bool) -> tuple[Any, MemoryLedger]:
+    """The rank's KV pool and memory ledger (``size_rank_memory``) from the launch config:
+    the pods' ranks on one host share its memory (``LOCAL_WORLD_SIZE``)."""
+    return size_rank_memory(
+        model,
+        dwdp,
+        watch,
+        kv=cfg.kv_cache,
+        max_num_tokens=cfg.max_num_tokens,
+        max_model_len=max_model_len,
+        host_sharers=int(os.environ.get(Env.LOCAL_WORLD_SIZE) or 1),
+        cuda_graphs=cuda_graphs,
+        max_batch_size=cfg.max_batch_size,
+    )
+
+
+def make_engine(model: Any, tokenizer: Any, cfg: LaunchConfig, config: Any, *,
+                on_fatal_line: Callable[[BaseException], object],
+                server_holder: dict[str, Any]) -> tuple[Any, list[BaseException]]:
+    """The rank's ``ContinuousEngine`` (not started) and the list its fatal error lands in:
+    on one, ``on_fatal_line`` writes the termination message and serving is stopped
+    (``server_holder["stop"]``, once ``serve_with_api_process`` set it)."""
+    from dwdp.worker.engine.continuous import ContinuousEngine
+
+    fatal: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+        on_fatal_line(exc)
+        stop = server_holder.get("stop")
+        if stop is not None:
+            stop()
+
+    engine = ContinuousEngine(
+        model,
+        tokenizer,
+        model_name=served_model_name(cfg.model.served_name, cfg.model.path),
+        config=config,
+        on_fatal=on_fatal,
+    )
+    return engine, fatal
+
+
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
     stop_engine = None
@@ -534,7 +578,6 @@ def run_worker(opts: WorkerOptions) -> int:
         # the API server process imports and loads the tokenizer while the model loads
         api_process = ApiProcess(str(cfg.model.path))
         from dwdp.worker.attach import setup_dwdp
-        from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.group import join_group
         from dwdp.worker.server.app import build_app
 
@@ -555,34 +598,14 @@ def run_worker(opts: WorkerOptions) -> int:
             loaded=loaded,
         )
         stage["now"] = Stage.ENGINE
-        pool, ledger = size_rank_memory(
-            model,
-            dwdp,
-            watch,
-            kv=cfg.kv_cache,
-            max_num_tokens=cfg.max_num_tokens,
-            max_model_len=plan.max_model_len,
-            host_sharers=int(os.environ.get(Env.LOCAL_WORLD_SIZE) or 1),
-            cuda_graphs=cuda_graphs,
-            max_batch_size=cfg.max_batch_size,
-        )
-        fatal: list[BaseException] = []
+        pool, ledger = size_memory(model, dwdp, watch, cfg, plan.max_model_len, cuda_graphs)
         server_holder: dict[str, Any] = {}
-
-        def on_fatal(exc: BaseException) -> None:
-            fatal.append(exc)
-            line = with_memory(phased(Stage.ENGINE, exc), watch)
-            write_termination_message(line, opts.termination_log)
-            stop = server_holder.get("stop")
-            if stop is not None:
-                stop()
-
-        engine = ContinuousEngine(
-            model,
-            tokenizer,
-            model_name=served_model_name(cfg.model.served_name, cfg.model.path),
-            config=engine_config(cfg, plan.max_model_len, pool.capacity_tokens, cuda_graphs),
-            on_fatal=on_fatal,
+        engine, fatal = make_engine(
+            model, tokenizer, cfg,
+            engine_config(cfg, plan.max_model_len, pool.capacity_tokens, cuda_graphs),
+            on_fatal_line=lambda exc: write_termination_message(
+                with_memory(phased(Stage.ENGINE, exc), watch), opts.termination_log),
+            server_holder=server_holder,
         )
         if cfg.role in (Role.CONTEXT, Role.GENERATION):
             attach_kv_transfer(engine, cfg, opts.host, port, api_key, local_rank)
@@ -592,17 +615,10 @@ def run_worker(opts: WorkerOptions) -> int:
             ledger = capture_cuda_graphs(engine, ledger, watch)
         engine.start()
         server = server_identity(cfg.role.value if cfg.role else None)
-        app = build_app(
-            engine,
-            dwdp=dwdp,
-            served_name=cfg.model.served_name,
-            on_shutdown=engine.stop,
-            identity=rank_identity(),
-            memory=RankMemory(ledger, pool),
-            api_key=api_key,
-            server=server,
-            openai=False,
-        )
+        app = build_app(engine, dwdp=dwdp, served_name=cfg.model.served_name,
+                        on_shutdown=engine.stop, identity=rank_identity(),
+                        memory=RankMemory(ledger, pool), api_key=api_key, server=server,
+                        openai=False)
         stage["now"] = Stage.SERVE
         log.info("rank serving on %s:%d (role %s, %s)", opts.host, port,
                  cfg.role.value if cfg.role else "unset", dwdp.status().get("phase"))
