@@ -10,7 +10,8 @@ of those positions the FP8 model's top-1 token (teacher-forced on the same seque
 reference's, and the weights' bytes on the GPU. Beside it, the same count for the bf16
 reference against the checkpoint computed in float32 (transformers' eager path): how often a
 seeded random slice's top-1 token moves under bf16's own rounding, the floor any lower
-precision is measured against. First it times the experts' two grouped GEMMs of
+precision is measured against; and each model's logits' relative error (L2) against
+float32's. First it times the experts' two grouped GEMMs of
 one MoE layer at 8192 tokens, FP8 against bf16, at the slice's shapes and at DeepSeek-V3's
 (256 experts of width 2048, hidden 7168: GEMMs four to ten times larger) (``--gemm-only``:
 only that).
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(7)
     vocab = models["bf16"].config.vocab_size
     agree = floor = total = 0
+    squared = {"fp8": 0.0, "bf16": 0.0, "norm": 0.0}  # logits' errors against float32's
     with torch.no_grad():
         for _ in range(args.prompts // 8):
             ids = torch.randint(0, vocab, (8, PROMPT), device="cuda", generator=gen)
@@ -129,24 +131,31 @@ def main(argv: list[str] | None = None) -> int:
                 nxt = models["bf16"](ids).logits[:, -1].argmax(-1, keepdim=True)
                 ids = torch.cat([ids, nxt], dim=1)
             want = ids[:, PROMPT:]
-            got = models["fp8"](ids[:, :-1]).logits[:, PROMPT - 1:].argmax(-1)
-            agree += int((got == want).sum())
-            exact = models["fp32"](ids[:, :-1]).logits[:, PROMPT - 1:].argmax(-1)
-            floor += int((exact == want).sum())
+            logits = {name: models[name](ids[:, :-1]).logits[:, PROMPT - 1:].float()
+                      for name in ("fp8", "bf16", "fp32")}
+            agree += int((logits["fp8"].argmax(-1) == want).sum())
+            floor += int((logits["fp32"].argmax(-1) == want).sum())
             total += want.numel()
+            for name in ("fp8", "bf16"):
+                squared[name] += float((logits[name] - logits["fp32"]).square().sum())
+            squared["norm"] += float(logits["fp32"].square().sum())
+    errors = {name: (squared[name] / squared["norm"]) ** 0.5 for name in ("fp8", "bf16")}
     result = {
         "gemm": gemms,
         "layers": args.layers,
         "positions": total,
         "top1_agreement": agree / total,
         "top1_agreement_bf16_vs_fp32": floor / total,
+        "logits_relative_error_vs_fp32": errors,
         "weight_bytes": {k: weight_bytes(models[k]) for k in ("fp8", "bf16")},
     }
     ratio = result["weight_bytes"]["fp8"] / result["weight_bytes"]["bf16"]
     text = (f"FP8 vs bf16 (dequantized twin), Qwen3-MoE {args.layers} layers x 128 experts on "
             f"{torch.cuda.get_device_name(0)}: top-1 agreement {agree}/{total} = "
             f"{agree / total:.1%} over {args.prompts} prompts x {NEW} greedy tokens (bf16 vs "
-            f"float32 of the same weights: {floor}/{total} = {floor / total:.1%}); weights "
+            f"float32 of the same weights: {floor}/{total} = {floor / total:.1%}); logits' "
+            f"relative error against float32's: FP8 {errors['fp8']:.2%}, bf16 "
+            f"{errors['bf16']:.2%}; weights "
             f"on the GPU {result['weight_bytes']['fp8'] / 2**30:.2f} GiB FP8 vs "
             f"{result['weight_bytes']['bf16'] / 2**30:.2f} GiB bf16 ({ratio:.3f}x)\n{gemm_text}")
     write_result(args, "gpu_fp8", text, result)
