@@ -43,13 +43,30 @@ class UserError(Exception):
     """An error caused by the user's input; printed as one line, exit status 1."""
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port option: an integer from 1 to 65535; else argparse's usage
+    error naming the option and the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a port (an integer, 1 to 65535)") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1 to 65535)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every available sub-command registered."""
     parser = argparse.ArgumentParser(
         prog="dwdp",
         description="DWDP for mixture-of-experts inference: operator, worker and tools.",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="logging level (default INFO)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _command_modules():
@@ -68,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if not getattr(args, "func", None):

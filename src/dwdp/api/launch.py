@@ -37,6 +37,7 @@ from dwdp.api.defaults import (
 )
 from dwdp.api.enums import DenseMode, HandleType, Role, Transport
 from dwdp.api.errors import Problem, RuleViolations, first_per_field
+from dwdp.api.names import ABSOLUTE_PATH
 from dwdp.api.support import Scope, SectionView, worker_limit_problems
 
 __all__ = [
@@ -286,9 +287,7 @@ def served_model_name(served_name: str | None, path: str) -> str:
 class LaunchModel(ApiModel):
     """Where a worker finds the checkpoint (a local Hugging Face directory)."""
 
-    path: str = Field(
-        min_length=1,
-        max_length=4096,
+    path: Annotated[str, ABSOLUTE_PATH] = Field(
         description="Directory of the checkpoint inside the worker (absolute path).",
     )
     architecture: str | None = Field(

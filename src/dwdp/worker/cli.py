@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+from dwdp.cli import port_number
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``worker`` and ``launch`` to the ``dwdp`` command line."""
@@ -19,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(worker)
     worker.add_argument(
         "--port",
-        type=int,
+        type=port_number,
         default=None,
         help="HTTP port of local rank 0 (default: the launch config's serverPort); "
         "local rank k serves port + k",
@@ -45,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="local ranks to start (default: DWDP_LOCAL_WORLD_SIZE, else 1)",
     )
-    launch.add_argument("--port", type=int, default=None, help="base HTTP port")
+    launch.add_argument("--port", type=port_number, default=None, help="base HTTP port")
     launch.set_defaults(func=_launch)
 
     gate = subparsers.add_parser(
@@ -61,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     gate.add_argument("--host", required=True, help="address to listen on (the pod's)")
-    gate.add_argument("--port", type=int, required=True, help="port to listen on")
+    gate.add_argument("--port", type=port_number, required=True, help="port to listen on")
     gate.add_argument("router", nargs=argparse.REMAINDER,
                       help="-- vllm-router ARGS (without --host/--port)")
     gate.set_defaults(func=_router_gate)

@@ -332,3 +332,13 @@ def test_dwdp_validate_launch_given_a_deployment_says_so_in_one_line(tmp_path) -
     assert proc.stderr.splitlines() == [
         f'{tmp_path / "launch.yaml"}: kind: is a DwdpDeployment, not a worker launch config: '
         'validate it without --launch (got "DwdpDeployment")']
+
+
+@pytest.mark.parametrize("path", ["relative/dir", "/models/../etc", ""])
+def test_the_checkpoint_path_must_be_absolute(path) -> None:
+    """A relative checkpoint path would be resolved against the worker's working directory:
+    ``validate --launch`` refuses it, naming ``model.path``, before any worker starts."""
+    with pytest.raises(ValidationError) as info:
+        LaunchConfig.model_validate({"model": {"path": path}})
+    (problem,) = problems_from_validation_error(info.value)
+    assert problem.where == "model.path" and "absolute path" in problem.rule
