@@ -40,3 +40,22 @@ def test_the_command_and_the_key_are_checked_before_anything_starts(tmp_path: Pa
     assert proc.returncode == 1
     assert f"{empty}: the API key file is empty" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_port_in_use_is_one_line_naming_the_address_and_the_cause(tmp_path: Path) -> None:
+    import socket
+
+    key = tmp_path / "key"
+    key.write_text("k1")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "DWDP_API_KEY_FILE": str(key)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "dwdp", "router-gate", "--host", "127.0.0.1", "--port",
+             str(port), "--", sys.executable, "-c", "import time; time.sleep(60)"],
+            env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -263,3 +263,25 @@ def test_a_stop_signal_just_as_serving_begins_stops_the_rank_once_it_serves(toke
     finally:
         stop_signals.quiet()
         stop_signals.restore()
+
+
+def test_a_port_in_use_stops_the_rank_naming_the_address_and_the_cause(tokenizer_dir):
+    """The API process binds before uvicorn does, so the rank's one-line failure says why it
+    could not listen (uvicorn only logged it, and the line said 'could not start')."""
+    import socket
+
+    from dwdp.worker.server.app import build_app
+    from dwdp.worker.server.run import ApiProcess, serve_with_api_process
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine, stops = _IdleEngine(), []
+        api = {"host": "127.0.0.1", "port": port, "model_name": "idle", "max_model_len": 64}
+        with pytest.raises(RuntimeError, match=rf"ListenError: cannot listen on 127\.0\.0\.1:"
+                           rf"{port}: Address already in use"):
+            serve_with_api_process(build_app(engine, openai=False), engine, api,
+                                   stop_engine=lambda: stops.append(1),
+                                   process=ApiProcess(str(tokenizer_dir)))
+    assert stops == [1]

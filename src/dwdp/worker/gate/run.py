@@ -32,6 +32,13 @@ async def serve(
     termination grace (30 s)."""
     import uvicorn
 
+    from dwdp.worker.server.run import ListenError, listening_socket
+
+    try:
+        sock = listening_socket(host, port)
+    except ListenError as refused:
+        log.error("router gate: %s", refused)
+        return 1
     gate = Gate(argv, api_key)
     app = RequestGuard(gate, api_key=api_key, protected=needs_key)
     server = uvicorn.Server(
@@ -44,7 +51,7 @@ async def serve(
         await gate.watch()
 
     child = asyncio.ensure_future(supervise())
-    serving = asyncio.ensure_future(server.serve())
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     status = 0
     try:
         await asyncio.wait({child, serving}, return_when=asyncio.FIRST_COMPLETED)

@@ -235,7 +235,7 @@ def run(spec: ApiProcessSpec, tokenizer: Any) -> int:
     status."""
     import uvicorn
 
-    from dwdp.worker.server.run import uvicorn_kwargs
+    from dwdp.worker.server.run import listening_socket, uvicorn_kwargs
 
     client = EngineCoreClient(
         spec.core_address,
@@ -250,6 +250,7 @@ def run(spec: ApiProcessSpec, tokenizer: Any) -> int:
         host=spec.host, port=spec.port,
         graceful_shutdown_timeout_s=spec.graceful_shutdown_timeout_s))
     server = uvicorn.Server(config)
+    sock = listening_socket(spec.host, spec.port)  # ListenError: the failure file names it
 
     async def serve() -> None:
         tasks = [asyncio.ensure_future(
@@ -258,7 +259,7 @@ def run(spec: ApiProcessSpec, tokenizer: Any) -> int:
             tasks.append(asyncio.ensure_future(
                 _end_before_bound(server, client, spec.graceful_shutdown_timeout_s)))
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             for task in tasks:
                 task.cancel()

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -80,6 +81,31 @@ def uvicorn_kwargs(
             )
         kwargs["timeout_graceful_shutdown"] = graceful_shutdown_timeout_s
     return kwargs
+
+
+class ListenError(Exception):
+    """An HTTP server's address cannot be bound (the port in use, an address not of this
+    host, a privileged port); the message names the address and the cause."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, as uvicorn binds), for
+    ``uvicorn.Server.serve(sockets=[...])``, which listens on it: binding first lets a
+    failure name its cause in one line, where uvicorn logs it and exits. Raises
+    :class:`ListenError`."""
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def _take_stop_signals(handler: Callable[[int, Any], None]) -> dict[int, Any]:
