@@ -207,6 +207,10 @@ class EngineBase:
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``RequestError`` when the request cannot be served (names the field)."""
         params.check()
+        for token, _bias in params.logit_bias:
+            if not 0 <= token < self.vocab_size:
+                raise RequestError(
+                    f"logit_bias: token id {token} outside the vocabulary [0, {self.vocab_size})")
         if not prompt_token_ids:
             raise RequestError("prompt: empty after tokenization")
         if len(prompt_token_ids) >= self.max_model_len:

@@ -45,6 +45,9 @@ class SamplingParams:
     ``ignore_eos``), at any of ``stop_token_ids``, or when its text contains one of ``stop``
     (the text is cut before it). ``cache_salt`` (vLLM's field) keys the request's prefix in
     the prefix cache: requests share cached blocks only with requests of the same salt.
+    ``logit_bias``: (token id, bias) pairs added to the logits before the token is chosen
+    (greedy or sampled), biases in [-100, 100] as OpenAI's field; logprobs stay the raw
+    model's, as vLLM's default.
     """
 
     max_tokens: int = 16
@@ -57,6 +60,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     cache_salt: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +79,9 @@ class SamplingParams:
             raise RequestError(f"top_k: {self.top_k} < 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"logprobs: {self.logprobs} outside [0, {MAX_LOGPROBS}]")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise RequestError(f"logit_bias: {bias} for token {token} outside [-100, 100]")
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@
 and the ``RequestState`` of each row. Greedy rows take the argmax (one batched op); sampled rows
 go through transformers' logits warpers (temperature, then top-k, then top-p) and draw from a
 per-request ``torch.Generator`` on the logits' device, seeded by ``seed`` when the request set
-one, so a seeded request draws the same tokens whatever else shares its batch. Rows that ask
+one, so a seeded request draws the same tokens whatever else shares its batch. A request's
+``logit_bias`` is added to its row first (a copy), greedy or sampled. Rows that ask
 for ``logprobs`` get the log-softmax of the raw logits (float32) at the chosen token and the
 top ``logprobs`` alternatives. Results cross to the host once per step.
 """
@@ -56,18 +57,25 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
 
     tokens = torch.argmax(logits, dim=-1)  # float32 is exact for bf16/fp16: the same argmax
     plain = all(s.params.greedy and s.params.logprobs is None and not s.keep_logits
-                for s in states)
+                and not s.params.logit_bias for s in states)
     if plain:  # the decode hot path: one argmax, one copy
         return [Choice(t) for t in tokens.tolist()]
     rows = logits.float()
     for i, state in enumerate(states):
         if state.keep_logits:
             state.logits.append(rows[i].cpu().clone())
+        scores = rows[i : i + 1]
+        if state.params.logit_bias:  # on a copy: logprobs stay the raw model's
+            ids, biases = zip(*state.params.logit_bias, strict=True)
+            scores = scores.clone()
+            scores[0, list(ids)] += torch.tensor(biases, device=scores.device)
+            if state.params.greedy:
+                tokens[i] = torch.argmax(scores[0])
         if state.params.greedy:
             continue
         if state.generator is None:
             _prepare(state, rows.device)
-        scores = state.processors(_NO_HISTORY, rows[i : i + 1])
+        scores = state.processors(_NO_HISTORY, scores)
         probs = torch.softmax(scores, dim=-1)
         tokens[i] = torch.multinomial(probs, 1, generator=state.generator)[0, 0]
     want = [i for i, s in enumerate(states) if s.params.logprobs is not None]

@@ -28,6 +28,8 @@ from dwdp.worker.engine.protocol import MAX_LOGPROBS
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4
 MAX_N = 16
+MAX_LOGIT_BIAS = 1024
+"""The most tokens one request's ``logit_bias`` may name."""
 
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -74,6 +76,22 @@ class _Request(BaseModel):
         description="vLLM's field: requests share prefix-cached KV blocks only with requests "
         "of the same salt (keeps tenants' prefixes apart).",
     )
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS,
+        description="OpenAI's field: token id (a decimal string) -> bias in [-100, 100], "
+        "added to the logits before each token is chosen.",
+    )
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs, by token id; raises ``ValueError`` naming
+        a key that is not a token id."""
+        pairs: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias: key {key!r} is not a token id")
+            pairs[int(key)] = float(bias)
+        return tuple(sorted(pairs.items()))
 
     def stop_list(self) -> tuple[str, ...]:
         """``stop`` as a tuple; raises ``ValueError`` for more than 4 strings."""

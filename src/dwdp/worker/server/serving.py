@@ -145,6 +145,7 @@ class OpenAIServing:
         try:
             stops = req.stop_list()
             logprobs = req.logprobs_k()
+            logit_bias = req.logit_bias_pairs()
         except ValueError as exc:
             raise ServingError(400, str(exc)) from exc
         if req.stream_options is not None and not req.stream:
@@ -184,6 +185,7 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             cache_salt=req.cache_salt,
+            logit_bias=logit_bias,
         )
 
     def _check_model(self, name: str | None) -> None:

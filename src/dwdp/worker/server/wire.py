@@ -92,6 +92,7 @@ def generate_message(
     """The ``generate`` message of one request (module docstring)."""
     fields = dataclasses.asdict(params)
     fields["stop"], fields["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
+    fields["logit_bias"] = [list(pair) for pair in params.logit_bias]
     return {
         "op": "generate",
         "id": request_id,
@@ -111,7 +112,8 @@ def sampling_params(fields: Any) -> SamplingParams:
     except TypeError as exc:
         raise WireError(f"params: {exc}") from exc
     return dataclasses.replace(
-        params, stop=tuple(params.stop), stop_token_ids=tuple(params.stop_token_ids)
+        params, stop=tuple(params.stop), stop_token_ids=tuple(params.stop_token_ids),
+        logit_bias=tuple((int(t), float(b)) for t, b in params.logit_bias),
     )
 
 
