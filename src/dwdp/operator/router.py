@@ -164,9 +164,11 @@ def router_deployment(
             {"name": "http", "containerPort": r.port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": r.metrics_port, "protocol": "TCP"},
         ],
-        "readinessProbe": {
+        "readinessProbe": {  # 5 s as the liveness probe: under the 1 s default, a slow
+            # answer on a busy node takes the router out of its Service
             "httpGet": {"path": READINESS_PATH, "port": r.port},
             "periodSeconds": READINESS_PERIOD_S,
+            "timeoutSeconds": 5,
             "failureThreshold": 3,
         },
         "livenessProbe": {

@@ -106,6 +106,7 @@ def test_the_deployment_runs_the_gate_with_the_key_mounted_by_reference() -> Non
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": 8000}
+    assert ctr["readinessProbe"]["timeoutSeconds"] == 5  # not the 1 s default
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": 8000}
     assert ctr["livenessProbe"]["failureThreshold"] * ctr["livenessProbe"]["periodSeconds"] >= 30
     labels = pod["metadata"]["labels"]
