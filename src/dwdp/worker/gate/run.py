@@ -9,15 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import threading
 from collections.abc import Sequence
-from typing import Any
 
 from dwdp.worker.apikey import ApiKey
 from dwdp.worker.gate.child import GateError
 from dwdp.worker.gate.proxy import Gate, needs_key
 from dwdp.worker.server.guard import RequestGuard
+from dwdp.worker.server.run import ListenError, listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +29,6 @@ async def serve(
     ``graceful_shutdown_s`` seconds, then the child 5 s to stop: within the router pod's
     termination grace (30 s)."""
     import uvicorn
-
-    from dwdp.worker.server.run import ListenError, listening_socket
 
     try:
         sock = listening_socket(host, port)
@@ -74,17 +70,9 @@ async def serve(
 
 def main(argv: Sequence[str], *, host: str, port: int, api_key: ApiKey) -> int:
     """Run ``serve`` in this (main) thread. uvicorn re-raises a stop signal after its shutdown
-    to the handlers it found: ours turn that into a normal return, so the child is stopped."""
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, _note_stop)
-    try:
+    to the handlers it found: ``returning_on_stop_signals`` turns that into a normal return,
+    so the child is stopped."""
+    from dwdp.worker.server.run import returning_on_stop_signals
+
+    with returning_on_stop_signals():
         return asyncio.run(serve(argv, host=host, port=port, api_key=api_key))
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _note_stop(signum: int, _frame: Any) -> None:
-    log.info("stop signal %d: the router gate has shut down", signum)

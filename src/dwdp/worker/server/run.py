@@ -93,17 +93,16 @@ def listening_socket(host: str, port: int) -> socket.socket:
     ``uvicorn.Server.serve(sockets=[...])``, which listens on it: binding first lets a
     failure name its cause in one line, where uvicorn logs it and exits. Raises
     :class:`ListenError`."""
+    sock = None
     try:
         family, kind, proto, _name, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
     except OSError as exc:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
