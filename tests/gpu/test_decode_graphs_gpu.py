@@ -83,11 +83,30 @@ def _assert_same(got, want) -> None:
     """Greedy tokens equal; logits equal within bf16 rounding (a graph runs the eager step's
     kernels, a padded one at the bucket's size, where a GEMM may tile and round differently:
     a 69-token prefill padded to 128 tokens moved logits by up to 0.05 on an H100, against
-    0.02 for decode steps padded to their bucket)."""
+    0.02 for decode steps padded to their bucket).
+
+    One exception, vLLM's own rule for comparing two kernels' greedy outputs: at the first
+    position where the tokens differ, each token must be the other run's runner-up and the
+    logits there equal within the same rounding (a near-tie, which rounding may break either
+    way; the eager top-2 margin is printed). Positions after it are not compared: the two
+    requests then continue from different tokens."""
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.token_ids == w.token_ids, f"request {i}"
-        torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits),
+        assert len(g.token_ids) == len(w.token_ids), f"request {i}"
+        pairs = enumerate(zip(g.token_ids, w.token_ids, strict=True))
+        n = next((p for p, (a, b) in pairs if a != b), len(w.token_ids))
+        stop = min(n + 1, len(w.token_ids))
+        torch.testing.assert_close(torch.stack(g.logits[:stop]), torch.stack(w.logits[:stop]),
                                    rtol=2e-2, atol=1e-1, msg=lambda m, i=i: f"request {i}: {m}")
+        if n < len(w.token_ids):
+            mine, theirs = g.logits[n].float(), w.logits[n].float()
+            top_g, top_w = mine.topk(2), theirs.topk(2)
+            margin = float(top_w.values[0] - top_w.values[1])
+            print(f"request {i}, token {n}: graph {g.token_ids[n]}, eager {w.token_ids[n]}; "
+                  f"eager top-2 margin {margin:.4f}, graph's "
+                  f"{float(top_g.values[0] - top_g.values[1]):.4f}, largest logit difference "
+                  f"{float((mine - theirs).abs().max()):.4f}")
+            assert int(top_g.indices[1]) == w.token_ids[n], f"request {i} token {n}: no tie"
+            assert int(top_w.indices[1]) == g.token_ids[n], f"request {i} token {n}: no tie"
 
 
 def test_replayed_decode_steps_give_the_eager_tokens(loaded):

@@ -500,12 +500,15 @@ def _mla_paged(
     import torch
 
     from dwdp.worker.gpu.paged_attention import paged_attention as kernel
+    from dwdp.worker.quant.fp8 import linear_weight
 
     latent, rotary = caches
     assert layout.paged is not None
     heads, nope = query.shape[1], module.qk_nope_head_dim
     rank, v_dim = latent.shape[2], out.shape[2]
-    w = module.kv_b_proj.weight.view(heads, nope + v_dim, rank)
+    # an FP8 checkpoint's kv_b_proj is dequantized for the step (vLLM and SGLang keep a bf16
+    # copy instead; a dense-DWDP rank holds only its shard of the layer, so nothing is kept)
+    w = linear_weight(module.kv_b_proj, query.dtype).view(heads, nope + v_dim, rank)
     q = query[0]  # [H, T, nope + rope]
     q_latent = torch.matmul(q[..., :nope], w[:, :nope])  # [H, T, rank]
     q_all = torch.cat([q_latent, q[..., nope:]], dim=-1).transpose(0, 1)  # [T, H, rank+rope]

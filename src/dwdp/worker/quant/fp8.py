@@ -143,6 +143,17 @@ def dequantize(weight: Any, scale_inv: Any, dtype: Any, block: tuple[int, int] =
     return (weight.to(torch.float32) * scale).to(dtype)
 
 
+def linear_weight(module: Any, dtype: Any) -> Any:
+    """The weight ``module`` (a linear layer) multiplies by, in ``dtype``: an FP8 weight
+    dequantized with its block scales into a new tensor (read at the call, so after DWDP's
+    gather when the layer is sharded), any other weight as it is. For code that uses a
+    linear layer's matrix directly (MLA's absorbed attention) rather than calling the layer."""
+    scale = getattr(module, "weight" + SCALE_SUFFIX, None)
+    if scale is None:
+        return module.weight
+    return dequantize(module.weight, scale, dtype, getattr(module, "dwdp_fp8_block", BLOCK))
+
+
 def is_quantized(name: str, tensor: Any) -> bool:
     """Whether ``tensor`` (named ``name``) is an FP8 weight or a block scale: tensors that keep
     their stored dtype whatever dtype the model computes in."""
