@@ -14,6 +14,8 @@
 #       bench/results/gpu-suite[-$GPU_SUITE_NAME]-<card>.txt and, where $OUT names a folder, there too
 #       (a machine lent through a remote runner gives back only that folder). Exits with
 #       pytest's status.
+#   scripts/gpu-suite.sh exec COMMAND [ARGS...]
+#       There: the same packages and PYTHONPATH, then COMMAND (a bench, a diagnostic).
 #
 # With the device tool of this workplace the run is one call: command
 # `scripts/gpu-suite.sh run`, carry [".whl"].
@@ -71,8 +73,7 @@ print("the machine's own:", ", ".join(kept) or "nothing")
 EOF
 }
 
-run_suite() {
-  local name=${GPU_SUITE_NAME:+-$GPU_SUITE_NAME}
+prepare() {
   local site=/tmp/gpu-suite-site
   if [ -d "$WHEELS" ]; then
     install_wheels "$site"
@@ -81,6 +82,11 @@ run_suite() {
   fi
   export PYTHONPATH="$PWD/src:$PWD/tools:$site${PYTHONPATH:+:$PYTHONPATH}"
   export PYTHONUNBUFFERED=1
+}
+
+run_suite() {
+  local name=${GPU_SUITE_NAME:+-$GPU_SUITE_NAME}
+  prepare
   local card
   card=$(python3 -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null \
          | tr 'A-Z' 'a-z' | grep -o 'h100\|h200\|b200\|gb200\|a100\|l40s' | head -1 || true)
@@ -105,5 +111,7 @@ run_suite() {
 case "${1:-}" in
   wheels) download_wheels ;;
   run) shift; run_suite "$@" ;;
-  *) echo "usage: scripts/gpu-suite.sh wheels | run [PYTEST ARGS...]" >&2; exit 2 ;;
+  exec) shift; prepare; exec "$@" ;;
+  *) echo "usage: scripts/gpu-suite.sh wheels | run [PYTEST ARGS...] | exec COMMAND..." >&2
+     exit 2 ;;
 esac
