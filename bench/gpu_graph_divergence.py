@@ -6,7 +6,7 @@ Three runs per architecture: eager; graphs (the 69-token prefill replayed as the
 bucket 128, decode steps replayed); graphs with the prefill eager (``MAX_CAPTURE_TOKENS`` 32,
 decode steps replayed). For each request of a run that parts from the eager tokens: the first
 differing position, the largest logit difference at each position up to it, and both runs'
-top-2 margins there. For the eager run: at every decode step and row, the smallest routing
+top-2 margins there. For the eager run: at every decode step and request, the smallest routing
 margin over the MoE layers (the k-th largest router logit minus the (k+1)-th, in the router's
 dtype): a margin of zero is a tie that rounding elsewhere can break either way, and a
 different expert set moves the logits by far more than rounding.
@@ -33,24 +33,6 @@ def run(model, tok, graphs: bool, prompts, params):
     return engine.run_batch(prompts, params, keep_logits=True)
 
 
-def router_margins(model):
-    """Hooks on every router (``gate`` of a MoE block): per call, the smallest margin between
-    the top-k-th and the next router logit of each row. Returns (records, remove)."""
-    records: list[list[float]] = []
-    handles = []
-    for name, module in model.named_modules():
-        if name.endswith(".gate") and hasattr(module, "top_k"):
-            k = int(module.top_k)
-
-            def hook(_m, _args, out, k=k, name=name):
-                logits = out[0] if isinstance(out, tuple) else out
-                top = logits.float().topk(k + 1, dim=-1).values
-                records.append((name, (top[:, k - 1] - top[:, k]).tolist()))
-
-            handles.append(module.register_forward_hook(hook))
-    return records, lambda: [h.remove() for h in handles]
-
-
 def first_difference(got, want):
     rows = []
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -69,7 +51,7 @@ def first_difference(got, want):
 
 
 def main() -> None:
-    from test_decode_graphs_gpu import NEW_TOKENS, PROMPTS, TINY, _params
+    from test_decode_graphs_gpu import NEW_TOKENS, PROMPTS, TINY, RouterMargins, _params
 
     import dwdp.worker.engine.piecewise as piecewise
     from dwdp.worker.gpu.cuda_path import use_cuda_kernels
@@ -87,9 +69,9 @@ def main() -> None:
         model, tok = load_checkpoint(make_checkpoint(arch, Path(args.tmp) / arch, **TINY))
         model.to("cuda:0")
         use_cuda_kernels(model)
-        records, remove = router_margins(model)
+        margins = RouterMargins(model)
         eager = run(model, tok, False, PROMPTS, params)
-        remove()
+        margins.close()
         graphs = run(model, tok, True, PROMPTS, params)
         limit = piecewise.MAX_CAPTURE_TOKENS
         piecewise.MAX_CAPTURE_TOKENS = 32
@@ -97,14 +79,14 @@ def main() -> None:
             eager_prefill = run(model, tok, True, PROMPTS, params)
         finally:
             piecewise.MAX_CAPTURE_TOKENS = limit
-        layers = len({name for name, _ in records})
-        steps = [records[i:i + layers] for i in range(0, len(records), layers)]
-        decode = [[min(m[r] for _, m in step) for r in range(len(step[0][1]))]
-                  for step in steps if len(step[0][1]) == len(PROMPTS)]
+        n = margins.layers
+        steps = [torch.stack(margins.calls[i:i + n]).amin(0).tolist()
+                 for i in range(0, len(margins.calls), n)] if n else []
         result["archs"][arch] = {
             "graphs": first_difference(graphs, eager),
             "graphs_prefill_eager": first_difference(eager_prefill, eager),
-            "eager_decode_min_router_margin_by_step_and_row": decode,
+            "eager_first_routing_tie_by_request": margins.first_ties(PROMPTS),
+            "eager_decode_min_router_margin_by_step_and_request": steps[1:],
         }
         print(arch, json.dumps(result["archs"][arch], indent=1), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

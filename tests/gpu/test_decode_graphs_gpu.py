@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -79,44 +80,102 @@ def _params(counts: list[int]) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, ignore_eos=True) for n in counts]
 
 
-def _assert_same(got, want) -> None:
+ROUTING_TIE = 3 / 128
+"""A router margin (the top-k-th router logit minus the next one, in the router's bf16) at or
+under which the rounding of another kernel may route the token to the other expert: 3 bf16
+steps of a logit in [1, 2), about what a bf16 rounding of the hidden state moves a router
+logit of this size by. A different expert set moves the logits by far more than rounding, so
+a comparison of two kernels' greedy runs cannot extend past such a tie (on the CPU, the tiny
+Qwen3-MoE's eager run routes request 3's fifth token with a margin of 0.0117: its
+router logits are near 1 and spread over [0, 1.3])."""
+
+
+class RouterMargins:
+    """Forward hooks on the softmax top-k routers of ``model`` (the ``gate`` of Qwen3-MoE's and
+    Mixtral's MoE blocks, whose first output is the router's logits; DeepSeek-V3's grouped
+    sigmoid routing is not read, so its runs are compared without exception): for each step of
+    an eager engine, the smallest margin over the layers of each of the step's token rows."""
+
+    def __init__(self, model) -> None:
+        self.calls: list[Any] = []
+        routers = [m for n, m in model.named_modules() if n.endswith(".gate")
+                   and type(m).__name__ in ("Qwen3MoeTopKRouter", "MixtralTopKRouter")]
+        self.layers = len(routers)
+        self._handles = [m.register_forward_hook(self._record) for m in routers]
+
+    def _record(self, module, _args, out) -> None:
+        top = out[0].float().topk(module.top_k + 1, dim=-1).values
+        self.calls.append((top[:, -2] - top[:, -1]).cpu())
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def first_ties(self, prompts) -> list[int | None]:
+        """Per request of an eager run of ``prompts`` in one prefill step and then decode-only
+        steps of every request in order (``test_replayed_decode_steps_give_the_eager_tokens``):
+        the first generated position whose step routed one of the request's tokens with a
+        margin at or under ``ROUTING_TIE`` (0: a prompt token in the prefill), or None."""
+        if not self.layers:
+            return [None] * len(prompts)
+        steps = [torch.stack(self.calls[i:i + self.layers]).amin(0)
+                 for i in range(0, len(self.calls), self.layers)]
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()
+        rows = [steps[0][end - len(p):end] for p, end in zip(prompts, ends, strict=True)]
+        firsts = []
+        for r, prefill in enumerate(rows):
+            margins = [float(prefill.min()), *(float(step[r]) for step in steps[1:])]
+            firsts.append(next((n for n, m in enumerate(margins) if m <= ROUTING_TIE), None))
+        return firsts
+
+
+def _assert_same(got, want, ties: list[int | None] | None = None) -> int:
     """Greedy tokens equal; logits equal within bf16 rounding (a graph runs the eager step's
     kernels, a padded one at the bucket's size, where a GEMM may tile and round differently:
     a 69-token prefill padded to 128 tokens moved logits by up to 0.05 on an H100, against
     0.02 for decode steps padded to their bucket).
 
-    One exception, vLLM's own rule for comparing two kernels' greedy outputs: at the first
-    position where the tokens differ, each token must be the other run's runner-up and the
-    logits there equal within the same rounding (a near-tie, which rounding may break either
-    way; the eager top-2 margin is printed). Positions after it are not compared: the two
-    requests then continue from different tokens."""
+    ``ties`` (``RouterMargins.first_ties`` of the eager run): a request may part from the eager
+    one only at or after the first position whose step had a routing tie; what is compared
+    before it must hold, and what follows is not compared (the runs then hold different
+    experts' outputs). The parting is printed with the tie that allowed it. Returns the
+    number of requests excused so."""
+    excused = 0
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert len(g.token_ids) == len(w.token_ids), f"request {i}"
-        pairs = enumerate(zip(g.token_ids, w.token_ids, strict=True))
-        n = next((p for p, (a, b) in pairs if a != b), len(w.token_ids))
-        stop = min(n + 1, len(w.token_ids))
+        part = next((p for p in range(len(w.token_ids)) if g.token_ids[p] != w.token_ids[p]
+                     or not torch.allclose(g.logits[p], w.logits[p], rtol=2e-2, atol=1e-1)),
+                    None)
+        tie = ties[i] if ties else None
+        if part is not None and tie is not None and tie <= part:
+            diff = float((g.logits[part].float() - w.logits[part].float()).abs().max())
+            print(f"request {i} parts at position {part} (tokens {g.token_ids[part]} and "
+                  f"{w.token_ids[part]}, largest logit difference {diff:.3f}) after a routing "
+                  f"tie at position {tie}; positions {part}+ are not compared")
+            excused += 1
+            continue
+        stop = len(w.token_ids) if part is None else part + 1
+        assert g.token_ids[:stop] == w.token_ids[:stop], f"request {i} (routing ties: {ties})"
         torch.testing.assert_close(torch.stack(g.logits[:stop]), torch.stack(w.logits[:stop]),
-                                   rtol=2e-2, atol=1e-1, msg=lambda m, i=i: f"request {i}: {m}")
-        if n < len(w.token_ids):
-            mine, theirs = g.logits[n].float(), w.logits[n].float()
-            top_g, top_w = mine.topk(2), theirs.topk(2)
-            margin = float(top_w.values[0] - top_w.values[1])
-            print(f"request {i}, token {n}: graph {g.token_ids[n]}, eager {w.token_ids[n]}; "
-                  f"eager top-2 margin {margin:.4f}, graph's "
-                  f"{float(top_g.values[0] - top_g.values[1]):.4f}, largest logit difference "
-                  f"{float((mine - theirs).abs().max()):.4f}")
-            assert int(top_g.indices[1]) == w.token_ids[n], f"request {i} token {n}: no tie"
-            assert int(top_w.indices[1]) == g.token_ids[n], f"request {i} token {n}: no tie"
+                                   rtol=2e-2, atol=1e-1,
+                                   msg=lambda m, i=i: f"request {i} (routing ties: {ties}): {m}")
+    return excused
 
 
 def test_replayed_decode_steps_give_the_eager_tokens(loaded):
     params = _params([NEW_TOKENS] * len(PROMPTS))
     eager = _engine(loaded, graphs=False)
-    want = eager.run_batch(PROMPTS, params, keep_logits=True)
+    margins = RouterMargins(loaded[0])
+    try:
+        want = eager.run_batch(PROMPTS, params, keep_logits=True)
+    finally:
+        margins.close()
+    ties = margins.first_ties(PROMPTS)
     assert eager.stats.graph_replays == 0
     graphs = _engine(loaded, graphs=True)
     got = graphs.run_batch(PROMPTS, params, keep_logits=True)
-    _assert_same(got, want)
+    # a tie excuses at most one request here: the others are compared token by token
+    assert _assert_same(got, want, ties) <= 1, ties
     # one prefill step (69 tokens, the pieces of bucket 128), then every one of the
     # NEW_TOKENS - 1 decode-only steps replays
     assert graphs.stats.waves == eager.stats.waves == NEW_TOKENS
@@ -125,7 +184,7 @@ def test_replayed_decode_steps_give_the_eager_tokens(loaded):
     # served: the engine's own thread replays what this thread captured
     with graphs:
         served = graphs.run_batch(PROMPTS, params, keep_logits=True)
-    _assert_same(served, want)
+    assert _assert_same(served, want, ties) <= 1, ties
     assert graphs.stats.graph_replays > NEW_TOKENS - 1
 
 
