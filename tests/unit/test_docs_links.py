@@ -1,7 +1,7 @@
 """Product text cites only files that exist in the repository.
 
-A product file (everything under src/, charts/, crds/, docs/ and images/, the README and the
-components' READMEs operator/, worker/, kernels/README.md) may name a markdown document
+A product file (everything under src/, charts/, crds/, docs/ and images/, and the README) may
+name a markdown document
 (``operations.md``), a repository path (``src/dwdp/worker/engine/cuda_path.py``) or link one
 (``[text](docs/install.md#anchor)``). Each must resolve to a file of this repository: a user
 reading the text can open what it names. Resolution rules, the same for every file:
@@ -30,7 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT_TREES = ("src", "charts", "crds", "docs", "images")
-PRODUCT_FILES = ("README.md", "operator/README.md", "worker/README.md", "kernels/README.md")
+PRODUCT_FILES = ("README.md",)
 SKIPPED_PARTS = frozenset({"__pycache__"})
 
 _EXTENSIONS = "py|md|yaml|yml|cu|cuh|sh|go|toml|json|txt|cfg|ini|tpl"
