@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_hash_covers_what_the_dockerfile_copies(tmp_path: Path, monkeypatch) -> None:
     sources = images._copy_sources(REPO / "images" / "operator" / "Dockerfile")
     # product code only (and the pinned versions of its dependencies)
-    assert set(sources) == {"images/constraints.txt", "pyproject.toml", "README.md", "src"}
+    assert set(sources) == {"images/constraints.txt", "pyproject.toml", "images/requirements.py", "src"}
     assert not any(s.startswith("/") for s in sources)  # no --from stage paths
     # A copy of the inputs: the same hash; a changed source file or Dockerfile: another.
     for rel in ("images/operator", "images/constraints.txt", *sources):

@@ -64,10 +64,15 @@ def test_dockerfile_rules(name: str) -> None:
     }
     stages = _stages(steps)
     assert len(stages) >= 2, "multi-stage: a build stage and a final stage"
+    names: set[str] = set()
     for stage in stages:
-        base = stage[0][1].split()[0]
+        words = stage[0][1].split()
+        base = words[0]
         base = args.get(base.strip("${}"), base) if base.startswith("$") else base
-        assert EXACT_BASE.match(base), f"base image {base!r} is not an exact tag"
+        # an exact tag, or an earlier stage of this file
+        assert base in names or EXACT_BASE.match(base), f"base image {base!r} is not an exact tag"
+        if len(words) == 3 and words[1].upper() == "AS":
+            names.add(words[2])
     for word, rest in steps:
         if word == "RUN" and "apt-get install" in rest:
             packages = [
@@ -89,6 +94,17 @@ def test_dockerfile_rules(name: str) -> None:
         assert f'org.opencontainers.image.{key}="${{{arg}}}"' in labels, key
         assert any(w == "ARG" and r.split("=")[0] == arg for w, r in final), arg
     assert any(word == "COPY" and "--from=build" in rest for word, rest in final)
+    # layered: the product's files are the final stage's last layer, and the build args that
+    # change with every build (revision, creation time) come after every layer, so a change to
+    # src/ or a new commit rebuilds nothing below the product
+    layers = [i for i, (word, _) in enumerate(final) if word in ("RUN", "COPY", "ADD")]
+    if any(w == "COPY" and r.split()[0] == "src" for w, r in steps):  # builds the product
+        assert final[layers[-1]] == ("COPY", "--from=product /product/ /"), final[layers[-1]]
+    moving = [i for i, (w, r) in enumerate(final) if w == "ARG" and r.startswith(("REVISION",
+                                                                                   "CREATED"))]
+    assert moving and min(moving) > layers[-1], "REVISION and CREATED after the last layer"
+    # the README is no input of any image
+    assert not any(w in ("COPY", "ADD") and "README" in r for w, r in steps)
 
 
 def test_constraints_pin_every_package_exactly() -> None:

@@ -24,8 +24,9 @@ import yaml
 import dwdp
 
 REPO = Path(__file__).resolve().parents[2]
-PRODUCT_INPUTS = ("pyproject.toml", "README.md", "src")
-"""What the product build reads (the images copy the same, and nothing else)."""
+PRODUCT_INPUTS = ("pyproject.toml", "src")
+"""What the product build reads (the images copy the same, and nothing else: no README.md, so
+an edit of it rebuilds no image)."""
 
 _BUILD = """
 import sys, warnings
