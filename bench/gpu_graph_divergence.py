@@ -85,7 +85,7 @@ def main() -> None:
         result["archs"][arch] = {
             "graphs": first_difference(graphs, eager),
             "graphs_prefill_eager": first_difference(eager_prefill, eager),
-            "eager_first_routing_tie_by_request": margins.first_ties(PROMPTS),
+            "eager_first_routing_tie_by_request": margins.first_ties(PROMPTS),  # (pos, margin)
             "eager_decode_min_router_margin_by_step_and_request": steps[1:],
         }
         print(arch, json.dumps(result["archs"][arch], indent=1), flush=True)

@@ -111,11 +111,12 @@ class RouterMargins:
         for handle in self._handles:
             handle.remove()
 
-    def first_ties(self, prompts) -> list[int | None]:
+    def first_ties(self, prompts) -> list[tuple[int, float] | None]:
         """Per request of an eager run of ``prompts`` in one prefill step and then decode-only
         steps of every request in order (``test_replayed_decode_steps_give_the_eager_tokens``):
         the first generated position whose step routed one of the request's tokens with a
-        margin at or under ``ROUTING_TIE`` (0: a prompt token in the prefill), or None."""
+        margin at or under ``ROUTING_TIE`` (0: a prompt token in the prefill) and that margin,
+        or None."""
         if not self.layers:
             return [None] * len(prompts)
         steps = [torch.stack(self.calls[i:i + self.layers]).amin(0)
@@ -125,11 +126,12 @@ class RouterMargins:
         firsts = []
         for r, prefill in enumerate(rows):
             margins = [float(prefill.min()), *(float(step[r]) for step in steps[1:])]
-            firsts.append(next((n for n, m in enumerate(margins) if m <= ROUTING_TIE), None))
+            firsts.append(next(((n, m) for n, m in enumerate(margins) if m <= ROUTING_TIE),
+                               None))
         return firsts
 
 
-def _assert_same(got, want, ties: list[int | None] | None = None) -> int:
+def _assert_same(got, want, ties: list[tuple[int, float] | None] | None = None) -> int:
     """Greedy tokens equal; logits equal within bf16 rounding (a graph runs the eager step's
     kernels, a padded one at the bucket's size, where a GEMM may tile and round differently:
     a 69-token prefill padded to 128 tokens moved logits by up to 0.05 on an H100, against
@@ -147,11 +149,14 @@ def _assert_same(got, want, ties: list[int | None] | None = None) -> int:
                      or not torch.allclose(g.logits[p], w.logits[p], rtol=2e-2, atol=1e-1)),
                     None)
         tie = ties[i] if ties else None
-        if part is not None and tie is not None and tie <= part:
-            diff = float((g.logits[part].float() - w.logits[part].float()).abs().max())
+        if part is not None and tie is not None and tie[0] <= part:
+            mine, theirs = g.logits[part].float(), w.logits[part].float()
+            diff = float((mine - theirs).abs().max())
+            top = theirs.topk(2).values
             print(f"request {i} parts at position {part} (tokens {g.token_ids[part]} and "
-                  f"{w.token_ids[part]}, largest logit difference {diff:.3f}) after a routing "
-                  f"tie at position {tie}; positions {part}+ are not compared")
+                  f"{w.token_ids[part]}; eager top-2 logit margin {float(top[0] - top[1]):.4f}, "
+                  f"largest logit difference {diff:.3f}) after a routing tie at position "
+                  f"{tie[0]} (router margin {tie[1]:.4f}); positions {part}+ are not compared")
             excused += 1
             continue
         stop = len(w.token_ids) if part is None else part + 1
