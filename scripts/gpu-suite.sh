@@ -97,7 +97,11 @@ run_suite() {
     echo "# scripts/gpu-suite.sh run $*"
     echo "# commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(
       git diff --quiet HEAD 2>/dev/null || echo ' + uncommitted changes')"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    else
+      echo "no nvidia-smi on PATH"
+    fi
     python3 -c 'import sys, torch, transformers, triton; print("python", sys.version.split()[0],
       "torch", torch.__version__, "transformers", transformers.__version__, "triton",
       triton.__version__)'
