@@ -149,3 +149,43 @@ def test_a_rebuild_frees_the_superseded_image_before_it_builds(tmp_path: Path, m
     images.build_image("worker")
     assert seen == [{"dwdp-operator-old", "b" * 32}]  # the worker's old copies were gone
     assert images._read_refs()[images.reference("worker")]["digest"] == "sha256:" + "c" * 64
+
+
+def _copy_inputs(dst: Path) -> None:
+    """The repository files the product images are built from, copied into ``dst``."""
+    for rel in ("images", "pyproject.toml", "src"):
+        src = REPO / rel
+        if src.is_dir():
+            skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+            shutil.copytree(src, dst / rel, symlinks=True, ignore=skip)
+        else:
+            shutil.copy2(src, dst / rel)
+
+
+def test_the_runtime_hash_covers_the_dependencies_not_the_sources(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The layered images (a ``runtime`` and a ``product`` stage): the stored runtime (their
+    dependencies) is keyed by the Dockerfile, the constraints, images/requirements.py and
+    pyproject.toml's dependency lists; a source change, a new version or description, or a
+    README edit leave it (and a README edit the image too) as it is."""
+    for name in ("operator", "worker"):
+        assert {"runtime", "product"} <= images._stage_names(images.dockerfile_path(name))
+    assert "runtime" not in images._stage_names(images.dockerfile_path("rank-standin"))
+    _copy_inputs(tmp_path)
+    monkeypatch.setattr(paths, "REPO_ROOT", tmp_path)
+    runtime, image = images.runtime_hash("worker"), images.input_hash("worker")
+    (tmp_path / "README.md").write_text("edited\n")
+    assert images.input_hash("worker") == image
+    plan = tmp_path / "src" / "dwdp" / "operator" / "plan.py"
+    plan.write_text(plan.read_text() + "\n# changed\n")
+    assert images.runtime_hash("worker") == runtime and images.input_hash("worker") != image
+    pyproject = tmp_path / "pyproject.toml"
+    text = pyproject.read_text()
+    pyproject.write_text(text.replace('description = "', 'description = "Edited. ', 1))
+    assert images.runtime_hash("worker") == runtime
+    pyproject.write_text(text.replace('"numpy>=1.26",', '"numpy>=1.27",', 1))
+    assert images.runtime_hash("worker") != runtime
+    pyproject.write_text(text)
+    constraints = tmp_path / "images" / "constraints.txt"
+    constraints.write_text(constraints.read_text() + "# changed\n")
+    assert images.runtime_hash("worker") != runtime

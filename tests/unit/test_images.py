@@ -64,15 +64,15 @@ def test_dockerfile_rules(name: str) -> None:
     }
     stages = _stages(steps)
     assert len(stages) >= 2, "multi-stage: a build stage and a final stage"
-    names: set[str] = set()
+    named: dict[str, list[tuple[str, str]]] = {}
     for stage in stages:
         words = stage[0][1].split()
         base = words[0]
         base = args.get(base.strip("${}"), base) if base.startswith("$") else base
         # an exact tag, or an earlier stage of this file
-        assert base in names or EXACT_BASE.match(base), f"base image {base!r} is not an exact tag"
+        assert base in named or EXACT_BASE.match(base), f"base image {base!r} is not an exact tag"
         if len(words) == 3 and words[1].upper() == "AS":
-            names.add(words[2])
+            named[words[2]] = stage
     for word, rest in steps:
         if word == "RUN" and "apt-get install" in rest:
             packages = [
@@ -83,7 +83,15 @@ def test_dockerfile_rules(name: str) -> None:
             assert packages and all("=" in p for p in packages), f"unpinned: {packages}"
         if word == "RUN" and "pip" in rest and "install" in rest:
             assert any(w == "ENV" and "PIP_CONSTRAINT=" in r for w, r in steps), rest
-    final = stages[-1]
+    # the final image: the last stage and the stages it is built on
+    final: list[tuple[str, str]] = []
+    stage = stages[-1]
+    while True:
+        final = stage + final
+        base = stage[0][1].split()[0]
+        if base not in named:
+            break
+        stage = named[base]
     users = [rest for word, rest in final if word == "USER"]
     assert users and re.fullmatch(r"[1-9]\d*:[1-9]\d*", users[-1]), users
     for word, rest in final:
@@ -94,12 +102,16 @@ def test_dockerfile_rules(name: str) -> None:
         assert f'org.opencontainers.image.{key}="${{{arg}}}"' in labels, key
         assert any(w == "ARG" and r.split("=")[0] == arg for w, r in final), arg
     assert any(word == "COPY" and "--from=build" in rest for word, rest in final)
-    # layered: the product's files are the final stage's last layer, and the build args that
-    # change with every build (revision, creation time) come after every layer, so a change to
-    # src/ or a new commit rebuilds nothing below the product
+    # layered: the product's files are the final image's last layer, on a stage named
+    # `runtime` (what the local build stores and reuses), and the build args that change with
+    # every build (revision, creation time) come after every layer, so a change to src/ or a
+    # new commit rebuilds nothing below the product
     layers = [i for i, (word, _) in enumerate(final) if word in ("RUN", "COPY", "ADD")]
     if any(w == "COPY" and r.split()[0] == "src" for w, r in steps):  # builds the product
         assert final[layers[-1]] == ("COPY", "--from=product /product/ /"), final[layers[-1]]
+        assert stages[-1][0] == ("FROM", "runtime") and "product" in named
+        # the product stage is built on no stage of this file: not on the dependencies
+        assert named["product"][0][1].split()[0] not in named
     moving = [i for i, (w, r) in enumerate(final) if w == "ARG" and r.startswith(("REVISION",
                                                                                    "CREATED"))]
     assert moving and min(moving) > layers[-1], "REVISION and CREATED after the last layer"

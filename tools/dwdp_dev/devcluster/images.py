@@ -11,6 +11,17 @@ engine daemon:
    ``<store>/oci/dwdp-<name>-<hash>`` and named in ``<store>/refs.json`` by its reference
    (``ghcr.io/dwdp/dwdp-<name>:<version>``, what the chart renders by default).
 
+An image whose Dockerfile has a ``runtime`` stage (everything but the product: base, system
+packages, the dependencies) and a ``product`` stage (the dwdp package's files alone, staged in
+``/product``), as the operator's and the worker's have, is built in layers: the runtime is built
+once per :func:`runtime_hash` (the Dockerfile, the constraints, images/requirements.py and
+pyproject.toml's dependency lists; not the sources) into ``<store>/runtime/`` (the
+:data:`RUNTIMES_KEPT` most recently used per name are kept), and each build of the image builds
+only the small product stage and adds its ``/product`` as one layer to a hard-linked copy of the
+runtime's layout (``umoci raw add-layer``), with the labels. So a change to src/ rebuilds and
+re-imports one thin layer; every other layer keeps its digest, and a node's containerd, which
+keeps layers by digest, has them already.
+
 ``<hash>`` covers the Dockerfile, images/constraints.txt, every file the Dockerfile COPYs
 from the repository (bytecode and ``*.egg-info`` left out, as .dockerignore leaves them out of
 the build context), the base and the recipe version, so an unchanged input never rebuilds, in
@@ -478,6 +489,75 @@ def _prune_rootfs(keep: set[str]) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+class _Buildah:
+    """One build's private buildah storage (vfs, chroot isolation) holding the base and, for
+    an image built on another (:data:`BUILT_ON`), that image; removed on exit."""
+
+    def __init__(self, name: str, logf: Path, tmp: Path, on: StoredImage | None) -> None:
+        self.name, self.logf, self.tmp, self.on = name, logf, tmp, on
+        self.work = store_dir() / "buildah"
+        self.storage = ["--storage-driver", "vfs", "--root", str(self.work / "root"),
+                        "--runroot", str(self.work / "run")]
+        self.based = f"localhost/dwdp-base:{BASE_SUITE}-{base_hash()}"
+
+    def __enter__(self) -> _Buildah:
+        shutil.rmtree(self.work, ignore_errors=True)
+        # buildah derives a container name from an oci: path, which a folder like ~/.cache
+        # cannot be part of: the base goes into the private storage by name.
+        into = f"containers-storage:[vfs@{self.work / 'root'}+{self.work / 'run'}]"
+        base = ensure_base()
+        _run(["skopeo", "copy", "--quiet", f"oci:{base}:base", into + self.based], self.logf)
+        if self.on is not None:
+            on_name = into + _local_name(BUILT_ON[self.name])
+            _run(["skopeo", "copy", "--quiet", f"oci:{self.on.layout}:{self.on.tag}", on_name],
+                 self.logf)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def build(self, local: str, tag: str, target: str | None = None) -> None:
+        """``buildah build`` of the Dockerfile (its ``target`` stage) as ``local``."""
+        repo = _repo()
+        args = {**build_args(self.name, self.based), "VERSION": tag,
+                "REVISION": _revision(repo),
+                "CREATED": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        _run(
+            ["buildah", *self.storage, "build", "--pull-never", "--isolation", "chroot",
+             "--file", str(dockerfile_path(self.name)), "--tag", local,
+             *(["--target", target] if target else []),
+             *(w for k, v in args.items() for w in ("--build-arg", f"{k}={v}")),
+             *_pip_conf(self.tmp), str(repo)],
+            self.logf,
+            what=f"buildah build of {dockerfile_path(self.name).relative_to(repo)}"
+            + (f" (stage {target})" if target else ""),
+        )
+
+    def push(self, local: str, layout: Path, tag: str) -> None:
+        """``local`` into the OCI layout ``layout`` (tag ``tag``), replacing it whole."""
+        staging = layout.with_name(f".{layout.name}.tmp{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        _run(["buildah", *self.storage, "push", local, f"oci:{staging}:{tag}"], self.logf)
+        shutil.rmtree(layout, ignore_errors=True)
+        os.replace(staging, layout)
+
+    def files(self, local: str, path: str, dest: Path) -> None:
+        """Copy folder ``path`` of image ``local`` to ``dest`` (owners and modes kept)."""
+        ctr = subprocess.run(["buildah", *self.storage, "from", "--pull-never", local],
+                             capture_output=True, text=True, check=False)
+        if ctr.returncode != 0:
+            raise ImageError(f"buildah from {local} failed: {ctr.stderr.strip()[-500:]}")
+        name = ctr.stdout.strip().splitlines()[-1]
+        try:
+            mnt = subprocess.run(["buildah", *self.storage, "mount", name], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+            _run(["cp", "-a", f"{mnt}/{path.strip('/')}/.", str(dest)], self.logf)
+        finally:
+            subprocess.run(["buildah", *self.storage, "rm", name], capture_output=True,
+                           check=False)
+
+
 def _build(
     name: str,
     layout: Path,
@@ -487,72 +567,32 @@ def _build(
     on: StoredImage | None = None,
 ) -> str:
     """Build ``name`` into ``layout`` (tag ``tag``); ``on``: the stored image it is built on
-    (:data:`BUILT_ON`), copied into the build's storage under its local name."""
+    (:data:`BUILT_ON`), copied into the build's storage under its local name. An image whose
+    Dockerfile has the stages ``runtime`` and ``product`` is built in layers
+    (:func:`_add_product`); any other in one ``buildah build``."""
     base_layout = store_dir() / "base" / f"{BASE_SUITE}-{base_hash()}"
     _need(
         "buildah", "skopeo", "umoci", *([] if _index_tag(base_layout, "base") else ["debootstrap"])
     )
-    repo = _repo()
-    base = ensure_base(progress)
+    ensure_base(progress)
     start = time.monotonic()
-    work = store_dir() / "buildah"
     logf = store_dir() / f"build-{name}.log"
     logf.write_text("")
-    _say(progress, f"images: building dwdp-{name} with buildah (minutes; log {logf})")
-    storage = ["--storage-driver", "vfs", "--root", str(work / "root"), "--runroot"]
-    storage.append(str(work / "run"))
+    layered = {"runtime", "product"} <= _stage_names(dockerfile_path(name))
+    _say(progress, f"images: building dwdp-{name} with buildah "
+                   f"({'the product layer' if layered else 'minutes'}; log {logf})")
     local = f"localhost/dwdp-{name}:{layout.name.rsplit('-', 1)[1]}"
-    with tempfile.TemporaryDirectory(prefix="dwdp-build-") as tmp:
-        shutil.rmtree(work, ignore_errors=True)
-        try:
-            # buildah derives a container name from an oci: path, which a folder like
-            # ~/.cache cannot be part of: the base goes into the private storage by name.
-            based = f"localhost/dwdp-base:{BASE_SUITE}-{base_hash()}"
-            into = f"containers-storage:[vfs@{work / 'root'}+{work / 'run'}]"
-            _run(["skopeo", "copy", "--quiet", f"oci:{base}:base", into + based], logf)
-            if on is not None:
-                on_name = into + _local_name(BUILT_ON[name])
-                _run(["skopeo", "copy", "--quiet", f"oci:{on.layout}:{on.tag}", on_name], logf)
-            _run(
-                [
-                    "buildah",
-                    *storage,
-                    "build",
-                    "--pull-never",
-                    "--isolation",
-                    "chroot",
-                    "--file",
-                    str(dockerfile_path(name)),
-                    "--tag",
-                    local,
-                    *(
-                        w
-                        for k, v in build_args(name, based).items()
-                        for w in ("--build-arg", f"{k}={v}")
-                    ),
-                    "--build-arg",
-                    f"VERSION={tag}",
-                    "--build-arg",
-                    f"REVISION={_revision(repo)}",
-                    "--build-arg",
-                    f"CREATED={time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
-                    *_pip_conf(Path(tmp)),
-                    str(repo),
-                ],
-                logf,
-                what=f"buildah build of {dockerfile_path(name).relative_to(repo)}",
-            )
-            staging = layout.with_name(f".{layout.name}.tmp{os.getpid()}")
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.parent.mkdir(parents=True, exist_ok=True)
-            _run(["buildah", *storage, "push", local, f"oci:{staging}:{tag}"], logf)
-            shutil.rmtree(layout, ignore_errors=True)
-            os.replace(staging, layout)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="dwdp-build-") as tmp, \
+            _Buildah(name, logf, Path(tmp), on) as bah:
+        if layered:
+            runtime = _runtime_layout(name, bah, tag, progress)
+            _add_product(bah, runtime, layout, tag, Path(tmp))
+        else:
+            bah.build(local, tag)
+            bah.push(local, layout, tag)
     digest = _index_tag(layout, tag)
     if not digest:
-        raise ImageError(f"buildah push wrote no tag {tag} to {layout}")
+        raise ImageError(f"the build wrote no tag {tag} to {layout}")
     size = sum(f.stat().st_size for f in (layout / "blobs").rglob("*") if f.is_file())
     _say(
         progress,
@@ -560,6 +600,93 @@ def _build(
         f"({size / 2**20:.0f} MiB compressed) -> {layout}",
     )
     return digest
+
+
+# ----------------------------------------------------------------------------- layers
+RUNTIMES_KEPT = 2
+"""Runtime layouts (an image's dependencies) kept per image name, the most recently used:
+two checkouts of different dependencies do not evict each other's."""
+
+
+def _stage_names(dockerfile: Path) -> set[str]:
+    """The ``AS`` names of a Dockerfile's stages."""
+    text = dockerfile.read_text()
+    return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)\s*$", text, re.MULTILINE | re.IGNORECASE))
+
+
+def runtime_hash(name: str) -> str:
+    """Hex digest (16 chars) of what image ``name``'s ``runtime`` stage is built from: the
+    image's inputs but the sources, with pyproject.toml's dependency lists standing for the
+    file (a version or description change does not rebuild the dependencies)."""
+    import tomllib
+
+    repo = _repo()
+    dockerfile = dockerfile_path(name)
+    h = hashlib.sha256()
+    h.update(f"runtime\0{RECIPE}\0{base_hash()}\0".encode())
+    h.update(json.dumps(build_args(name, BASE_ARG), sort_keys=True).encode() + b"\0")
+    _hash_tree(h, repo, str(dockerfile.relative_to(repo)))
+    _hash_tree(h, repo, "images/constraints.txt")
+    for src in sorted(set(_copy_sources(dockerfile)) - {"src", "pyproject.toml"}):
+        _hash_tree(h, repo, src.rstrip("/"))
+    project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
+    deps = [project.get("dependencies", []), project.get("optional-dependencies", {})]
+    h.update(json.dumps(deps, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def _runtime_layout(
+    name: str, bah: _Buildah, tag: str, progress: Callable[[str], None] | None
+) -> Path:
+    """The stored OCI layout of image ``name``'s ``runtime`` stage (its dependencies), built
+    now unless stored (``<store>/runtime/dwdp-<name>-<runtime_hash>``); the least recently
+    used beyond :data:`RUNTIMES_KEPT` are removed."""
+    layout = store_dir() / "runtime" / f"dwdp-{name}-{runtime_hash(name)}"
+    if _index_tag(layout, tag):
+        _say(progress, f"images: dwdp-{name}'s dependencies up to date ({layout.name})")
+    else:
+        _say(progress, f"images: dwdp-{name}'s dependencies (the first time: minutes)")
+        local = f"localhost/dwdp-{name}-runtime:{layout.name.rsplit('-', 1)[1]}"
+        bah.build(local, tag, target="runtime")
+        bah.push(local, layout, tag)
+    os.utime(layout)
+    others = sorted((p for p in layout.parent.glob(f"dwdp-{name}-*") if p != layout),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in others[RUNTIMES_KEPT - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return layout
+
+
+def _add_product(bah: _Buildah, runtime: Path, layout: Path, tag: str, tmp: Path) -> None:
+    """``layout``: the ``runtime`` layout (its blobs hard-linked: the same layers, by digest)
+    plus one layer, the ``product`` stage's ``/product`` folder, with the build's labels."""
+    local = f"localhost/dwdp-{bah.name}-product:{layout.name.rsplit('-', 1)[1]}"
+    bah.build(local, tag, target="product")
+    files = tmp / "product"
+    files.mkdir()
+    bah.files(local, "/product", files)
+    _run(["tar", "-C", str(files), "--numeric-owner", "-cf", str(tmp / "product.tar"), "."],
+         bah.logf)
+    staging = layout.with_name(f".{layout.name}.tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    # the blobs hard-linked (never written in place: umoci writes new ones beside them); the
+    # index, which umoci rewrites, copied
+    _run(["cp", "-al", str(runtime), str(staging)], bah.logf)
+    for small in ("index.json", "oci-layout"):
+        (staging / small).unlink()
+        shutil.copy2(runtime / small, staging / small)
+    image = f"{staging}:{tag}"
+    _run(["umoci", "raw", "add-layer", "--image", image, "--history.created_by",
+          "COPY --from=product /product/ /", str(tmp / "product.tar")], bah.logf)
+    labels = {"version": tag, "revision": _revision(_repo()),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _run(["umoci", "config", "--image", image,
+          *(w for k, v in labels.items()
+            for w in ("--config.label", f"org.opencontainers.image.{k}={v}"))], bah.logf)
+    _run(["umoci", "gc", "--layout", str(staging)], bah.logf)
+    shutil.rmtree(layout, ignore_errors=True)
+    os.replace(staging, layout)
 
 
 # ----------------------------------------------------------------------------- the kubelet's side
