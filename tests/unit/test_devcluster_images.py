@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_hash_covers_what_the_dockerfile_copies(tmp_path: Path, monkeypatch) -> None:
     sources = images._copy_sources(REPO / "images" / "operator" / "Dockerfile")
     # product code only (and the pinned versions of its dependencies); no README.md
-    inputs = {"images/constraints.txt", "pyproject.toml", "images/requirements.py", "src"}
+    inputs = {"images/constraints.txt", "pyproject.toml", "images/requirements.py",
+              "images/product.sh", "src"}
     assert set(sources) == inputs
     assert not any(s.startswith("/") for s in sources)  # no --from stage paths
     # A copy of the inputs: the same hash; a changed source file or Dockerfile: another.
