@@ -580,7 +580,7 @@ def _build(
     logf.write_text("")
     layered = {"runtime", "product"} <= _stage_names(dockerfile_path(name))
     _say(progress, f"images: building dwdp-{name} with buildah "
-                   f"({'the product layer' if layered else 'minutes'}; log {logf})")
+                   f"({'in layers' if layered else 'minutes'}; log {logf})")
     local = f"localhost/dwdp-{name}:{layout.name.rsplit('-', 1)[1]}"
     with tempfile.TemporaryDirectory(prefix="dwdp-build-") as tmp, \
             _Buildah(name, logf, Path(tmp), on) as bah:
@@ -643,9 +643,11 @@ def _runtime_layout(
     used beyond :data:`RUNTIMES_KEPT` are removed."""
     layout = store_dir() / "runtime" / f"dwdp-{name}-{runtime_hash(name)}"
     if _index_tag(layout, tag):
-        _say(progress, f"images: dwdp-{name}'s dependencies up to date ({layout.name})")
+        _say(progress, f"images: dwdp-{name}'s dependencies up to date ({layout.name}); "
+                       "building the product layer")
     else:
-        _say(progress, f"images: dwdp-{name}'s dependencies (the first time: minutes)")
+        _say(progress, f"images: dwdp-{name}'s dependencies changed or are new: building them "
+                       "(minutes; the worker's about 6)")
         local = f"localhost/dwdp-{name}-runtime:{layout.name.rsplit('-', 1)[1]}"
         bah.build(local, tag, target="runtime")
         bah.push(local, layout, tag)
