@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dwdp_dev.devcluster import paths
 
@@ -217,18 +218,24 @@ def dockerfile_path(name: str) -> Path:
 
 def input_hash(name: str) -> str:
     """Hex digest (16 chars) of everything image ``name`` is built from."""
-    repo = _repo()
-    dockerfile = dockerfile_path(name)
-    h = hashlib.sha256()
-    h.update(f"{RECIPE}\0{base_hash()}\0{version()}\0".encode())
-    h.update(json.dumps(build_args(name, BASE_ARG), sort_keys=True).encode() + b"\0")
-    if name in BUILT_ON:
-        h.update(f"on {input_hash(BUILT_ON[name])}\0".encode())
-    _hash_tree(h, repo, str(dockerfile.relative_to(repo)))
-    _hash_tree(h, repo, "images/constraints.txt")
-    for src in sorted(set(_copy_sources(dockerfile))):
-        _hash_tree(h, repo, src.rstrip("/"))
+    on = f"on {input_hash(BUILT_ON[name])}\0".encode() if name in BUILT_ON else b""
+    sources = set(_copy_sources(dockerfile_path(name)))
+    h = _recipe_hash(name, f"{RECIPE}\0{base_hash()}\0{version()}\0", sources, on)
     return h.hexdigest()[:16]
+
+
+def _recipe_hash(name: str, head: str, sources: set[str], extra: bytes = b"") -> Any:
+    """A sha256 over ``head``, image ``name``'s build args, ``extra``, its Dockerfile,
+    images/constraints.txt and the repository paths ``sources``."""
+    repo = _repo()
+    h = hashlib.sha256(head.encode())
+    h.update(json.dumps(build_args(name, BASE_ARG), sort_keys=True).encode() + b"\0")
+    h.update(extra)
+    _hash_tree(h, repo, str(dockerfile_path(name).relative_to(repo)))
+    _hash_tree(h, repo, "images/constraints.txt")
+    for src in sorted(sources):
+        _hash_tree(h, repo, src.rstrip("/"))
+    return h
 
 
 def build_args(name: str, base: str) -> dict[str, str]:
@@ -519,9 +526,7 @@ class _Buildah:
     def build(self, local: str, tag: str, target: str | None = None) -> None:
         """``buildah build`` of the Dockerfile (its ``target`` stage) as ``local``."""
         repo = _repo()
-        args = {**build_args(self.name, self.based), "VERSION": tag,
-                "REVISION": _revision(repo),
-                "CREATED": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        args = {**build_args(self.name, self.based), "VERSION": tag, **_stamp()}
         _run(
             ["buildah", *self.storage, "build", "--pull-never", "--isolation", "chroot",
              "--file", str(dockerfile_path(self.name)), "--tag", local,
@@ -535,12 +540,8 @@ class _Buildah:
 
     def push(self, local: str, layout: Path, tag: str) -> None:
         """``local`` into the OCI layout ``layout`` (tag ``tag``), replacing it whole."""
-        staging = layout.with_name(f".{layout.name}.tmp{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.parent.mkdir(parents=True, exist_ok=True)
-        _run(["buildah", *self.storage, "push", local, f"oci:{staging}:{tag}"], self.logf)
-        shutil.rmtree(layout, ignore_errors=True)
-        os.replace(staging, layout)
+        with _replacing(layout) as staging:
+            _run(["buildah", *self.storage, "push", local, f"oci:{staging}:{tag}"], self.logf)
 
     def files(self, local: str, path: str, dest: Path) -> None:
         """Copy folder ``path`` of image ``local`` to ``dest`` (owners and modes kept)."""
@@ -620,16 +621,9 @@ def runtime_hash(name: str) -> str:
     file (a version or description change does not rebuild the dependencies)."""
     import tomllib
 
-    repo = _repo()
-    dockerfile = dockerfile_path(name)
-    h = hashlib.sha256()
-    h.update(f"runtime\0{RECIPE}\0{base_hash()}\0".encode())
-    h.update(json.dumps(build_args(name, BASE_ARG), sort_keys=True).encode() + b"\0")
-    _hash_tree(h, repo, str(dockerfile.relative_to(repo)))
-    _hash_tree(h, repo, "images/constraints.txt")
-    for src in sorted(set(_copy_sources(dockerfile)) - {"src", "pyproject.toml"}):
-        _hash_tree(h, repo, src.rstrip("/"))
-    project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
+    sources = set(_copy_sources(dockerfile_path(name))) - {"src", "pyproject.toml"}
+    h = _recipe_hash(name, f"runtime\0{RECIPE}\0{base_hash()}\0", sources)
+    project = tomllib.loads((_repo() / "pyproject.toml").read_text())["project"]
     deps = [project.get("dependencies", []), project.get("optional-dependencies", {})]
     h.update(json.dumps(deps, sort_keys=True).encode())
     return h.hexdigest()[:16]
@@ -669,26 +663,43 @@ def _add_product(bah: _Buildah, runtime: Path, layout: Path, tag: str, tmp: Path
     bah.files(local, "/product", files)
     _run(["tar", "-C", str(files), "--numeric-owner", "-cf", str(tmp / "product.tar"), "."],
          bah.logf)
+    with _replacing(layout) as staging:
+        # the blobs hard-linked (never written in place: umoci writes new ones beside them);
+        # the index, which umoci rewrites, copied
+        _run(["cp", "-al", str(runtime), str(staging)], bah.logf)
+        for small in ("index.json", "oci-layout"):
+            (staging / small).unlink()
+            shutil.copy2(runtime / small, staging / small)
+        image = f"{staging}:{tag}"
+        _run(["umoci", "raw", "add-layer", "--image", image, "--history.created_by",
+              "COPY --from=product /product/ /", str(tmp / "product.tar")], bah.logf)
+        labels = {"version": tag, **_stamp()}
+        _run(["umoci", "config", "--image", image,
+              *(w for k, v in labels.items()
+                for w in ("--config.label", f"org.opencontainers.image.{k.lower()}={v}"))],
+             bah.logf)
+        _run(["umoci", "gc", "--layout", str(staging)], bah.logf)
+
+
+@contextlib.contextmanager
+def _replacing(layout: Path) -> Iterator[Path]:
+    """A staging folder beside ``layout`` for a new layout, which replaces ``layout`` whole
+    once the block ends without an error (the staging folder is removed if it raises)."""
     staging = layout.with_name(f".{layout.name}.tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.parent.mkdir(parents=True, exist_ok=True)
-    # the blobs hard-linked (never written in place: umoci writes new ones beside them); the
-    # index, which umoci rewrites, copied
-    _run(["cp", "-al", str(runtime), str(staging)], bah.logf)
-    for small in ("index.json", "oci-layout"):
-        (staging / small).unlink()
-        shutil.copy2(runtime / small, staging / small)
-    image = f"{staging}:{tag}"
-    _run(["umoci", "raw", "add-layer", "--image", image, "--history.created_by",
-          "COPY --from=product /product/ /", str(tmp / "product.tar")], bah.logf)
-    labels = {"version": tag, "revision": _revision(_repo()),
-              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _run(["umoci", "config", "--image", image,
-          *(w for k, v in labels.items()
-            for w in ("--config.label", f"org.opencontainers.image.{k}={v}"))], bah.logf)
-    _run(["umoci", "gc", "--layout", str(staging)], bah.logf)
-    shutil.rmtree(layout, ignore_errors=True)
-    os.replace(staging, layout)
+    try:
+        yield staging
+        shutil.rmtree(layout, ignore_errors=True)
+        os.replace(staging, layout)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _stamp() -> dict[str, str]:
+    """The build args (and labels) that change with every build: REVISION and CREATED."""
+    return {"REVISION": _revision(_repo()),
+            "CREATED": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 # ----------------------------------------------------------------------------- the kubelet's side
