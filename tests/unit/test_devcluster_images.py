@@ -4,6 +4,7 @@ checkout's sources), the names and the rebuild's clean-up."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -190,3 +191,54 @@ def test_the_runtime_hash_covers_the_dependencies_not_the_sources(tmp_path: Path
     constraints = tmp_path / "images" / "constraints.txt"
     constraints.write_text(constraints.read_text() + "# changed\n")
     assert images.runtime_hash("worker") != runtime
+
+
+def test_one_product_layer_serves_both_images_and_follows_the_sources(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The product stage reads the same in the operator's and the worker's Dockerfile (their
+    comments aside), so :func:`product_hash` is one value and the layer is built once for both;
+    it changes with the sources and product.sh, not with the worker's build args (the stage
+    does not use them), a README edit or a comment."""
+    _copy_inputs(tmp_path)
+    monkeypatch.setattr(paths, "REPO_ROOT", tmp_path)
+    product = images.product_hash("operator")
+    assert images.product_hash("worker") == product
+    assert "src" in images._copies(images._stage(images.dockerfile_path("worker"), "product"))
+    monkeypatch.setitem(images.BUILD_ARGS, "worker", {**images.BUILD_ARGS["worker"], "X": "1"})
+    (tmp_path / "README.md").write_text("edited\n")
+    dockerfile = tmp_path / "images" / "worker" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().replace("# ---", "# a comment\n# ---", 1))
+    assert images.product_hash("worker") == product
+    engine = tmp_path / "src" / "dwdp" / "worker" / "engine" / "paged.py"
+    engine.write_text(engine.read_text() + "\n# changed\n")
+    changed = images.product_hash("worker")
+    assert changed != product and images.product_hash("operator") == changed
+    script = tmp_path / "images" / "product.sh"
+    script.write_text(script.read_text() + "\n# changed\n")
+    assert images.product_hash("operator") != changed
+    with pytest.raises(images.ImageError, match="no stage 'product'"):
+        images._stage(REPO / "tools" / "images" / "rank-standin" / "Dockerfile", "product")
+
+
+def test_a_layout_keeps_only_the_blobs_its_index_reaches(tmp_path: Path) -> None:
+    """After the product layer and the labels are added to the runtime's copy, the runtime's
+    manifest and configs are unreachable: they go (``_drop_unreferenced``), the image's stay."""
+
+    def blob(doc: dict | bytes) -> str:
+        data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        digest = hashlib.sha256(data).hexdigest()
+        (tmp_path / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "blobs" / "sha256" / digest).write_bytes(data)
+        return "sha256:" + digest
+
+    layers = [{"digest": blob(b"base")}, {"digest": blob(b"deps")}]
+    old = blob({"config": {"digest": blob({"old": 1})}, "layers": layers})
+    new_layers = [*layers, {"digest": blob(b"product")}]
+    config = blob({"new": 1})
+    new = blob({"config": {"digest": config}, "layers": new_layers})
+    (tmp_path / "index.json").write_text(json.dumps({"manifests": [{"digest": new}]}))
+    images._drop_unreferenced(tmp_path)
+    kept = {"sha256:" + p.name for p in (tmp_path / "blobs" / "sha256").iterdir()}
+    assert kept == {new, config, *(layer["digest"] for layer in new_layers)}
+    assert old not in kept

@@ -655,35 +655,7 @@ oom_score = 0
                 continue
             if any(ref in line and stored.digest in line for line in listed.splitlines()):
                 continue
-            print(f"dwdp dev: real node: importing {ref} into containerd", file=sys.stderr)
-            repo = stored.repository
-            tar = subprocess.Popen(
-                ["tar", "-C", str(stored.layout), "-cf", "-", "."], stdout=subprocess.PIPE
-            )
-            imp = subprocess.run(
-                [
-                    "ctr",
-                    "--address",
-                    str(self.socket),
-                    "-n",
-                    "k8s.io",
-                    "images",
-                    "import",
-                    "--base-name",
-                    repo,
-                    "-",
-                ],
-                stdin=tar.stdout,
-                capture_output=True,
-                check=False,
-            )
-            assert tar.stdout is not None
-            tar.stdout.close()
-            tar.wait()
-            if imp.returncode != 0:
-                raise RealNodeError(
-                    f"ctr images import of {stored.layout} failed: {imp.stderr.decode()[-500:]}"
-                )
+            self._import(stored)
             if ref not in self.ctr("images", "ls", "-q").split():
                 raise RealNodeError(f"{stored.layout} was imported, but not as {ref}")
             # also by digest, as an image pulled from a registry: the kubelet then reports
@@ -694,6 +666,43 @@ oom_score = 0
             self._drop_earlier_builds(stored)
             done.append(ref)
         return done
+
+    def _import(self, stored: images.StoredImage) -> None:
+        """``ctr images import`` of ``stored``'s layout with only the blobs containerd lacks
+        (its index and every blob are what an OCI archive holds; the layers an earlier build
+        shares by digest are in the content store already, so a src/ change imports the thin
+        product layer, not gigabytes). Should that fail (a blob collected meanwhile), the
+        whole layout is imported."""
+        have = set(self.ctr("content", "ls", "-q").split())
+        by_digest = {f"{p.parent.name}:{p.name}": f"blobs/{p.parent.name}/{p.name}"
+                     for p in (stored.layout / "blobs").glob("*/*")}
+        blobs = sorted(by_digest.values())
+        new = sorted(path for digest, path in by_digest.items() if digest not in have)
+        size = sum((stored.layout / b).stat().st_size for b in new)
+        print(f"dwdp dev: real node: importing {stored.reference} into containerd: {len(new)} "
+              f"of its {len(blobs)} blobs, {size / 2**20:.0f} MiB", file=sys.stderr)
+        try:
+            self._import_files(stored, ["oci-layout", "index.json", *new])
+        except RealNodeError:
+            if len(new) == len(blobs):
+                raise
+            self._import_files(stored, ["oci-layout", "index.json", *blobs])
+
+    def _import_files(self, stored: images.StoredImage, files: list[str]) -> None:
+        tar = subprocess.Popen(["tar", "-C", str(stored.layout), "-cf", "-", *files],
+                               stdout=subprocess.PIPE)
+        imp = subprocess.run(
+            ["ctr", "--address", str(self.socket), "-n", "k8s.io", "images", "import",
+             "--base-name", stored.repository, "-"],
+            stdin=tar.stdout, capture_output=True, check=False,
+        )
+        assert tar.stdout is not None
+        tar.stdout.close()
+        tar.wait()
+        if imp.returncode != 0:
+            raise RealNodeError(
+                f"ctr images import of {stored.layout} failed: {imp.stderr.decode()[-500:]}"
+            )
 
     def _drop_earlier_builds(self, stored: images.StoredImage) -> None:
         """Remove the names of ``stored``'s repository that hold another digest (an earlier
