@@ -24,26 +24,62 @@ status=0
 node=$("$PY" scripts/demo.py --parse-only "$@") || status=$?
 [ "$status" -eq 10 ] && { printf '%s\n' "$node"; exit 0; }  # the help
 [ "$status" -eq 0 ] || exit "$status"
-if [ ! -x .venv/bin/python ]; then
-  log "creating .venv"
-  "$PY" -m venv .venv
-fi
-if ! .venv/bin/python -c "import dwdp.worker.loading.checkpoint, dwdp.operator, fastapi, httpx, kopf" 2>/dev/null; then
-  log "installing Python packages (first run: a few minutes)"
-  # -qq: errors only (with -q pip warns about every release of lm-eval's pytablewriter whose
-  # metadata it refuses, some 480 lines)
-  .venv/bin/python -m pip install -qq --upgrade pip
-  .venv/bin/python -m pip install -qq -e ".[test]" -e ./tools
-fi
-export PATH="$PWD/.venv/bin:$PATH"
+# The set-up runs in three phases; within each, steps run beside each other (2 cores: what waits
+# on the network runs beside what computes). Each background step logs to $logs/<step>.log and
+# prints one line when it ends; a failed step prints its log's tail and stops the demo.
+logs=$(mktemp -d /tmp/dwdp-demo-setup.XXXXXX)
+declare -A pids began
+trap 'jobs -p | xargs -r kill 2>/dev/null' EXIT  # a failed step stops the others too
+bg() {  # bg STEP COMMAND...: run COMMAND in the background, logged
+  local step=$1; shift
+  ("$@") >"$logs/$step.log" 2>&1 &
+  pids[$step]=$!
+  began[$step]=$SECONDS
+}
+await() {  # await STEP: wait for it; stop the demo if it failed
+  local step=$1 status=0
+  wait "${pids[$step]}" || status=$?
+  if [ "$status" -ne 0 ]; then
+    printf '\n%s failed (exit %s); the end of %s:\n' "$step" "$status" "$logs/$step.log" >&2
+    tail -n 30 "$logs/$step.log" >&2
+    exit "$status"
+  fi
+  printf '   %s done in %d s\n' "$step" $((SECONDS - began[$step]))
+}
+venv() {
+  if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+  fi
+  if ! .venv/bin/python -c "import dwdp.worker.loading.checkpoint, dwdp.operator, fastapi, httpx, kopf" 2>/dev/null; then
+    # -qq: errors only (with -q pip warns about every release of lm-eval's pytablewriter whose
+    # metadata it refuses, some 480 lines)
+    .venv/bin/python -m pip install -qq --upgrade pip
+    .venv/bin/python -m pip install -qq -e ".[test]" -e ./tools
+  fi
+}
 
+log "set-up 1/3: system packages, the control plane's Go modules and .venv, beside each other"
 if [ "$node" = real ]; then  # process kubelets need no packages and no images
   . scripts/system-packages.sh
-  install_system_packages
+  bg system-packages install_system_packages
 fi
+if command -v go >/dev/null 2>&1; then  # a no-op once downloaded (the build reports no Go)
+  bg go-modules sh -c "cd tools/dwdp_dev/devcluster/go && go mod download"
+fi
+venv
+printf '   .venv ready after %d s\n' "$SECONDS"
+export PATH="$PWD/.venv/bin:$PATH"
+[ -z "${pids[go-modules]:-}" ] || await go-modules
+[ -z "${pids[system-packages]:-}" ] || await system-packages
 
-log "building the local control plane (first build: about 11 minutes on 2 cores; cached afterwards)"
-dwdp dev build --tools
+log "set-up 2/3: the local control plane (cached; the first build takes minutes) beside the images"
+bg control-plane dwdp dev build --tools
+if [ "$node" = real ]; then
+  # the images print their own progress; the worker's dependencies take minutes the first time
+  dwdp dev images --only operator --only worker >/dev/null
+fi
+await control-plane
+rm -rf "$logs"
 
-log "running the demo"
+log "set-up 3/3: the demo (the node imports the worker image beside the operator's install)"
 exec .venv/bin/python scripts/demo.py "$@"
