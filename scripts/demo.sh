@@ -32,9 +32,10 @@ declare -A pids began
 trap 'jobs -p | xargs -r kill 2>/dev/null' EXIT  # a failed step stops the others too
 bg() {  # bg STEP COMMAND...: run COMMAND in the background, logged
   local step=$1; shift
-  ("$@") >"$logs/$step.log" 2>&1 &
-  pids[$step]=$!
   began[$step]=$SECONDS
+  ( status=0; "$@" >"$logs/$step.log" 2>&1 || status=$?
+    echo "$SECONDS" >"$logs/$step.end"; exit "$status" ) &
+  pids[$step]=$!
 }
 await() {  # await STEP: wait for it; stop the demo if it failed
   local step=$1 status=0
@@ -44,7 +45,7 @@ await() {  # await STEP: wait for it; stop the demo if it failed
     tail -n 30 "$logs/$step.log" >&2
     exit "$status"
   fi
-  printf '   %s done in %d s\n' "$step" $((SECONDS - began[$step]))
+  printf '   %s done in %d s\n' "$step" $(($(cat "$logs/$step.end") - began[$step]))
 }
 venv() {
   if [ ! -x .venv/bin/python ]; then

@@ -167,9 +167,10 @@ def _copy_inputs(dst: Path) -> None:
 def test_the_runtime_hash_covers_the_dependencies_not_the_sources(tmp_path: Path,
                                                                   monkeypatch) -> None:
     """The layered images (a ``runtime`` and a ``product`` stage): the stored runtime (their
-    dependencies) is keyed by the Dockerfile, the constraints, images/requirements.py and
-    pyproject.toml's dependency lists; a source change, a new version or description, or a
-    README edit leave it (and a README edit the image too) as it is."""
+    dependencies) is keyed by the Dockerfile, the constraints, images/requirements.py and the
+    requirements of the extras the image installs; a source change, a new version or
+    description, another extra (``test``) or a README edit leave it (and a README edit the
+    image too) as it is."""
     for name in ("operator", "worker"):
         assert {"runtime", "product"} <= images._stage_names(images.dockerfile_path(name))
     assert "runtime" not in images._stage_names(images.dockerfile_path("rank-standin"))
@@ -185,8 +186,15 @@ def test_the_runtime_hash_covers_the_dependencies_not_the_sources(tmp_path: Path
     text = pyproject.read_text()
     pyproject.write_text(text.replace('description = "', 'description = "Edited. ', 1))
     assert images.runtime_hash("worker") == runtime
+    # another extra (the tests' tools) is no input of an image's dependencies
+    assert images._extras("operator") == ["operator"] and images._extras("worker") == [
+        "worker", "cuda"]
+    operator = images.runtime_hash("operator")
+    pyproject.write_text(text.replace('"pytest>=8",', '"pytest>=9", "openai>=9",', 1))
+    assert images.runtime_hash("worker") == runtime and images.runtime_hash("operator") == operator
     pyproject.write_text(text.replace('"numpy>=1.26",', '"numpy>=1.27",', 1))
     assert images.runtime_hash("worker") != runtime
+    assert images.runtime_hash("operator") == operator  # numpy is the worker's alone
     pyproject.write_text(text)
     constraints = tmp_path / "images" / "constraints.txt"
     constraints.write_text(constraints.read_text() + "# changed\n")

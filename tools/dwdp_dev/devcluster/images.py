@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -638,16 +639,39 @@ def _stage_names(dockerfile: Path) -> set[str]:
 
 def runtime_hash(name: str) -> str:
     """Hex digest (16 chars) of what image ``name``'s ``runtime`` stage is built from: the
-    image's inputs but the sources, with pyproject.toml's dependency lists standing for the
-    file (a version or description change does not rebuild the dependencies)."""
+    image's inputs but the sources, with the requirements of the image's extras
+    (:func:`_extras`, listed by images/requirements.py) standing for pyproject.toml (a new
+    version or description, or a change to another extra such as ``test``, does not rebuild
+    the dependencies)."""
     import tomllib
 
     sources = set(_copy_sources(dockerfile_path(name))) - {"src", "pyproject.toml"}
     h = _recipe_hash(name, f"runtime\0{RECIPE}\0{base_hash()}\0", sources)
     project = tomllib.loads((_repo() / "pyproject.toml").read_text())["project"]
-    deps = [project.get("dependencies", []), project.get("optional-dependencies", {})]
-    h.update(json.dumps(deps, sort_keys=True).encode())
+    spec = importlib.util.spec_from_file_location("requirements", _repo() / REQUIREMENTS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        deps = module.requirements(project, _extras(name))
+    except KeyError as exc:
+        raise ImageError(f"{dockerfile_path(name)}: {exc.args[0]}") from None
+    h.update(json.dumps(deps).encode())
     return h.hexdigest()[:16]
+
+
+REQUIREMENTS = "images/requirements.py"
+"""What a runtime stage runs to list the dependencies of the image's extras."""
+
+
+def _extras(name: str) -> list[str]:
+    """The dwdp extras image ``name`` installs: its ``EXTRAS`` build arg (:data:`BUILD_ARGS`),
+    else the Dockerfile's ``ARG EXTRAS=`` default."""
+    value = BUILD_ARGS.get(name, {}).get("EXTRAS")
+    if value is None:
+        found = re.search(r"^ARG\s+EXTRAS=(\S+)", dockerfile_path(name).read_text(), re.MULTILINE)
+        value = found.group(1) if found else ""
+    return [extra for extra in value.split(",") if extra]
 
 
 def _runtime_layout(
