@@ -73,3 +73,23 @@ def test_a_bad_logit_bias_is_a_400_naming_it(server, bias, words):
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert "logit_bias" in message and words in message, message
+
+
+def test_min_tokens_keeps_eos_and_stop_tokens_out_until_reached(server):
+    """vLLM's ``min_tokens``: with EOS forced by a +100 bias the answer ends at once; with
+    ``min_tokens: 3`` EOS is held back for three tokens, then ends it; a stop token id is held
+    back the same way; more than max_tokens is a 400 naming the field."""
+    (eos, *_) = sorted(server.engine.eos_token_ids)
+    forced = {str(eos): 100}
+    at_once = _complete(server, logit_bias=forced, ignore_eos=False)
+    assert at_once["token_ids"] == [] and at_once["finish_reason"] == "stop"
+    held = _complete(server, logit_bias=forced, ignore_eos=False, min_tokens=3, max_tokens=8)
+    assert len(held["token_ids"]) == 3 and eos not in held["token_ids"]
+    assert held["finish_reason"] == "stop"
+    stop = next(t for t in range(3, 200) if t != eos)
+    by_stop = _complete(server, logit_bias={str(stop): 100}, stop_token_ids=[stop],
+                        min_tokens=2, max_tokens=8)
+    assert len(by_stop["token_ids"]) == 2 and stop not in by_stop["token_ids"]
+    r = server.client.post("/v1/completions",
+                           json={"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("min_tokens: 3")

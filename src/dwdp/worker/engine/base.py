@@ -204,6 +204,14 @@ class EngineBase:
         if state is not None:
             state.aborted = True
 
+    def held_back(self, params: SamplingParams) -> tuple[int, ...]:
+        """The token ids a request may not choose before ``min_tokens`` tokens: the EOS
+        tokens (unless ``ignore_eos``) and its ``stop_token_ids``; none without min_tokens."""
+        if params.min_tokens <= 0:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(sorted({*eos, *params.stop_token_ids}))
+
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``RequestError`` when the request cannot be served (names the field)."""
         params.check()
@@ -244,7 +252,8 @@ class EngineBase:
         self.validate(prompt_token_ids, params)
         self.validate_kv_transfer(prompt_token_ids, kv_transfer)
         await self.check_health()
-        state = RequestState(request_id, list(map(int, prompt_token_ids)), params, emit=emit)
+        state = RequestState(request_id, list(map(int, prompt_token_ids)), params, emit=emit,
+                             held_back=self.held_back(params))
         state.kv_transfer = kv_transfer
         state.shared = shared
         await self._prepare(state)
@@ -350,7 +359,8 @@ class EngineBase:
         for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
             self.validate(prompt, p)
             states.append(
-                RequestState(f"batch-{i}", [int(t) for t in prompt], p, keep_logits=keep_logits)
+                RequestState(f"batch-{i}", [int(t) for t in prompt], p, keep_logits=keep_logits,
+                             held_back=self.held_back(p))
             )
         self._run_states(states)
         return [

@@ -47,7 +47,10 @@ class SamplingParams:
     the prefix cache: requests share cached blocks only with requests of the same salt.
     ``logit_bias``: (token id, bias) pairs added to the logits before the token is chosen
     (greedy or sampled), biases in [-100, 100] as OpenAI's field; logprobs stay the raw
-    model's, as vLLM's default.
+    model's, as vLLM's default. ``min_tokens`` (vLLM's field): the EOS token and
+    ``stop_token_ids`` cannot be chosen before that many tokens were generated (0: off).
+    ``include_stop_str_in_output`` (vLLM's field): the text ends after the stop string that
+    ended it, not before.
     """
 
     max_tokens: int = 16
@@ -61,6 +64,8 @@ class SamplingParams:
     logprobs: int | None = None
     cache_salt: str | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +82,9 @@ class SamplingParams:
             raise RequestError(f"top_p: {self.top_p} outside (0, 1]")
         if self.top_k < 0:
             raise RequestError(f"top_k: {self.top_k} < 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(
+                f"min_tokens: {self.min_tokens} outside [0, max_tokens ({self.max_tokens})]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"logprobs: {self.logprobs} outside [0, {MAX_LOGPROBS}]")
         for token, bias in self.logit_bias:

@@ -70,6 +70,14 @@ class RequestState:
     """The incremental detokeniser (``tokenizers.decoders.DecodeStream``) of a fast tokenizer."""
     cached_tokens: int = 0
     """Prompt tokens its first step found in the prefix cache."""
+    held_back: tuple[int, ...] = ()
+    """Token ids the sampler cannot choose while fewer than ``params.min_tokens`` tokens are
+    generated: the EOS tokens (unless ``ignore_eos``) and ``stop_token_ids`` (the engine sets
+    them when the request enters; empty without ``min_tokens``)."""
+
+    def holding(self) -> bool:
+        """Whether the sampler must keep ``held_back`` out of this step's choice."""
+        return bool(self.held_back) and len(self.tokens) < self.params.min_tokens
 
     @property
     def length(self) -> int:
@@ -119,7 +127,8 @@ class RequestState:
 
     def settle(self, tokenizer: Any) -> bool:
         """Detokenise the tokens taken since the last call, one by one; True when a stop
-        string ended the request (the text is cut before it, later tokens dropped)."""
+        string ended the request (the text is cut before it, or after it with
+        ``include_stop_str_in_output``; later tokens dropped)."""
         while self.settled < len(self.tokens):
             self.settled += 1
             self.text = self._detokenize(tokenizer)
@@ -127,7 +136,8 @@ class RequestState:
             for s in self.params.stop:
                 cut = stable.find(s)
                 if cut >= 0:
-                    self.text = self.text[:cut]
+                    keep = len(s) if self.params.include_stop_str_in_output else 0
+                    self.text = self.text[: cut + keep]
                     del self.tokens[self.settled :]
                     del self.logprobs[self.settled :]
                     return True

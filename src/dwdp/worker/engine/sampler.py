@@ -5,7 +5,8 @@ and the ``RequestState`` of each row. Greedy rows take the argmax (one batched o
 go through transformers' logits warpers (temperature, then top-k, then top-p) and draw from a
 per-request ``torch.Generator`` on the logits' device, seeded by ``seed`` when the request set
 one, so a seeded request draws the same tokens whatever else shares its batch. A request's
-``logit_bias`` is added to its row first (a copy), greedy or sampled. Rows that ask
+``logit_bias`` is added to its row first (a copy), greedy or sampled, and the tokens it may
+not choose yet (``min_tokens``: EOS and its stop tokens) are set to minus infinity. Rows that ask
 for ``logprobs`` get the log-softmax of the raw logits (float32) at the chosen token and the
 top ``logprobs`` alternatives. Results cross to the host once per step.
 """
@@ -57,7 +58,7 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
 
     tokens = torch.argmax(logits, dim=-1)  # float32 is exact for bf16/fp16: the same argmax
     plain = all(s.params.greedy and s.params.logprobs is None and not s.keep_logits
-                and not s.params.logit_bias for s in states)
+                and not s.params.logit_bias and not s.holding() for s in states)
     if plain:  # the decode hot path: one argmax, one copy
         return [Choice(t) for t in tokens.tolist()]
     rows = logits.float()
@@ -65,10 +66,8 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
         if state.keep_logits:
             state.logits.append(rows[i].cpu().clone())
         scores = rows[i : i + 1]
-        if state.params.logit_bias:  # on a copy: logprobs stay the raw model's
-            ids, biases = zip(*state.params.logit_bias, strict=True)
-            scores = scores.clone()
-            scores[0, list(ids)] += torch.tensor(biases, device=scores.device)
+        if state.params.logit_bias or state.holding():  # on a copy: logprobs stay the raw model's
+            scores = _processed(scores, state)
             if state.params.greedy:
                 tokens[i] = torch.argmax(scores[0])
         if state.params.greedy:
@@ -104,6 +103,21 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
         pairs = tuple(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
         out[i] = Choice(host_tokens[i], TokenLogprob(host_tokens[i], host_chosen[row], pairs))
     return out
+
+
+def _processed(scores: Any, state: RequestState) -> Any:
+    """A copy of one row's logits ([1, vocab]) as the request asks before its token is chosen:
+    its ``logit_bias`` added, and the tokens it may not choose yet (``held_back`` while under
+    ``min_tokens``) at minus infinity. The one place a request's own rules change logits."""
+    import torch
+
+    scores = scores.clone()
+    if state.params.logit_bias:
+        ids, biases = zip(*state.params.logit_bias, strict=True)
+        scores[0, list(ids)] += torch.tensor(biases, device=scores.device)
+    if state.holding():
+        scores[0, list(state.held_back)] = float("-inf")
+    return scores
 
 
 class _NoHistory:

@@ -22,6 +22,7 @@ from dwdp.worker.apikey import ApiKey
 from dwdp.worker.disagg.agent import KV_AGENT_PATH, LeaseError
 from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
 from dwdp.worker.engine.protocol import EngineClient
+from dwdp.worker.server.fields import NOT_HONOURED
 from dwdp.worker.server.guard import RequestGuard
 from dwdp.worker.server.metrics import RequestCounter, ServerMetrics
 from dwdp.worker.server.protocol import (
@@ -132,8 +133,10 @@ def _validation_message(errors: Sequence[Any]) -> str:
         at = first.get("loc", ("body", "?"))[-1]
         reason = (first.get("ctx") or {}).get("error", "invalid")
         return f"body: not valid JSON ({reason} at character {at})"
-    where = ".".join(_field_path(first.get("loc", ()))) or "body"
-    return f"{where}: {first.get('msg', 'invalid')}"
+    path = _field_path(first.get("loc", ()))
+    if first.get("type") == NOT_HONOURED:  # a field the model does not declare: named in ctx
+        path.append(str(first["ctx"]["field"]))
+    return f"{'.'.join(path) or 'body'}: {first.get('msg', 'invalid')}"
 
 
 def _field_path(loc: Any) -> list[str]:

@@ -1,8 +1,9 @@
 """Request and response schemas of the OpenAI-compatible endpoints.
 
 Out-of-range values are refused by the schemas themselves (the server answers 400 with the
-field's path), so every bound is visible in the OpenAPI document. Fields the OpenAI API has but
-this server does not implement are accepted and ignored; unknown fields are ignored too.
+field's path), so every bound is visible in the OpenAPI document. A field the schemas do not
+declare is refused with a 400 naming it, unless it changes no answer or asks for nothing
+(:mod:`dwdp.worker.server.fields`, the one home of that rule).
 ``n`` choices run as ``n`` engine requests (choice ``i`` seeded ``seed + i`` when a seed is
 set); a completion's ``prompt`` may be a batch (strings or token-id lists): prompt ``p``'s
 choice ``j`` has index ``p * n + j``, as in the OpenAI API. Logprobs follow OpenAI's two
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import MAX_LOGPROBS
+from dwdp.worker.server.fields import RequestPart
 
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4
@@ -34,16 +36,13 @@ MAX_LOGIT_BIAS = 1024
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestPart):
     """``stream_options`` of a streaming request."""
-
-    model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = Field(False, description="Send the usage in a last chunk.")
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Request(RequestPart):
 
     model: str | None = Field(None, max_length=256, description="Served model name (optional).")
     max_tokens: int | None = Field(
@@ -60,6 +59,21 @@ class _Request(BaseModel):
         None, max_length=64, description="Token ids that stop the request."
     )
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="vLLM's field: the EOS token and stop_token_ids cannot end the answer "
+        "before this many tokens (at most max_tokens).",
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM's field: the text ends after the stop string, not before."
+    )
+    no_stop_trim: bool = Field(
+        False,
+        description="SGLang's name of include_stop_str_in_output (vllm-router sends it); "
+        "either being true keeps the stop string.",
+    )
     stream: bool = Field(False, description="Stream server-sent events.")
     n: int = Field(1, ge=1, le=MAX_N, description="Choices per request.")
     stream_options: StreamOptions | None = Field(
@@ -162,19 +176,15 @@ class CompletionRequest(_Request):
         return max(wanted) if wanted else None
 
 
-class TextPart(BaseModel):
+class TextPart(RequestPart):
     """One text part of a message's content."""
-
-    model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
     text: str = Field(max_length=1_000_000)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestPart):
     """One chat message."""
-
-    model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant"]
     content: Annotated[str, Field(max_length=1_000_000)] | list[TextPart]

@@ -174,6 +174,12 @@ class OpenAIServing:
                 f"the model's context ({limit})",
             )
         max_tokens = max(1, max_tokens)
+        min_tokens = req.min_tokens
+        if min_tokens > max_tokens:
+            if kv is None or not kv.do_remote_decode:
+                raise ServingError(
+                    400, f"min_tokens: {min_tokens} exceeds {field} ({max_tokens})")
+            min_tokens = max_tokens  # the prefill's one token; the decode side sees the rest
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -186,6 +192,8 @@ class OpenAIServing:
             logprobs=logprobs,
             cache_salt=req.cache_salt,
             logit_bias=logit_bias,
+            min_tokens=min_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
         )
 
     def _check_model(self, name: str | None) -> None:
