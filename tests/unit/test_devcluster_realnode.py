@@ -215,3 +215,16 @@ def test_up_refuses_an_image_the_checkout_does_not_build(
     assert err.count("\n") == 1 and "no image 'nosuchimage'" in err
     assert not state.exists()
 
+
+
+def test_an_import_carries_only_the_blobs_containerd_lacks(tmp_path: Path) -> None:
+    """After a src/ change the node's containerd holds every layer but the product's: the
+    archive it imports holds the layout's index, its marker file and the new blobs alone."""
+    blobs = tmp_path / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    for name in ("aa", "bb", "cc"):
+        (blobs / name).write_bytes(name.encode())
+    members = realnode.archive_members(tmp_path, {"sha256:aa", "sha256:cc", "sha256:zz"})
+    assert members == ["oci-layout", "index.json", "blobs/sha256/bb"]
+    everything = realnode.archive_members(tmp_path, set())
+    assert everything[2:] == ["blobs/sha256/aa", "blobs/sha256/bb", "blobs/sha256/cc"]

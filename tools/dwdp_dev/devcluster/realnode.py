@@ -669,24 +669,15 @@ oom_score = 0
 
     def _import(self, stored: images.StoredImage) -> None:
         """``ctr images import`` of ``stored``'s layout with only the blobs containerd lacks
-        (its index and every blob are what an OCI archive holds; the layers an earlier build
-        shares by digest are in the content store already, so a src/ change imports the thin
-        product layer, not gigabytes). Should that fail (a blob collected meanwhile), the
-        whole layout is imported."""
-        have = set(self.ctr("content", "ls", "-q").split())
-        by_digest = {f"{p.parent.name}:{p.name}": f"blobs/{p.parent.name}/{p.name}"
-                     for p in (stored.layout / "blobs").glob("*/*")}
-        blobs = sorted(by_digest.values())
-        new = sorted(path for digest, path in by_digest.items() if digest not in have)
-        size = sum((stored.layout / b).stat().st_size for b in new)
-        print(f"dwdp dev: real node: importing {stored.reference} into containerd: {len(new)} "
-              f"of its {len(blobs)} blobs, {size / 2**20:.0f} MiB", file=sys.stderr)
-        try:
-            self._import_files(stored, ["oci-layout", "index.json", *new])
-        except RealNodeError:
-            if len(new) == len(blobs):
-                raise
-            self._import_files(stored, ["oci-layout", "index.json", *blobs])
+        (:func:`archive_members`): the layers an earlier build shares by digest are in the
+        content store already, so a src/ change imports the thin product layer, not
+        gigabytes."""
+        members = archive_members(stored.layout, set(self.ctr("content", "ls", "-q").split()))
+        blobs = members[2:]
+        size = sum((stored.layout / b).stat().st_size for b in blobs)
+        print(f"dwdp dev: real node: importing {stored.reference} into containerd: "
+              f"{len(blobs)} new blobs, {size / 2**20:.0f} MiB", file=sys.stderr)
+        self._import_files(stored, members)
 
     def _import_files(self, stored: images.StoredImage, files: list[str]) -> None:
         tar = subprocess.Popen(["tar", "-C", str(stored.layout), "-cf", "-", *files],
@@ -910,6 +901,15 @@ def _write_if_changed(path: Path, text: str) -> None:
     except OSError:
         pass
     path.write_text(text)
+
+
+def archive_members(layout: Path, have: set[str]) -> list[str]:
+    """The files of OCI layout ``layout`` that an import into a containerd holding the blobs
+    ``have`` (``sha256:<hex>`` digests) needs: ``oci-layout``, ``index.json`` and each blob
+    not in ``have`` (containerd resolves the others from its content store)."""
+    blobs = sorted(p for p in (layout / "blobs").glob("*/*")
+                   if f"{p.parent.name}:{p.name}" not in have)
+    return ["oci-layout", "index.json", *(p.relative_to(layout).as_posix() for p in blobs)]
 
 
 def _qualified(name: str) -> str:

@@ -58,7 +58,7 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
 
     tokens = torch.argmax(logits, dim=-1)  # float32 is exact for bf16/fp16: the same argmax
     plain = all(s.params.greedy and s.params.logprobs is None and not s.keep_logits
-                and not s.params.logit_bias and not s.holding() for s in states)
+                and not _changes_logits(s) for s in states)
     if plain:  # the decode hot path: one argmax, one copy
         return [Choice(t) for t in tokens.tolist()]
     rows = logits.float()
@@ -66,7 +66,7 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
         if state.keep_logits:
             state.logits.append(rows[i].cpu().clone())
         scores = rows[i : i + 1]
-        if state.params.logit_bias or state.holding():  # on a copy: logprobs stay the raw model's
+        if _changes_logits(state):  # on a copy: logprobs stay the raw model's
             scores = _processed(scores, state)
             if state.params.greedy:
                 tokens[i] = torch.argmax(scores[0])
@@ -103,6 +103,11 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
         pairs = tuple(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
         out[i] = Choice(host_tokens[i], TokenLogprob(host_tokens[i], host_chosen[row], pairs))
     return out
+
+
+def _changes_logits(state: RequestState) -> bool:
+    """Whether :func:`_processed` changes this step's logits of the request."""
+    return bool(state.params.logit_bias) or state.holding()
 
 
 def _processed(scores: Any, state: RequestState) -> Any:

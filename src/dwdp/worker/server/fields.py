@@ -83,7 +83,7 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def refused_fields(model: type[BaseModel], data: dict[str, Any]) -> list[str]:
+def _refused_fields(model: type[BaseModel], data: dict[str, Any]) -> list[str]:
     """The fields of ``data`` that ``model`` refuses: not its own, not ignored, not neutral."""
     own = set(model.model_fields) | {
         f.alias for f in model.model_fields.values() if f.alias is not None
@@ -103,17 +103,18 @@ class RequestPart(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unhonoured(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key in refused_fields(cls, data)[:1]:
-                raise PydanticCustomError(
-                    NOT_HONOURED,
-                    "not implemented by this server (got {value}): a request that carries it "
-                    "is refused rather than answered without it; the fields ignored with any "
-                    "value are {ignored}",
-                    {
-                        "field": key,
-                        "value": _shown(data[key]),
-                        "ignored": ", ".join(sorted(IGNORED_FIELDS)),
-                    },
-                )
+        refused = _refused_fields(cls, data) if isinstance(data, dict) else []
+        if refused:
+            key = refused[0]
+            raise PydanticCustomError(
+                NOT_HONOURED,
+                "not implemented by this server (got {value}): a request that carries it "
+                "is refused rather than answered without it; the fields ignored with any "
+                "value are {ignored}",
+                {
+                    "field": key,
+                    "value": _shown(data[key]),
+                    "ignored": ", ".join(sorted(IGNORED_FIELDS)),
+                },
+            )
         return data
