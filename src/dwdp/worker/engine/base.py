@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dwdp.api.defaults import KV_BLOCK_SIZE, MAX_BATCH_SIZE, MAX_NUM_TOKENS
+from dwdp.worker.engine.grammar import Constraint, Grammars
 from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
 from dwdp.worker.engine.protocol import (
     CompletedRequest,
@@ -145,6 +146,8 @@ class EngineBase:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._dead: BaseException | None = None
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.kv: KvConnector | None = None
         """The KV connector of a disaggregated server (``ContinuousEngine.attach_kv_transfer``);
         ``None``: this engine moves no KV and refuses a request that asks it to."""
@@ -212,6 +215,19 @@ class EngineBase:
         eos = () if params.ignore_eos else tuple(self.eos_token_ids)
         return tuple(sorted({*eos, *params.stop_token_ids}))
 
+    def constraint(self, params: SamplingParams) -> Constraint | None:
+        """The grammar state of a new request asking for ``params.structured`` (compiled here,
+        or taken from the compiler's cache), ``None`` for free text. Raises ``RequestError``
+        naming the field for a grammar that does not compile. The compiler is made on the
+        first constrained request (``Grammars``: the vocabulary's token table)."""
+        if params.structured is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self._tokenizer, self.vocab_size,
+                                          sorted(self.eos_token_ids))
+        return self._grammars.constraint(params.structured)
+
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``RequestError`` when the request cannot be served (names the field)."""
         params.check()
@@ -252,8 +268,11 @@ class EngineBase:
         self.validate(prompt_token_ids, params)
         self.validate_kv_transfer(prompt_token_ids, kv_transfer)
         await self.check_health()
+        constraint = None
+        if params.structured is not None:  # compiling may take milliseconds: off the loop
+            constraint = await asyncio.to_thread(self.constraint, params)
         state = RequestState(request_id, list(map(int, prompt_token_ids)), params, emit=emit,
-                             held_back=self.held_back(params))
+                             held_back=self.held_back(params), constraint=constraint)
         state.kv_transfer = kv_transfer
         state.shared = shared
         await self._prepare(state)
@@ -360,7 +379,7 @@ class EngineBase:
             self.validate(prompt, p)
             states.append(
                 RequestState(f"batch-{i}", [int(t) for t in prompt], p, keep_logits=keep_logits,
-                             held_back=self.held_back(p))
+                             held_back=self.held_back(p), constraint=self.constraint(p))
             )
         self._run_states(states)
         return [

@@ -34,6 +34,28 @@ GREEDY_BELOW = 1e-5
 smaller one overflows them to infinities, whose softmax is not a distribution."""
 
 
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+"""What a request's answer may be constrained to (``StructuredOutput.kind``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """The grammar a request's answer must follow (structured outputs, constrained tool calls).
+
+    ``kind`` (one of ``CONSTRAINT_KINDS``) says how to read ``source``: ``json`` a JSON schema
+    (its JSON text), ``json_object`` any JSON object (no source), ``regex`` a regular
+    expression, ``choice`` a JSON list of the strings allowed, ``grammar`` an EBNF grammar,
+    ``structural_tag`` xgrammar's structural tag (its JSON text: tool calls in a model's
+    format). ``field``: the request field it came from, named in errors. ``any_whitespace``
+    (json): whitespace between JSON tokens is free (vLLM's default); off, the compact form.
+    """
+
+    kind: str
+    source: str = ""
+    field: str = "structured_outputs"
+    any_whitespace: bool = True
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -50,7 +72,9 @@ class SamplingParams:
     model's, as vLLM's default. ``min_tokens`` (vLLM's field): the EOS token and
     ``stop_token_ids`` cannot be chosen before that many tokens were generated (0: off).
     ``include_stop_str_in_output`` (vLLM's field): the text ends after the stop string that
-    ended it, not before.
+    ended it, not before. ``structured``: the grammar the answer must follow (every token the
+    grammar forbids is masked before the choice; the request stops when the grammar is
+    complete), ``None`` for free text.
     """
 
     max_tokens: int = 16
@@ -66,6 +90,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +112,10 @@ class SamplingParams:
                 f"min_tokens: {self.min_tokens} outside [0, max_tokens ({self.max_tokens})]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"logprobs: {self.logprobs} outside [0, {MAX_LOGPROBS}]")
+        if self.structured is not None and self.structured.kind not in CONSTRAINT_KINDS:
+            kinds = ", ".join(CONSTRAINT_KINDS)
+            raise RequestError(f"{self.structured.field}: unknown constraint kind "
+                               f"{self.structured.kind!r}, not one of {kinds}")
         for token, bias in self.logit_bias:
             if not -100.0 <= bias <= 100.0:
                 raise RequestError(f"logit_bias: {bias} for token {token} outside [-100, 100]")

@@ -4,11 +4,13 @@ Both engines (``continuous`` and the ``batching`` wave engine) hold a ``RequestS
 request and call ``accept`` once per chosen token and ``update`` to build what the client
 receives; the stop rules and the streaming rules live here only.
 
-Stop rules: the tokenizer's EOS (unless ``ignore_eos``) or one of ``stop_token_ids`` ends the
-request with ``"stop"`` and is not part of the output (but of the logprobs, when asked for,
-as in vLLM: a harness summing the logprobs of ``max_tokens: 1`` counts on one generated entry);
-a ``stop`` string ends it with ``"stop"`` and the text is cut before it; ``max_tokens`` new
-tokens or the model's context (``max_model_len``) end it with ``"length"``.
+Stop rules: a constrained request (``params.structured``) ends with ``"stop"`` when its grammar
+takes its stop token (the token is not part of the output); the tokenizer's EOS (unless
+``ignore_eos``) or one of ``stop_token_ids`` ends the request with ``"stop"`` and is not part
+of the output (but of the logprobs, when asked for, as in vLLM: a harness summing the logprobs
+of ``max_tokens: 1`` counts on one generated entry); a ``stop`` string ends it with ``"stop"``
+and the text is cut before it; ``max_tokens`` new tokens or the model's context
+(``max_model_len``) end it with ``"length"``.
 
 Streaming rules: text that ends in an incomplete UTF-8 sequence (U+FFFD) and text that may
 still become a stop string are held back until the next token decides them.
@@ -16,6 +18,7 @@ still become a stop string are held back until the next token decides them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +30,8 @@ from dwdp.worker.engine.protocol import (
     SharedPrefill,
     TokenLogprob,
 )
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, slots=True)
@@ -75,6 +80,10 @@ class RequestState:
     generated: the EOS tokens (unless ``ignore_eos``) and ``stop_token_ids`` (the engine sets
     them when the request enters; empty without ``min_tokens``)."""
 
+    constraint: Any = None
+    """The request's grammar state (``dwdp.worker.engine.grammar.Constraint``) when its
+    ``params.structured`` constrains the answer; the sampler masks by it, ``take`` feeds it."""
+
     def holding(self) -> bool:
         """Whether the sampler must keep ``held_back`` out of this step's choice."""
         return bool(self.held_back) and len(self.tokens) < self.params.min_tokens
@@ -114,6 +123,10 @@ class RequestState:
         else the token is kept and ``max_tokens`` or the model's context may end it
         (``"length"``). Its text comes with ``settle`` (the engine runs the next step first)."""
         p = self.params
+        if self.constraint is not None and self._grammar_ends(token):
+            if logprob is not None:
+                self.logprobs.append(logprob)
+            return "stop"  # the grammar's stop token (or one it forbids): not part of the output
         if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             if logprob is not None:  # its logprob is reported (as vLLM does), its text not
                 self.logprobs.append(logprob)
@@ -124,6 +137,16 @@ class RequestState:
         if len(self.tokens) >= p.max_tokens or self.length >= max_model_len:
             return "length"
         return None
+
+    def _grammar_ends(self, token: int) -> bool:
+        """Feed the chosen token to the grammar; True when the answer ends here: the grammar
+        took its stop token (it was complete), or forbids the token (every token was
+        forbidden: ``min_tokens`` holding back the stop token of a complete grammar)."""
+        if not self.constraint.accept(token):
+            _log.warning("request %s: its grammar (%s) forbids token %d; the answer ends there",
+                         self.request_id, self.constraint.field, token)
+            return True
+        return bool(self.constraint.terminated)
 
     def settle(self, tokenizer: Any) -> bool:
         """Detokenise the tokens taken since the last call, one by one; True when a stop

@@ -4,7 +4,10 @@
 and the ``RequestState`` of each row. Greedy rows take the argmax (one batched op); sampled rows
 go through transformers' logits warpers (temperature, then top-k, then top-p) and draw from a
 per-request ``torch.Generator`` on the logits' device, seeded by ``seed`` when the request set
-one, so a seeded request draws the same tokens whatever else shares its batch. A request's
+one, so a seeded request draws the same tokens whatever else shares its batch. A constrained
+request's row (``RequestState.constraint``) first gets the tokens its grammar forbids at minus
+infinity (``dwdp.worker.engine.grammar.masked``: the masks are filled on the host before the
+first read of the logits, while the device may still compute them). A request's
 ``logit_bias`` is added to its row first (a copy), greedy or sampled, and the tokens it may
 not choose yet (``min_tokens``: EOS and its stop tokens) are set to minus infinity. Rows that ask
 for ``logprobs`` get the log-softmax of the raw logits (float32) at the chosen token and the
@@ -16,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dwdp.worker.engine.grammar import masked
 from dwdp.worker.engine.protocol import TokenLogprob
 from dwdp.worker.engine.requests import RequestState
 
@@ -56,16 +60,20 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
     """The token of each row of ``logits`` ([len(states), vocab], any float dtype)."""
     import torch
 
-    tokens = torch.argmax(logits, dim=-1)  # float32 is exact for bf16/fp16: the same argmax
+    constraints = [s.constraint for s in states]
+    constrained = any(c is not None for c in constraints)
+    allowed = masked(logits, constraints) if constrained else logits
+    tokens = torch.argmax(allowed, dim=-1)  # float32 is exact for bf16/fp16: the same argmax
     plain = all(s.params.greedy and s.params.logprobs is None and not s.keep_logits
                 and not _changes_logits(s) for s in states)
     if plain:  # the decode hot path: one argmax, one copy
         return [Choice(t) for t in tokens.tolist()]
-    rows = logits.float()
+    rows = logits.float()  # the raw model's: logprobs and kept logits
+    allowed = rows if allowed is logits else allowed
     for i, state in enumerate(states):
         if state.keep_logits:
             state.logits.append(rows[i].cpu().clone())
-        scores = rows[i : i + 1]
+        scores = allowed[i : i + 1]
         if _changes_logits(state):  # on a copy: logprobs stay the raw model's
             scores = _processed(scores, state)
             if state.params.greedy:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import MAX_LOGPROBS
 from dwdp.worker.server.fields import RequestPart
+from dwdp.worker.server.structured import StructuredFields
 
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4
@@ -42,7 +43,7 @@ class StreamOptions(RequestPart):
     include_usage: bool = Field(False, description="Send the usage in a last chunk.")
 
 
-class _Request(RequestPart):
+class _Request(StructuredFields):
 
     model: str | None = Field(None, max_length=256, description="Served model name (optional).")
     max_tokens: int | None = Field(

@@ -146,6 +146,7 @@ class OpenAIServing:
             stops = req.stop_list()
             logprobs = req.logprobs_k()
             logit_bias = req.logit_bias_pairs()
+            structured = req.structured()
         except ValueError as exc:
             raise ServingError(400, str(exc)) from exc
         if req.stream_options is not None and not req.stream:
@@ -194,6 +195,7 @@ class OpenAIServing:
             logit_bias=logit_bias,
             min_tokens=min_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
+            structured=structured,
         )
 
     def _check_model(self, name: str | None) -> None:

@@ -8,7 +8,8 @@ pickle): a map whose ``op`` (API -> core) or ``kind`` (core -> API) says what it
 
 API -> core:
 
-- ``{"op": "generate", "id", "prompt": [int], "params": {SamplingParams fields}, "kv": {...} |
+- ``{"op": "generate", "id", "prompt": [int], "params": {SamplingParams fields,
+  ``structured`` a map of StructuredOutput's or None}, "kv": {...} |
   None, "shared": str | None}``: start a request; ``kv`` is its ``kv_transfer_params`` as JSON,
   ``shared`` names the choices of one request that read one remote prefill.
 - ``{"op": "abort", "id"}``: stop the request (the client left, or the stream was closed).
@@ -44,6 +45,7 @@ from dwdp.worker.engine.protocol import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
 )
 
@@ -90,7 +92,7 @@ def generate_message(
     shared: str | None,
 ) -> dict[str, Any]:
     """The ``generate`` message of one request (module docstring)."""
-    fields = dataclasses.asdict(params)
+    fields = dataclasses.asdict(params)  # ``structured`` becomes a map of its fields
     fields["stop"], fields["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
     fields["logit_bias"] = [list(pair) for pair in params.logit_bias]
     return {
@@ -108,6 +110,9 @@ def sampling_params(fields: Any) -> SamplingParams:
     if not isinstance(fields, dict):
         raise WireError("params: not a map")
     try:
+        structured = fields.get("structured")
+        if structured is not None:
+            fields = {**fields, "structured": StructuredOutput(**structured)}
         params = SamplingParams(**fields)
     except TypeError as exc:
         raise WireError(f"params: {exc}") from exc
