@@ -17,12 +17,26 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, "<|user|>", "<|assistant|>", "
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>Tools you may call, one JSON object each:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Call one as <tool_call>\n{\"name\": NAME, \"arguments\": ARGUMENTS}\n</tool_call>\n"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '\n' }}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|tool|><tool_response>\n' + message['content'] + '\n</tool_response>\n' }}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|assistant|>' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}<tool_call>\n{\"name\": "
+    "{{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
-"""A Jinja chat template: one ``<|role|>content`` line per message."""
+"""A Jinja chat template: one ``<|role|>content`` line per message. With ``tools``, a system
+line lists them (one JSON object each) and says how to call one: the ``hermes`` format of
+Qwen3's template (``<tool_call>`` blocks); an assistant message's ``tool_calls`` render in that
+format and a ``tool`` message's answer in a ``<tool_response>`` block."""
 
 _CORPUS = (
     "Distributed weight data parallelism lets every rank of a group serve its own requests "

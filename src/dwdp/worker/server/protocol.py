@@ -19,7 +19,8 @@ likely). ``max_tokens: 0`` (with
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -27,6 +28,7 @@ from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import MAX_LOGPROBS
 from dwdp.worker.server.fields import RequestPart
 from dwdp.worker.server.structured import StructuredFields
+from dwdp.worker.server.tools import ToolFields
 
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4
@@ -184,20 +186,75 @@ class TextPart(RequestPart):
     text: str = Field(max_length=1_000_000)
 
 
-class ChatMessage(RequestPart):
-    """One chat message."""
+class CalledFunction(RequestPart):
+    """The function of an assistant message's tool call: its name and JSON arguments."""
 
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str, Field(max_length=1_000_000)] | list[TextPart]
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=1_000_000, description="The arguments as JSON text.")
+
+
+class MessageToolCall(RequestPart):
+    """One tool call of an assistant message in the conversation."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(RequestPart):
+    """One chat message: a system, user or assistant turn, or a tool's answer (``role: tool``
+    with the ``tool_call_id`` it answers)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, Field(max_length=1_000_000)] | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, max_length=128, description="An assistant message's calls.")
+    tool_call_id: str | None = Field(
+        None, max_length=256, description="A tool message: the call it answers.")
 
     def text(self) -> str:
         """The content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's convention: a call's
+        arguments as a mapping); ``ValueError`` naming the path of arguments that are not a
+        JSON object, or of a message without content where one is needed."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"messages[{index}].content: required (null only for an assistant "
+                             "message with tool_calls)")
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _arguments(c.function.arguments,
+                                                      f"messages[{index}].tool_calls[{j}]")}}
+                for j, c in enumerate(self.tool_calls)
+            ]
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise ValueError(f"messages[{index}].tool_call_id: required in a tool message")
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
-class ChatCompletionRequest(_Request):
+
+def _arguments(text: str, path: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}.function.arguments: {text[:60]!r} is not a JSON object")
+    return value
+
+
+class ChatCompletionRequest(_Request, ToolFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
@@ -325,9 +382,21 @@ class CompletionResponse(BaseModel):
     dwdp: ServedBy | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):

@@ -23,6 +23,7 @@ from dwdp.worker.engine.protocol import (
     RequestOutput,
     SamplingParams,
     SharedPrefill,
+    StructuredOutput,
     TokenLogprob,
 )
 from dwdp.worker.server.choices import ChoicePlan, choice_plan
@@ -44,11 +45,13 @@ from dwdp.worker.server.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    ResponseToolCall,
     ServedBy,
     ServerRef,
     Usage,
 )
 from dwdp.worker.server.status import DwdpStatusSource
+from dwdp.worker.server.tools import ToolPlan, ToolStream, answer, finish_reason, tool_plan
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -134,14 +137,17 @@ class OpenAIServing:
 
     # -- generation --------------------------------------------------------------------------
     def _params(
-        self, req: Any, prompt_len: int, max_tokens: int | None, field: str = "max_tokens"
+        self, req: Any, prompt_len: int, max_tokens: int | None, field: str = "max_tokens",
+        tool_constraint: StructuredOutput | None = None,
     ) -> SamplingParams:
         """The engine's ``SamplingParams`` of one prompt of ``req``; ``ServingError`` 400
         naming the field the client sent. A prefill for a remote decode
         (``kv_transfer_params.do_remote_decode``) runs one token whatever ``max_tokens`` says
         (a router sends 1 in place of the client's value, which only the generation server
         sees): its refusals name the prompt alone. ``max_tokens`` 0 (a scoring request) runs
-        one token where the engine runs at all (``_engine_runs``)."""
+        one token where the engine runs at all (``_engine_runs``). ``tool_constraint``: the
+        grammar of a required or named tool call (``ToolPlan.constraint``); a request takes
+        it or a structured output, not both."""
         try:
             stops = req.stop_list()
             logprobs = req.logprobs_k()
@@ -149,6 +155,11 @@ class OpenAIServing:
             structured = req.structured()
         except ValueError as exc:
             raise ServingError(400, str(exc)) from exc
+        if structured is not None and tool_constraint is not None:
+            raise ServingError(400, f"tool_choice: a required or named tool call is a "
+                               f"constraint, and the request has {structured.field} too; a "
+                               "request takes one")
+        structured = structured or tool_constraint
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only with stream true")
         kv = req.kv_transfer_params
@@ -311,52 +322,66 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         """Run one chat completion (``n`` choices); a response, or the SSE lines when
-        ``req.stream``."""
+        ``req.stream``. Tools: ``dwdp.worker.server.tools``."""
         self._check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            rendered = self.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # a template that refuses the conversation
-            raise ServingError(400, f"messages: chat template failed: {exc}") from exc
-        prompt_ids = list(self.engine.tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        if not prompt_ids:
-            raise ServingError(400, "messages: empty after the chat template")
+        tok = self.engine.tokenizer
+        tools = tool_plan(req, getattr(tok, "chat_template", None))
+        prompt_ids = self._chat_prompt(req, tools)
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        params = self._params(
-            req, len(prompt_ids), req.max_completion_tokens or req.max_tokens, field
-        )
+        params = self._params(req, len(prompt_ids), req.max_completion_tokens or req.max_tokens,
+                              field, tools.constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         plan = choice_plan(req, 1)
         streams = self._start(request_id, prompt_ids, params, req, "chat")
         if req.stream:
-            return await self._sse(request_id, streams, len(prompt_ids), req, chat=True)
-        tok = self.engine.tokenizer
+            return await self._sse(request_id, streams, len(prompt_ids), req, chat=True,
+                                   tools=tools)
         scored = None
         if plan.prompt_top is not None:
             scores = await self._score(prompt_ids, plan.prompt_top)
             scored = vllm_prompt_logprobs(tok, scores)
         results = await asyncio.gather(*(_collect(s) for s in streams))
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ChatResponseMessage(content=r.text),
-                finish_reason=r.reason,
-                token_ids=r.tokens,
-                logprobs=chat_logprobs(tok, r.logprobs) if params.logprobs is not None else None,
-            )
-            for i, r in enumerate(results)
-        ]
         return ChatCompletionResponse(
             id=request_id,
             created=int(time.time()),
             model=self.served_name,
-            choices=choices,
+            choices=[self._chat_choice(i, r, tools, params) for i, r in enumerate(results)],
             usage=_usage(len(prompt_ids), results),
             prompt_logprobs=scored,
             kv_transfer_params=results[0].kv_transfer_params,
             dwdp=self.served_by(req.kv_transfer_params),
+        )
+
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+        """The token ids of the conversation (and the tools) rendered by the chat template."""
+        tok = self.engine.tokenizer
+        try:
+            messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+        except ValueError as exc:
+            raise ServingError(400, str(exc)) from exc
+        try:
+            rendered = tok.apply_chat_template(
+                messages, tools=tools.tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # a template that refuses the conversation
+            raise ServingError(400, f"messages: chat template failed: {exc}") from exc
+        prompt_ids = list(tok(rendered, add_special_tokens=False)["input_ids"])
+        if not prompt_ids:
+            raise ServingError(400, "messages: empty after the chat template")
+        return prompt_ids
+
+    def _chat_choice(self, index: int, r: _Result, tools: ToolPlan,
+                     params: SamplingParams) -> ChatChoice:
+        """Choice ``index`` of a whole chat answer: its text, or its content and tool calls."""
+        content, calls = answer(tools, r.text)
+        return ChatChoice(
+            index=index,
+            message=ChatResponseMessage(
+                content=content, tool_calls=[ResponseToolCall.model_validate(c) for c in calls]),
+            finish_reason=finish_reason(tools, r.reason, bool(calls)),
+            token_ids=r.tokens,
+            logprobs=chat_logprobs(self.engine.tokenizer, r.logprobs)
+            if params.logprobs is not None else None,
         )
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -434,6 +459,7 @@ class OpenAIServing:
         *,
         chat: bool,
         echo: str = "",
+        tools: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         """The SSE lines of a streaming request. Every choice's first update is awaited before
         the first line, so a refusal is still a plain HTTP error (400/503), not a 200 stream.
@@ -454,6 +480,7 @@ class OpenAIServing:
                 usage,
                 self.engine.tokenizer,
                 self.served_by(req.kv_transfer_params).model_dump(exclude_none=True),
+                tools=tools or ToolPlan(),
             ),
             firsts,
             streams,
@@ -570,13 +597,20 @@ class _SseFormat:
     include_usage: bool
     tokenizer: Any
     served_by: dict[str, Any] | None = None
+    tools: ToolPlan = field(default_factory=ToolPlan)
     created: int = field(default_factory=lambda: int(time.time()))
     text_at: dict[int, int] = field(default_factory=dict)  # choice -> its next text_offset
+    calls: dict[int, ToolStream] = field(default_factory=dict)  # chat choice -> its calls
 
     def chunk(self, index: int, out: RequestOutput) -> str:
         """The chunk of one engine update of choice ``index``; a completion's ``text_offset``
         counts from the choice's first chunk on, as in the whole answer."""
-        payload = {"content": out.text} if self.chat else out.text
+        payload: Any = out.text
+        reason = out.finish_reason
+        if self.chat:
+            stream = self.calls.setdefault(index, ToolStream(self.tools))
+            payload = stream.delta(out.text, out.finished)
+            reason = finish_reason(self.tools, reason, stream.calls > 0)
         extra: dict[str, Any] = {"token_ids": out.token_ids}
         if out.logprobs is not None and self.chat:
             extra["logprobs"] = chat_logprobs(self.tokenizer, out.logprobs).model_dump()
@@ -584,7 +618,7 @@ class _SseFormat:
             lp = completion_logprobs(self.tokenizer, out.logprobs, self.text_at.get(index, 0))
             self.text_at[index] = self.text_at.get(index, 0) + sum(len(t) for t in lp.tokens)
             extra["logprobs"] = lp.model_dump()
-        return self.event(index, payload, out.finish_reason, **extra)
+        return self.event(index, payload, reason, **extra)
 
     def event(self, index: int, payload: Any, finish_reason: str | None, **extra: Any) -> str:
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}

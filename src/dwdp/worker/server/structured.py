@@ -168,9 +168,48 @@ def _json(schema: dict[str, Any] | str | None, field: str,
     return StructuredOutput("json", json.dumps(schema), field, any_whitespace)
 
 
+UNENFORCED: dict[str, object] = {
+    "not": None, "if": None, "then": None, "else": None, "contains": None,
+    "minContains": None, "maxContains": None, "propertyNames": None,
+    "dependentRequired": None, "dependentSchemas": None, "dependencies": None,
+    "uniqueItems": False, "unevaluatedProperties": True, "unevaluatedItems": True,
+}
+"""JSON Schema keywords the grammar engine (xgrammar 0.2) compiles without enforcing (measured:
+the grammar is the same with and without them), each with the value that asks for nothing
+(``None``: none does). A schema that uses one otherwise is refused: an answer that breaks it
+would come back as if valid."""
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+"""Keywords whose value maps names to schemas (the names are not keywords)."""
+_DATA = ("enum", "const", "default", "examples", "description", "title")
+"""Keywords whose value is data, not a schema."""
+
+
+def _unenforced(schema: object, path: str) -> str | None:
+    """The path of the first keyword of :data:`UNENFORCED` that asks for something."""
+    if isinstance(schema, list):
+        return next((p for i, item in enumerate(schema)
+                     if (p := _unenforced(item, f"{path}[{i}]")) is not None), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in UNENFORCED and value != UNENFORCED[key]:
+            return f"{path}.{key}"
+        if key in _DATA:
+            continue
+        children = value.items() if key in _SCHEMA_MAPS and isinstance(value, dict) else None
+        found = (next((p for name, sub in children
+                       if (p := _unenforced(sub, f"{path}.{key}.{name}")) is not None), None)
+                 if children is not None else _unenforced(value, f"{path}.{key}"))
+        if found is not None:
+            return found
+    return None
+
+
 def check_schema(schema: dict[str, Any], field: str) -> None:
     """``ServingError`` 400 naming the path inside ``schema`` where it breaks its metaschema
-    (the draft its ``$schema`` names, else 2020-12)."""
+    (the draft its ``$schema`` names, else 2020-12), or uses a keyword the grammar engine
+    would not enforce (:data:`UNENFORCED`)."""
     from jsonschema import exceptions, validators
 
     cls = validators.validator_for(schema, default=validators.Draft202012Validator)
@@ -179,3 +218,8 @@ def check_schema(schema: dict[str, Any], field: str) -> None:
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
         raise ServingError(400, f"{field}{path}: {error.message} (JSON Schema's rule for "
                            f"{cls.META_SCHEMA.get('$schema', 'this draft')})")
+    where = _unenforced(schema, field)
+    if where is not None:
+        raise ServingError(400, f"{where}: not enforced by this server's grammar engine, so an "
+                           "answer could break it; leave it out (the keywords refused: "
+                           f"{', '.join(sorted(UNENFORCED))})")
