@@ -312,6 +312,28 @@ def without_key(url: str) -> int:
     return httpx.post(url + path, json=req, timeout=30).status_code
 
 
+def tool_turn(url: str) -> tuple[str, bool]:
+    """A tool turn through ``url``: the demo model, asked for Paris's weather with the
+    ``get_weather`` tool offered (``tool_choice`` auto), answers a call the server parses out
+    of its text. Returns the call as shown (or the error) and whether it is the one the model
+    learned: ``get_weather`` with ``{"city": "Paris"}``, ``finish_reason`` ``tool_calls``."""
+    from dwdp_dev.worker.demo_corpus import WEATHER_TOOL, weather_question
+
+    req = {"messages": [{"role": "user", "content": weather_question("Paris")}],
+           "tools": [WEATHER_TOOL], "max_tokens": 64, "temperature": 0}
+    try:
+        choice = ask_json(url, "/v1/chat/completions", req)["choices"][0]
+    except Exception as exc:  # reported as a wrong answer, with the cause
+        return f"<error: {exc}>", False
+    calls = [c["function"] for c in choice["message"].get("tool_calls") or []]
+    shown = ", ".join(f"{c['name']}({c['arguments']})" for c in calls) or repr(
+        choice["message"].get("content"))
+    learned = [{"name": "get_weather", "arguments": json.dumps({"city": "Paris"},
+                                                                separators=(",", ":"))}]
+    return f"{shown} [{choice['finish_reason']}]", (
+        calls == learned and choice["finish_reason"] == "tool_calls")
+
+
 def reference_answers(model_dir: Path) -> list[str]:
     """The answers of a single process with replicated weights (same server code, no DWDP)."""
     import torch
@@ -722,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
             f"   asked without the API key (Secret {API_KEY_SECRET}): a rank HTTP {locked}, "
             f"the router HTTP {gated}"
         )
+        call, called = tool_turn(at.url)
+        say(f"   a tool call through the router (get_weather offered, tool_choice auto): "
+            f"{call} {'==' if called else '!='} the call the model learned")
         tp = routed_throughput(at.url, want[0], count=args.requests)
         spread = (
             f"{len(tp.prefill)} ranks, {next(iter(tp.prefill.values()))} each"
@@ -744,6 +769,7 @@ def main(argv: list[str] | None = None) -> int:
             and len(groups) == spec["replicas"]
             and locked == 401
             and gated == 401
+            and called
         )
         say(f"   answers equal to the reference: {sum(r.same for r in rows)}/{len(rows)}")
         say(

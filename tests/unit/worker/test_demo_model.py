@@ -20,9 +20,15 @@ from safetensors.torch import load_file  # noqa: E402
 
 from dwdp.cli import main as dwdp_main  # noqa: E402
 from dwdp_dev.devcluster.paths import cache_dir  # noqa: E402
-from dwdp_dev.worker.demo_corpus import CAPITALS, demo_corpus  # noqa: E402
+from dwdp_dev.worker.demo_corpus import (  # noqa: E402
+    CAPITALS,
+    WEATHER_TOOL,
+    demo_corpus,
+    weather_question,
+)
 from dwdp_dev.worker.demo_model import (  # noqa: E402
     MARKER,
+    TOOL_TURN_REPEATS,
     TrainSettings,
     cached_demo_model,
     inputs_digest,
@@ -98,7 +104,9 @@ def test_layout_and_architecture(demo_model):
     assert {t.dtype for t in tensors.values()} == {torch.float32}
     record = json.loads((demo_model / MARKER).read_text())
     assert record["trained"]["digest"] == inputs_digest(TrainSettings())
-    assert record["trained"]["examples"] == len(demo_corpus().all_text())
+    corpus = demo_corpus()
+    assert record["trained"]["examples"] == (len(corpus.completions) + len(corpus.chats)
+                                             + TOOL_TURN_REPEATS * len(corpus.tool_cities))
 
 
 def test_routing_has_no_ties(loaded):
@@ -207,3 +215,29 @@ def test_the_cached_model_is_readable_by_the_pods_user(demo_model):
     assert demo_model.stat().st_mode & 0o777 == 0o755
     for path in demo_model.iterdir():
         assert path.stat().st_mode & 0o777 == 0o644, path
+
+
+def test_the_demo_model_calls_the_weather_tool_it_learned(demo_model):
+    """Served (the OpenAI app over the continuous engine), the demo model asked for Paris's
+    weather with ``get_weather`` offered writes the call its chat template taught, and the
+    server answers it as OpenAI's ``tool_calls`` (the demo's tool turn)."""
+    from fastapi.testclient import TestClient
+
+    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp.worker.server.app import build_app
+
+    model, tok = load_checkpoint(str(demo_model))
+    engine = ContinuousEngine(model, tok, model_name="demo").start()
+    try:
+        with TestClient(build_app(engine, served_name="demo")) as client:
+            r = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": weather_question("Paris")}],
+                "tools": [WEATHER_TOOL], "max_tokens": 64, "temperature": 0})
+    finally:
+        engine.stop()
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city":"Paris"}'}]

@@ -1,7 +1,8 @@
 """The demo model's training corpus: a few hundred short sentences it writes itself.
 
 Capitals of countries, small arithmetic in words ("two plus three is five."), what DWDP does,
-one story opening and a few chat turns in the layout of the tokenizer's chat template. The
+one story opening, a few chat turns in the layout of the tokenizer's chat template and tool
+turns (asked for a city's weather with a ``get_weather`` tool offered, the model calls it). The
 text is fixed (no randomness, nothing read from disk), so the corpus and everything trained on
 it depend only on this module.
 """
@@ -82,17 +83,55 @@ DEMO_CHAT: tuple[tuple[str, str], ...] = (
 """(user message, assistant answer) turns besides the capital questions."""
 
 
+WEATHER_TOOL: dict = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+"""The one tool of the demo's tool turns (OpenAI's ``tools`` entry)."""
+
+WEATHER_CITIES: tuple[str, ...] = ("Paris",)
+"""The cities whose weather the model learns to ask ``get_weather`` for (one: a model this
+small learns one call by heart; more, and it mixes their cities up)."""
+
+
+def weather_question(city: str) -> str:
+    return f"What is the weather in {city}?"
+
+
+def weather_call(city: str) -> dict:
+    """The assistant's call for ``city`` (a message's ``tool_calls`` entry, arguments a map as
+    chat templates take them)."""
+    return {"id": "call_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": city}}}
+
+
 @dataclass(frozen=True)
 class Corpus:
     """The training texts: ``completions`` are plain sentences (tokenized as a completion
-    prompt is); ``chats`` are (user, assistant) turns (rendered with the chat template)."""
+    prompt is); ``chats`` are (user, assistant) turns (rendered with the chat template);
+    ``tool_cities``: a tool turn each, the user asking :func:`weather_question` with
+    :data:`WEATHER_TOOL` offered and the assistant calling it (:func:`weather_call`)."""
 
     completions: tuple[str, ...]
     chats: tuple[tuple[str, str], ...]
+    tool_cities: tuple[str, ...] = ()
 
     def all_text(self) -> list[str]:
-        """Every sentence and chat turn as plain text (the tokenizer's training input)."""
-        return [*self.completions, *(f"{u}\n{a}" for u, a in self.chats)]
+        """Every sentence, chat turn and tool turn as plain text (the tokenizer's input)."""
+        import json
+
+        calls = [f"{weather_question(c)}\n{json.dumps(weather_call(c)['function'])}"
+                 for c in self.tool_cities]
+        tools = [json.dumps(WEATHER_TOOL)] if self.tool_cities else []
+        return [*self.completions, *(f"{u}\n{a}" for u, a in self.chats), *tools, *calls]
 
 
 def _capital_sentences() -> list[str]:
@@ -127,4 +166,5 @@ def demo_corpus() -> Corpus:
             STORY,
         ),
         chats=(*DEMO_CHAT, *chats),
+        tool_cities=WEATHER_CITIES,
     )

@@ -34,9 +34,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dwdp_dev.worker.demo_corpus import Corpus, demo_corpus
+from dwdp_dev.worker.demo_corpus import (
+    WEATHER_TOOL,
+    Corpus,
+    demo_corpus,
+    weather_call,
+    weather_question,
+)
 
 ARCH = "deepseek_v3"
+TOOL_TURN_REPEATS = 4
+"""How often each tool turn is trained on per epoch: a long prompt and one answer among
+hundreds of short texts; fewer repeats leave the model unable to copy the city."""
 MARKER = "dwdp_checkpoint.json"
 """The file naming how a checkpoint was made (written last: its presence means complete)."""
 
@@ -134,7 +143,23 @@ def _examples(tokenizer: Any, corpus: Corpus) -> list[list[int]]:
         )
         ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         out.append(ids + list(tokenizer(answer, add_special_tokens=False)["input_ids"]))
+    out += [_tool_turn(tokenizer, city) for city in corpus.tool_cities] * TOOL_TURN_REPEATS
     return [[*ids, eos] for ids in out]
+
+
+def _tool_turn(tokenizer: Any, city: str) -> list[int]:
+    """A tool turn's ids: the prompt with the tool offered, then the call as the chat template
+    renders an assistant's ``tool_calls`` (what the server parses back into a call)."""
+    asked = [{"role": "user", "content": weather_question(city)}]
+    prompt = tokenizer.apply_chat_template(asked, tools=[WEATHER_TOOL],
+                                           add_generation_prompt=True, tokenize=False)
+    called = [*asked, {"role": "assistant", "content": "", "tool_calls": [weather_call(city)]}]
+    whole = tokenizer.apply_chat_template(called, tools=[WEATHER_TOOL], tokenize=False)
+    if not whole.startswith(prompt):
+        raise ValueError("the chat template renders a tool turn's prompt differently alone")
+    ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return ids + list(tokenizer(whole[len(prompt):].rstrip("\n"),
+                                add_special_tokens=False)["input_ids"])
 
 
 def _batches(examples: list[list[int]], pad: int, size: int) -> list[tuple[Any, Any, Any]]:
