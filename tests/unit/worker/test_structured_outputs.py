@@ -220,6 +220,7 @@ def test_a_required_tool_call_answers_valid_calls_only(client):
                    **ONE_CALL).choices[0]
     assert answer.finish_reason == "tool_calls"
     assert answer.message.content is None
+    assert "content" in answer.message.model_dump(exclude_unset=True)  # sent as null
     _check_calls(answer.message, set(PARAMETERS))
     assert len(answer.message.tool_calls) == 1
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import MAX_LOGPROBS
@@ -397,6 +397,12 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _content_always(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        out.setdefault("content", None)  # OpenAI's message: null when it only calls tools
+        return out
 
 
 class TopLogprob(BaseModel):
