@@ -190,11 +190,14 @@ def test_a_constraint_crosses_the_engine_core_link_whole():
         ({"structured_outputs": {"json": {"type": "object", "properties": {"not": {
             "type": "array", "uniqueItems": True}}}}},
          ("structured_outputs.json.properties.not.uniqueItems: not enforced",)),
+        ({"structured_outputs": {"json": {"type": "object", "x-note": {"not": 1},
+                                          "properties": {"a": {"$ref": "https://x/s.json"}}}}},
+         ("structured_outputs.json.properties.a.$ref: 'https://x/s.json' is outside",)),
         ({"structured_outputs": {"whitespace_pattern": " "}},
          ("structured_outputs.whitespace_pattern: not implemented by this server",)),
     ],
     ids=["metaschema", "no-schema", "unresolvable-ref", "regex", "ebnf", "two-kinds",
-         "two-fields", "not-json", "unenforced-keyword", "unhonoured-option"],
+         "two-fields", "not-json", "unenforced-keyword", "remote-ref", "unhonoured-option"],
 )
 def test_a_constraint_that_cannot_be_honoured_is_a_400_naming_it(client, body, starts):
     with pytest.raises(openai.BadRequestError) as refused:

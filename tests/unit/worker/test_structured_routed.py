@@ -51,7 +51,7 @@ def routed(tmp_path_factory):
 
 
 def _both(routed, **body):
-    direct, router, ctx, gen = routed
+    direct, router, ctx, _gen = routed
     alone = direct.chat.completions.create(model="m", messages=ASK, **body).choices[0]
     through = router.chat.completions.create(model="m", messages=ASK, **body).choices[0]
     wait_for(lambda: ctx.engine.kv.leases == 0, "context leases not released")

@@ -179,37 +179,50 @@ the grammar is the same with and without them), each with the value that asks fo
 (``None``: none does). A schema that uses one otherwise is refused: an answer that breaks it
 would come back as if valid."""
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-"""Keywords whose value maps names to schemas (the names are not keywords)."""
-_DATA = ("enum", "const", "default", "examples", "description", "title")
-"""Keywords whose value is data, not a schema."""
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+"""Keywords whose value maps names to subschemas (the names are not keywords)."""
+_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "additionalProperties", "contains",
+               "unevaluatedItems", "unevaluatedProperties", "propertyNames", "not", "if", "then",
+               "else", "allOf", "anyOf", "oneOf")
+"""Keywords whose value is a subschema or a list of them; any other keyword's value is data
+(``enum``, ``default``, an ``x-`` extension) and is not searched."""
 
 
-def _unenforced(schema: object, path: str) -> str | None:
-    """The path of the first keyword of :data:`UNENFORCED` that asks for something."""
-    if isinstance(schema, list):
-        return next((p for i, item in enumerate(schema)
-                     if (p := _unenforced(item, f"{path}[{i}]")) is not None), None)
+def _subschemas(schema: dict[str, Any], path: str) -> list[tuple[object, str]]:
+    """The subschemas of one schema object with their paths."""
+    out: list[tuple[object, str]] = []
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out += [(sub, f"{path}.{key}.{name}") for name, sub in value.items()]
+        elif key in _SUBSCHEMAS and isinstance(value, list):
+            out += [(sub, f"{path}.{key}[{i}]") for i, sub in enumerate(value)]
+        elif key in _SUBSCHEMAS:
+            out.append((value, f"{path}.{key}"))
+    return out
+
+
+def _unsupported(schema: object, path: str) -> str | None:
+    """A message naming the first place of ``schema`` the grammar engine would not enforce:
+    a keyword of :data:`UNENFORCED` that asks for something, or a ``$ref`` outside the
+    document (nothing is fetched)."""
     if not isinstance(schema, dict):
         return None
     for key, value in schema.items():
         if key in UNENFORCED and value != UNENFORCED[key]:
-            return f"{path}.{key}"
-        if key in _DATA:
-            continue
-        children = value.items() if key in _SCHEMA_MAPS and isinstance(value, dict) else None
-        found = (next((p for name, sub in children
-                       if (p := _unenforced(sub, f"{path}.{key}.{name}")) is not None), None)
-                 if children is not None else _unenforced(value, f"{path}.{key}"))
-        if found is not None:
-            return found
-    return None
+            return (f"{path}.{key}: not enforced by this server's grammar engine, so an answer "
+                    f"could break it; leave it out (the keywords refused: "
+                    f"{', '.join(sorted(UNENFORCED))})")
+        if key == "$ref" and not str(value).startswith("#"):
+            return (f"{path}.$ref: {str(value)[:80]!r} is outside the schema; only references "
+                    "within it (#/...) are resolved (nothing is fetched)")
+    return next((found for sub, where in _subschemas(schema, path)
+                 if (found := _unsupported(sub, where)) is not None), None)
 
 
 def check_schema(schema: dict[str, Any], field: str) -> None:
     """``ServingError`` 400 naming the path inside ``schema`` where it breaks its metaschema
-    (the draft its ``$schema`` names, else 2020-12), or uses a keyword the grammar engine
-    would not enforce (:data:`UNENFORCED`)."""
+    (the draft its ``$schema`` names, else 2020-12), uses a keyword the grammar engine would
+    not enforce (:data:`UNENFORCED`) or refers outside itself."""
     from jsonschema import exceptions, validators
 
     cls = validators.validator_for(schema, default=validators.Draft202012Validator)
@@ -218,8 +231,6 @@ def check_schema(schema: dict[str, Any], field: str) -> None:
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
         raise ServingError(400, f"{field}{path}: {error.message} (JSON Schema's rule for "
                            f"{cls.META_SCHEMA.get('$schema', 'this draft')})")
-    where = _unenforced(schema, field)
-    if where is not None:
-        raise ServingError(400, f"{where}: not enforced by this server's grammar engine, so an "
-                           "answer could break it; leave it out (the keywords refused: "
-                           f"{', '.join(sorted(UNENFORCED))})")
+    unsupported = _unsupported(schema, field)
+    if unsupported is not None:
+        raise ServingError(400, unsupported)
