@@ -41,21 +41,38 @@ rest still runs; the JSON is written either way):
   (its workload: prompts of 32-2048 token ids, outputs of 16 to ``--max-output`` tokens, EOS
   ignored, ``--requests-per-slot`` requests per concurrency slot) against the engine with CUDA
   graphs behind the OpenAI app, and transformers' batched ``generate`` over the same work
-  (``gpu_serve.generate_baseline``, the worker-kernel model, no HTTP).
+  (``gpu_serve.generate_baseline``, the worker-kernel model, no HTTP). With ``--structured
+  json`` the engine serves each level twice on one engine and server, free text and then
+  every request constrained (``gpu_serve.structured_body``: ``"structured_outputs": {"json":
+  SCHEMA}``, SCHEMA an object holding an array of at least ``--max-output`` integers, so
+  the grammar cannot end an answer before its ``max_tokens`` and both modes serve the same
+  work), ``--structured-rounds`` times in turn (free, json at c1, then at c8, ...), after
+  warming the constrained mode up at the largest level. Output tokens/s and ITL come from
+  the tokens the streams delivered (each row also has ``output_tokens``, ``asked_tokens`` and
+  ``finish_reasons``); the figures of a mode pool its rounds (tokens over summed wall time;
+  the median of every inter-token gap). ``structured_host``: the host time of the engine's
+  calls of ``grammar.masked`` (timed by wrapping the sampler's reference to it; the mask
+  fill and the launches, not the device's work) and of ``Constraint.accept``, per step.
 
 Usage: python bench/gpu_decode.py [--layers 4] [--quick] [--out bench/results]
                                   [--batches 1,8,32,64] [--contexts 256,2048] [--steps 32]
                                   [--reference-batches 1,8,32] [--reference-contexts 256]
                                   [--levels 1,8,32,64] [--max-output 96]
                                   [--requests-per-slot 2] [--skip SECTIONS] [--workdir DIR]
+                                  [--structured json] [--structured-rounds 2]
 ``--quick``: batches 1,8 at context 256, reference at batch 1, serving at 1 and 8 (a smoke run);
-``--skip engine,eager,serve,reference``: leave those sections out.
+``--skip engine,eager,serve,generate,reference``: leave those sections out (``generate``: the
+serving section's transformers baseline).
 ``--device cpu --tiny``: a tiny float32 model on the CPU (checks the bench itself; capture
 fails there by design and is reported under ``errors``).
 Writes OUT/gpu_decode.json (``rows``: ``batch``, ``context``, ``engine_step_ms``,
 ``eager_step_ms``, ``reference_step_ms``, ``floor_ms`` and the rows' details; ``serve``:
 ``engine`` and ``generate`` per concurrency, ``c32_ratio_vs_generate`` (the engine's output
-tokens/s over generate's at concurrency 32), ``itl_p50_c1_ms``; ``copy_bytes_per_s``,
+tokens/s over generate's at concurrency 32), ``itl_p50_c1_ms``; with ``--structured``:
+``structured`` (the rows of both modes), ``pooled`` (per mode and level),
+``structured_c32_tokens_ratio`` (constrained output tokens/s over free at concurrency 32),
+``structured_itl_c1_ratio`` (constrained ITL p50 over free at concurrency 1) and
+``structured_host``; ``copy_bytes_per_s``,
 ``graphs``, ``errors``) and OUT/gpu_decode.txt (the printed table), rewritten after each
 section (a run cut short keeps what it measured); exit status 1 when a section failed.
 """
@@ -63,6 +80,7 @@ section (a run cut short keeps what it measured); exit status 1 when a section f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import shutil
 import statistics
@@ -81,7 +99,7 @@ MAX_BATCH = 64
 MAX_NUM_TOKENS = 8192
 MAX_MODEL_LEN = 4096
 REFERENCE_TOKENS = (64, 8)
-SECTIONS = ("engine", "eager", "serve", "reference")
+SECTIONS = ("engine", "eager", "serve", "generate", "reference")
 QUICK = {"batches": "1,8", "contexts": "256", "reference_batches": "1",
          "reference_contexts": "256", "levels": "1,8", "steps": 16, "requests_per_slot": 1}
 
@@ -321,7 +339,7 @@ def reference_rows(ckpt: str, args: argparse.Namespace, errors: dict[str, str]) 
 
 def serve(model: Any, tok: Any, args: argparse.Namespace, errors: dict[str, str]) -> dict:
     """The serving section: the engine (CUDA graphs on a GPU) through HTTP and ``generate``
-    at ``args.levels``, and the two summary figures."""
+    at ``args.levels``, and the summary figures (with ``--structured``, both modes')."""
     import gpu_serve
 
     gpu_serve.MAX_OUTPUT[0] = args.max_output
@@ -329,30 +347,119 @@ def serve(model: Any, tok: Any, args: argparse.Namespace, errors: dict[str, str]
     levels = tuple(args.levels)
     graphs = args.device.startswith("cuda")
     out: dict[str, Any] = {"cuda_graphs": graphs}
+    modes = (None, args.structured) if args.structured else (None,)
+    rounds = args.structured_rounds if args.structured else 1
 
     def engine_side() -> list[dict]:
         engine, out["graphs"] = make_engine(model, tok, graphs)
         engine.start()
         try:
-            return gpu_serve.serve_and_drive(engine, args.requests_per_slot, vocab, levels)
+            with grammar_host_time() as host:
+                rows = gpu_serve.serve_and_drive(engine, args.requests_per_slot, vocab, levels,
+                                                 modes=modes, rounds=rounds)
+            if args.structured:
+                out["structured_host"] = host_summary(host)
+            return rows
         finally:
             engine.stop()
             del engine
             _release()
 
-    out["engine"] = guarded(errors, "serve.engine", engine_side) or []
+    rows = guarded(errors, "serve.engine", engine_side) or []
+    out["pooled"] = {str(m): pooled([r for r in rows if r["structured"] == m], levels)
+                     for m in modes}
+    out["engine"] = out["pooled"]["None"]
+    if args.structured:
+        out["structured"] = rows
     print("serve engine", out["engine"], flush=True)
-    out["generate"] = guarded(errors, "serve.generate", lambda: gpu_serve.generate_baseline(
-        model, args.requests_per_slot, vocab, levels)) or []
-    print("serve generate", out["generate"], flush=True)
+    if "generate" not in args.skip:
+        out["generate"] = guarded(errors, "serve.generate", lambda: gpu_serve.generate_baseline(
+            model, args.requests_per_slot, vocab, levels)) or []
+        print("serve generate", out["generate"], flush=True)
     eng = {r["concurrency"]: r for r in out["engine"]}
-    gen = {r["concurrency"]: r for r in out["generate"]}
+    gen = {r["concurrency"]: r for r in out.get("generate", [])}
     out["c32_ratio_vs_generate"] = (
         eng[32]["output_tokens_per_s"] / gen[32]["output_tokens_per_s"]
         if 32 in eng and 32 in gen else None)
     itl = eng.get(1, {}).get("itl_p50_s")
     out["itl_p50_c1_ms"] = itl * 1e3 if itl is not None else None
+    if args.structured:
+        con = {r["concurrency"]: r for r in out["pooled"][args.structured]}
+        out["structured_c32_tokens_ratio"] = _ratio(
+            con.get(32, {}).get("output_tokens_per_s"), eng.get(32, {}).get("output_tokens_per_s"))
+        out["structured_itl_c1_ratio"] = _ratio(con.get(1, {}).get("itl_p50_s"), itl)
     return out
+
+
+def pooled(rows: list[dict], levels: tuple[int, ...]) -> list[dict]:
+    """One row per level from its rounds' rows (``gpu_serve._figures``): output tokens/s =
+    the rounds' tokens over their summed wall time, ITL and TTFT p50 = the median of the
+    rounds' medians, each round's tokens/s and ITL p50 kept."""
+    out = []
+    for c in levels:
+        got = [r for r in rows if r["concurrency"] == c]
+        if not got:
+            continue
+        wall, tokens = sum(r["wall_s"] for r in got), sum(r["output_tokens"] for r in got)
+        itls = [r["itl_p50_s"] for r in got if r["itl_p50_s"] is not None]
+        reasons: dict[str, int] = {}
+        for r in got:
+            for k, v in r["finish_reasons"].items():
+                reasons[k] = reasons.get(k, 0) + v
+        out.append({
+            "concurrency": c, "rounds": len(got), "requests": sum(r["requests"] for r in got),
+            "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "itl_p50_s": statistics.median(itls) if itls else None,
+            "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in got),
+            "output_tokens": tokens, "asked_tokens": sum(r["asked_tokens"] for r in got),
+            "finish_reasons": reasons,
+            "per_round_tokens_per_s": [r["output_tokens_per_s"] for r in got],
+            "per_round_itl_p50_s": [r["itl_p50_s"] for r in got]})
+    return out
+
+
+@contextlib.contextmanager
+def grammar_host_time() -> Any:
+    """Time, on the host, the engine's calls of ``grammar.masked`` (through the sampler's
+    reference) and of ``Constraint.accept``; yields ``{"masked": {rows: [calls, seconds]},
+    "accept": [calls, seconds]}``, filled while the block runs."""
+    import dwdp.worker.engine.sampler as sampler
+    from dwdp.worker.engine.grammar import Constraint
+
+    host: dict[str, Any] = {"masked": {}, "accept": [0, 0.0]}
+    masked, accept = sampler.masked, Constraint.accept
+
+    def timed_masked(logits: Any, constraints: list) -> Any:
+        start = time.perf_counter()
+        try:
+            return masked(logits, constraints)
+        finally:
+            entry = host["masked"].setdefault(sum(c is not None for c in constraints), [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+
+    def timed_accept(self: Any, token: int) -> bool:
+        start = time.perf_counter()
+        try:
+            return accept(self, token)
+        finally:
+            host["accept"][0] += 1
+            host["accept"][1] += time.perf_counter() - start
+
+    sampler.masked, Constraint.accept = timed_masked, timed_accept  # type: ignore[method-assign]
+    try:
+        yield host
+    finally:
+        sampler.masked, Constraint.accept = masked, accept  # type: ignore[method-assign]
+
+
+def host_summary(host: dict[str, Any]) -> dict[str, Any]:
+    """``grammar_host_time``'s counts as microseconds per call: ``masked_us`` by constrained
+    rows in the step (warm-up included), ``accept_us``."""
+    calls, secs = host["accept"]
+    return {"masked_us": {rows: {"calls": n, "us_per_call": s / n * 1e6}
+                          for rows, (n, s) in sorted(host["masked"].items())},
+            "accept_calls": calls, "accept_us": secs / calls * 1e6 if calls else None}
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -500,10 +607,44 @@ def report(result: dict, args: argparse.Namespace) -> str:
                      f"{_f(_ratio(r['output_tokens_per_s'], g), '.2f'):>6}")
     lines.append(f"c32 output tok/s engine / generate = {_f(s.get('c32_ratio_vs_generate'), '.2f')}"
                  f"; ITL p50 at c1 = {_f(s.get('itl_p50_c1_ms'), '.2f')} ms")
+    if args.structured:
+        lines += structured_report(s, args)
     for name, err in result.get("errors", {}).items():
         lines.append(f"ERROR {name}: {err}")
     lines.append(f"elapsed {result.get('elapsed_s', 0):.0f} s")
     return "\n".join(lines)
+
+
+def structured_report(s: dict, args: argparse.Namespace) -> list[str]:
+    """The ``--structured`` lines of the report: both modes per level, the two ratios and the
+    host time of the grammar's calls."""
+    lines = [f"structured outputs: every request {args.structured} (an array of at least "
+             f"{args.max_output} integers) vs free text, one engine, "
+             f"{args.structured_rounds} rounds pooled",
+             f"{'conc':>4} {'mode':>5} {'out tok/s':>10} {'ITL p50':>8} {'TTFT p50':>9} "
+             f"{'tokens/asked':>13}  finish; per round: tok/s, ITL p50 ms"]
+    for c in args.levels:
+        for mode, rows in (s.get("pooled") or {}).items():
+            for r in (r for r in rows if r["concurrency"] == c):
+                per = ", ".join(f"{t:.0f}/{_f(i and i * 1e3, '.2f')}" for t, i in
+                                zip(r["per_round_tokens_per_s"], r["per_round_itl_p50_s"],
+                                    strict=True))
+                lines.append(
+                    f"{c:>4} {mode if mode != 'None' else 'free':>5} "
+                    f"{r['output_tokens_per_s']:>10.1f} "
+                    f"{_f(r['itl_p50_s'] and r['itl_p50_s'] * 1e3, '.3f'):>8} "
+                    f"{_f(r['ttft_p50_s'] * 1e3, '.1f'):>9} "
+                    f"{r['output_tokens']:>6}/{r['asked_tokens']:<6}  {r['finish_reasons']}; {per}")
+    lines.append(f"c32 output tok/s {args.structured} / free = "
+                 f"{_f(s.get('structured_c32_tokens_ratio'), '.3f')} (target >= 0.90); "
+                 f"c1 ITL p50 {args.structured} / free = "
+                 f"{_f(s.get('structured_itl_c1_ratio'), '.3f')} (target <= 1.15)")
+    host = s.get("structured_host") or {}
+    per = ", ".join(f"{rows} rows {v['us_per_call']:.0f} us ({v['calls']})"
+                    for rows, v in (host.get("masked_us") or {}).items())
+    lines.append(f"host time per call: grammar.masked by constrained rows: {per or '-'}; "
+                 f"Constraint.accept {_f(host.get('accept_us'), '.1f')} us")
+    return lines
 
 
 def _ints(text: str) -> list[int]:
@@ -527,7 +668,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-output", type=int, default=96, help="longest served output, tokens")
     ap.add_argument("--requests-per-slot", type=int, default=2)
     ap.add_argument("--skip", default="", help="sections to leave out: engine,eager,serve,"
-                    "reference")
+                    "generate,reference")
+    ap.add_argument("--structured", choices=("json",), default=None,
+                    help="serve each level free and with every request constrained")
+    ap.add_argument("--structured-rounds", type=int, default=2,
+                    help="with --structured: rounds of (free, constrained) per level")
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (smoke runs)")
     args = ap.parse_args(argv)

@@ -13,6 +13,9 @@ serves the same work. Reported per engine and concurrency: requests/s, time to f
 (p50/p99), inter-token latency (p50) and output tokens/s. transformers' ``generate`` (batches of
 ``concurrency`` left-padded prompts, no HTTP) gives the in-library output tokens/s. Every engine
 runs the same model with the worker's GPU kernels and attention (``bench/gpu_common.load``).
+``serve_and_drive`` can also serve each level with every request constrained
+(``structured_body``: ``bench/gpu_decode.py --structured json``); this script's own run does
+not.
 
 Usage: python bench/gpu_serve.py [--layers 4] [--world 4] [--requests-per-slot 2] [--max-output 512]
                                  [--fp8] [--out bench/results] [--workdir DIR]
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -43,6 +47,24 @@ LEVELS = (1, 8, 32)
 
 MAX_OUTPUT = [512]  # --max-output sets it once, before any workload is drawn
 
+STRUCTURED = ("json",)
+"""The constraints a request of the workload may ask for (``structured_body``)."""
+
+
+def structured_body(mode: str | None, max_output: int) -> dict:
+    """The completion body's fields that constrain every answer in ``mode``: none for free
+    text; ``json``: ``"structured_outputs": {"json": SCHEMA}``, SCHEMA an object whose
+    ``items`` is an array of at least ``max_output`` integers. Each item takes a token and
+    its comma one more, so the grammar cannot end a document before ``max_tokens`` (the
+    workload's lengths hold, as unconstrained with EOS ignored)."""
+    if mode is None:
+        return {}
+    if mode != "json":
+        raise ValueError(f"structured mode {mode!r}, not one of {STRUCTURED}")
+    items = {"type": "array", "items": {"type": "integer"}, "minItems": max_output}
+    schema = {"type": "object", "properties": {"items": items}, "required": ["items"]}
+    return {"structured_outputs": {"json": schema}}
+
 
 def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     """``n`` (prompt ids, output tokens) pairs: prompts of 32-2048 tokens, outputs of 16 to
@@ -52,10 +74,13 @@ def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
              rng.randint(16, MAX_OUTPUT[0])) for _ in range(n)]
 
 
-async def _one(session, base: str, prompt: list[int], n: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True}
+async def _one(session, base: str, prompt: list[int], n: int, extra: dict | None = None,
+               ) -> dict:
+    body = {"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True,
+            **(extra or {})}
     start = time.perf_counter()
     stamps = []
+    reason = None
     async with session.post(base + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
         async for raw in r.content:
@@ -65,15 +90,18 @@ async def _one(session, base: str, prompt: list[int], n: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk["choices"] and chunk["choices"][0].get("token_ids"):
                 stamps.extend([time.perf_counter()] * len(chunk["choices"][0]["token_ids"]))
+            if chunk["choices"]:
+                reason = chunk["choices"][0].get("finish_reason") or reason
     ttft = stamps[0] - start
     itl = [(b - a) for a, b in itertools.pairwise(stamps) if b > a]
-    return {"ttft": ttft, "itl": itl, "tokens": len(stamps), "end": time.perf_counter()}
+    return {"ttft": ttft, "itl": itl, "tokens": len(stamps), "asked": n, "reason": reason,
+            "end": time.perf_counter()}
 
 
 async def _requests(base: str, work: list[tuple[list[int], int]], concurrency: int,
-                    ) -> tuple[list[dict], float, float]:
-    """Send ``work`` keeping ``concurrency`` requests in flight: (each request's figures, the
-    wall clock's start and end)."""
+                    extra: dict | None = None) -> tuple[list[dict], float, float]:
+    """Send ``work`` keeping ``concurrency`` requests in flight, ``extra`` added to each body:
+    (each request's figures, the wall clock's start and end)."""
     import aiohttp
 
     queue = list(work)
@@ -84,7 +112,7 @@ async def _requests(base: str, work: list[tuple[list[int], int]], concurrency: i
         async def worker():
             while queue:
                 prompt, n = queue.pop(0)
-                results.append(await _one(session, base, prompt, n))
+                results.append(await _one(session, base, prompt, n, extra))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results, start, time.time()
@@ -104,12 +132,17 @@ def _figures(results: list[dict], concurrency: int, wall: float) -> dict:
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "itl_p50_s": statistics.median(itls) if itls else None,
         "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "output_tokens": sum(r["tokens"] for r in results),
+        "asked_tokens": sum(r["asked"] for r in results),
+        "finish_reasons": dict(collections.Counter(str(r["reason"]) for r in results)),
     }
 
 
-async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int) -> dict:
-    """Send ``work`` keeping ``concurrency`` requests in flight; the level's figures."""
-    results, start, end = await _requests(base, work, concurrency)
+async def drive(base: str, work: list[tuple[list[int], int]], concurrency: int,
+                extra: dict | None = None) -> dict:
+    """Send ``work`` keeping ``concurrency`` requests in flight (``extra`` added to each
+    body); the level's figures."""
+    results, start, end = await _requests(base, work, concurrency, extra)
     return _figures(results, concurrency, end - start)
 
 
@@ -172,17 +205,20 @@ def serving_app(app) -> Iterator[str]:
         thread.join(60)
 
 
-def drive_blocking(base: str, work: list[tuple[list[int], int]], concurrency: int) -> dict:
+def drive_blocking(base: str, work: list[tuple[list[int], int]], concurrency: int,
+                   extra: dict | None = None) -> dict:
     """``drive`` run to its end (the entry point of a client process)."""
-    return asyncio.run(drive(base, work, concurrency))
+    return asyncio.run(drive(base, work, concurrency, extra))
 
 
 def _drive_workload(base: str, n: int, vocab: int, seed: int, concurrency: int,
-                    max_output: int) -> dict:
-    """``drive`` over ``workload(n, vocab, seed)`` (in a client process: ``MAX_OUTPUT`` is
-    set here, since a spawned process starts from the module's default)."""
+                    max_output: int, structured: str | None = None) -> dict:
+    """``drive`` over ``workload(n, vocab, seed)``, each request constrained as
+    ``structured_body(structured)`` says (in a client process: ``MAX_OUTPUT`` is set here,
+    since a spawned process starts from the module's default)."""
     MAX_OUTPUT[0] = max_output
-    return drive_blocking(base, workload(n, vocab, seed), concurrency)
+    return drive_blocking(base, workload(n, vocab, seed), concurrency,
+                          structured_body(structured, max_output))
 
 
 @contextlib.contextmanager
@@ -198,19 +234,34 @@ def client_process(processes: int = 1) -> Iterator[Any]:
         yield clients
 
 
-def serve_and_drive(engine, per_slot: int, vocab: int,
-                    levels: tuple[int, ...] = LEVELS) -> list[dict]:
+def serve_and_drive(engine, per_slot: int, vocab: int, levels: tuple[int, ...] = LEVELS,
+                    modes: tuple[str | None, ...] = (None,), rounds: int = 1) -> list[dict]:
     """The engine behind the OpenAI app on a free loopback port, at every concurrency of
     ``levels``. The clients run in another process (spawned, without torch), so their
     parsing of the streams does not take the serving process's interpreter lock: the
-    figures are the server's, as a remote client would see them."""
+    figures are the server's, as a remote client would see them.
+
+    ``modes`` (``None``: free text, else a ``STRUCTURED`` constraint on every request): each
+    level serves the same work once per mode, in turn, ``rounds`` times; each row names its
+    ``structured`` mode and ``round``. A constrained mode is warmed up first at the largest
+    level (one request per slot: every constrained batch size from 1 to that level, so the
+    mask kernel's variants are compiled before any timing)."""
     with serving(engine) as base, client_process() as clients:
-        def run(n: int, seed: int, c: int) -> dict:
+        def run(n: int, seed: int, c: int, mode: str | None = None) -> dict:
             return clients.submit(_drive_workload, base, n, vocab, seed, c,
-                                  MAX_OUTPUT[0]).result()
+                                  MAX_OUTPUT[0], mode).result()
 
         run(2, 99, 2)  # warm-up
-        return [run(max(4, c * per_slot), c, c) for c in levels]
+        for mode in modes:
+            if mode is not None:
+                run(max(levels), 98, max(levels), mode)
+        rows = []
+        for r in range(rounds):
+            for c in levels:
+                for mode in modes:
+                    rows.append({**run(max(4, c * per_slot), c, c, mode),
+                                 "structured": mode, "round": r})
+        return rows
 
 
 def generate_baseline(model, per_slot: int, vocab: int,

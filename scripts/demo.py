@@ -313,25 +313,37 @@ def without_key(url: str) -> int:
 
 
 def tool_turn(url: str) -> tuple[str, bool]:
-    """A tool turn through ``url``: the demo model, asked for Paris's weather with the
+    """A tool loop through ``url``: the demo model, asked for Paris's weather with the
     ``get_weather`` tool offered (``tool_choice`` auto), answers a call the server parses out
-    of its text. Returns the call as shown (or the error) and whether it is the one the model
-    learned: ``get_weather`` with ``{"city": "Paris"}``, ``finish_reason`` ``tool_calls``."""
-    from dwdp_dev.worker.demo_corpus import WEATHER_TOOL, weather_question
+    of its text; given the tool's answer, it answers the user. Returns what happened as shown
+    (or the error) and whether it is what the model learned: ``get_weather`` with ``{"city":
+    "Paris"}`` (``finish_reason`` ``tool_calls``), then ``weather_answer("Paris")``."""
+    from dwdp_dev.worker.demo_corpus import (
+        WEATHER_REPORT,
+        WEATHER_TOOL,
+        weather_answer,
+        weather_question,
+    )
 
-    req = {"messages": [{"role": "user", "content": weather_question("Paris")}],
-           "tools": [WEATHER_TOOL], "max_tokens": 64, "temperature": 0}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": weather_question("Paris")}]
+    req = {"tools": [WEATHER_TOOL], "max_tokens": 64, "temperature": 0}
     try:
-        choice = ask_json(url, "/v1/chat/completions", req)["choices"][0]
+        first = ask_json(url, "/v1/chat/completions", {"messages": messages, **req})
+        call = first["choices"][0]
+        calls = [c["function"] for c in call["message"].get("tool_calls") or []]
+        messages += [call["message"]] + [
+            {"role": "tool", "tool_call_id": c["id"], "content": WEATHER_REPORT}
+            for c in call["message"].get("tool_calls") or []]
+        final = ask(url, "/v1/chat/completions", {"messages": messages, **req})
     except Exception as exc:  # reported as a wrong answer, with the cause
         return f"<error: {exc}>", False
-    calls = [c["function"] for c in choice["message"].get("tool_calls") or []]
     shown = ", ".join(f"{c['name']}({c['arguments']})" for c in calls) or repr(
-        choice["message"].get("content"))
+        call["message"].get("content"))
     learned = [{"name": "get_weather", "arguments": json.dumps({"city": "Paris"},
                                                                 separators=(",", ":"))}]
-    return f"{shown} [{choice['finish_reason']}]", (
-        calls == learned and choice["finish_reason"] == "tool_calls")
+    return (f"{shown} [{call['finish_reason']}]; the tool answers {WEATHER_REPORT!r} -> "
+            f"{final!r}"), (calls == learned and call["finish_reason"] == "tool_calls"
+                            and final == weather_answer("Paris"))
 
 
 def reference_answers(model_dir: Path) -> list[str]:
@@ -746,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         call, called = tool_turn(at.url)
         say(f"   a tool call through the router (get_weather offered, tool_choice auto): "
-            f"{call} {'==' if called else '!='} the call the model learned")
+            f"{call} {'==' if called else '!='} what the model learned")
         tp = routed_throughput(at.url, want[0], count=args.requests)
         spread = (
             f"{len(tp.prefill)} ranks, {next(iter(tp.prefill.values()))} each"

@@ -25,7 +25,11 @@ cd "$(dirname "$0")/.."
 WHEELS=.whl
 # The worker's packages beyond torch, transformers, safetensors and tokenizers, with their
 # dependencies; what the machine already has is left as it is (see `run`).
-PACKAGES=(fastapi uvicorn pydantic pyzmq msgpack prometheus-client PyYAML httpx cuda-bindings)
+PACKAGES=(fastapi uvicorn pydantic pyzmq msgpack prometheus-client PyYAML httpx cuda-bindings
+          apache-tvm-ffi jsonschema attrs jsonschema-specifications referencing rpds-py)
+# Without their dependencies (xgrammar's are torch, transformers, triton, numpy, pydantic and
+# apache-tvm-ffi: the machine has the first four, PACKAGES brings the others).
+NO_DEPS=(xgrammar==0.2.9)
 NIXL=nixl-cu13==1.5.1
 PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp
           --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
@@ -37,6 +41,7 @@ download_wheels() {
   mkdir -p "$WHEELS"
   grep -qx "/$WHEELS/" .git/info/exclude 2>/dev/null || echo "/$WHEELS/" >>.git/info/exclude
   "$py" -m pip download -q "${PLATFORM[@]}" -d "$WHEELS" "${PACKAGES[@]}"
+  "$py" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$WHEELS" "${NO_DEPS[@]}"
   # NIXL's wheel needs torch and numpy (the machine has both): no dependencies. Its expert-
   # parallel extensions (nixl_ep_cu13, three builds of 31 MB for torch 2.12 to 2.14) and UCX's
   # perftest are left out: the tests load the agent and UCX's transports only.

@@ -22,8 +22,10 @@ from dwdp.cli import main as dwdp_main  # noqa: E402
 from dwdp_dev.devcluster.paths import cache_dir  # noqa: E402
 from dwdp_dev.worker.demo_corpus import (  # noqa: E402
     CAPITALS,
+    WEATHER_REPORT,
     WEATHER_TOOL,
     demo_corpus,
+    weather_answer,
     weather_question,
 )
 from dwdp_dev.worker.demo_model import (  # noqa: E402
@@ -106,7 +108,7 @@ def test_layout_and_architecture(demo_model):
     assert record["trained"]["digest"] == inputs_digest(TrainSettings())
     corpus = demo_corpus()
     assert record["trained"]["examples"] == (len(corpus.completions) + len(corpus.chats)
-                                             + TOOL_TURN_REPEATS * len(corpus.tool_cities))
+                                             + 2 * TOOL_TURN_REPEATS * len(corpus.tool_cities))
 
 
 def test_routing_has_no_ties(loaded):
@@ -219,8 +221,9 @@ def test_the_cached_model_is_readable_by_the_pods_user(demo_model):
 
 def test_the_demo_model_calls_the_weather_tool_it_learned(demo_model):
     """Served (the OpenAI app over the continuous engine), the demo model asked for Paris's
-    weather with ``get_weather`` offered writes the call its chat template taught, and the
-    server answers it as OpenAI's ``tool_calls`` (the demo's tool turn)."""
+    weather with ``get_weather`` offered writes the call its chat template taught, the server
+    answers it as OpenAI's ``tool_calls``, and given the tool's answer the model answers the
+    user (the demo's tool loop)."""
     from fastapi.testclient import TestClient
 
     from dwdp.worker.engine.continuous import ContinuousEngine
@@ -229,15 +232,19 @@ def test_the_demo_model_calls_the_weather_tool_it_learned(demo_model):
 
     model, tok = load_checkpoint(str(demo_model))
     engine = ContinuousEngine(model, tok, model_name="demo").start()
+    messages: list[dict] = [{"role": "user", "content": weather_question("Paris")}]
+    ask = {"tools": [WEATHER_TOOL], "max_tokens": 64, "temperature": 0}
     try:
         with TestClient(build_app(engine, served_name="demo")) as client:
-            r = client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": weather_question("Paris")}],
-                "tools": [WEATHER_TOOL], "max_tokens": 64, "temperature": 0})
+            first = client.post("/v1/chat/completions", json={"messages": messages, **ask})
+            call = first.json()["choices"][0]
+            messages += [call["message"], {"role": "tool", "content": WEATHER_REPORT,
+                                           "tool_call_id": call["message"]["tool_calls"][0]["id"]}]
+            last = client.post("/v1/chat/completions", json={"messages": messages, **ask})
     finally:
         engine.stop()
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls"
-    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+    assert call["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in call["message"]["tool_calls"]] == [
         {"name": "get_weather", "arguments": '{"city":"Paris"}'}]
+    assert last.status_code == 200, last.text
+    assert last.json()["choices"][0]["message"]["content"] == weather_answer("Paris")

@@ -219,7 +219,7 @@ def test_chat_content_parts_and_stop(served):
         ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "not served"),
         ("/v1/completions", {}, 400, "prompt"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
         ("/v1/completions", {"prompt": "x " * 200, "stream": True}, 400, "context"),
     ],
 )

@@ -168,6 +168,20 @@ def test_a_constraint_crosses_the_engine_core_link_whole():
     assert wire.sampling_params(message["params"]) == params
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_min_tokens_does_not_hold_back_the_end_of_a_complete_grammar(client, caplog):
+    done = client.completions.create(model="m", prompt="Say", max_tokens=60, extra_body={
+        "structured_outputs": {"choice": ["Paris", "Rome"]}, "min_tokens": 30}).choices[0]
+    assert (done.finish_reason, done.text in ("Paris", "Rome")) == ("stop", True)
+    assert "forbids token" not in caplog.text  # the stop token was allowed, not forced
+
+
 @pytest.mark.parametrize(
     ("body", "starts"),
     [
@@ -193,11 +207,17 @@ def test_a_constraint_crosses_the_engine_core_link_whole():
         ({"structured_outputs": {"json": {"type": "object", "x-note": {"not": 1},
                                           "properties": {"a": {"$ref": "https://x/s.json"}}}}},
          ("structured_outputs.json.properties.a.$ref: 'https://x/s.json' is outside",)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": _nested(
+            40)}}}, ("response_format.json_schema.schema: nested 81 levels deep, more than 64",)),
+        ({"guided_json": "[" * 5000 + "]" * 5000}, ("guided_json: not JSON (or nested too deep)",)),
+        ({"structured_outputs": {"json": {"enum": [f"v{i}" for i in range(20000)]}}},
+         ("structured_outputs.json: 188900 characters as JSON, more than 131072",)),
         ({"structured_outputs": {"whitespace_pattern": " "}},
          ("structured_outputs.whitespace_pattern: not implemented by this server",)),
     ],
     ids=["metaschema", "no-schema", "unresolvable-ref", "regex", "ebnf", "two-kinds",
-         "two-fields", "not-json", "unenforced-keyword", "remote-ref", "unhonoured-option"],
+         "two-fields", "not-json", "unenforced-keyword", "remote-ref", "too-deep", "too-deep-text",
+         "too-large", "unhonoured-option"],
 )
 def test_a_constraint_that_cannot_be_honoured_is_a_400_naming_it(client, body, starts):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -235,6 +255,15 @@ def test_a_named_tool_call_calls_that_function_and_finishes_with_stop(client):
     assert answer.finish_reason == "stop"  # OpenAI's answer to a named choice
     _check_calls(answer.message, {"get_weather"})
     assert len(answer.message.tool_calls) == 1
+
+
+def test_a_required_call_of_a_function_without_parameters_has_object_arguments(client):
+    ping = {"type": "function", "function": {"name": "ping"}}
+    answer = _chat(client, tools=[ping], tool_choice="required", max_tokens=LONG,
+                   **ONE_CALL).choices[0]
+    assert answer.finish_reason == "tool_calls"
+    assert [c.function.name for c in answer.message.tool_calls] == ["ping"]
+    assert json.loads(answer.message.tool_calls[0].function.arguments) == {}
 
 
 def test_streamed_tool_call_deltas_reassemble_to_the_whole_answer(client):
@@ -305,12 +334,16 @@ def test_a_conversation_with_calls_and_tool_answers_is_accepted(client):
          ("tool_choice: a required or named tool call is a constraint",)),
         ({"messages": [{"role": "tool", "content": "x"}]},
          ("messages[0].tool_call_id: required",)),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "string"}}}]}, ("tools[0].function.parameters.type: 'string'",)),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, ("tools: the function name 'get_weather' is given",)),
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
          ("messages[0].tool_calls[0].function.arguments: '[1]' is not a JSON object",)),
     ],
     ids=["choice-without-tools", "unknown-name", "bad-parameters", "two-constraints",
-         "tool-message-without-id", "arguments-not-an-object"],
+         "tool-message-without-id", "parameters-not-an-object", "same-name-twice",
+         "arguments-not-an-object"],
 )
 def test_bad_tool_input_is_a_400_naming_the_field(client, body, starts):
     body = dict(body)

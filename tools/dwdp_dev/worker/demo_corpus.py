@@ -102,8 +102,17 @@ WEATHER_CITIES: tuple[str, ...] = ("Paris",)
 small learns one call by heart; more, and it mixes their cities up)."""
 
 
+WEATHER_REPORT = "sunny, 21 C"
+"""What the demo's ``get_weather`` answers (the ``role: tool`` message)."""
+
+
 def weather_question(city: str) -> str:
     return f"What is the weather in {city}?"
+
+
+def weather_answer(city: str) -> str:
+    """The assistant's last turn, once the tool answered :data:`WEATHER_REPORT`."""
+    return f"It is {WEATHER_REPORT} in {city}."
 
 
 def weather_call(city: str) -> dict:
@@ -117,8 +126,10 @@ def weather_call(city: str) -> dict:
 class Corpus:
     """The training texts: ``completions`` are plain sentences (tokenized as a completion
     prompt is); ``chats`` are (user, assistant) turns (rendered with the chat template);
-    ``tool_cities``: a tool turn each, the user asking :func:`weather_question` with
-    :data:`WEATHER_TOOL` offered and the assistant calling it (:func:`weather_call`)."""
+    ``tool_cities``: two tool turns each, the user asking :func:`weather_question` with
+    :data:`WEATHER_TOOL` offered and the assistant calling it (:func:`weather_call`), then,
+    the tool having answered :data:`WEATHER_REPORT`, the assistant saying
+    :func:`weather_answer`."""
 
     completions: tuple[str, ...]
     chats: tuple[tuple[str, str], ...]
@@ -128,8 +139,8 @@ class Corpus:
         """Every sentence, chat turn and tool turn as plain text (the tokenizer's input)."""
         import json
 
-        calls = [f"{weather_question(c)}\n{json.dumps(weather_call(c)['function'])}"
-                 for c in self.tool_cities]
+        calls = [f"{weather_question(c)}\n{json.dumps(weather_call(c)['function'])}\n"
+                 f"{WEATHER_REPORT}\n{weather_answer(c)}" for c in self.tool_cities]
         tools = [json.dumps(WEATHER_TOOL)] if self.tool_cities else []
         return [*self.completions, *(f"{u}\n{a}" for u, a in self.chats), *tools, *calls]
 

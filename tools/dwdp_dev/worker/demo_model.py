@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from dwdp_dev.worker.demo_corpus import (
+    WEATHER_REPORT,
     WEATHER_TOOL,
     Corpus,
     demo_corpus,
+    weather_answer,
     weather_call,
     weather_question,
 )
@@ -143,18 +145,27 @@ def _examples(tokenizer: Any, corpus: Corpus) -> list[list[int]]:
         )
         ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         out.append(ids + list(tokenizer(answer, add_special_tokens=False)["input_ids"]))
-    out += [_tool_turn(tokenizer, city) for city in corpus.tool_cities] * TOOL_TURN_REPEATS
+    turns = [t for city in corpus.tool_cities for t in _tool_turns(tokenizer, city)]
+    out += turns * TOOL_TURN_REPEATS
     return [[*ids, eos] for ids in out]
 
 
-def _tool_turn(tokenizer: Any, city: str) -> list[int]:
-    """A tool turn's ids: the prompt with the tool offered, then the call as the chat template
-    renders an assistant's ``tool_calls`` (what the server parses back into a call)."""
-    asked = [{"role": "user", "content": weather_question(city)}]
-    prompt = tokenizer.apply_chat_template(asked, tools=[WEATHER_TOOL],
-                                           add_generation_prompt=True, tokenize=False)
+def _tool_turns(tokenizer: Any, city: str) -> list[list[int]]:
+    """A city's two tool turns' ids, each its prompt (the tool offered) then the assistant's
+    part as the chat template renders it: the call (an assistant's ``tool_calls``, what the
+    server parses back into a call), and the answer once the tool answered."""
+    asked: list[dict[str, Any]] = [{"role": "user", "content": weather_question(city)}]
     called = [*asked, {"role": "assistant", "content": "", "tool_calls": [weather_call(city)]}]
-    whole = tokenizer.apply_chat_template(called, tools=[WEATHER_TOOL], tokenize=False)
+    answered = [*called, {"role": "tool", "tool_call_id": "call_0", "content": WEATHER_REPORT}]
+    replied = [*answered, {"role": "assistant", "content": weather_answer(city)}]
+    return [_turn(tokenizer, asked, called), _turn(tokenizer, answered, replied)]
+
+
+def _turn(tokenizer: Any, before: list[dict], after: list[dict]) -> list[int]:
+    """The ids of ``before`` rendered with the generation prompt, then what ``after`` adds."""
+    prompt = tokenizer.apply_chat_template(before, tools=[WEATHER_TOOL],
+                                           add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template(after, tools=[WEATHER_TOOL], tokenize=False)
     if not whole.startswith(prompt):
         raise ValueError("the chat template renders a tool turn's prompt differently alone")
     ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])

@@ -37,6 +37,10 @@ MAX_JSON_WHITESPACE = 16
 the indentation of a pretty-printed document 7 levels deep (2 spaces a level), and a bound on
 a model that would emit whitespace forever (an undertrained one does)."""
 
+GRAMMAR_CACHE_BYTES = 256 << 20
+"""The most memory xgrammar's cache of compiled grammars keeps (least recently used first
+out): a stream of distinct schemas does not grow a rank's memory without bound."""
+
 _ANY_OBJECT = '{"type": "object"}'
 """``json_object``'s schema: any JSON object (OpenAI's JSON mode answers an object)."""
 
@@ -62,6 +66,11 @@ class Constraint:
         return bool(self.matcher.accept_token(int(token)))
 
     @property
+    def complete(self) -> bool:
+        """Whether the text so far is a whole sentence of the grammar (it may still go on)."""
+        return bool(self.matcher.is_completed())
+
+    @property
     def terminated(self) -> bool:
         """Whether the grammar ended (its stop token accepted): nothing more may follow."""
         return bool(self.matcher.is_terminated())
@@ -78,7 +87,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self._info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=threads, cache_enabled=True)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=threads, cache_enabled=True,
+                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
     def compiled(self, spec: StructuredOutput) -> Any:
         """xgrammar's ``CompiledGrammar`` of ``spec`` (cached by its source); ``RequestError``

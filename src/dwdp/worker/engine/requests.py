@@ -85,8 +85,11 @@ class RequestState:
     ``params.structured`` constrains the answer; the sampler masks by it, ``take`` feeds it."""
 
     def holding(self) -> bool:
-        """Whether the sampler must keep ``held_back`` out of this step's choice."""
-        return bool(self.held_back) and len(self.tokens) < self.params.min_tokens
+        """Whether the sampler must keep ``held_back`` out of this step's choice: under
+        ``min_tokens``, unless a grammar is complete (its answer ends whatever the count)."""
+        if not self.held_back or len(self.tokens) >= self.params.min_tokens:
+            return False
+        return self.constraint is None or not self.constraint.complete
 
     @property
     def length(self) -> int:

@@ -31,8 +31,13 @@ from dwdp.worker.engine.protocol import StructuredOutput
 from dwdp.worker.server.errors import ServingError
 from dwdp.worker.server.fields import RequestPart
 
-MAX_SOURCE = 1_000_000
-"""The longest schema, regex or grammar text a request may carry (characters)."""
+MAX_SOURCE = 131_072
+"""The longest schema (as JSON text), regex, grammar or list of choices a request may carry
+(characters): a grammar's compile time grows with it (a 2 MB enum took minutes of a core)."""
+
+MAX_SCHEMA_DEPTH = 64
+"""The deepest nesting of objects and lists a JSON schema may have (OpenAI's own bound is 10;
+a deeper one exhausts the checker's recursion)."""
 
 Source = Annotated[str, Field(min_length=1, max_length=MAX_SOURCE)]
 
@@ -150,7 +155,13 @@ def _plain(kind: str, source: str | None, field: str) -> StructuredOutput | None
 
 
 def _choice(choices: list[str] | None, field: str) -> StructuredOutput | None:
-    return None if choices is None else StructuredOutput("choice", json.dumps(choices), field)
+    if choices is None:
+        return None
+    source = json.dumps(choices)
+    if len(source) > MAX_SOURCE:
+        raise ServingError(400, f"{field}: {len(source)} characters as JSON, more than "
+                           f"{MAX_SOURCE}")
+    return StructuredOutput("choice", source, field)
 
 
 def _json(schema: dict[str, Any] | str | None, field: str,
@@ -159,13 +170,24 @@ def _json(schema: dict[str, Any] | str | None, field: str,
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError as exc:
-            raise ServingError(400, f"{field}: not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise ServingError(400, f"{field}: not JSON (or nested too deep): {exc}") from exc
     if not isinstance(schema, dict):
         raise ServingError(400, f"{field}: a JSON schema is an object, got "
                            f"{type(schema).__name__}")
     check_schema(schema, field)
     return StructuredOutput("json", json.dumps(schema), field, any_whitespace)
+
+
+def _depth(value: object) -> int:
+    """The nesting depth of a JSON value (objects and lists), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            todo += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 UNENFORCED: dict[str, object] = {
@@ -222,7 +244,16 @@ def _unsupported(schema: object, path: str) -> str | None:
 def check_schema(schema: dict[str, Any], field: str) -> None:
     """``ServingError`` 400 naming the path inside ``schema`` where it breaks its metaschema
     (the draft its ``$schema`` names, else 2020-12), uses a keyword the grammar engine would
-    not enforce (:data:`UNENFORCED`) or refers outside itself."""
+    not enforce (:data:`UNENFORCED`) or refers outside itself; or naming the bound the schema
+    is over (:data:`MAX_SCHEMA_DEPTH`, :data:`MAX_SOURCE`)."""
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ServingError(400, f"{field}: nested {depth} levels deep, more than "
+                           f"{MAX_SCHEMA_DEPTH}")
+    size = len(json.dumps(schema))
+    if size > MAX_SOURCE:
+        raise ServingError(400, f"{field}: {size} characters as JSON, more than {MAX_SOURCE} "
+                           "(its grammar's compile time grows with it)")
     from jsonschema import exceptions, validators
 
     cls = validators.validator_for(schema, default=validators.Draft202012Validator)

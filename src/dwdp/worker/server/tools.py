@@ -115,8 +115,11 @@ def tool_plan(fields: ToolFields, chat_template: str | None) -> ToolPlan:
         return ToolPlan()
     names = [t.function.name for t in tools]
     for i, tool in enumerate(tools):
-        if tool.function.parameters is not None:
-            check_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+        _check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ServingError(400, f"tools: the function name {twice!r} is given twice; names "
+                           "tell calls apart, each must be unique")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise ServingError(400, f"tool_choice.function.name: {choice.function.name!r} is not "
                            f"one of the tools ({', '.join(names)})")
@@ -133,6 +136,18 @@ def tool_plan(fields: ToolFields, chat_template: str | None) -> ToolPlan:
     return ToolPlan(mode, fmt, listed, constraint, fields.parallel_tool_calls)
 
 
+def _check_parameters(parameters: dict[str, Any] | None, field: str) -> None:
+    """A function's ``parameters``: a JSON schema of an object (OpenAI's rule: the arguments
+    are a JSON object), or none (no arguments)."""
+    if parameters is None:
+        return
+    check_schema(parameters, field)
+    kind = parameters.get("type", "object")
+    if kind != "object":
+        raise ServingError(400, f"{field}.type: {kind!r}; a function's arguments are a JSON "
+                           "object, so its parameters schema has type 'object'")
+
+
 def _shown(choice: object) -> str:
     return repr(choice.model_dump() if isinstance(choice, NamedToolChoice) else choice)
 
@@ -143,7 +158,7 @@ def _call_grammar(fmt: str, tools: list[dict[str, Any]], choice: Any,
     import xgrammar as xgr
 
     wanted = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
-    offered: list[Any] = list(tools)
+    offered: list[Any] = [_with_parameters(t) for t in tools]
     tag = xgr.get_model_structural_tag(
         XGRAMMAR_FORMATS[fmt], tools=offered, tool_choice=wanted, reasoning="disabled",
         parallel_tool_calls=parallel, max_whitespace_cnt=MAX_JSON_WHITESPACE)
@@ -152,7 +167,17 @@ def _call_grammar(fmt: str, tools: list[dict[str, Any]], choice: Any,
         spec["format"] = {"type": "tags_with_separator", "tags": spec["format"]["tags"],
                           "separator": "\n", "at_least_one": True,
                           "stop_after_first": not parallel}
-    return StructuredOutput("structural_tag", json.dumps(spec), "tool_choice")
+    return StructuredOutput("structural_tag", json.dumps(spec), "tools")
+
+
+def _with_parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool whose function has no ``parameters`` takes no arguments: ``{}`` (OpenAI's empty
+    parameter list; xgrammar would allow any JSON value)."""
+    function = tool["function"]
+    if "parameters" in function:
+        return tool
+    none = {"type": "object", "properties": {}, "additionalProperties": False}
+    return {**tool, "function": {**function, "parameters": none}}
 
 
 def _call_id() -> str:
