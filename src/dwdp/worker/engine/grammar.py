@@ -11,8 +11,8 @@ enters (``Grammars.constraint``, off the engine's loop: a large schema compiles 
 milliseconds); a source the engine cannot compile is a ``RequestError`` naming the field.
 
 Per step (:func:`masked`), the sampler asks for the logits of the constrained rows with every token
-the grammar forbids at minus infinity: the masks are filled on the host first (xgrammar's
-batched fill, one thread per core), while the device still runs the step's forward or graph
+the grammar forbids at minus infinity: the masks are filled on the host first (row by
+row), while the device still runs the step's forward or graph
 replay that produced the logits, then copied to the device and applied there (xgrammar's
 kernel) to a float32 copy; the rows of other requests are untouched. The forward, CUDA graphs
 included, never sees a mask. When the grammar is complete it allows only the stop tokens: the
@@ -125,26 +125,24 @@ class Grammars:
         return Constraint(xgr.GrammarMatcher(self.compiled(spec)), spec.field)
 
 
-_BATCH: list[Any] = []
-"""xgrammar's ``BatchGrammarMatcher`` (made on first use: its threads fill a step's masks)."""
-
-
 def masked(logits: Any, constraints: list[Constraint | None]) -> Any:
     """A float32 copy of one step's ``logits`` ([rows, vocab]) where row ``i``'s forbidden
-    tokens are minus infinity when ``constraints[i]`` is set (the other rows unchanged)."""
+    tokens are minus infinity when ``constraints[i]`` is set (the other rows unchanged). The
+    rows' masks are filled one after the other on this thread: a few microseconds each, where
+    xgrammar's threaded batch fill spent a quarter of a millisecond handing them out
+    (``bench/results/gpu_structured-h100.txt``)."""
     import torch
     import xgrammar as xgr
 
-    if not _BATCH:
-        _BATCH.append(xgr.BatchGrammarMatcher())
     rows = [i for i, c in enumerate(constraints) if c is not None]
     vocab = int(logits.shape[-1])
     bitmask = xgr.allocate_token_bitmask(len(constraints), vocab)
-    _BATCH[0].batch_fill_next_token_bitmask(
-        [c.matcher for c in constraints if c is not None], bitmask, indices=rows)
+    for i in rows:
+        constraints[i].matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
     out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    every = len(rows) == len(constraints)
     xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True),
-                                    vocab_size=vocab, indices=rows)
+                                    vocab_size=vocab, indices=None if every else rows)
     return out
 
 
