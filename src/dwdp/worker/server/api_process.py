@@ -36,18 +36,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+_STOPPED_EARLY: list[int] = []
+"""The SIGTERMs that came while this process was still importing its server (launched with
+``-m``, before ``main`` could take the signal with its directory known): ``main`` honours them
+as soon as it can, so a rank stopped during its load leaves no socket directory behind."""
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _STOPPED_EARLY.append(signum))
 
-from dwdp.worker.apikey import ApiKey
-from dwdp.worker.disagg.agent import KV_AGENT_PATH
-from dwdp.worker.engine.kv_connector import KvEndpoint
-from dwdp.worker.server.core_client import EngineCoreClient
-from dwdp.worker.server.guard import RequestGuard
-from dwdp.worker.server.metrics import RequestCounter, ServerMetrics
-from dwdp.worker.server.serving import OpenAIServing
-from dwdp.worker.server.status import NoDwdp
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, Response  # noqa: E402
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: E402
+
+from dwdp.worker.apikey import ApiKey  # noqa: E402
+from dwdp.worker.disagg.agent import KV_AGENT_PATH  # noqa: E402
+from dwdp.worker.engine.kv_connector import KvEndpoint  # noqa: E402
+from dwdp.worker.server.core_client import EngineCoreClient  # noqa: E402
+from dwdp.worker.server.guard import RequestGuard  # noqa: E402
+from dwdp.worker.server.metrics import RequestCounter, ServerMetrics  # noqa: E402
+from dwdp.worker.server.serving import OpenAIServing  # noqa: E402
+from dwdp.worker.server.status import NoDwdp  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +302,8 @@ def main() -> int:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stopped_before_serving)  # uvicorn's handlers replace it
+    if _STOPPED_EARLY:  # stopped while the imports ran
+        stopped_before_serving(signal.SIGTERM, None)
     try:
         tokenizer = load_tokenizer(Path(first["tokenizer"]))
         import uvicorn  # noqa: F401  (imported while the rank loads, not after)
