@@ -331,7 +331,7 @@ def test_a_conversation_with_calls_and_tool_answers_is_accepted(client):
             "type": "object", "properties": {"a": {"type": 1}}}}}]},
          ("tools[0].function.parameters.properties.a.type: 1 is not valid",)),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-         ("tool_choice: a required or named tool call is a constraint",)),
+         ("tools: a request takes one constraint, it already has response_format",)),
         ({"messages": [{"role": "tool", "content": "x"}]},
          ("messages[0].tool_call_id: required",)),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -61,8 +61,7 @@ class Constraint:
 
     def accept(self, token: int) -> bool:
         """Advance over a chosen token; False when the grammar forbids it (the mask was not
-        applied to its choice: a bug, or every token forbidden, as ``min_tokens`` holding
-        back the stop token of a complete grammar does)."""
+        applied to its choice: a bug, or a step where every token was forbidden)."""
         return bool(self.matcher.accept_token(int(token)))
 
     @property
@@ -84,10 +83,9 @@ class Grammars:
                  threads: int = 2) -> None:
         import xgrammar as xgr
 
-        self.vocab_size = vocab_size
-        self._info = xgr.TokenizerInfo.from_huggingface(
+        info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=threads, cache_enabled=True,
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=True,
                                              cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
     def compiled(self, spec: StructuredOutput) -> Any:
@@ -95,8 +93,6 @@ class Grammars:
         naming ``spec.field`` when the source does not compile."""
         try:
             return self._compile(spec)
-        except RequestError:
-            raise
         except Exception as exc:  # xgrammar raises RuntimeError (and ValueError) with a reason
             raise RequestError(f"{spec.field}: the grammar engine refused it: {_cause(exc)}"
                                ) from exc
@@ -116,7 +112,7 @@ class Grammars:
             return c.compile_grammar(choice_grammar(json.loads(spec.source)))
         if spec.kind == "structural_tag":
             return c.compile_structural_tag(spec.source)
-        raise RequestError(f"{spec.field}: unknown constraint kind {spec.kind!r}")
+        raise ValueError(f"unknown constraint kind {spec.kind!r}")  # SamplingParams.check
 
     def constraint(self, spec: StructuredOutput) -> Constraint:
         """A new request's :class:`Constraint` (compiles, or takes the cached grammar)."""

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dwdp.worker.engine.grammar import Constraint
 from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import (
     RequestOutput,
@@ -80,7 +81,7 @@ class RequestState:
     generated: the EOS tokens (unless ``ignore_eos``) and ``stop_token_ids`` (the engine sets
     them when the request enters; empty without ``min_tokens``)."""
 
-    constraint: Any = None
+    constraint: Constraint | None = None
     """The request's grammar state (``dwdp.worker.engine.grammar.Constraint``) when its
     ``params.structured`` constrains the answer; the sampler masks by it, ``take`` feeds it."""
 
@@ -126,7 +127,8 @@ class RequestState:
         else the token is kept and ``max_tokens`` or the model's context may end it
         (``"length"``). Its text comes with ``settle`` (the engine runs the next step first)."""
         p = self.params
-        if self.constraint is not None and self._grammar_ends(token):
+        if self.constraint is not None and _grammar_ends(self.constraint, token,
+                                                         self.request_id):
             if logprob is not None:
                 self.logprobs.append(logprob)
             return "stop"  # the grammar's stop token (or one it forbids): not part of the output
@@ -140,16 +142,6 @@ class RequestState:
         if len(self.tokens) >= p.max_tokens or self.length >= max_model_len:
             return "length"
         return None
-
-    def _grammar_ends(self, token: int) -> bool:
-        """Feed the chosen token to the grammar; True when the answer ends here: the grammar
-        took its stop token (it was complete), or forbids the token (every token was
-        forbidden: ``min_tokens`` holding back the stop token of a complete grammar)."""
-        if not self.constraint.accept(token):
-            _log.warning("request %s: its grammar (%s) forbids token %d; the answer ends there",
-                         self.request_id, self.constraint.field, token)
-            return True
-        return bool(self.constraint.terminated)
 
     def settle(self, tokenizer: Any) -> bool:
         """Detokenise the tokens taken since the last call, one by one; True when a stop
@@ -214,3 +206,13 @@ class RequestState:
         self.sent_text = max(self.sent_text, len(text))
         self.sent_tokens = len(self.tokens)
         return out
+
+
+def _grammar_ends(constraint: Constraint, token: int, request_id: str) -> bool:
+    """Feed a chosen token to a request's grammar; True when the answer ends here: the grammar
+    took its stop token (it was complete), or forbids the token (``Constraint.accept``)."""
+    if not constraint.accept(token):
+        _log.warning("request %s: its grammar (%s) forbids token %d; the answer ends there",
+                     request_id, constraint.field, token)
+        return True
+    return constraint.terminated

@@ -10,10 +10,9 @@ that names it, unless
 - it carries ``null`` or :data:`NEUTRAL_VALUES`'s value for it: the value that asks for
   nothing (OpenAI's and vLLM's defaults, which clients such as LangChain send on every call).
 
-So a field this server does not implement (``response_format``, ``tools``, ``tool_choice``,
-vLLM's ``structured_outputs`` and ``guided_*``, ``repetition_penalty``, a field OpenAI adds
-tomorrow) is never dropped without a word: a client that asked for JSON does not get prose
-back as if it were JSON.
+So a field this server does not implement (OpenAI's deprecated ``functions``,
+``repetition_penalty``, a field OpenAI adds tomorrow) is never dropped without a word: a client
+that asked for something never gets an answer made without it.
 """
 
 from __future__ import annotations

@@ -138,28 +138,21 @@ class OpenAIServing:
     # -- generation --------------------------------------------------------------------------
     def _params(
         self, req: Any, prompt_len: int, max_tokens: int | None, field: str = "max_tokens",
-        tool_constraint: StructuredOutput | None = None,
+        structured: StructuredOutput | None = None,
     ) -> SamplingParams:
         """The engine's ``SamplingParams`` of one prompt of ``req``; ``ServingError`` 400
         naming the field the client sent. A prefill for a remote decode
         (``kv_transfer_params.do_remote_decode``) runs one token whatever ``max_tokens`` says
         (a router sends 1 in place of the client's value, which only the generation server
         sees): its refusals name the prompt alone. ``max_tokens`` 0 (a scoring request) runs
-        one token where the engine runs at all (``_engine_runs``). ``tool_constraint``: the
-        grammar of a required or named tool call (``ToolPlan.constraint``); a request takes
-        it or a structured output, not both."""
+        one token where the engine runs at all (``_engine_runs``). ``structured``: the
+        request's one constraint (``_structured``)."""
         try:
             stops = req.stop_list()
             logprobs = req.logprobs_k()
             logit_bias = req.logit_bias_pairs()
-            structured = req.structured()
         except ValueError as exc:
             raise ServingError(400, str(exc)) from exc
-        if structured is not None and tool_constraint is not None:
-            raise ServingError(400, f"tool_choice: a required or named tool call is a "
-                               f"constraint, and the request has {structured.field} too; a "
-                               "request takes one")
-        structured = structured or tool_constraint
         if req.stream_options is not None and not req.stream:
             raise ServingError(400, "stream_options: only with stream true")
         kv = req.kv_transfer_params
@@ -231,7 +224,9 @@ class OpenAIServing:
         self._check_model(req.model)
         prompts = [self._prompt_ids(p) for p in req.prompts()]
         plan = choice_plan(req, len(prompts))
-        params = [self._params(req, len(ids), req.max_tokens) for ids, _ in prompts]
+        structured = await _structured(req)
+        params = [self._params(req, len(ids), req.max_tokens, structured=structured)
+                  for ids, _ in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             ids, text = prompts[0]  # one prompt: choice_plan refuses a streamed batch
@@ -325,11 +320,13 @@ class OpenAIServing:
         ``req.stream``. Tools: ``dwdp.worker.server.tools``."""
         self._check_model(req.model)
         tok = self.engine.tokenizer
-        tools = tool_plan(req, getattr(tok, "chat_template", None))
+        template = getattr(tok, "chat_template", None)
+        tools = await asyncio.to_thread(tool_plan, req, template) if req.tools else tool_plan(
+            req, template)  # parameters' schemas are checked off the event loop
         prompt_ids = self._chat_prompt(req, tools)
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         params = self._params(req, len(prompt_ids), req.max_completion_tokens or req.max_tokens,
-                              field, tools.constraint)
+                              field, await _structured(req, tools.constraint))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         plan = choice_plan(req, 1)
         streams = self._start(request_id, prompt_ids, params, req, "chat")
@@ -577,6 +574,15 @@ async def _merge(
             task.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _structured(req: Any, tool_call: StructuredOutput | None = None
+                      ) -> StructuredOutput | None:
+    """The request's one constraint (``StructuredFields.structured``); its JSON schema is
+    checked off the event loop (a schema at the size limit takes about a second to check)."""
+    if not req.constrains():
+        return req.structured(tool_call)
+    return await asyncio.to_thread(req.structured, tool_call)
 
 
 def _usage(prompt_tokens: int, results: list[_Result]) -> Usage:

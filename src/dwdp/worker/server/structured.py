@@ -92,11 +92,18 @@ class StructuredFields(RequestPart):
     guided_grammar: Source | None = Field(
         None, description="vLLM's older name of structured_outputs.grammar.")
 
-    def structured(self) -> StructuredOutput | None:
-        """The one constraint this request asks for, ``None`` for free text; ``ServingError``
-        400 naming the field for two constraints, none inside ``structured_outputs`` where
-        one is needed, or a malformed JSON schema."""
-        found = [c for c in self._constraints() if c is not None]
+    def constrains(self) -> bool:
+        """Whether any constraining field is set (``structured`` has work to do)."""
+        return any(v is not None for v in (
+            self.response_format, self.structured_outputs, self.guided_json, self.guided_regex,
+            self.guided_choice, self.guided_grammar))
+
+    def structured(self, tool_call: StructuredOutput | None = None) -> StructuredOutput | None:
+        """The one constraint this request asks for, ``None`` for free text; ``tool_call``:
+        the grammar of a required or named tool call (``ToolPlan.constraint``), one more
+        constraint. ``ServingError`` 400 naming the field for two constraints, none inside
+        ``structured_outputs`` where one is needed, or a malformed JSON schema."""
+        found = [c for c in (*self._constraints(), tool_call) if c is not None]
         if len(found) > 1:
             raise ServingError(400, f"{found[1].field.split('.')[0]}: a request takes one "
                                f"constraint, it already has {found[0].field.split('.')[0]}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field
@@ -214,7 +214,7 @@ class ToolStream:
     plan: ToolPlan
     parser: tool_calls.StreamParser | None = None
     calls: int = 0
-    ids: dict[int, str] = field(default_factory=dict)
+    """Calls begun so far (``finish_reason`` is ``tool_calls`` once there is one)."""
 
     def delta(self, text: str, final: bool) -> dict[str, Any]:
         """The chat ``delta`` of one update's ``text`` (``final``: the last update)."""
@@ -233,9 +233,8 @@ class ToolStream:
             self.calls = max(self.calls, piece.index + 1)
             entry: dict[str, Any] = {"index": piece.index,
                                      "function": {"arguments": piece.arguments}}
-            if piece.name is not None:
-                self.ids[piece.index] = _call_id()
-                entry.update(id=self.ids[piece.index], type="function")
+            if piece.name is not None:  # a call's first delta carries its id and name
+                entry.update(id=_call_id(), type="function")
                 entry["function"]["name"] = piece.name
             entries.append(entry)
         out: dict[str, Any] = {"content": content}
