@@ -143,6 +143,34 @@ def test_an_expert_scale_of_the_wrong_shape_is_refused(tmp_path):
     assert f"tensor {key} has shape [2, 2], expected [2, 1]" in line
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.5])
+@pytest.mark.parametrize(("key", "sharded"), [
+    ("model.layers.1.self_attn.o_proj.weight_scale_inv", False),  # a dense linear's, whole
+    ("model.layers.1.mlp.experts.3.down_proj.weight_scale_inv", True),  # rank 1's expert rows
+])
+def test_a_scale_that_is_not_finite_and_positive_is_refused_at_load(tmp_path, bad, key,
+                                                                     sharded):
+    """A damaged scale (NaN, infinity, zero, negative) would make its block's products
+    garbage: the load refuses it in one line naming the tensor, the first bad index (in the
+    checkpoint's expert rows) and the value, whole or as the rank holding that expert."""
+    def damage(t):
+        t[key][1, 0] = bad
+
+    path = _edit(_fp8(tmp_path, "qwen3_moe"), tensors=damage)
+    with pytest.raises(CheckpointError) as info:
+        if sharded:  # experts 2-3 are rank 1's of 2; the fused table names the expert row
+            load_sharded(path, adapter=adapter_for(load_config(path)),
+                         partition=expert_partition(4, 2), rank=1)
+        else:
+            load_checkpoint(path)
+    line = str(info.value)
+    assert "\n" not in line and "finite and positive" in line and f"scale {bad}" in line
+    if sharded:
+        assert "experts.down_proj_scale_inv" in line and "index (3, 1, 0)" in line, line
+    else:
+        assert key in line and "index (1, 0)" in line, line
+
+
 def test_experts_narrower_than_a_block_are_refused(tmp_path):
     line = _refusal(_fp8(tmp_path, "deepseek_v3", moe_width=64))
     assert "moe_intermediate_size" in line and "64" in line and "128" in line

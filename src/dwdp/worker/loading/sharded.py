@@ -37,7 +37,8 @@ from dwdp.worker.loading.validate import (
     scan_checkpoint,
     validate_checkpoint,
 )
-from dwdp.worker.models.base import ArchitectureAdapter
+from dwdp.worker.models.base import SCALE_SUFFIX, ArchitectureAdapter
+from dwdp.worker.quant.fp8 import scale_problem
 
 if TYPE_CHECKING:
     import torch
@@ -89,12 +90,14 @@ def load_sharded(
         for name, meta in _checkpoint_tensors(model, config):
             if rows is not None and id(meta) in managed:
                 prefix, param = managed[id(meta)]
-                rows.tables.setdefault(prefix, {})[param] = reader.read(
-                    name, meta, rows.start, rows.end, device="cpu"
-                )
+                value = reader.read(name, meta, rows.start, rows.end, device="cpu")
+                _check_scale(path, name, value, rows.start)
+                rows.tables.setdefault(prefix, {})[param] = value
                 _mark_loaded(meta)
             else:
-                _put(model, name, reader.read(name, meta, 0, None), meta)
+                value = reader.read(name, meta, 0, None)
+                _check_scale(path, name, value, 0)
+                _put(model, name, value, meta)
     _materialize_buffers(model, device)
     model.tie_weights()
     model.eval()
@@ -109,6 +112,17 @@ def _checkpoint_tensors(model: nn.Module, config: Any) -> Iterator[tuple[str, to
         if tied and name == "lm_head.weight":
             continue
         yield name, tensor
+
+
+def _check_scale(path: Path, name: str, value: torch.Tensor, first_row: int) -> None:
+    """Refuse a block-scaled FP8 weight's scales (``name`` ends ``_scale_inv``; ``value``
+    holds the checkpoint's rows from ``first_row``) that are not all finite and positive:
+    ``CheckpointError`` naming the tensor, the first bad index and its value."""
+    if not name.endswith(SCALE_SUFFIX):
+        return
+    problem = scale_problem(value, first_row)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path}: {name}: {problem}")
 
 
 def _put(model: nn.Module, name: str, value: torch.Tensor, meta: torch.Tensor) -> None:

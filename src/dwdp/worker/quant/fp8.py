@@ -130,6 +130,25 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple
     return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
 
 
+def scale_problem(scale: Any, first_row: int = 0) -> str | None:
+    """Why the block scales ``scale`` (a ``..._scale_inv`` tensor, whose first dimension
+    starts at row ``first_row`` of the checkpoint's) cannot serve, or None: every scale must
+    be finite and positive (a NaN, an infinity, a zero or a negative scale makes its block's
+    products garbage). Names the first bad index, in the checkpoint's rows, and its value."""
+    import torch
+
+    values = scale.detach().to(torch.float32)
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if not bool(bad.any()):
+        return None
+    index = [int(i) for i in bad.nonzero()[0]]
+    value = float(values[tuple(index)])
+    if index:
+        index[0] += first_row
+    return (f"scale {value} at index {tuple(index)}: every FP8 block scale must be finite "
+            f"and positive")
+
+
 def dequantize(weight: Any, scale_inv: Any, dtype: Any, block: tuple[int, int] = BLOCK) -> Any:
     """``weight`` (FP8, [..., N, K]) times its block scales ``scale_inv`` ([..., ceil(N/128),
     ceil(K/128)], float32), computed in float32 and returned in ``dtype``: a new tensor of
