@@ -138,3 +138,32 @@ def test_a_rotated_key_takes_over_within_the_bound(routed) -> None:
     took = time.monotonic() - start
     assert _post(url, KEY).status_code == 401
     assert took <= ROTATION_BOUND_S
+
+
+def test_a_dead_prefill_server_costs_latency_not_errors(tmp_path) -> None:
+    """Two context servers and a generation server behind the gate, prefills round robin (the
+    operator's default); one context server dies (its server stops: connection refused, as a
+    killed rank's). vllm-router answers the requests it sent there with a 5xx and retries
+    none itself; the gate sends them again and every client request is answered."""
+    torch.set_num_threads(1)
+    ckpt = make_checkpoint("qwen3_moe", tmp_path / "q", num_experts=5)
+    key_file = tmp_path / "key"
+    _write_key(key_file, KEY)
+    servers = [EngineServer(ckpt, api_key=ApiKey(path=key_file), max_model_len=128,
+                            block_size=4) for _ in range(3)]
+    with servers[0] as live, servers[2] as gen:
+        dying = servers[1].__enter__()
+        try:
+            with RouterGate([dying.base, live.base], [gen.base], key_file=key_file,
+                            prefill_policy="round_robin") as url:
+                assert _post(url, KEY).status_code == 200
+                dying.__exit__(None, None, None)
+                dying = None
+                codes = [_post(url, KEY).status_code for _ in range(8)]
+                assert codes == [200] * 8
+                streamed = httpx.post(url + "/v1/completions", json={**BODY, "stream": True},
+                                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+                assert streamed.status_code == 200 and "[DONE]" in streamed.text
+        finally:
+            if dying is not None:
+                dying.__exit__(None, None, None)

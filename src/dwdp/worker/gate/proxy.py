@@ -10,6 +10,12 @@ came (``GET /v1/models``), and the servers behind it check the key there too. Wh
 child exists (start, or a rotation) a request waits up to ``wait_s`` seconds for one, then gets
 503.
 
+Failover: a completion or chat request the router answers with a 5xx (a prefill or decode
+server that died or failed; vllm-router 0.1.17 retries no PD request itself) is sent again,
+before a byte of the answer reaches the client, up to once per prefill server of the router's
+list (vllm-router's round robin then tries the others) with a short pause between attempts: a
+dead group costs its requests latency, not errors. Other paths and methods are not retried.
+
 Rotation (``Gate.rotate``): new requests wait; the requests in flight finish (at most
 ``drain_s`` seconds); the child stops; a child with the new key starts and, once ready, takes
 the waiting requests. A client sees a pause of the new child's start (about a second plus its
@@ -45,6 +51,17 @@ HOP_BY_HOP = frozenset(
 DROPPED_REQUEST = HOP_BY_HOP | {b"authorization", b"content-length"}
 """Request headers not forwarded: the gate puts the child's key in place of the client's
 (module docstring); httpx sets the length."""
+RETRIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""The requests the gate sends again when the router answers ``RETRIED_STATUSES`` (they change
+nothing on a server: sending one twice is safe)."""
+RETRIED_STATUSES = frozenset({500, 502, 503, 504})
+RETRY_PAUSE_S = 0.1
+"""The pause before the n-th retry is n times this."""
+
+
+def prefill_servers(argv: Sequence[str]) -> int:
+    """How many ``--prefill`` servers the router's arguments list."""
+    return sum(1 for arg in argv if arg == "--prefill")
 
 
 def needs_key(path: str) -> bool:
@@ -57,14 +74,17 @@ class Gate:
 
     ``argv``: vllm-router and its arguments (no ``--host``/``--port``); ``api_key``: the
     deployment's key, the child's ``OPENAI_API_KEY``; ``wait_s``: how long a request waits
-    for a ready child; ``drain_s``: how long a rotation waits for requests in flight.
+    for a ready child; ``drain_s``: how long a rotation waits for requests in flight;
+    ``retries``: how often a failed completion is sent again (default: once per prefill
+    server of ``argv``, module docstring).
     """
 
     def __init__(
         self, argv: Sequence[str], api_key: ApiKey, *, wait_s: float = 60.0,
-        drain_s: float = 30.0,
+        drain_s: float = 30.0, retries: int | None = None,
     ) -> None:
         self.argv = list(argv)
+        self.retries = prefill_servers(argv) if retries is None else retries
         self.api_key = api_key
         self.wait_s = wait_s
         self.drain_s = drain_s
@@ -162,8 +182,9 @@ class Gate:
         if self.child_key is not None:
             headers.append((b"authorization", f"Bearer {self.child_key}".encode()))
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        retried = scope["method"] == "POST" and scope["path"] in RETRIED_PATHS
         try:
-            response = await self.client.send(request, stream=True)
+            response = await self._send(request, self.retries if retried else 0)
         except httpx.HTTPError as exc:
             await openai_error(send, 502, f"router: {type(exc).__name__}: {exc}", "bad_gateway")
             return
@@ -177,6 +198,22 @@ class Gate:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump
             await response.aclose()
+
+
+    async def _send(self, request: httpx.Request, retries: int) -> httpx.Response:
+        """The child's answer to ``request`` (streamed), sent again up to ``retries`` times
+        while the answer is one of ``RETRIED_STATUSES`` (module docstring: failover)."""
+        response = await self.client.send(request, stream=True)
+        for attempt in range(1, retries + 1):
+            if response.status_code not in RETRIED_STATUSES:
+                break
+            reason = (await response.aread())[:300].decode(errors="replace")
+            await response.aclose()
+            log.warning("router answered %d (%s); sending %s again (%d of %d)",
+                        response.status_code, reason, request.url.path, attempt, retries)
+            await asyncio.sleep(RETRY_PAUSE_S * attempt)
+            response = await self.client.send(request, stream=True)
+        return response
 
 
 async def _body(receive: Receive) -> bytes:
