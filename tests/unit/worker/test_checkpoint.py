@@ -46,6 +46,10 @@ def test_cli_writes_a_loadable_directory(tmp_path, capsys):
                 str(out),
                 "--num-experts",
                 "7",
+                "--head-dim",
+                "32",
+                "--moe-width",
+                "24",
             ]
         )
         == 0
@@ -58,6 +62,7 @@ def test_cli_writes_a_loadable_directory(tmp_path, capsys):
     assert json.loads((out / "dwdp_checkpoint.json").read_text())["num_experts"] == 7
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     assert model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 7
+    assert config["head_dim"] == 32 and config["moe_intermediate_size"] == 24
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.decode(tok("Hello world")["input_ids"]) == "Hello world"
 

@@ -19,6 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make.add_argument("--num-experts", type=int, default=6)
     make.add_argument("--num-layers", type=int, default=3)
     make.add_argument("--hidden-size", type=int, default=32)
+    make.add_argument("--head-dim", type=int, default=8,
+                      help="attention head size (vLLM's CPU attention serves 32, 64, 96, 128, "
+                      "160, 192, 224, 256 and 512: use one of those for a vLLM tier)")
+    make.add_argument("--moe-width", type=int, default=16, help="each expert's width")
     make.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     make.set_defaults(func=_make_checkpoint)
     train = sub.add_parser(
@@ -60,6 +64,8 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
             num_experts=args.num_experts,
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
+            head_dim=args.head_dim,
+            moe_width=args.moe_width,
             dtype=args.dtype,
         )
     except OSError as exc:
