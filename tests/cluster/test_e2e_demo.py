@@ -97,6 +97,31 @@ def test_every_group_and_the_generation_server_answer_like_the_reference(deploye
     assert table[1].split()[:5] == ["demo", "2", "2", "2", "Ready"]
 
 
+def test_each_rank_sizes_its_host_memory_within_its_pods_limit(deployed) -> None:
+    """The demo's pods are limited (``spec.resources.limits.memory``, kept by the real node's
+    cgroups): each context rank sizes its KV pool from its share of the limit, not from the
+    node's free memory, and no container was OOM-killed or restarted."""
+    import httpx
+    from kubernetes.utils import parse_quantity
+
+    from dwdp.worker.memory import HOST_MARGIN_MIN
+
+    tc, _model, _want = deployed
+    limit = int(parse_quantity(demo.manifest(Path("/tmp"))["spec"]["resources"]["limits"][
+        "memory"]))
+    for ep in demo.service_endpoints(tc, NS, demo.NAME):
+        st = httpx.get(ep.url + "/dwdp/status", timeout=10).json()
+        pool = st["kv_cache"]
+        assert pool["where"] == "host"
+        assert 0 < pool["free_bytes"] < (limit - HOST_MARGIN_MIN) / 4, (ep.url, pool, limit)
+        assert st["memory"]["api_process"]["host"] > 0
+    pods = json.loads(tc.kubectl("get", "pods", "-n", NS, "-o", "json").stdout)["items"]
+    for pod in pods:
+        for cs in pod["status"].get("containerStatuses") or ():
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            assert cs["restartCount"] == 0 and last.get("reason") != "OOMKilled", cs
+
+
 def test_through_the_router_every_rank_prefills_and_the_generation_server_decodes(
     deployed,
 ) -> None:

@@ -104,6 +104,15 @@ def test_the_operator_writes_a_vllm_tier_the_apiserver_accepts(crd, namespace) -
     assert ctr["readinessProbe"]["httpGet"]["path"] == "/health"
     assert vllm["spec"]["readinessGates"] == [{"conditionType": c.GATE_CONDITION}]
     assert vllm["spec"]["nodeSelector"] == NOWHERE and "nodeName" not in vllm["spec"]
+    example = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    assert ctr["resources"] == example["generation"]["vllm"]["resources"]
+    (worker,) = pods["vllm-fleet-g0-i0-p0"]["spec"]["containers"]
+    gpus = {"nvidia.com/gpu": "4"}  # one a rank, on the cpu backend too (docs/vllm-fleet.md)
+    assert worker["resources"] == {part: {**values, **gpus}
+                                   for part, values in example["resources"].items()}
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["DWDP_MEMORY_LIMIT"]["valueFrom"]["resourceFieldRef"]["resource"] == (
+        "limits.memory")
 
     (config,) = [
         m for m in _items(cluster, "configmaps", namespace)
@@ -116,7 +125,9 @@ def test_the_operator_writes_a_vllm_tier_the_apiserver_accepts(crd, namespace) -
         "model": "/models/qwen3-moe",
         "hybridKvCacheManager": True,
         "cpuAttentionKernel": "auto",
+        "stagingTokens": 16384,
     }
+    assert (launch["maxModelLen"], launch["kvCache"]["maxTokens"]) == (4096, 32768)
     policies = {
         p["metadata"]["name"] for p in _items(cluster, "networkpolicies", namespace)
     }
@@ -138,6 +149,8 @@ def test_the_operator_writes_a_vllm_tier_the_apiserver_accepts(crd, namespace) -
         ({"version": "0.33.0"}, "spec.generation.vllm.version",
          "the NIXL connector of that vLLM is the one the context ranks speak"),
         (None, "spec.model.dtype", "must be bfloat16, float16 or float32 with generation.vllm"),
+        ({"stagingTokens": 2048}, "spec.generation.vllm.stagingTokens",  # maxModelLen 4096
+         "must be at least context.maxModelLen"),
     ],
 )
 def test_a_vllm_rule_is_refused_alike_by_the_apiserver_and_dwdp_validate(
@@ -214,6 +227,8 @@ def test_a_request_through_the_router_is_prefilled_by_dwdp_and_decoded_by_vllm(
     doc = _example(namespace)
     spec = doc["spec"]
     del spec["nodeSelector"], spec["model"]["pvcName"]
+    # the example's requests are a Qwen3-30B-A3B's; the limit still reaches the rank
+    spec["resources"] = {"requests": {"memory": "2Gi"}, "limits": {"memory": "6Gi"}}
     spec["model"].update({"hostPath": str(models), "path": "/models/tiny", "dtype": "float32"})
     path = f"{shim}{os.pathsep}{REPO / '.venv' / 'bin'}{os.pathsep}/usr/bin:/bin"
     spec["env"] = [
@@ -262,3 +277,8 @@ def test_a_request_through_the_router_is_prefilled_by_dwdp_and_decoded_by_vllm(
     assert "NIXL compatibility check passed" in vllm_log, vllm_log[-3000:]
     context_log = cluster.pod_log(namespace, "vllm-fleet-g0-i0-p0")
     assert "KV transfer ready for vLLM 0.32.0" in context_log, context_log[-3000:]
+    # the staging buffer, in the ledger: max(maxModelLen 512, 2 x maxNumTokens 8192) tokens
+    (ctx,) = [p for p in pods if p["metadata"]["name"] == "vllm-fleet-g0-i0-p0"]
+    status = httpx.get(f"http://{ctx['status']['podIP']}:8000/dwdp/status", timeout=30).json()
+    per_token = status["kv_cache"]["bytes_per_token"]
+    assert status["memory"]["kv_staging"]["host"] == 16384 * per_token

@@ -41,7 +41,7 @@ def test_a_cuda_cache_is_staged_in_flash_attn_layout_in_vram():
 
     host, gpu = _caches()
     producer = VllmProducer(gpu, VllmInterop(model="/m", port=free_port()), num_layers=LAYERS,
-                            host="127.0.0.1", lease_s=30)
+                            host="127.0.0.1", lease_s=30, staging_blocks=10)
     try:
         assert producer.layout is LAYOUTS["flash"]
         blocks = [11, 2, 7, 0, 5, 1, 3, 4, 6, 8]

@@ -19,14 +19,17 @@ import httpx
 import yaml
 from ports import free_port, free_port_block
 
+from dwdp_dev.worker.cgroups import MemoryCgroup
+
 
 @contextlib.contextmanager
 def launched_pod(root: Path, launch: dict[str, Any], world: int, ready_s: float = 400,
-                 env: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None, cgroup: MemoryCgroup | None = None,
                  ) -> Iterator[tuple[subprocess.Popen, list[str], str, Path]]:
     """Yield ``(process, rank URLs, group, termination log)`` of a pod running the launch
     config ``launch`` (``serverPort`` is chosen here), with ``env`` on top of the pod's
-    environment; fails the test when the pod exits or a rank is not ready within ``ready_s``
+    environment, in the memory cgroup ``cgroup`` when given (as a container runs in its
+    own); fails the test when the pod exits or a rank is not ready within ``ready_s``
     seconds."""
     base = free_port_block(world)
     config = root / "launch.yaml"
@@ -48,6 +51,8 @@ def launched_pod(root: Path, launch: dict[str, Any], world: int, ready_s: float 
     term = root / "termination-log"
     cmd = [sys.executable, "-m", "dwdp", "launch", "--config", str(config), "--nproc",
            str(world), "--host", "127.0.0.1", "--termination-log", str(term)]
+    if cgroup is not None:
+        cmd = cgroup.join_command(cmd)
     proc = subprocess.Popen(cmd, env=env)
     urls = [f"http://127.0.0.1:{base + k}" for k in range(world)]
     try:

@@ -109,5 +109,6 @@ def test_one_rank_fails_to_load_every_rank_fails_with_its_cause(tmp_path, group)
         assert weight_map[tensor] == gone, message
     # the same verdict on every rank, then each rank's own memory measured so far
     assert len({m.split("; memory GiB")[0] for m in messages}) == 1
-    assert all("; memory GiB (host/device): peak_load " in m for m in messages), messages
+    assert all("; memory GiB (host/device): runtime " in m and ", peak_load " in m
+               for m in messages), messages
     assert not leftover_segments(group)

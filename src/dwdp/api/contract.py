@@ -92,6 +92,11 @@ class Env(enum.StrEnum):
     changes, so a rotated Secret takes effect without a restart. The operator mounts the Secret
     key ``spec.server.apiKeySecretRef`` names at :data:`API_KEY_PATH` in every worker and
     router pod."""
+    MEMORY_LIMIT = "DWDP_MEMORY_LIMIT"
+    """The worker container's memory limit in bytes (downward API ``resourceFieldRef``
+    ``limits.memory``; set only when ``spec.resources`` gives one). A rank's host memory budget
+    is the smallest of this, its cgroup's limit and the host's; it matters where the cgroup
+    cannot be read."""
     RENDEZVOUS_SECRET_FILE = "DWDP_RENDEZVOUS_SECRET_FILE"
     """Path of a file holding the group incarnation's rendezvous secret (at least 32 bytes,
     raw): every connection to the rendezvous store proves it knows the secret. The operator

@@ -47,6 +47,7 @@ from dwdp.api.launch import (
     KvTransferConfig,
     LaunchConfig,
     LaunchModel,
+    StagingTokens,
     VllmConnectorConfig,
     launch_problems,
 )
@@ -388,6 +389,20 @@ class VllmGenerationSpec(ApiModel):
         "VLLM_NIXL_SIDE_CHANNEL_PORT) the vLLM servers handshake with; local rank k listens "
         "on sideChannelPort + k, on the pod's address. It authenticates no peer: the "
         "NetworkPolicy admits only the deployment's generation pods.",
+    )
+    staging_tokens: StagingTokens | None = Field(
+        default=None,
+        description="Tokens of prefilled KV each context rank holds for the vLLM servers to "
+        "read: its staging buffer, in vLLM's layout (whole blocks of 128 tokens), where a "
+        "request's KV waits from the end of its prefill until its vLLM server has read it. The "
+        "buffer takes stagingTokens x the model's KV bytes per token of the rank's host "
+        "memory, out of that memory before the KV cache pool is sized (/dwdp/status "
+        "memory.kv_staging). A prefill that finds it full waits for room for up to "
+        "context.kvCache.transferLeaseSeconds, then is answered 503 naming this setting "
+        "(vllm-router does not retry a prefill: its client gets a 500 with that message). "
+        "At least context.maxModelLen (a request is staged whole); unset: the larger "
+        "of context.maxModelLen (else the model's context length) and 2 x "
+        "context.maxNumTokens.",
     )
     resources: ResourceRequirements | None = Field(
         default=None,
@@ -825,6 +840,7 @@ _VLLM_DTYPE = (
 _VLLM_NO_GPU = (
     "must be unset with generation.vllm: the vLLM servers run on CPU and claim no GPU"
 )
+_VLLM_STAGING = "a context rank stages each request's KV whole"
 
 
 def _rules_vllm() -> list[dict[str, str]]:
@@ -845,6 +861,13 @@ def _rules_vllm() -> list[dict[str, str]]:
             f"!({vllm}) || !has(self.gpu) || !has(self.gpu.generationResourceClaimTemplateName)",
             f"gpu.generationResourceClaimTemplateName {_VLLM_NO_GPU}",
             field_path=".gpu.generationResourceClaimTemplateName",
+        ),
+        cel_rule(
+            f"!({vllm}) || !has(self.generation.vllm.stagingTokens) || "
+            "!has(self.context.maxModelLen) || "
+            "self.generation.vllm.stagingTokens >= self.context.maxModelLen",
+            f"generation.vllm.stagingTokens must be at least context.maxModelLen: {_VLLM_STAGING}",
+            field_path=".generation.vllm.stagingTokens",
         ),
         *side_channel_cel(),
     ]
@@ -908,7 +931,9 @@ class DwdpDeploymentSpec(ApiModel):
         "image (router.image unset).",
     )
     resources: ResourceRequirements | None = Field(
-        default=None, description="Resources of each worker container."
+        default=None,
+        description="Resources of each worker container (context and generation pods). A "
+        "memory limit also bounds the ranks' host memory: they read it as DWDP_MEMORY_LIMIT.",
     )
     node_selector: dict[LabelKey, LabelValue] | None = Field(
         default=None, max_length=64, description="Node labels every worker pod requires."
@@ -1033,7 +1058,17 @@ class DwdpDeploymentSpec(ApiModel):
             server_port=self.server.port,
             rendezvous_port=self.rendezvous.port,
         )
-        return problems + [p.under(("generation", "vllm")) for p in ports]
+        return problems + [p.under(("generation", "vllm")) for p in ports] + (
+            self._staging_problems(vllm.staging_tokens))
+
+    def _staging_problems(self, tokens: int | None) -> list[Problem]:
+        """``generation.vllm.stagingTokens`` below ``context.maxModelLen`` when both are set
+        (a context rank would refuse it at start: ``resolve_kv_staging``)."""
+        length = self.context.max_model_len
+        if tokens is None or length is None or tokens >= length:
+            return []
+        rule = f"must be at least context.maxModelLen {length}: {_VLLM_STAGING}"
+        return [Problem(("generation", "vllm", "stagingTokens"), tokens, rule)]
 
     @model_validator(mode="after")
     def _check(self) -> DwdpDeploymentSpec:
@@ -1344,5 +1379,6 @@ def _kv_transfer(spec: DwdpDeploymentSpec, role: Role, model_path: str) -> KvTra
         side_channel_port=vllm.side_channel_port,
         model=model_path,
         hybrid_kv_cache_manager=vllm.hybrid_kv_cache_manager,
+        staging_tokens=vllm.staging_tokens,
     )
     return KvTransferConfig(vllm=connector)

@@ -50,6 +50,7 @@ __all__ = [
     "LaunchConfig",
     "LaunchError",
     "LaunchModel",
+    "StagingTokens",
     "VllmConnectorConfig",
     "dense_mode",
     "launch_message",
@@ -70,6 +71,10 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 LEGACY_ROLES: dict[str, Role] = {"ctx": Role.CONTEXT, "gen": Role.GENERATION}
 """Legacy role prefixes and the roles they mean: ``ctx<N>``/``gen<N>`` (any digits, any
 letter case: ``ctx0``, ``CTX1``, ``Gen3``) name a context or generation server."""
+
+StagingTokens = Annotated[int, Field(strict=True, ge=1, le=1 << 24)]
+"""Tokens of a vLLM staging buffer (``kvTransfer.vllm.stagingTokens``,
+``generation.vllm.stagingTokens``): a whole number from 1 to 2^24."""
 
 _LEGACY_ROLE = re.compile(r"(ctx|gen)[0-9]+")
 
@@ -231,6 +236,18 @@ class VllmConnectorConfig(ApiModel):
         description="Whether the vLLM servers run vLLM's hybrid KV cache manager (its "
         "default with the NIXL connector); false with --disable-hybrid-kv-cache-manager. "
         "Part of the compatibility hash.",
+    )
+    staging_tokens: StagingTokens | None = Field(
+        default=None,
+        description="A context rank: tokens of prefilled KV its staging buffer holds for the "
+        "vLLM decode servers to read (vLLM's layout, whole blocks of 128 tokens on the host; "
+        "each request takes whole blocks until its reader is done). The buffer is taken out "
+        "of the rank's memory before the KV cache pool is sized. A prefill that finds it full "
+        "waits for room for up to kvCache.transferLeaseSeconds, then is answered 503 naming "
+        "this setting (vllm-router does not retry a prefill: its client gets a 500 with that "
+        "message). At least maxModelLen; unset: the larger of "
+        "maxModelLen and 2 x maxNumTokens. Unused on a generation server (its READ buffer "
+        "holds 2048 tokens).",
     )
     cpu_attention_kernel: Literal["auto", "vec", "amx"] = Field(
         default="auto",

@@ -426,7 +426,9 @@ def role_template(
 
     The keys of the optional pod fields (``imagePullSecrets``, ``affinity``,
     ``resourceClaims``) are present only when the spec sets them, so a spec without them
-    keeps the revision it had before the fields existed (an operator upgrade rolls no group).
+    keeps the revision it had before the fields existed (an operator upgrade rolls no group);
+    so is ``DWDP_MEMORY_LIMIT`` in ``env``, present only with a memory limit in
+    ``spec.resources``.
     The generation role of a vLLM tier has :func:`vllm_template` instead.
     """
     if runs_vllm(spec, role):
@@ -441,6 +443,7 @@ def role_template(
         "command": list(command),
         "env": [
             *api_key_env(spec),
+            *_memory_limit_env(spec),
             *_default_env(spec, c.CACHE_ENV),
             *(e.to_yaml_dict() for e in spec.env or ()),
         ],
@@ -578,6 +581,16 @@ def api_key_env(spec: DwdpDeploymentSpec) -> list[dict[str, Any]]:
     if spec.server.api_key_secret_ref is None:
         return []
     return [{"name": Env.API_KEY_FILE.value, "value": API_KEY_PATH}]
+
+
+def _memory_limit_env(spec: DwdpDeploymentSpec) -> list[dict[str, Any]]:
+    """``DWDP_MEMORY_LIMIT``, the worker container's memory limit in bytes through the
+    downward API (``resourceFieldRef``), or nothing when ``spec.resources`` sets no memory
+    limit: the ranks size their host memory within it where they cannot read their cgroup."""
+    if "memory" not in ((spec.resources.limits if spec.resources else None) or {}):
+        return []
+    ref = {"containerName": c.WORKER_CONTAINER, "resource": "limits.memory", "divisor": "1"}
+    return [{"name": Env.MEMORY_LIMIT.value, "valueFrom": {"resourceFieldRef": ref}}]
 
 
 def api_key_volumes(

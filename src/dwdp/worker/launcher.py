@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dwdp.api.contract import Env
+from dwdp.worker.host_memory import oom_cause
 from dwdp.worker.termination import write_termination_message
 from dwdp.worker.transport.base import make_secret_file
 
@@ -201,6 +202,8 @@ def _watch(children, stopping, grace, first_rank, termination_log) -> int:
             if code is None:
                 continue
             cause = term.read_text().strip() if term.is_file() else ""
+            if code == -signal.SIGKILL and not cause:
+                cause = oom_cause()
             line = launcher_line(k, first_rank + k, code, cause)
             log.error("launcher: %s; stopping the other local ranks", line)
             _stop_all(children, grace)

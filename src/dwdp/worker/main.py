@@ -13,7 +13,9 @@ stops the rank here; it loads the tokenizer while the model loads) -> join the g
 (rendezvous) -> load the model (with expert DWDP only what the rank
 keeps: ``load_model``; with a group every rank votes on the load, and a rank that failed fails
 the group together: ``dwdp.worker.loading.vote``) -> DWDP setup (dense first, then experts;
-commit) -> size the KV pool (beside the graphs' memory when they are on) -> the engine: KV
+commit) -> size the KV pool (once the API process has loaded; on the host from the
+container's budget, ``dwdp.worker.host_memory``; beside the graphs' memory when they are on
+and the vLLM staging buffer) -> the engine: KV
 transfer, the CUDA graph capture, start -> serve HTTP (the API process told where the engine
 is) until a signal. A fatal error anywhere
 writes a one-line cause to the termination message path and exits non-zero; the engine is
@@ -34,7 +36,14 @@ from dwdp.api.contract import Env, Stage
 from dwdp.api.enums import Role
 from dwdp.api.launch import served_model_name
 from dwdp.worker.apikey import ApiKey
-from dwdp.worker.memory import MemoryLedger, MemoryWatch, RankMemory, size_rank_memory
+from dwdp.worker.host_memory import env_limit
+from dwdp.worker.memory import (
+    MemoryLedger,
+    MemoryWatch,
+    RankMemory,
+    Staging,
+    size_rank_memory,
+)
 from dwdp.worker.server.status import rank_identity, server_identity
 from dwdp.worker.settings import (
     CopySettings,
@@ -182,6 +191,8 @@ class ModelPlan:
     num_experts: int
     partition: ExpertPartition | None
     max_model_len: int
+    kv_staging: Staging | None = None
+    """The buffer the KV of the other tier passes through (vLLM interop), if any."""
 
 
 def check_model(cfg: LaunchConfig) -> ModelPlan:
@@ -207,7 +218,36 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
                 "dwdp.enableExperts: the model has no fused-experts MoE layer to distribute"
             )
         partition = cfg.dwdp.partition(num_experts)
-    return ModelPlan(config, adapter, num_experts, partition, resolve_max_model_len(cfg, config))
+    max_model_len = resolve_max_model_len(cfg, config)
+    return ModelPlan(config, adapter, num_experts, partition, max_model_len,
+                     resolve_kv_staging(cfg, max_model_len))
+
+
+def resolve_kv_staging(cfg: LaunchConfig, max_model_len: int) -> Staging | None:
+    """With ``kvTransfer.vllm``, the staging buffer the KV transfer allocates on the host
+    beside the pool (``memory.Staging``): a context rank's holds ``stagingTokens`` (default
+    the larger of ``max_model_len`` and 2 x ``maxNumTokens``) rounded up to whole blocks of
+    vLLM's CPU layout; a generation rank's READ buffer ``STAGING_TOKENS``. Raises
+    ``WorkerStartupError`` for a ``stagingTokens`` below one ``max_model_len`` request."""
+    from dwdp.worker.disagg.vllm_layout import block_size_for
+    from dwdp.worker.disagg.vllm_reader import STAGING_TOKENS
+
+    vllm = cfg.kv_transfer.vllm
+    if vllm is None:
+        return None
+    if cfg.role is Role.GENERATION:
+        return Staging(STAGING_TOKENS, f"the vLLM READ buffer of {STAGING_TOKENS} tokens")
+    field = "kvTransfer.vllm.stagingTokens"
+    tokens = vllm.staging_tokens or max(max_model_len, 2 * cfg.max_num_tokens)
+    if tokens < max_model_len:
+        raise WorkerStartupError(
+            f"{field}: {tokens} tokens is less than one request of maxModelLen "
+            f"{max_model_len} tokens (a prefill whose KV cannot be staged whole fails); raise "
+            f"stagingTokens or lower maxModelLen"
+        )
+    block = block_size_for("cpu")  # check_vllm_interop: vLLM interop ranks are on the host
+    setting = f"{field} {tokens}" if vllm.staging_tokens else f"{field} unset: {tokens}"
+    return Staging(-(-tokens // block) * block, setting)
 
 
 def check_vllm_interop(cfg: LaunchConfig, config: PretrainedConfig, device: str) -> None:
@@ -354,12 +394,13 @@ def attach_kv_events(engine: Any, events: KvEventsConfig | None,
 
 
 def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: ApiKey,
-                       local_rank: int = 0) -> None:
+                       local_rank: int = 0, staging: Staging | None = None) -> None:
     """Give a context or generation rank its NIXL KV transfer; it advertises the pod's address
     (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod). With
     ``kvTransfer.vllm`` the other tier is vLLM: a context rank serves vLLM decode servers
     (vLLM's ZMQ side channel on the advertised address, port ``sideChannelPort +
-    local_rank``); a generation rank reads from vLLM prefill servers (``VllmReader``)."""
+    local_rank``); a generation rank reads from vLLM prefill servers (``VllmReader``).
+    ``staging``: the vLLM staging buffer the pool was sized beside (``resolve_kv_staging``)."""
     from dwdp.worker.disagg.agent import KvAgent
     from dwdp.worker.disagg.transfer import KvTransfer
 
@@ -372,6 +413,7 @@ def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: Api
     def make(cache: Any) -> KvTransfer:
         producer = reader = None
         if vllm is not None:
+            from dwdp.worker.disagg.vllm_layout import block_size_for
             from dwdp.worker.disagg.vllm_nixl import VllmInterop, VllmProducer
             from dwdp.worker.disagg.vllm_reader import VllmReader
 
@@ -379,11 +421,15 @@ def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: Api
                                   port=vllm.side_channel_port + local_rank,
                                   hma=vllm.hybrid_kv_cache_manager,
                                   cpu_kernel=vllm.cpu_attention_kernel)
+            assert staging is not None  # resolve_kv_staging gives one with kvTransfer.vllm
             if reads:
-                reader = VllmReader(cache, interop, num_layers=layers)
+                reader = VllmReader(cache, interop, num_layers=layers,
+                                    staging_tokens=staging.tokens)
             else:
-                producer = VllmProducer(cache, interop, num_layers=layers, host=advertise,
-                                        lease_s=lease_s)
+                producer = VllmProducer(
+                    cache, interop, num_layers=layers, host=advertise, lease_s=lease_s,
+                    staging_blocks=staging.tokens // block_size_for("cpu"),
+                    staging_setting=staging.setting)
         return KvTransfer(
             KvAgent(cache, model=engine.model_name, num_layers=layers),
             host=advertise, port=port, api_key=api_key, lease_s=lease_s, vllm=producer,
@@ -507,19 +553,21 @@ def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
 
 
 def size_memory(model: Any, dwdp: Any, watch: MemoryWatch, cfg: LaunchConfig,
-                max_model_len: int, cuda_graphs: bool) -> tuple[Any, MemoryLedger]:
-    """The rank's KV pool and memory ledger (``size_rank_memory``) from the launch config:
-    the pods' ranks on one host share its memory (``LOCAL_WORLD_SIZE``)."""
+                plan: ModelPlan, cuda_graphs: bool) -> tuple[Any, MemoryLedger]:
+    """The rank's KV pool and memory ledger (``size_rank_memory``) from the launch config
+    and the model plan (its context length and staging buffer): the pods' ranks on one host
+    share its memory (``LOCAL_WORLD_SIZE``)."""
     return size_rank_memory(
         model,
         dwdp,
         watch,
         kv=cfg.kv_cache,
         max_num_tokens=cfg.max_num_tokens,
-        max_model_len=max_model_len,
+        max_model_len=plan.max_model_len,
         host_sharers=int(os.environ.get(Env.LOCAL_WORLD_SIZE) or 1),
         cuda_graphs=cuda_graphs,
         max_batch_size=cfg.max_batch_size,
+        staging=plan.kv_staging,
     )
 
 
@@ -564,6 +612,7 @@ def run_worker(opts: WorkerOptions) -> int:
     stopped = False
     try:
         cfg = check_launch(load_launch_config(opts.config), opts.role)
+        env_limit()  # a DWDP_MEMORY_LIMIT that is no number of bytes stops the rank here
         local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
         port = (opts.port if opts.port is not None else cfg.server_port) + local_rank
         stage["now"] = Stage.CHECKPOINT
@@ -598,7 +647,10 @@ def run_worker(opts: WorkerOptions) -> int:
             loaded=loaded,
         )
         stage["now"] = Stage.ENGINE
-        pool, ledger = size_memory(model, dwdp, watch, cfg, plan.max_model_len, cuda_graphs)
+        api_process.wait_loaded()  # its memory counts in what the pool is sized from
+        pool, ledger = size_memory(model, dwdp, watch, cfg, plan, cuda_graphs)
+        ledger = ledger.with_api_process(api_process.proc.pid)
+        watch.record(ledger)
         server_holder: dict[str, Any] = {}
         engine, fatal = make_engine(
             model, tokenizer, cfg,
@@ -608,7 +660,8 @@ def run_worker(opts: WorkerOptions) -> int:
             server_holder=server_holder,
         )
         if cfg.role in (Role.CONTEXT, Role.GENERATION):
-            attach_kv_transfer(engine, cfg, opts.host, port, api_key, local_rank)
+            attach_kv_transfer(engine, cfg, opts.host, port, api_key, local_rank,
+                               plan.kv_staging)
         stop_engine = engine.stop
         close_events = attach_kv_events(engine, cfg.kv_cache.events, opts.host)
         if cuda_graphs:

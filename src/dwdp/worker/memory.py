@@ -20,14 +20,25 @@ not estimated:
   for decode or ``piecewise.token_buckets(maxNumTokens)[-1]``: that bucket holds that many
   tokens' activations, and every bucket shares its pool), then the pool's measured bytes
   (``GraphStats.pool_bytes``, :meth:`MemoryLedger.with_cuda_graphs`); zero when off;
-- ``kv_pool``: the KV cache pool's budget (``dwdp.worker.engine.kv_pool``).
+- ``kv_pool``: the KV cache pool's budget (``dwdp.worker.engine.kv_pool``); on the host its
+  pages become resident as requests first fill them (the budget is what they may reach);
+- ``kv_staging``: the buffer the KV of another tier's servers passes through (vLLM interop:
+  a context rank's staging buffer in vLLM's layout, registered with NIXL, which holds
+  ``kvTransfer.vllm.stagingTokens`` tokens; a generation rank's READ buffer); zero without;
+- ``runtime``: the host resident set before the load (the interpreter, torch and the other
+  libraries, the CUDA context's host side);
+- ``api_process``: the resident set of the rank's API server process (HTTP, tokenizer,
+  detokenizer), measured when the engine starts.
 
 Bytes are integers; ``None`` means not measured. ``free_for_kv_bytes`` is the memory the pool
 may take: on a GPU the device's total minus what this rank holds (weights, DWDP buffers,
 headroom), so ranks sharing one GPU (tests) each size their pool as on a GPU of their own (a
-warning says so when the pool exceeds what is free now); on the host the kernel's
-``MemAvailable``. With CUDA graphs on, their estimate is taken out of it too, so the graphs'
-memory comes out of the KV pool, never on top of it.
+warning says so when the pool exceeds what is free now); on the host the container's budget
+(``dwdp.worker.host_memory``: its cgroup's limit less its working set, or the host's
+``MemAvailable`` when that is less) less a safety margin (:data:`HOST_MARGIN_FRACTION` of the
+limit, at least :data:`HOST_MARGIN_MIN`: the activations, the API process's growth, the
+allocator's slack), split evenly among the pod's ranks. With CUDA graphs on, their estimate is
+taken out of it too, and the staging buffer always, so neither comes on top of the KV pool.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.engine.kv_pool import KvPool, kv_bytes_per_token, size_kv_pool
 from dwdp.worker.engine.piecewise import token_buckets
+from dwdp.worker.host_memory import HostBudget, host_budget
 from dwdp.worker.server.status import DwdpStatusSource
 
 if TYPE_CHECKING:
@@ -49,6 +61,12 @@ log = logging.getLogger(__name__)
 
 HOST, DEVICE = "host", "device"
 
+HOST_MARGIN_FRACTION = 0.05
+"""The share of a container's memory limit (of ``MemAvailable`` without one) a pod keeps out
+of its ranks' host KV pools."""
+HOST_MARGIN_MIN = 256 << 20
+"""The smallest margin a pod keeps on the host, in bytes."""
+
 
 @dataclass(frozen=True, slots=True)
 class Placed:
@@ -57,10 +75,24 @@ class Placed:
     host: int | None = 0
     device: int | None = 0
 
+    def on_side(self, where: str) -> int:
+        """The bytes on ``where`` (0 when not measured)."""
+        return (self.host if where == HOST else self.device) or 0
+
     @classmethod
     def on(cls, where: str, nbytes: int) -> Placed:
         """``nbytes`` on ``where`` (``host`` or ``device``), nothing on the other."""
         return cls(host=nbytes, device=0) if where == HOST else cls(host=0, device=nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Staging:
+    """A staging buffer the KV transfer allocates beside the KV pool (on its side): ``tokens``
+    tokens of KV (``bytes_per_token`` each, the pool's), ``setting`` the setting that sized it
+    as the user writes it (``kvTransfer.vllm.stagingTokens 8192``)."""
+
+    tokens: int
+    setting: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +108,13 @@ class MemoryLedger:
     activations_headroom: Placed
     cuda_graphs: Placed
     kv_pool: Placed
+    kv_staging: Placed = Placed(0, 0)
+    runtime: Placed = Placed(None, 0)
+    api_process: Placed = Placed(None, 0)
+
+    def with_api_process(self, pid: int) -> MemoryLedger:
+        """The ledger with the resident set of the API server process ``pid`` measured now."""
+        return replace(self, api_process=Placed(host=host_resident_bytes(pid), device=0))
 
     def with_cuda_graphs(self, pool_bytes: int) -> MemoryLedger:
         """The ledger with the graphs' measured pool (``GraphStats.pool_bytes``, device bytes)
@@ -117,9 +156,9 @@ def ledger_summary(parts: dict[str, Placed]) -> str:
 
 
 # -- host --------------------------------------------------------------------------------------
-def _status_bytes(key: str) -> int | None:
+def _status_bytes(key: str, pid: int | str = "self") -> int | None:
     try:
-        text = Path("/proc/self/status").read_text()
+        text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     for line in text.splitlines():
@@ -127,6 +166,12 @@ def _status_bytes(key: str) -> int | None:
         if name == key:
             return int(value.split()[0]) * 1024
     return None
+
+
+def host_resident_bytes(pid: int | str = "self") -> int | None:
+    """The resident set of this process (or ``pid``) now (``VmRSS``, bytes); None off Linux
+    or when the process is gone."""
+    return _status_bytes("VmRSS", pid)
 
 
 def host_peak_bytes() -> int | None:
@@ -143,13 +188,15 @@ def reset_host_peak() -> None:
         log.debug("cannot reset VmHWM; the load peak includes earlier peaks")
 
 
-def host_available_bytes() -> int:
-    """The kernel's estimate of memory available to new work (``MemAvailable``, bytes)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name == "MemAvailable":
-            return int(value.split()[0]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
+def host_margin(budget: HostBudget) -> int:
+    """Bytes a pod keeps out of its ranks' host KV pools (module docstring)."""
+    base = budget.limit if budget.limit is not None else budget.host_available
+    return max(HOST_MARGIN_MIN, int(HOST_MARGIN_FRACTION * base))
+
+
+def host_share(budget: HostBudget, host_sharers: int) -> int:
+    """One rank's share of its pod's host budget, the margin kept out (bytes)."""
+    return max(0, budget.available - host_margin(budget)) // max(1, host_sharers)
 
 
 # -- the load peak -----------------------------------------------------------------------------
@@ -167,7 +214,9 @@ class MemoryWatch:
         return self.device.startswith("cuda")
 
     def start(self) -> None:
-        """Reset the host and device peaks; call just before the load."""
+        """Reset the host and device peaks and record the resident set before the load (the
+        ledger's ``runtime``); call just before the load."""
+        self.parts["runtime"] = Placed(host=host_resident_bytes(), device=0)
         reset_host_peak()
         if self.on_gpu:
             import torch
@@ -257,14 +306,16 @@ def activation_headroom(model: Any, tokens: int) -> int:
 
 
 def free_for_kv_bytes(
-    device: str, *, dwdp_device_bytes: int, headroom: int, host_sharers: int = 1
+    device: str, *, dwdp_device_bytes: int, headroom: int, host_sharers: int = 1,
+    budget: HostBudget | None = None,
 ) -> int:
     """Memory the KV pool may take (bytes), measured now. GPU: the device's total minus
     what torch holds for this process (weights, slot rings), ``dwdp_device_bytes`` (the
     stores, VMM allocations outside torch's allocator) and the activation headroom; host:
-    ``MemAvailable`` split evenly among the ``host_sharers`` ranks of the pod."""
+    the container's budget less its margin, split evenly among the ``host_sharers`` ranks of
+    the pod (``host_share``; ``budget``: the one measured now when None)."""
     if not device.startswith("cuda"):
-        return host_available_bytes() // max(1, host_sharers)
+        return host_share(budget or host_budget(), host_sharers)
     import torch
 
     total = int(torch.cuda.get_device_properties(device).total_memory)
@@ -300,6 +351,8 @@ def measure_ledger(
     headroom: Placed,
     kv_pool: Placed,
     cuda_graphs: Placed | None = None,
+    kv_staging: Placed | None = None,
+    runtime: Placed | None = None,
 ) -> MemoryLedger:
     """The ledger after the commit (module docstring); ``dwdp``'s ``buffer_ranges`` are
     left out of the weights."""
@@ -313,7 +366,39 @@ def measure_ledger(
         activations_headroom=headroom,
         cuda_graphs=Placed(0, 0) if cuda_graphs is None else cuda_graphs,
         kv_pool=kv_pool,
+        kv_staging=Placed(0, 0) if kv_staging is None else kv_staging,
+        runtime=Placed(None, 0) if runtime is None else runtime,
     )
+
+
+def _headroom(model: Any, watch: MemoryWatch, *, max_num_tokens: int, max_model_len: int,
+              cuda_graphs: bool, max_batch_size: int) -> tuple[Placed, Placed]:
+    """``(activations_headroom, cuda_graphs)``: on a GPU one profiling forward of
+    ``min(max_num_tokens, max_model_len)`` tokens, with ``cuda_graphs`` one more of the largest
+    bucket's tokens (module docstring); on the host neither is measured."""
+    if not watch.on_gpu:
+        return Placed(host=None, device=0), Placed(0, 0)
+    tokens = min(max_num_tokens, max_model_len)
+    headroom = Placed(host=None, device=activation_headroom(model, tokens))
+    graphs = Placed(0, 0)
+    if cuda_graphs:
+        largest = max(max_batch_size, token_buckets(tokens)[-1])
+        graphs = Placed.on(DEVICE, activation_headroom(model, min(largest, max_model_len)))
+    return headroom, graphs
+
+
+def _budget_note(budget: HostBudget | None, free: int, staging: Staging | None, where: str,
+                 staged: Placed, host_sharers: int) -> str:
+    """What the pool's log line and a refusal say of the memory it was sized from: on the
+    host the container's budget and every rank's share, and the staging buffer taken out."""
+    parts = []
+    if budget is not None:
+        parts.append(f"{budget.describe()}, less a margin of "
+                     f"{host_margin(budget) / 2**30:.2f} GiB, shared by {host_sharers} ranks")
+    if staging is not None:
+        parts.append(f"less the staging buffer of {staged.on_side(where) / 2**30:.2f} GiB "
+                     f"({staging.setting}) from this rank's {free / 2**30:.2f} GiB")
+    return "; ".join(parts)
 
 
 def size_rank_memory(
@@ -327,52 +412,50 @@ def size_rank_memory(
     host_sharers: int = 1,
     cuda_graphs: bool = False,
     max_batch_size: int = 1,
+    staging: Staging | None = None,
 ) -> tuple[KvPool, MemoryLedger]:
-    """After the commit, before the engine starts: the activation headroom (on a GPU, one
-    profiling forward of ``min(max_num_tokens, max_model_len)`` tokens), with ``cuda_graphs``
-    the graphs' estimate (one more profiling forward, of the largest bucket's tokens: module
-    docstring), the KV pool from the memory left
-    (``dwdp.worker.engine.kv_pool.size_kv_pool``) and the ledger, which ``watch`` keeps.
-    ``host_sharers``: the ranks of the pod, which share the host's memory (a pool on the
-    host takes its share). Raises ``KvPoolError`` for a pool below one ``max_model_len``
-    request; the termination message then lists every part measured."""
+    """After the commit, before the engine starts: the activation headroom (``_headroom``),
+    the KV pool from the memory left (``dwdp.worker.engine.kv_pool.size_kv_pool``) after the
+    ``staging`` buffer the KV transfer will allocate beside it (on the pool's side), and the
+    ledger, which ``watch`` keeps. ``host_sharers``: the ranks of the pod, which share the
+    host's memory (a pool on the host takes its share of the container's budget). Raises
+    ``KvPoolError`` for a pool below one ``max_model_len`` request; the termination message
+    then lists every part measured."""
     _, expert, dense, _ = dwdp_buffers(dwdp.status())
-    headroom = Placed(host=None, device=0)
-    graphs = Placed(0, 0)
-    if watch.on_gpu:
-        tokens = min(max_num_tokens, max_model_len)
-        headroom = Placed(host=None, device=activation_headroom(model, tokens))
-        if cuda_graphs:
-            largest = max(max_batch_size, token_buckets(tokens)[-1])
-            graphs = Placed.on(DEVICE, activation_headroom(model, min(largest, max_model_len)))
+    headroom, graphs = _headroom(model, watch, max_num_tokens=max_num_tokens,
+                                 max_model_len=max_model_len, cuda_graphs=cuda_graphs,
+                                 max_batch_size=max_batch_size)
+    where = DEVICE if watch.on_gpu else HOST
+    budget = None if watch.on_gpu else host_budget()
+    per_token = kv_bytes_per_token(model.config.get_text_config(), model.dtype.itemsize)
+    staged = Placed.on(where, staging.tokens * per_token if staging else 0)
     free = free_for_kv_bytes(
         watch.device,
         # the stores are VMM allocations torch does not count; the slots are torch's
         dwdp_device_bytes=(expert.device or 0) + (dense.device or 0),
         headroom=(headroom.device or 0) + (graphs.device or 0),
         host_sharers=host_sharers,
+        budget=budget,
     )
     peak_load = watch.parts.get("peak_load", Placed(None, None))
     before = measure_ledger(model, dwdp, peak_load=peak_load, headroom=headroom,
-                            kv_pool=Placed(0, 0), cuda_graphs=graphs)
+                            kv_pool=Placed(0, 0), cuda_graphs=graphs, kv_staging=staged,
+                            runtime=watch.parts.get("runtime"))
     watch.record(before)  # a refused pool's termination message lists every part
-    pool = size_kv_pool(
-        kv,
-        free_bytes=free,
-        bytes_per_token=kv_bytes_per_token(model.config.get_text_config(), model.dtype.itemsize),
-        max_model_len=max_model_len,
-        where=DEVICE if watch.on_gpu else HOST,
-    )
+    note = _budget_note(budget, free, staging, where, staged, host_sharers)
+    pool = size_kv_pool(kv, free_bytes=free - staged.on_side(where), bytes_per_token=per_token,
+                        max_model_len=max_model_len, where=where, note=note)
     warn_if_shared(watch.device, pool.nbytes, (headroom.device or 0) + (graphs.device or 0))
     ledger = replace(before, kv_pool=Placed.on(pool.where, pool.nbytes))
     watch.record(ledger)
     log.info(
-        "KV cache pool: %d tokens (%s, %d bytes per token, %.2f GiB on the %s); %s",
+        "KV cache pool: %d tokens (%s, %d bytes per token, %.2f GiB on the %s)%s; %s",
         pool.capacity_tokens,
         pool.limited_by,
         pool.bytes_per_token,
         pool.nbytes / 2**30,
         pool.where,
+        f" [{note}]" if note else "",
         watch.summary(),
     )
     return pool, ledger

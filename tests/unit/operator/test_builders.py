@@ -10,7 +10,8 @@ import yaml
 
 from dwdp.api.deployment import parse_deployment
 from dwdp.api.enums import Role
-from dwdp.operator import builders, naming
+from dwdp.api.launch import LaunchConfig
+from dwdp.operator import builders, naming, router
 from dwdp.operator import constants as c
 from dwdp.operator.builders import Endpoint, Owner
 
@@ -649,6 +650,57 @@ def test_the_device_plugin_resource_can_be_renamed() -> None:
     }
 
 
+# ----------------------------------------------------------------------------- memory limit
+
+MEMORY_LIMIT_ENV = {
+    "name": "DWDP_MEMORY_LIMIT",
+    "valueFrom": {
+        "resourceFieldRef": {
+            "containerName": "worker", "resource": "limits.memory", "divisor": "1",
+        }
+    },
+}
+
+
+def _memory_limit_env(container: dict) -> list[dict]:
+    return [e for e in container["env"] if e["name"] == "DWDP_MEMORY_LIMIT"]
+
+
+@pytest.mark.parametrize("role", [Role.CONTEXT, Role.GENERATION])
+def test_a_memory_limit_reaches_every_worker_container_by_the_downward_api(role: Role) -> None:
+    """With resources.limits.memory, the worker container of both roles carries the limit as
+    DWDP_MEMORY_LIMIT, a resourceFieldRef of its own container in bytes (the kubelet
+    resolves it), and the revision's input has it."""
+    resources = {"requests": {"memory": "3Gi"}, "limits": {"memory": "6Gi"}}
+    spec = parse_deployment(doc(generation={}, resources=resources)).spec
+    (ctr,) = _pod(spec, role)["spec"]["containers"]
+    assert _memory_limit_env(ctr) == [MEMORY_LIMIT_ENV]
+    assert MEMORY_LIMIT_ENV["valueFrom"]["resourceFieldRef"]["containerName"] == ctr["name"]
+    assert ctr["resources"]["limits"]["memory"] == "6Gi"
+    assert ctr["resources"]["requests"]["memory"] == "3Gi"
+    assert MEMORY_LIMIT_ENV in builders.role_template(spec, role)["env"]
+
+
+@pytest.mark.parametrize(
+    "resources", [None, {"requests": {"memory": "3Gi"}}, {"limits": {"cpu": "2"}}]
+)
+def test_only_a_memory_limit_adds_the_env_so_other_specs_keep_their_revision(
+    resources: dict | None,
+) -> None:
+    """Without a memory limit (no resources, a memory request only, other limits) the
+    container has no DWDP_MEMORY_LIMIT and the revision's input is that of a spec without
+    resources but for the resources themselves (an operator upgrade rolls no such group);
+    adding the limit adds the env var, before the defaults and spec.env."""
+    plain = builders.role_template(SPEC, Role.CONTEXT)
+    spec = parse_deployment(doc(**({} if resources is None else {"resources": resources}))).spec
+    template = builders.role_template(spec, Role.CONTEXT)
+    assert {**template, "resources": None} == {**plain, "resources": None}
+    assert not _memory_limit_env(_pod(spec)["spec"]["containers"][0])
+    limits = {**((resources or {}).get("limits") or {}), "memory": "6Gi"}
+    limited = parse_deployment(doc(resources={**(resources or {}), "limits": limits})).spec
+    assert builders.role_template(limited, Role.CONTEXT)["env"] == [MEMORY_LIMIT_ENV, *plain["env"]]
+
+
 # ----------------------------------------------------------------------------- vLLM generation
 
 
@@ -738,6 +790,20 @@ def test_vllm_resources_and_hybrid_kv_cache_manager_come_from_generation_vllm() 
     assert context["kvTransfer"]["vllm"]["model"] == "/models/tiny"  # vLLM's --model
 
 
+@pytest.mark.parametrize("staging", [8192, None])
+def test_the_context_launch_config_carries_staging_tokens(staging: int | None) -> None:
+    """``generation.vllm.stagingTokens`` reaches the context ranks as
+    ``kvTransfer.vllm.stagingTokens``; unset, the launch config leaves it to the rank's
+    default (and a spec without it keeps the revision it had)."""
+    vllm = {} if staging is None else {"stagingTokens": staging}
+    spec = parse_deployment(vllm_doc(**vllm)).spec
+    text = builders.launch_config_text(spec, Role.CONTEXT)
+    assert yaml.safe_load(text)["kvTransfer"]["vllm"].get("stagingTokens") == staging
+    cfg = LaunchConfig.model_validate(yaml.safe_load(text))
+    assert cfg.kv_transfer.vllm is not None
+    assert cfg.kv_transfer.vllm.staging_tokens == staging
+
+
 def test_without_an_api_key_secret_vllm_gets_no_key() -> None:
     document = vllm_doc()
     del document["spec"]["server"]
@@ -763,6 +829,7 @@ def test_a_vllm_tier_reads_no_launch_config_and_meets_no_rendezvous() -> None:
         # the vLLM servers learn the context ranks' port from each prefill's answer
         ({"sideChannelPort": 6000}, {Role.CONTEXT}),
         ({"hybridKvCacheManager": False}, {Role.CONTEXT, Role.GENERATION}),
+        ({"stagingTokens": 8192}, {Role.CONTEXT}),  # the context ranks' buffer only
     ],
 )
 def test_a_vllm_setting_rolls_the_tiers_that_read_it(vllm: dict, rolls: set[Role]) -> None:
@@ -785,3 +852,24 @@ def test_the_network_policies_bound_the_vllm_side_channels() -> None:
     serving = builders.serving_policy(spec, OWNER)["spec"]
     assert serving["podSelector"]["matchLabels"].items() <= labels.items()
     assert serving["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000, "endPort": 8003}]}]
+
+
+def test_vllm_servers_and_the_router_get_no_memory_limit_env() -> None:
+    """DWDP_MEMORY_LIMIT is the dwdp ranks': with memory limits on every pod, the context
+    ranks carry it; the vLLM servers (spec.resources reaches them too) and the router do not."""
+    document = vllm_doc()
+    document["spec"]["resources"] = {"limits": {"memory": "6Gi"}}
+    document["spec"]["router"] = {"resources": {"limits": {"memory": "1Gi"}}}
+    spec = parse_deployment(document).spec
+    assert _memory_limit_env(_pod(spec)["spec"]["containers"][0]) == [MEMORY_LIMIT_ENV]
+    (vllm_ctr,) = _vllm_pod(spec)["spec"]["containers"]
+    assert vllm_ctr["resources"] == {"limits": {"memory": "6Gi"}}
+    assert not _memory_limit_env(vllm_ctr)
+    assert MEMORY_LIMIT_ENV not in builders.vllm_template(spec)["env"]
+    servers = router.RouterServers(
+        prefill=("http://10.0.0.1:8000",), decode=("http://10.0.0.2:8000",)
+    )
+    deployment = router.router_deployment(spec, OWNER, servers)
+    (router_ctr,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert router_ctr["resources"] == {"limits": {"memory": "1Gi"}}
+    assert not _memory_limit_env(router_ctr)

@@ -90,7 +90,7 @@ def on_a_fake_gpu(monkeypatch):
         forwards.append(tokens)
         return 1000 * tokens
 
-    def free(device, *, dwdp_device_bytes, headroom, host_sharers=1):
+    def free(device, *, dwdp_device_bytes, headroom, host_sharers=1, budget=None):
         kept.append(headroom)
         return 1_000_000 - headroom
 
@@ -137,7 +137,7 @@ def test_the_measured_graph_pool_replaces_the_estimate(on_a_fake_gpu) -> None:
     assert measured.kv_pool == ledger.kv_pool  # the pool was sized once, with the estimate
     shown = RankMemory(measured, pool).status(0)["memory"]
     assert shown["cuda_graphs"] == {"host": 0, "device": 20_480}
-    assert list(shown)[-2:] == ["cuda_graphs", "kv_pool"]
+    assert list(shown)[-5:] == ["cuda_graphs", "kv_pool", "kv_staging", "runtime", "api_process"]
 
 
 def test_an_engine_off_cuda_refuses_to_capture_graphs(tmp_path) -> None:

@@ -237,7 +237,10 @@ def test_crafted_params_read_nothing_and_name_the_field(pair, other_ctx):
          "kv_transfer_params.remote_lease_token: not the token of"),
         (lambda p: {**{k: v for k, v in p.items() if k != "do_remote_prefill"},
                     "do_remote_prefil": True}, 400,
-         "kv_transfer_params.remote_engine_id: only with do_remote_prefill: true"),
+         "kv_transfer_params: unknown key 'do_remote_prefil' (did you mean "
+         "'do_remote_prefill'?)"),
+        (lambda p: {**p, "do_remote_prefill": "true"}, 400,
+         "kv_transfer_params.do_remote_prefill: Input should be a valid boolean"),
     ]
     for craft, status, needle in cases:
         real = _lease(ctx, body["prompt"])
@@ -245,7 +248,7 @@ def test_crafted_params_read_nothing_and_name_the_field(pair, other_ctx):
         assert r.status_code == status, (needle, r.text)
         assert r.json()["error"]["message"].startswith(needle), r.text
         assert _read_counters(gen) == before  # not one block read
-        if status == 403 or "do_remote_prefil" in craft(real):  # the token was not shown
+        if status == 403 or craft(real).get("do_remote_prefill") is not True:  # token unshown
             ok = gen.client.post("/v1/completions", json={**body, "kv_transfer_params": real})
             assert ok.status_code == 200, ok.text  # the lease waited for its reader
             before = _read_counters(gen)
@@ -349,6 +352,22 @@ def test_the_side_channel_needs_the_api_key(pair):
     ok = ctx.client.get("/v1/dwdp/kv_agent")
     assert ok.status_code == 200 and ok.json()["layout"]["block_size"] == 4
     assert ctx.client.get("/v1/dwdp/kv_agent", params={"claim": "nope"}).status_code == 410
+
+
+@pytest.mark.parametrize(("params", "needle"), [
+    ({"do_remote_decod": True},
+     "kv_transfer_params: unknown key 'do_remote_decod' (did you mean 'do_remote_decode'?)"),
+    ({"do_remote_decode": "true"},
+     "kv_transfer_params.do_remote_decode: Input should be a valid boolean"),
+])
+def test_a_context_server_refuses_a_misspelled_or_mistyped_key(pair, params, needle):
+    """The rule of the generation side holds on the context side: a misspelled flag is not
+    ignored (the prompt would be prefilled and decoded here without a word) and a mistyped one
+    is named before any rule that reads it."""
+    ctx, _gen = pair
+    r = ctx.client.post("/v1/completions", json={"prompt": list(range(3, 30)), "max_tokens": 2,
+                                                 "kv_transfer_params": params})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(needle), r.text
 
 
 @pytest.fixture

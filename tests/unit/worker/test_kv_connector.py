@@ -77,7 +77,12 @@ def edge():
         ),
         (  # a misspelled flag beside a lease's fields: never a silent local prefill
             {"do_remote_prefil": True, "remote_engine_id": "e", "remote_request_id": "r"},
-            "kv_transfer_params.remote_engine_id: only with do_remote_prefill: true",
+            "kv_transfer_params: unknown key 'do_remote_prefil' (did you mean "
+            "'do_remote_prefill'?)",
+        ),
+        (  # a key no contract has: refused, not dropped (vllm-router adds none in here)
+            {"do_remote_decode": True, "no_stop_trim": True},
+            "kv_transfer_params: unknown key 'no_stop_trim'",
         ),
         (
             {"do_remote_decode": True, "remote_block_ids": [1]},
@@ -100,7 +105,7 @@ def test_bad_kv_transfer_params_are_a_400_naming_the_field_before_the_engine(
     assert engine.calls == []  # refused at the edge: the engine never saw it
 
 
-def test_kv_transfer_params_reach_the_engine_typed_with_unknown_fields_dropped(edge):
+def test_kv_transfer_params_reach_the_engine_typed(edge):
     client, engine = edge
     sent = {
         "do_remote_prefill": True,
@@ -110,14 +115,14 @@ def test_kv_transfer_params_reach_the_engine_typed_with_unknown_fields_dropped(e
         "remote_host": "10.0.0.1",
         "remote_port": 8001,
         "remote_lease_token": "t0k",
-        "no_stop_trim": True,  # a router's extra field
+        "remote_prefill_cached_tokens": 0,  # vLLM 0.32.0's, known and unused
     }
     r = client.post("/v1/completions", json={"prompt": [1, 2], "kv_transfer_params": sent})
     assert r.status_code == 200, r.text
     (got,) = engine.calls
     assert isinstance(got, KvTransferParams)
     assert got.block_ids == [3, 4] and got.remote_port == 8001 and got.do_remote_prefill
-    assert "no_stop_trim" not in got.model_dump()
+    assert got.remote_prefill_cached_tokens == 0
 
 
 def test_a_prefill_answer_dumps_vllms_field_names():

@@ -46,7 +46,8 @@ def test_other_vllm_versions_are_refused_naming_both():
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", ""])
 def test_a_wildcard_side_channel_is_refused(host):
     with pytest.raises(VllmInteropError, match="wildcard"):
-        VllmProducer(None, VllmInterop(model="m", port=1), num_layers=1, host=host, lease_s=1)
+        VllmProducer(None, VllmInterop(model="m", port=1), num_layers=1, host=host, lease_s=1,
+                     staging_blocks=1)
 
 
 def test_the_hash_is_vllm_0_32_0s_sha256_of_sorted_factors():
@@ -313,13 +314,15 @@ def test_a_silent_side_channel_ends_the_request_in_one_line(tmp_path):
 @pytest.mark.parametrize("role", ["generation", "context"])
 def test_the_launch_config_gives_each_role_its_side_of_vllms_connector(tmp_path, role):
     """kvTransfer.vllm through the worker's attach_kv_transfer: a generation rank gets the
-    reader (hashing model.path as the prefill servers' --model), a context rank the producer."""
+    reader (hashing model.path as the prefill servers' --model), a context rank the producer,
+    each with the staging buffer resolve_kv_staging sized (the producer's by default the larger
+    of maxModelLen and 2 x maxNumTokens, in whole 128-token blocks; not the whole pool)."""
     from dwdp.api.launch import LaunchConfig
     from dwdp.worker.apikey import ApiKey
     from dwdp.worker.engine.base import EngineConfig
     from dwdp.worker.engine.continuous import ContinuousEngine
     from dwdp.worker.loading.checkpoint import load_checkpoint
-    from dwdp.worker.main import attach_kv_transfer
+    from dwdp.worker.main import attach_kv_transfer, resolve_kv_staging
 
     ck = make_checkpoint("qwen3_moe", tmp_path / "q", num_experts=4, num_layers=2,
                          hidden_size=64, head_dim=32, moe_width=32)
@@ -327,11 +330,18 @@ def test_the_launch_config_gives_each_role_its_side_of_vllms_connector(tmp_path,
     engine = ContinuousEngine(model, tok, model_name="m", config=EngineConfig(max_model_len=512))
     cfg = LaunchConfig.model_validate({"model": {"path": str(ck)}, "role": role, "kvTransfer": {
         "vllm": {"sideChannelPort": _free_port()}}})
-    attach_kv_transfer(engine, cfg, "127.0.0.1", _free_port(), ApiKey(None))
+    staging = resolve_kv_staging(cfg, 512)
+    attach_kv_transfer(engine, cfg, "127.0.0.1", _free_port(), ApiKey(None), staging=staging)
     try:
         kv = engine.kv
         side = kv.vllm_reader if role == "generation" else kv.vllm
         assert side is not None and (kv.vllm is None or kv.vllm_reader is None)
+        assert staging is not None
+        if role == "context":
+            assert staging.tokens == 2 * 8192 and kv.vllm.num_staging == 2 * 8192 // 128
+            assert kv.vllm.staging[0].shape[0] == kv.vllm.num_staging
+        else:
+            assert staging.tokens == kv.vllm_reader.staging_tokens == 2048
         assert side.hash == compatibility_hash(
             model=str(ck), dtype=str(engine.runner.cache.dtype), num_kv_heads=2, head_size=32,
             num_layers=2)

@@ -227,7 +227,8 @@ def test_a_bfloat16_host_producer_stages_amx_blocks_and_says_so():
 
     cache = _cache("bfloat16", 64, 16, 12, seed=3)
     interop = VllmInterop(model="/m", port=free_port(), cpu_kernel="amx")
-    producer = VllmProducer(cache, interop, num_layers=LAYERS, host="127.0.0.1", lease_s=30)
+    producer = VllmProducer(cache, interop, num_layers=LAYERS, host="127.0.0.1", lease_s=30,
+                            staging_blocks=2)
     try:
         blocks = [11, 2, 7, 0, 5, 1, 3, 4, 6, 8]
         staged = producer.stage("r", blocks, 150)

@@ -25,6 +25,7 @@ the lease survives on vLLM's heartbeats and the answer is vLLM's own.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import uuid
@@ -37,6 +38,8 @@ zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
 from vllm_env import VLLM_PYTHON, needs_vllm  # noqa: E402
+
+httpx = pytest.importorskip("httpx")
 
 from dwdp.worker.disagg.vllm_nixl import VllmInterop  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
@@ -276,3 +279,65 @@ def _gauges(base: str) -> tuple[float, float]:
             values[name] = float(line.rsplit(" ", 1)[1])
     return values.get("vllm:num_requests_running", 0.0), values.get(
         "vllm:num_requests_waiting", 0.0)
+
+
+def _staged_prefill(ctx: EngineServer) -> httpx.Response:
+    return ctx.client.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+
+
+@pytest.fixture
+def small_staging(checkpoint):
+    """A context rank whose staging buffer holds two 128-token blocks: one prefill of
+    ``PROMPT`` (150 tokens) fills it."""
+    interop = VllmInterop(model=str(checkpoint), port=free_port())
+    with EngineServer(checkpoint, api_key=KEY, max_model_len=512, vllm=interop, model_name="m",
+                      lease_s=LEASE_S, vllm_staging_blocks=2) as ctx:
+        yield ctx
+
+
+def test_a_prefill_waits_for_room_in_a_full_staging_buffer(small_staging) -> None:
+    """The first prefill holds the whole buffer; the second waits (its blocks and token kept)
+    while the rank answers other requests, and is staged once the first lease expires."""
+    ctx = small_staging
+    assert _staged_prefill(ctx).status_code == 200
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        second = pool.submit(_staged_prefill, ctx)
+        plain = ctx.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert plain.status_code == 200, plain.text
+        assert not second.done()
+        answer = second.result(timeout=LEASE_S * 10)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["kv_transfer_params"]["remote_block_ids"]
+    assert time.monotonic() - started >= LEASE_S * 0.5  # it waited for the lease to end
+
+
+def test_a_prefill_that_finds_no_room_within_the_lease_time_is_answered_503(
+        small_staging) -> None:
+    """A slow decode side keeps the first lease alive with heartbeats: the second prefill
+    waits one lease time for room, then fails with a 503 naming the setting; the rank serves
+    on."""
+    ctx = small_staging
+    first = _prefill(ctx)
+    producer = ctx.engine.kv.vllm
+    side = DecodeSide(producer.host, producer.interop.port)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            side.heartbeat([first["remote_request_id"]])
+
+    beats = threading.Thread(target=beat)
+    beats.start()
+    try:
+        r = _staged_prefill(ctx)
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "vLLM staging buffer full" in message and "stagingTokens" in message
+        plain = ctx.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert plain.status_code == 200, plain.text
+    finally:
+        stop.set()
+        beats.join()
+        side.close()

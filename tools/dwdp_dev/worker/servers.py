@@ -130,7 +130,8 @@ class EngineServer:
     """A checkpoint's continuous engine behind the OpenAI app (``api_key`` required), with a
     NIXL KV transfer (``kv=True``: the context and generation roles) whose leases last
     ``lease_s`` seconds (``vllm``: a ``VllmInterop``, the context rank serves vLLM decode
-    servers; ``vllm_prefill``: one, the generation server reads vLLM prefill servers), on
+    servers, its staging buffer ``vllm_staging_blocks`` blocks of 128 tokens; ``vllm_prefill``:
+    one, the generation server reads vLLM prefill servers), on
     ``device`` (``cuda:N``: the worker's GPU kernels too, as
     ``dwdp.worker.main`` sets them). ``server``: its identity in the ``dwdp`` response field
     (``status.server_identity``). ``limits`` go to ``EngineConfig``. A context manager:
@@ -140,7 +141,8 @@ class EngineServer:
     def __init__(self, path: Path, *, api_key: str | ApiKey, kv: bool = True,
                  lease_s: float = KV_TRANSFER_LEASE_S, model_name: str = "m", device: str = "cpu",
                  server: dict[str, Any] | None = None, vllm: Any = None,
-                 vllm_prefill: Any = None, **limits: Any) -> None:
+                 vllm_prefill: Any = None, vllm_staging_blocks: int = 32,
+                 **limits: Any) -> None:
         from dwdp.worker.engine.base import EngineConfig
         from dwdp.worker.engine.continuous import ContinuousEngine
         from dwdp.worker.loading.checkpoint import load_checkpoint
@@ -155,6 +157,7 @@ class EngineServer:
                                        config=EngineConfig(**limits))
         self.api_key, self.kv, self.lease_s, self.model_name = api_key, kv, lease_s, model_name
         self.vllm = vllm  # a VllmInterop: a context rank that vLLM decode servers read
+        self.vllm_staging_blocks = vllm_staging_blocks
         self.vllm_prefill = vllm_prefill  # a VllmInterop: a generation server reading vLLM's
         self.path, self.server = path, server
 
@@ -193,7 +196,8 @@ class EngineServer:
                 from dwdp.worker.disagg.vllm_nixl import VllmProducer
 
                 producer = VllmProducer(cache, self.vllm, num_layers=layers, host="127.0.0.1",
-                                        lease_s=self.lease_s)
+                                        lease_s=self.lease_s,
+                                        staging_blocks=self.vllm_staging_blocks)
             if self.vllm_prefill is not None:
                 from dwdp.worker.disagg.vllm_reader import VllmReader
 
@@ -316,17 +320,20 @@ class VllmRouter(_LoopbackProcess):
 class RouterGate(_LoopbackProcess):
     """``dwdp router-gate`` on a free loopback port in front of vllm-router in PD mode over
     ``prefill`` and ``decode`` URLs, with the key of the file ``key_file``
-    (``DWDP_API_KEY_FILE``). ``__enter__`` returns its base URL once ``/readiness`` answers
-    200 (``_LoopbackProcess``)."""
+    (``DWDP_API_KEY_FILE``), picking prefill servers by ``prefill_policy`` (vllm-router's
+    default when None; the operator's is ``round_robin``). ``__enter__`` returns its base URL
+    once ``/readiness`` answers 200 (``_LoopbackProcess``)."""
 
     name = "dwdp router-gate"
     ready_path = "/readiness"
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, key_file: Path,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, prefill_policy: str | None = None) -> None:
         self.port = free_port()
         binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
         router = [binary, "--vllm-pd-disaggregation", "--log-level", "warning", *_metrics_args()]
+        if prefill_policy is not None:
+            router += ["--prefill-policy", prefill_policy]
         router += [a for url in prefill for a in ("--prefill", url)]
         router += [a for url in decode for a in ("--decode", url)]
         self.args = [sys.executable, "-m", "dwdp", "router-gate", "--host", "127.0.0.1",

@@ -37,6 +37,7 @@ from dwdp.worker.backend.shm_names import (  # noqa: F401 - leftover_segments: r
     leftover_segments,
     segment_name,
 )
+from dwdp.worker.host_memory import host_budget
 
 
 def _round_up(nbytes: int, granularity: int) -> int:
@@ -284,16 +285,12 @@ class CpuBackend(Backend):
             dst.copy_(d.src.tensor()[d.src_offset : d.src_offset + d.nbytes])
 
     def free_bytes(self) -> int:
-        """The smaller of the host's available memory and the free space of ``shm_dir``."""
+        """The smaller of the container's host memory budget (``host_memory.host_budget``:
+        its cgroup's limit, not the node's free pages) and the free space of ``shm_dir``."""
         stat = os.statvfs(self.shm_dir)
         shm_free = stat.f_bavail * stat.f_frsize
-        available = shm_free
         try:
-            with open("/proc/meminfo") as meminfo:
-                for line in meminfo:
-                    if line.startswith("MemAvailable:"):
-                        available = int(line.split()[1]) * 1024
-                        break
+            available = host_budget().available
         except OSError:
-            pass
+            available = shm_free
         return min(shm_free, available)

@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from dwdp.worker.engine.kv_connector import KvHoldFull
 from dwdp.worker.engine.paged import PagedKVCache
 
 KV_AGENT_PATH = "/v1/dwdp/kv_agent"
@@ -37,6 +38,14 @@ PULL_TIMEOUT_S = 60.0
 
 class TransferError(RuntimeError):
     """A KV transfer that cannot happen or failed (one line naming the cause)."""
+
+
+class StagingFull(TransferError, KvHoldFull):
+    """A finished prefill found no room in the staging buffer its KV must pass through (vLLM
+    interop). The engine keeps the request and stages it as soon as leases end, for up to
+    ``retry_s`` (the lease time: a lease nobody reads or keeps alive has ended by then); past
+    that it fails, answered 503 (vllm-router 0.1.17 in PD mode does not retry a prefill: its
+    client gets a 500 carrying this message)."""
 
 
 class LeaseError(TransferError):

@@ -205,6 +205,12 @@ def cpu_kernel_for(dtype: str, setting: str, amx: bool | None = None) -> str:
     return "amx" if (amx_supported() if amx is None else amx) else "vec"
 
 
+def block_size_for(device_type: str) -> int:
+    """Tokens per block of the layout staged from a ``device_type`` KV cache (both CPU
+    kernels' blocks hold 128 tokens, FLASH_ATTN's 16)."""
+    return LAYOUTS["flash" if device_type == "cuda" else "vec"].block_size
+
+
 def layout_for(device_type: str, dtype: str, cpu_kernel: str = "auto") -> VllmLayout:
     """The layout a vLLM 0.32.0 decode server reads from a prefill rank whose KV cache is on a
     ``device_type`` device (``cuda``: FLASH_ATTN in VRAM; ``cpu``: CPU_ATTN with the kernel of

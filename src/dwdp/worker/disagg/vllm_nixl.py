@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dwdp.api.defaults import VLLM_SIDE_CHANNEL_PORT, VLLM_VERSIONS
-from dwdp.worker.disagg.agent import TransferError, new_nixl_agent
+from dwdp.worker.disagg.agent import StagingFull, TransferError, new_nixl_agent
 from dwdp.worker.disagg.vllm_layout import (
     VllmLayout,
     check_cpu_kernel,
@@ -253,8 +253,9 @@ class VllmProducer:
     ``cache``: the engine's ``PagedKVCache`` (every layer allocated); ``host``: the address the
     side channel binds and advertises (a wildcard is refused: the channel authenticates no
     peer); ``lease_s``: vLLM's ``kv_lease_duration``;
-    ``staging_blocks``: blocks of the staging buffer in the layout's block size (default:
-    enough for the whole dwdp cache held under leases); it lives on the cache's device.
+    ``staging_blocks``: blocks of the staging buffer in the layout's block size (each staged
+    request takes whole blocks; ``staging_setting`` names what sized it, for the error of a
+    full buffer); it lives on the cache's device.
     ``layout``: the ``VllmLayout`` staged (``vllm_layout.layout_for`` the cache's device).
     Raises ``VllmInteropError`` for a cache the decode side cannot share (device, head size,
     dtype; ``check_model_config`` refuses it earlier, from the checkpoint's config) and
@@ -269,7 +270,8 @@ class VllmProducer:
         num_layers: int,
         host: str,
         lease_s: float,
-        staging_blocks: int | None = None,
+        staging_blocks: int,
+        staging_setting: str = "stagingTokens",
     ) -> None:
 
         import torch
@@ -289,10 +291,8 @@ class VllmProducer:
         k0 = cache.layers[0][0]
         self.dtype = k0.dtype
         self.num_layers = num_layers
-        bs = cache.block_size
-        dwdp_blocks = k0.shape[0] // bs
-        default = math.ceil(dwdp_blocks * bs / layout.block_size) + dwdp_blocks
-        self.num_staging = int(staging_blocks or default)
+        self.num_staging = int(staging_blocks)
+        self.staging_setting = staging_setting
         width = 2 * layout.block_size * self.head_dim
         self.staging = [
             torch.zeros(self.num_staging, self.heads, width, dtype=self.dtype, device=k0.device)
@@ -427,15 +427,18 @@ class VllmProducer:
 
     def stage(self, request_id: str, blocks: list[int], num_tokens: int) -> list[int]:
         """Copy the KV of ``blocks`` (dwdp's, the first ``num_tokens`` tokens of a request)
-        into staging blocks held under a lease; returns their ids. ``TransferError`` when
-        the staging buffer is full."""
+        into staging blocks held under a lease; returns their ids. ``StagingFull`` when the
+        staging buffer has too few blocks free now."""
         import torch
 
         need = max(1, math.ceil(num_tokens / self.layout.block_size))
         with self._lock:
             if need > len(self._free):
-                raise TransferError(
-                    f"vLLM staging buffer full: {need} blocks needed, {len(self._free)} free"
+                raise StagingFull(
+                    f"vLLM staging buffer full: request {request_id} needs {need} blocks of "
+                    f"{self.layout.block_size} tokens, {len(self._free)} of {self.num_staging} "
+                    f"are free (the others wait for vLLM decode servers to read them; "
+                    f"{self.staging_setting} sizes the buffer)", retry_s=self.lease_s
                 )
             staging = [self._free.pop() for _ in range(need)]
         index = torch.tensor(staging, device=self.staging[0].device)

@@ -24,7 +24,7 @@ from typing import Any
 from dwdp.worker.engine.base import EngineBase
 from dwdp.worker.engine.blocks import BlockAllocator
 from dwdp.worker.engine.graphs import CudaGraphError, DecodeGraphs, GraphStats
-from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
+from dwdp.worker.engine.kv_connector import KvConnector, KvHoldFull, KvTransferParams
 from dwdp.worker.engine.kv_events import KvEventPublisher
 from dwdp.worker.engine.paged import (
     Chunk,
@@ -140,6 +140,9 @@ class ContinuousEngine(EngineBase):
         self.kv_events: KvEventPublisher | None = None
         self._unsettled: list[SchedSequence] = []
         """Requests whose last token is taken, its text not yet (``_settle``)."""
+        self._parked: list[tuple[SchedSequence, Any, float]] = []
+        """Remote-decode prefills waiting for room to hold their KV: (request, its sampled
+        choice, until when it may wait); see ``_remote_decode``."""
         self._step_lock = threading.Lock()
         self._warmed = False
 
@@ -308,6 +311,46 @@ class ContinuousEngine(EngineBase):
         self.scheduler.remove(seq)
         self._sequences.pop(id(state), None)
 
+    def _remote_decode(self, seq: SchedSequence, kv: KvConnector, choice: Any,
+                       deadline: float | None = None) -> None:
+        """A remote-decode prefill sampled ``choice``: hold its KV for the decode side (the
+        answer's ``kv_transfer_params``), then give it the token (``_take``). No room to hold
+        it yet (``KvHoldFull``): a request this token ends waits out of the schedule, its
+        blocks and token kept, until ``deadline`` (now plus the error's ``retry_s`` the first
+        time), asked again by ``_unpark``; past it, or on another error, it fails. A request
+        that goes on (``max_tokens`` > 1) needs no hold and takes its token."""
+        state = seq.state
+        try:
+            state.kv_transfer_out = kv.request_finished(state.request_id, seq.blocks,
+                                                        len(state.prompt))
+        except KvHoldFull as full:
+            if deadline is None and len(state.tokens) + 1 < state.params.max_tokens:
+                self._take(seq, choice)
+                return
+            if deadline is None:
+                self.scheduler.detach(seq)
+                deadline = time.monotonic() + full.retry_s
+            if time.monotonic() < deadline:
+                self._parked.append((seq, choice, deadline))
+                return
+            self._fail(seq, full)
+            return
+        except Exception as exc:
+            log.warning("request %s: %s", state.request_id, exc)
+            self._fail(seq, exc)
+            return
+        self._take(seq, choice)
+
+    def _unpark(self, kv: KvConnector) -> None:
+        """Ask again to hold the KV of the prefills waiting for room (``_remote_decode``),
+        oldest first; an aborted one ends and frees its blocks."""
+        parked, self._parked = self._parked, []
+        for seq, choice, deadline in parked:
+            if seq.state.aborted:
+                self._end(seq, "abort")
+            else:
+                self._remote_decode(seq, kv, choice, deadline)
+
     def _lease_or_end(self, seq: SchedSequence) -> None:
         """A finished request: a remote-decode prefill keeps its blocks under a lease."""
         if seq.state.kv_transfer_out is None:
@@ -325,6 +368,7 @@ class ContinuousEngine(EngineBase):
                 break
             if self.kv is not None:
                 self.allocator.free_many(self.kv.finished_blocks())
+                self._unpark(self.kv)
             self._step()
         self._abort_all()
 
@@ -426,25 +470,32 @@ class ContinuousEngine(EngineBase):
             state = seq.state
             if state.finished:
                 continue  # a stop string ended it while this step ran: its token is dropped
-            params, rid = state.kv_transfer, state.request_id
-            if kv is not None and params is not None and params.do_remote_decode:
-                state.kv_transfer_out = kv.request_finished(rid, seq.blocks,
-                                                            len(state.prompt))
-            self.stats.generation_tokens += 1
-            reason = state.take(choice.token, eos_token_ids=self.eos_token_ids,
-                                max_model_len=self.max_model_len, logprob=choice.logprob)
-            if reason is not None:
-                if reason != "stop" and state.settle(self._tokenizer):
-                    reason = "stop"
-                self._finish(state, reason)
-                self._lease_or_end(seq)
-                continue
-            if kv is not None and state.kv_transfer_out is not None:
-                kv.cancel_hold(rid)  # it goes on (max_tokens > 1): no lease
-                state.kv_transfer_out = None
-            self._unsettled.append(seq)
+            params = state.kv_transfer
+            remote_decode = params is not None and params.do_remote_decode
+            if kv is not None and remote_decode:
+                self._remote_decode(seq, kv, choice)
+            else:
+                self._take(seq, choice)
         self._count_kv()
         self._publish_kv_events()
+
+    def _take(self, seq: SchedSequence, choice: Any) -> None:
+        """Give a request the token it sampled (``choice``): it finishes (a remote-decode
+        prefill keeps its blocks under the lease ``_hold`` made) or goes on."""
+        state, kv = seq.state, self.kv
+        self.stats.generation_tokens += 1
+        reason = state.take(choice.token, eos_token_ids=self.eos_token_ids,
+                            max_model_len=self.max_model_len, logprob=choice.logprob)
+        if reason is not None:
+            if reason != "stop" and state.settle(self._tokenizer):
+                reason = "stop"
+            self._finish(state, reason)
+            self._lease_or_end(seq)
+            return
+        if kv is not None and state.kv_transfer_out is not None:
+            kv.cancel_hold(state.request_id)  # it goes on (max_tokens > 1): no lease
+            state.kv_transfer_out = None
+        self._unsettled.append(seq)
 
     def _replays_next(self) -> bool:
         """Whether the next step is likely a graph replay (decided before it is scheduled:

@@ -27,6 +27,7 @@ against its block size; the connector: the remote side's lease).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol, runtime_checkable
 
@@ -37,6 +38,7 @@ from pydantic import (
     ValidationInfo,
     field_serializer,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -65,15 +67,18 @@ class KvTransferParams(BaseModel):
     side channel), ``tp_size``. The router copies that object unchanged into the request it
     sends a generation server, which reads the blocks and decodes. ``remote_lease_token``
     (dwdp's) is the lease's secret, which the generation server shows when it claims the
-    blocks; vLLM's answers (``transfer_mode`` set, ``from_vllm``) carry none. Fields routers
-    add that this contract does not use are ignored. Validation errors name
+    blocks; vLLM's answers (``transfer_mode`` set, ``from_vllm``) carry none. The same rule
+    holds on every role: a key that is none of vLLM 0.32.0's NIXL-connector keys nor dwdp's
+    token is refused, naming it and the nearest known key (a misspelled ``do_remote_decod``
+    would otherwise prefill and decode here without a word); a field of the wrong type is
+    named before any rule that reads it. Validation errors name
     ``kv_transfer_params.<field>``: both flags true, ``do_remote_prefill`` without one of the
     lease's fields (the token but with ``transfer_mode``), or one of them without
     ``do_remote_prefill: true``, is refused.
     """
 
     # strict: "yes" is no bool, "8001" no port, true no block id (a 400 naming the field)
-    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     do_remote_decode: bool = Field(False, description="Prefill only; another server decodes.")
     do_remote_prefill: bool = Field(
@@ -106,6 +111,22 @@ class KvTransferParams(BaseModel):
     pp_size: int | None = Field(default=None, ge=1, le=1)
     remote_num_tokens: int | None = Field(default=None, ge=0)
     remote_blocks_expiry_time: float | None = None
+    remote_prefill_cached_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        """Refuse a key this contract does not know, naming the nearest known one."""
+        if isinstance(data, dict):
+            for key in data:
+                if key not in cls.model_fields:
+                    near = difflib.get_close_matches(str(key), cls.model_fields, n=1)
+                    hint = f" (did you mean {near[0]!r}?)" if near else ""
+                    raise PydanticCustomError(
+                        "kv_transfer_params",
+                        "unknown key {key}{hint}: the keys are vLLM's NIXL connector's and "
+                        "remote_lease_token", {"key": repr(key), "hint": hint})
+        return data
 
     @field_validator("remote_block_ids", mode="before")
     @classmethod
@@ -132,6 +153,8 @@ class KvTransferParams(BaseModel):
     @field_validator(*_NEEDED_FOR_REMOTE_PREFILL)
     @classmethod
     def _lease_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        if "do_remote_prefill" not in info.data:
+            return value  # its own type error names it; these rules read it
         given = value not in (None, [])
         vllm = info.field_name == "remote_lease_token" and info.data.get("transfer_mode")
         if not given and info.data.get("do_remote_prefill") and not vllm:
@@ -195,6 +218,17 @@ class KvServerSide(Protocol):
         ``incarnation``, ``pod``; empty when unknown)."""
 
 
+class KvHoldFull(RuntimeError):
+    """``request_finished`` found no room to hold the request's KV now (vLLM interop: the
+    staging buffer is full until the decode side reads or leases expire). The engine keeps the
+    request, its blocks and its token, and asks again as holds end, for up to ``retry_s``
+    seconds; then the request fails with this error (one line)."""
+
+    def __init__(self, message: str, retry_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_s = retry_s
+
+
 @runtime_checkable
 class KvConnector(KvServerSide, Protocol):
     """What the engine and the server call on a KV connector (see the module docstring).
@@ -222,7 +256,7 @@ class KvConnector(KvServerSide, Protocol):
         """A ``do_remote_decode`` request produced its token: hold ``blocks`` (its
         ``num_tokens`` prompt tokens, when given) for the remote decoder (the engine frees them
         when ``finished_blocks`` returns them) and return the ``kv_transfer_params`` its answer
-        carries."""
+        carries. Raises ``KvHoldFull`` when there is no room to hold them yet."""
 
     def cancel_hold(self, request_id: str) -> None:
         """The request goes on after ``request_finished``: forget the hold, not its blocks

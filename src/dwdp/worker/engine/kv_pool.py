@@ -96,11 +96,14 @@ def size_kv_pool(
     bytes_per_token: int,
     max_model_len: int,
     where: str,
+    note: str = "",
 ) -> KvPool:
     """The pool of a rank with ``free_bytes`` left (module docstring gives the rules).
 
-    Raises ``KvPoolError`` (one line: the capacity, what sized it, ``max_model_len`` and the
-    settings to change) when the pool would hold fewer than ``max_model_len`` tokens.
+    Raises ``KvPoolError`` (one line: the capacity, what sized it, the bytes one
+    ``max_model_len`` request needs, the memory it was sized from, ``note`` on where that
+    came from, and the settings to change) when the pool would hold fewer than
+    ``max_model_len`` tokens.
     """
     by_memory = int(kv.free_memory_fraction * max(free_bytes, 0)) // bytes_per_token
     capacity, limited_by = by_memory, "freeMemoryFraction"
@@ -108,11 +111,13 @@ def size_kv_pool(
         capacity, limited_by = kv.max_tokens, "maxTokens"
     if capacity < max_model_len:
         gib = free_bytes / 2**30
+        need = max_model_len * bytes_per_token / 2**30
         raise KvPoolError(
             f"kvCache: the KV cache pool holds {capacity} tokens ({limited_by}; "
             f"freeMemoryFraction {kv.free_memory_fraction} of {gib:.2f} GiB left on the "
             f"{where} after weights, DWDP buffers and activations, {bytes_per_token} bytes "
-            f"per token), less than one request of maxModelLen {max_model_len} tokens; "
-            f"lower maxModelLen, raise freeMemoryFraction or give the rank more memory"
+            f"per token), less than one request of maxModelLen {max_model_len} tokens "
+            f"({need:.2f} GiB){f' [{note}]' if note else ''}; lower maxModelLen, raise "
+            f"freeMemoryFraction or give the rank more memory"
         )
     return KvPool(capacity, bytes_per_token, where, limited_by, int(free_bytes))

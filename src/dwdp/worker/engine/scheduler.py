@@ -141,8 +141,10 @@ class Scheduler:
         self._free(seq)
 
     def detach(self, seq: Sequence) -> None:
-        """Take a running request out of the schedule, its blocks still held (a lease)."""
-        self.running.remove(seq)
+        """Take a running request out of the schedule, its blocks still held (a lease, or a
+        prefill waiting for room to hold its KV); a no-op for one already out."""
+        if seq in self.running:
+            self.running.remove(seq)
 
     def schedule(self) -> list[Scheduled]:
         """The next step's chunks (empty when nothing can run); see the module docstring."""

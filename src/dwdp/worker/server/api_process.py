@@ -63,6 +63,10 @@ EXIT_CANNOT_LISTEN = 3
 FAILURE_FILE = "api-process-failure"
 """Where, beside the rank's socket, the API process leaves the one-line cause of a failed start
 (``failure_of`` reads it for the rank's termination message)."""
+LOADED_FILE = "api-process-loaded"
+"""Where, beside the rank's socket, the API process says it has imported its modules and loaded
+the tokenizer: its memory is then all there, so the rank sizes its KV pool after it
+(``ApiProcess.wait_loaded``)."""
 PROXY_TIMEOUT_S = 60.0
 """How long a passed-on request may take in the rank (the side channel's describe waits for
 the agent's lock)."""
@@ -307,6 +311,8 @@ def main() -> int:
     try:
         tokenizer = load_tokenizer(Path(first["tokenizer"]))
         import uvicorn  # noqa: F401  (imported while the rank loads, not after)
+
+        (rank_dir / LOADED_FILE).touch()
 
         rest = sys.stdin.read()
         if not rest.strip():  # the rank stopped, or was killed, before it served

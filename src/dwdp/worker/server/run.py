@@ -245,6 +245,18 @@ class ApiProcess:
         if message is not None:
             raise RuntimeError(message)
 
+    def wait_loaded(self, poll_s: float = 0.05) -> None:
+        """Wait until the process has loaded what it serves with (its modules and the
+        tokenizer: with transformers, torch too, about half a GiB), so the memory the rank
+        measures next includes it. Raises ``RuntimeError`` (``exit_message``) when the
+        process ends first."""
+        from dwdp.worker.server.api_process import LOADED_FILE
+
+        loaded = os.path.join(self.workdir, LOADED_FILE)
+        while not os.path.exists(loaded):
+            self.check()
+            time.sleep(poll_s)
+
     def stop(self, wait_s: float | None) -> None:
         """SIGTERM the process if it still runs (serving, it drains), wait ``wait_s`` seconds
         (``None``: until it exits), then SIGKILL."""

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dwdp.worker.disagg.agent import LeaseError, TransferError
+from dwdp.worker.disagg.agent import LeaseError, StagingFull, TransferError
 from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import (
     EngineClient,
@@ -441,6 +441,8 @@ class OpenAIServing:
             raise ServingError(400, str(exc)) from exc
         except LeaseError as exc:  # the params name no lease this server may read
             raise lease_refusal(exc) from exc
+        except StagingFull as exc:  # busy, not broken (vllm-router 0.1.17 does not retry it)
+            raise ServingError(503, str(exc), kind="service_unavailable") from exc
         except TransferError as exc:
             raise ServingError(502, str(exc), kind="kv_transfer_error") from exc
         except EngineError as exc:

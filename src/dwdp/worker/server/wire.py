@@ -37,7 +37,7 @@ from typing import Any
 
 import msgpack
 
-from dwdp.worker.disagg.agent import LeaseError, TransferError
+from dwdp.worker.disagg.agent import LeaseError, StagingFull, TransferError
 from dwdp.worker.engine.kv_connector import KvTransferParams
 from dwdp.worker.engine.protocol import (
     EngineDeadError,
@@ -52,6 +52,7 @@ from dwdp.worker.engine.protocol import (
 ERROR_TYPES: dict[str, type[Exception]] = {
     "RequestError": RequestError,
     "LeaseError": LeaseError,
+    "StagingFull": StagingFull,
     "TransferError": TransferError,
     "EngineDeadError": EngineDeadError,
     "EngineError": EngineError,
