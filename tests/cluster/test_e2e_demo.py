@@ -8,7 +8,9 @@ server must answer exactly as a single process with replicated weights, and so m
 requests sent through the router, each naming (its ``dwdp`` field) the group and rank that
 prefilled it and the generation server that decoded it. Then one rank process
 of group g0 is killed: the group must fail together, be replaced by incarnation 1 and serve
-the same answers again, while group g1 answers every request throughout.
+the same answers again, while group g1 answers every request throughout and two clients of the
+router lose none of theirs (the router gate sends a failed prefill again, the operator takes the
+dead group out of the router's list and puts its new incarnation back; issue 58).
 
 The test runs on the session's cluster (``cluster``, a real node), in its own namespace
 (``testing.demo_namespace``: the operator installed as the demo does, deleted with the deployment at
@@ -253,7 +255,42 @@ def _rank_pids(tc: TestCluster, group: str, local_rank: int) -> list[int]:
     return pids
 
 
+class RouterClients:
+    """``count`` clients asking the router the demo's requests one after another until
+    ``stop``; every answer that is not the reference (an HTTP error included) is a failure."""
+
+    def __init__(self, url: str, want: list[str], count: int = 2) -> None:
+        self.url, self.want = url, want
+        self.stop = threading.Event()
+        self.rows: list[demo.Routed] = []
+        self.threads = [threading.Thread(target=self._ask, args=(k,), daemon=True)
+                        for k in range(count)]
+
+    def _ask(self, k: int) -> None:
+        reqs = list(zip(demo.requests_of(), self.want, strict=True))
+        i = k
+        while not self.stop.is_set():
+            (path, req), expected = reqs[i % len(reqs)]
+            i += 1
+            self.rows.append(demo.ask_routed(self.url, path, req, expected))
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=180)
+
+    @property
+    def failed(self) -> list[demo.Routed]:
+        return [r for r in self.rows if not r.same]
+
+
 def test_a_killed_rank_fails_its_group_together_and_it_serves_again(deployed) -> None:
+    """A rank of g0 SIGKILLed under traffic: g0 fails together and serves again as
+    incarnation 1; g1 answers throughout; two router clients see 0 failed requests."""
     tc, _model, want = deployed
     groups = _by_group(demo.service_endpoints(tc, NS, demo.NAME))
     other = groups["demo-g1"]
@@ -261,6 +298,8 @@ def test_a_killed_rank_fails_its_group_together_and_it_serves_again(deployed) ->
     stop = threading.Event()
     errors: list[str] = []
     served = [0]
+    router, _took = demo.wait_router(tc, NS, demo.NAME, prefill=8, decode=1)
+    clients = RouterClients(demo.router_address(tc, NS, router["endpoint"]).url, want)
 
     def keep_asking() -> None:  # group g1 must answer throughout
         i = 0
@@ -280,6 +319,8 @@ def test_a_killed_rank_fails_its_group_together_and_it_serves_again(deployed) ->
     assert len(pids) == 1, f"rank processes of demo-g0 local rank 1: {pids}"
     asker = threading.Thread(target=keep_asking, daemon=True)
     asker.start()
+    clients.start()
+    time.sleep(2)  # the router clients are asking before the kill
     killed_at = time.monotonic()
     try:
         os.kill(pids[0], signal.SIGKILL)
@@ -306,15 +347,23 @@ def test_a_killed_rank_fails_its_group_together_and_it_serves_again(deployed) ->
         assert g0["lastFailure"]["phase"] in ("serve", "exit"), g0["lastFailure"]
         assert "killed by signal 9" in g0["lastFailure"]["message"]
         demo.wait_ready(tc, NS, demo.NAME, groups=2, timeout=300)
+        demo.wait_router(tc, NS, demo.NAME, prefill=8, decode=1)
+        time.sleep(3)  # a few answers through the router of the new list
         print(
             f"kill -> demo-g0 incarnation {g0['incarnation']} serving: "
             f"{time.monotonic() - killed_at:.1f} s; demo-g1 answered {served[0]} requests "
-            f"meanwhile, {len(errors)} failed"
+            f"meanwhile, {len(errors)} failed; the router clients got {len(clients.rows)} "
+            f"answers, {len(clients.failed)} failed"
         )
     finally:
         stop.set()
+        clients.close()
         asker.join(timeout=120)
     assert not errors, f"group g1 failed requests while g0 restarted: {errors[:5]}"
+    assert clients.rows and not clients.failed, (
+        f"{len(clients.failed)} of {len(clients.rows)} router requests failed while g0 "
+        f"restarted: {[(r.path, r.got) for r in clients.failed[:5]]}"
+    )
     assert served[0] > 0
     groups = _by_group(demo.service_endpoints(tc, NS, demo.NAME))
     assert sorted(groups) == ["demo-g0", "demo-g1"]

@@ -399,7 +399,8 @@ class VllmGenerationSpec(ApiModel):
         "memory, out of that memory before the KV cache pool is sized (/dwdp/status "
         "memory.kv_staging). A prefill that finds it full waits for room for up to "
         "context.kvCache.transferLeaseSeconds, then is answered 503 naming this setting "
-        "(vllm-router does not retry a prefill: its client gets a 500 with that message). "
+        "(the router sends it again to other context ranks, at most once per rank; when they "
+        "are all full its client gets a 500 with that message). "
         "At least context.maxModelLen (a request is staged whole); unset: the larger "
         "of context.maxModelLen (else the model's context length) and 2 x "
         "context.maxNumTokens.",

@@ -244,8 +244,9 @@ class VllmConnectorConfig(ApiModel):
         "each request takes whole blocks until its reader is done). The buffer is taken out "
         "of the rank's memory before the KV cache pool is sized. A prefill that finds it full "
         "waits for room for up to kvCache.transferLeaseSeconds, then is answered 503 naming "
-        "this setting (vllm-router does not retry a prefill: its client gets a 500 with that "
-        "message). At least maxModelLen; unset: the larger of "
+        "this setting (the operator's router sends it again to other context ranks, at most "
+        "once per rank; when they are all full its client gets a 500 with that message). "
+        "At least maxModelLen; unset: the larger of "
         "maxModelLen and 2 x maxNumTokens. Unused on a generation server (its READ buffer "
         "holds 2048 tokens).",
     )

@@ -144,8 +144,12 @@ ROUTER_CONTAINER = "router"
 """Name of the one container of a router pod."""
 ROUTER_POD_IP_ENV = "POD_IP"
 """The router pod's own address (a fieldRef), which it binds."""
-ROUTER_GRACE_S = 30
+ROUTER_GRACE_S = 35
 """Termination grace period of a router pod, in seconds (in-flight requests finish)."""
+ROUTER_STOP_DELAY_S = 5
+"""A stopping router pod keeps serving this long (its ``preStop`` sleep, within
+``ROUTER_GRACE_S``) before the gate stops listening: kube-proxy takes it out of the Service's
+rules first, so a connection opened during a roll is never refused."""
 
 # ----------------------------------------------------------------------------- conditions
 COND_READY = "Ready"

@@ -147,8 +147,9 @@ def router_deployment(
     0), rolled one surge pod at a time (never below the wanted count), each with the
     restrictive security context of the workers, no service-account token, a read-only
     root with a writable /tmp, the API key's Secret mounted, a readiness probe (the gate
-    forwards it to vllm-router's ``/readiness``) and a liveness probe (the gate's
-    ``/liveness``). Running the worker image (``router.image`` unset), the pods pull it with
+    forwards it to vllm-router's ``/readiness``), a liveness probe (the gate's
+    ``/liveness``) and a ``preStop`` sleep (``ROUTER_STOP_DELAY_S``: a pod rolled out of the
+    Service refuses no connection kube-proxy still sends it). Running the worker image (``router.image`` unset), the pods pull it with
     the workers' ``spec.imagePullSecrets``; another image gets none of them."""
     r = spec.router
     labels = _labels(owner, c.Component.ROUTER)
@@ -177,6 +178,7 @@ def router_deployment(
             "timeoutSeconds": 5,
             "failureThreshold": 3,
         },
+        "lifecycle": {"preStop": {"sleep": {"seconds": c.ROUTER_STOP_DELAY_S}}},
         "resources": (r.resources.to_yaml_dict() if r.resources else {}) or {},
         "securityContext": spec.security_context.to_yaml_dict(),
         "volumeMounts": [{"name": c.TMP_VOLUME, "mountPath": c.TMP_DIR}, *key_mounts],

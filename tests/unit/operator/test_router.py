@@ -109,6 +109,9 @@ def test_the_deployment_runs_the_gate_with_the_key_mounted_by_reference() -> Non
     assert ctr["readinessProbe"]["timeoutSeconds"] == 5  # not the 1 s default
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": 8000}
     assert ctr["livenessProbe"]["failureThreshold"] * ctr["livenessProbe"]["periodSeconds"] >= 30
+    # a rolled pod serves on until kube-proxy dropped it, within its grace period
+    delay = ctr["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert 0 < delay < pod["spec"]["terminationGracePeriodSeconds"]
     labels = pod["metadata"]["labels"]
     assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert labels[c.LABEL_MANAGED_BY] == c.MANAGED_BY  # its pods wake the deployment's loop

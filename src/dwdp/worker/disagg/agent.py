@@ -44,8 +44,9 @@ class StagingFull(TransferError, KvHoldFull):
     """A finished prefill found no room in the staging buffer its KV must pass through (vLLM
     interop). The engine keeps the request and stages it as soon as leases end, for up to
     ``retry_s`` (the lease time: a lease nobody reads or keeps alive has ended by then); past
-    that it fails, answered 503 (vllm-router 0.1.17 in PD mode does not retry a prefill: its
-    client gets a 500 carrying this message)."""
+    that it fails, answered 503 (vllm-router 0.1.17 in PD mode does not retry a prefill; the
+    router gate in front of it sends the request again to other prefill servers, and a client
+    gets a 500 carrying this message only when they all fail)."""
 
 
 class LeaseError(TransferError):

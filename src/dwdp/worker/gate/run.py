@@ -27,7 +27,7 @@ async def serve(
     """Serve the gate on ``host:port`` in front of a vllm-router child (``argv``) until a stop
     signal (0) or the child's failure (1). After a stop signal, requests in flight get
     ``graceful_shutdown_s`` seconds, then the child 5 s to stop: within the router pod's
-    termination grace (30 s)."""
+    termination grace (35 s, of which its preStop sleep takes the first 5)."""
     import uvicorn
 
     try:
