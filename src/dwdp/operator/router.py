@@ -149,8 +149,9 @@ def router_deployment(
     root with a writable /tmp, the API key's Secret mounted, a readiness probe (the gate
     forwards it to vllm-router's ``/readiness``), a liveness probe (the gate's
     ``/liveness``) and a ``preStop`` sleep (``ROUTER_STOP_DELAY_S``: a pod rolled out of the
-    Service refuses no connection kube-proxy still sends it). Running the worker image (``router.image`` unset), the pods pull it with
-    the workers' ``spec.imagePullSecrets``; another image gets none of them."""
+    Service refuses no connection kube-proxy still sends it). Running the worker image
+    (``router.image`` unset), the pods pull it with the workers' ``spec.imagePullSecrets``;
+    another image gets none of them."""
     r = spec.router
     labels = _labels(owner, c.Component.ROUTER)
     key_volumes, key_mounts = api_key_volumes(spec)
