@@ -364,7 +364,6 @@ def test_no_cycle_among_the_modules_of_dwdp_dev() -> None:
     _none(module_cycle_report(TOOLS, "dwdp_dev"))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55: the arrows are removed in the next commits")
 def test_no_upward_arrow() -> None:
     _none([*upward_report(SRC, "dwdp"), *upward_report(TOOLS, "dwdp_dev")])
 

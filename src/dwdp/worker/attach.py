@@ -30,10 +30,10 @@ from dwdp.worker.group import DwdpConfigError, make_backend
 from dwdp.worker.models.base import ArchitectureAdapter, MoeLayer
 from dwdp.worker.schedule.dense import DenseSlotSchedule
 from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
-from dwdp.worker.server.status import DwdpStatusSource, NoDwdp
 from dwdp.worker.settings import DENSE_MIN_BYTES, CopySettings
 from dwdp.worker.setup.expert import ExpertDwdp
 from dwdp.worker.setup.phases import FailureInjector
+from dwdp.worker.status_source import DwdpStatusSource, NoDwdp
 from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)

@@ -110,7 +110,7 @@ def generate(model: Any, tok: Any, max_tokens: int) -> tuple[list[list[int]], in
 def replicated(path: str, device: str, max_tokens: int) -> dict[str, Any]:
     """The replicated reference: the whole model on ``device``."""
     from dwdp.worker.loading.checkpoint import load_checkpoint
-    from dwdp.worker.server.status import NoDwdp
+    from dwdp.worker.status_source import NoDwdp
 
     _reset(device)
     watch = MemoryWatch(device)

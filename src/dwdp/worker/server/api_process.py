@@ -54,7 +54,7 @@ from dwdp.worker.server.core_client import EngineCoreClient  # noqa: E402
 from dwdp.worker.server.guard import RequestGuard  # noqa: E402
 from dwdp.worker.server.metrics import RequestCounter, ServerMetrics  # noqa: E402
 from dwdp.worker.server.serving import OpenAIServing  # noqa: E402
-from dwdp.worker.server.status import NoDwdp  # noqa: E402
+from dwdp.worker.status_source import NoDwdp  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -35,13 +35,12 @@ from dwdp.worker.server.protocol import (
 )
 from dwdp.worker.server.serving import OpenAIServing, ServingError, lease_refusal
 from dwdp.worker.server.status import (
-    DwdpStatusSource,
-    NoDwdp,
     engine_failure,
     kv_tokens_in_use,
     prefix_cache_status,
     with_identity,
 )
+from dwdp.worker.status_source import DwdpStatusSource, NoDwdp
 
 if TYPE_CHECKING:
     from dwdp.worker.memory import RankMemory

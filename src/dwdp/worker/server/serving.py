@@ -50,8 +50,8 @@ from dwdp.worker.server.protocol import (
     ServerRef,
     Usage,
 )
-from dwdp.worker.server.status import DwdpStatusSource
 from dwdp.worker.server.tools import ToolPlan, ToolStream, answer, finish_reason, tool_plan
+from dwdp.worker.status_source import DwdpStatusSource
 
 DEFAULT_MAX_TOKENS = 16
 
