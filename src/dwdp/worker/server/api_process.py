@@ -48,8 +48,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response  # noqa:
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: E402
 
 from dwdp.worker.apikey import ApiKey  # noqa: E402
-from dwdp.worker.disagg.agent import KV_AGENT_PATH  # noqa: E402
-from dwdp.worker.engine.kv_connector import KvEndpoint  # noqa: E402
+from dwdp.worker.engine.kv_connector import KV_AGENT_PATH, KvEndpoint  # noqa: E402
 from dwdp.worker.server.core_client import EngineCoreClient  # noqa: E402
 from dwdp.worker.server.guard import RequestGuard  # noqa: E402
 from dwdp.worker.server.metrics import RequestCounter, ServerMetrics  # noqa: E402

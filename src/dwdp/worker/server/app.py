@@ -19,8 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dwdp.worker.apikey import ApiKey
-from dwdp.worker.disagg.agent import KV_AGENT_PATH, LeaseError
-from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
+from dwdp.worker.engine.kv_connector import KV_AGENT_PATH, KvConnector, KvTransferParams, LeaseError
 from dwdp.worker.engine.protocol import EngineClient
 from dwdp.worker.server.fields import NOT_HONOURED
 from dwdp.worker.server.guard import RequestGuard

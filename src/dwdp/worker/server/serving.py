@@ -14,8 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dwdp.worker.disagg.agent import LeaseError, StagingFull, TransferError
-from dwdp.worker.engine.kv_connector import KvTransferParams
+from dwdp.worker.engine.kv_connector import KvTransferParams, LeaseError, StagingFull, TransferError
 from dwdp.worker.engine.protocol import (
     EngineClient,
     EngineError,
