@@ -291,7 +291,7 @@ def main() -> int:
     """``python -m dwdp.worker.server.api_process`` (the launch on standard input: module
     docstring). A failure is logged in one line and left for the rank (``failure_of``), never
     as a traceback."""
-    from dwdp.worker.loading.checkpoint import load_tokenizer
+    from dwdp.worker.loading.tokenizer import load_tokenizer
     from dwdp.worker.termination import one_line
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
