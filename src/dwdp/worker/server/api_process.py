@@ -51,6 +51,7 @@ from dwdp.worker.apikey import ApiKey  # noqa: E402
 from dwdp.worker.engine.kv_connector import KV_AGENT_PATH, KvEndpoint  # noqa: E402
 from dwdp.worker.server.core_client import EngineCoreClient  # noqa: E402
 from dwdp.worker.server.guard import RequestGuard  # noqa: E402
+from dwdp.worker.server.listen import listening_socket, uvicorn_kwargs  # noqa: E402
 from dwdp.worker.server.metrics import RequestCounter, ServerMetrics  # noqa: E402
 from dwdp.worker.server.serving import OpenAIServing  # noqa: E402
 from dwdp.worker.status_source import NoDwdp  # noqa: E402
@@ -244,8 +245,6 @@ def run(spec: ApiProcessSpec, tokenizer: Any) -> int:
     """Serve with ``tokenizer`` until SIGTERM/SIGINT or the rank's end; returns the exit
     status."""
     import uvicorn
-
-    from dwdp.worker.server.run import listening_socket, uvicorn_kwargs
 
     client = EngineCoreClient(
         spec.core_address,
