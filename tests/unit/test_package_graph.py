@@ -354,7 +354,6 @@ def _none(lines: list[str]) -> None:
     assert not lines, "\n" + "\n".join(lines)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55: the cycles are broken in the next commits")
 def test_no_cycle_among_the_modules_of_dwdp() -> None:
     _none(module_cycle_report(SRC, "dwdp"))
 
