@@ -42,8 +42,6 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
 TOOLS = REPO / "tools"
@@ -358,7 +356,6 @@ def test_no_cycle_among_the_modules_of_dwdp() -> None:
     _none(module_cycle_report(SRC, "dwdp"))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55: the cycle is broken in the next commits")
 def test_no_cycle_among_the_modules_of_dwdp_dev() -> None:
     _none(module_cycle_report(TOOLS, "dwdp_dev"))
 
