@@ -22,8 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dwdp.api.partition import expert_partition
-from dwdp.worker.attach import attach
 from dwdp.worker.backend.cpu import CpuBackend
+from dwdp.worker.bringup import attach
 from dwdp.worker.engine.continuous import ContinuousEngine
 from dwdp.worker.engine.protocol import SamplingParams
 from dwdp.worker.loading.checkpoint import load_checkpoint

@@ -3,7 +3,7 @@
 
 The attachment of DWDP to the model (``dwdp.worker.attachment``) implements
 ``DwdpStatusSource``; ``NoDwdp`` stands for a rank without DWDP. A leaf of ``dwdp.worker``:
-its sub-packages (``server``) and its own modules (``memory``, ``attach``) import it.
+its sub-packages (``server``) and its own modules (``memory``, ``bringup``) import it.
 """
 
 from __future__ import annotations

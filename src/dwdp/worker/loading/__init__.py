@@ -7,7 +7,7 @@ shapes, dtypes; ``CheckpointError``, one line); ``checkpoint`` loads a whole che
 tokenizer alone (``load_tokenizer``, which both loads and the API server process use);
 ``sharded`` is a DWDP rank's load (``load_sharded``: the model built on the meta device,
 every tensor read from the safetensors files, of each managed MoE layer only the expert rows
-of this rank's range); ``vote`` is the group-wide vote after the load (``load_together``: a
+of this rank's range); ``load_vote`` is the group-wide vote after the load (``load_together``: a
 rank whose load failed fails its whole group, every rank raising the same ``LoadError``). No
 download: the checkpoint is a local directory.
 """
