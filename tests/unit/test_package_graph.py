@@ -25,7 +25,7 @@ Rules (docs/design.md §2.4):
   ``dwdp.worker``: backend, dense, setup, engine, loading, ...);
 - no upward arrow: a package's own modules (the files in its folder, its ``__init__``
   included) may be imported from its sub-packages (``dwdp.worker.server.app`` imports
-  ``dwdp.worker.settings``), but no own module of a package P that a sub-package S of P
+  ``dwdp.worker.status_source``), but no own module of a package P that a sub-package S of P
   depends on (a module under S imports it, directly or through other modules) imports a
   module under S; checked for every package of both trees;
 - ``dwdp.api`` (the contract both sides read) imports neither ``dwdp.worker``,
