@@ -54,8 +54,8 @@ def _rank(rank: int, args: argparse.Namespace, ckpt: str, group: str, port: int,
 
     torch.set_num_threads(args.threads)
     from dwdp.api.partition import expert_partition
-    from dwdp.worker.attach import attach
     from dwdp.worker.backend.cpu import CpuBackend
+    from dwdp.worker.bringup import attach
     from dwdp.worker.loading.checkpoint import load_checkpoint
     from dwdp.worker.models import adapter_for
     from dwdp.worker.transport.base import RendezvousConfig

@@ -57,7 +57,7 @@ def load(ckpt: str, *, backend: Any = None, transport: Any = None, world: int = 
     ``None`` else."""
     from dwdp.api.enums import CopyMode, GatherKernel
     from dwdp.api.partition import expert_partition
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.engine.paged import use_paged_attention
     from dwdp.worker.gpu.cuda_path import use_cuda_kernels
     from dwdp.worker.loading.checkpoint import load_checkpoint

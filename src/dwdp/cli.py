@@ -4,7 +4,8 @@ The product's sub-packages are listed in :data:`COMMAND_MODULES`; an installed d
 add its own through the entry-point group ``dwdp.commands`` (the development distribution
 ``dwdp-dev`` adds ``dwdp dev`` and ``dwdp testing`` that way, so the product wheel names no
 development module). Each contributing module exposes ``register(subparsers)``, which adds its
-sub-commands and sets ``func`` (``args -> int`` exit status) on each. Contributing modules keep
+sub-commands and sets ``func`` (``args -> int`` exit status) on each; what they share with this
+module (``UserError``, ``port_number``) is ``dwdp.cli_types``, below both. Contributing modules keep
 their top-level imports light (no torch, no kopf): heavy imports happen inside ``func``, so
 ``dwdp validate`` works where only pydantic and PyYAML are installed.
 """
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from dwdp import __version__
+from dwdp.cli_types import UserError
 
 # Modules that contribute sub-commands, in help order.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -39,24 +41,7 @@ def _command_modules() -> list[str]:
     return [*COMMAND_MODULES, *(name for name in extra if name not in COMMAND_MODULES)]
 
 
-class UserError(Exception):
-    """An error caused by the user's input; printed as one line, exit status 1."""
-
-
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def port_number(text: str) -> int:
-    """argparse type of a TCP port option: an integer from 1 to 65535; else argparse's usage
-    error naming the option and the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a port (an integer, 1 to 65535)") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (1 to 65535)")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from dwdp_dev.devcluster import images
-from dwdp_dev.devcluster.cluster import Cluster, read_pidfile
+from dwdp_dev.devcluster.cluster import Cluster
+from dwdp_dev.devcluster.pids import read_pidfile
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -33,7 +33,7 @@ CHILD = textwrap.dedent(
     from pathlib import Path
     from dwdp.api.enums import CopyMode, HandleType
     from dwdp.api.partition import expert_partition
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.backend.cuda import CudaBackend
     from dwdp.worker.backend.cuda_vmm import LEDGER
     from dwdp.worker.loading.checkpoint import load_checkpoint

@@ -78,7 +78,7 @@ CHILD = textwrap.dedent(
             torch.save(run(model, tok), out / f"ref.{arch}.pt")
         sys.exit(0)
 
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.backend.cuda import CudaBackend
     from dwdp.worker.models import adapter_for
     from dwdp.worker.settings import CopySettings

@@ -22,12 +22,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dwdp.api.partition import expert_partition
-from dwdp.worker.attach import attach
 from dwdp.worker.backend.cpu import CpuBackend
+from dwdp.worker.bringup import attach
 from dwdp.worker.engine.continuous import ContinuousEngine
 from dwdp.worker.engine.protocol import SamplingParams
-from dwdp.worker.loading.checkpoint import load_checkpoint, load_tokenizer
+from dwdp.worker.loading.checkpoint import load_checkpoint
 from dwdp.worker.loading.sharded import load_sharded
+from dwdp.worker.loading.tokenizer import load_tokenizer
 from dwdp.worker.loading.validate import load_config, validate_checkpoint
 from dwdp.worker.models import require_adapter
 from dwdp.worker.transport.base import RendezvousConfig, read_secret

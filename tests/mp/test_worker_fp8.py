@@ -50,8 +50,8 @@ def _batch(tokenizer, rank: int) -> list[list[int]]:
 
 def _rank_main(rank: int, out: Path, group: str, port: int, checkpoints: dict) -> None:
     torch.set_num_threads(1)
-    from dwdp.worker.attach import attach
     from dwdp.worker.backend.cpu import CpuBackend
+    from dwdp.worker.bringup import attach
     from dwdp.worker.loading.validate import load_config
     from dwdp.worker.models import adapter_for
     from dwdp.worker.transport.base import RendezvousConfig

@@ -56,9 +56,9 @@ def _run(model, tok):
 def _rank_main(rank: int, out: Path, group: str, port: int, ckpt: str) -> None:
 
     torch.set_num_threads(1)
-    from dwdp.worker.attach import attach
     from dwdp.worker.attachment import WeightsShardedError
     from dwdp.worker.backend.cpu import CpuBackend
+    from dwdp.worker.bringup import attach
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import FailAt, FailureInjector, SetupError
     from dwdp.worker.transport.base import RendezvousConfig

@@ -205,7 +205,7 @@ def _refused(call) -> bool:
 def _setup_rank(rank: int, out: Path, group: str, port: int, ckpts: dict) -> None:
     torch.set_num_threads(1)
     from dwdp.api.launch import LaunchConfig
-    from dwdp.worker.attach import setup_dwdp
+    from dwdp.worker.bringup import setup_dwdp
     from dwdp.worker.main import resolve_host_settings
     from dwdp.worker.models import adapter_for
     from dwdp.worker.transport.base import RendezvousConfig

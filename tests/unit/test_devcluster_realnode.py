@@ -14,7 +14,8 @@ from pathlib import Path
 import yaml
 
 from dwdp_dev.devcluster import clusterdns, pki, realnode
-from dwdp_dev.devcluster.cluster import Cluster, ClusterConfig
+from dwdp_dev.devcluster.cluster import Cluster
+from dwdp_dev.devcluster.config import ClusterConfig
 
 
 def _real_cfg() -> ClusterConfig:

@@ -2,7 +2,7 @@
 ``--launch`` worker launch configs) and ``partition``.
 
 Only pydantic and PyYAML are needed. User mistakes (a missing file, bad YAML, a bad
-number) end as one line and exit status 1 (through ``dwdp.cli.UserError``); an invalid
+number) end as one line and exit status 1 (through ``dwdp.cli_types.UserError``); an invalid
 DwdpDeployment prints one line per problem and exits 1. Never a traceback.
 """
 
@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from dwdp.cli_types import UserError
 
 __all__ = ["register"]
 
@@ -74,12 +76,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     part.set_defaults(func=_cmd_partition)
 
 
-def _user_error(message: str) -> Exception:
-    from dwdp.cli import UserError
-
-    return UserError(message)
-
-
 def _cmd_crd(args: argparse.Namespace) -> int:
     from dwdp.api.crd import crd_yaml
 
@@ -88,7 +84,7 @@ def _cmd_crd(args: argparse.Namespace) -> int:
         try:
             Path(args.output).write_text(text)
         except OSError as exc:
-            raise _user_error(f"cannot write {args.output}: {exc.strerror or exc}") from None
+            raise UserError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     else:
         sys.stdout.write(text)
     return 0
@@ -100,18 +96,18 @@ def _load_documents(filename: str) -> list[Any]:
     try:
         text = sys.stdin.read() if filename == "-" else Path(filename).read_text()
     except OSError as exc:
-        raise _user_error(f"cannot read {filename}: {exc.strerror or exc}") from None
+        raise UserError(f"cannot read {filename}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise _user_error(f"{filename} is not a text file") from None
+        raise UserError(f"{filename} is not a text file") from None
     try:
         docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "not valid YAML"
-        raise _user_error(f"{filename}: invalid YAML{where}: {problem}") from None
+        raise UserError(f"{filename}: invalid YAML{where}: {problem}") from None
     if not docs:
-        raise _user_error(f"{filename}: no YAML document in the file")
+        raise UserError(f"{filename}: no YAML document in the file")
     return docs
 
 
@@ -123,7 +119,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return _validate_documents(_load_documents(filename), shown, launch=args.launch)
     except RecursionError:
         message = f"{shown}: the YAML is nested too deeply to be a {kind}"
-        raise _user_error(message) from None
+        raise UserError(message) from None
 
 
 def _validate_documents(docs: list[Any], shown: str, *, launch: bool = False) -> int:
@@ -172,7 +168,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             prefetch_experts=args.prefetch_experts,
         )
     except PartitionError as exc:
-        raise _user_error(str(exc)) from None
+        raise UserError(str(exc)) from None
     if args.json:
         print(json.dumps(part.to_dict(), indent=2))
         return 0

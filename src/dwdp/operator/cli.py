@@ -17,6 +17,8 @@ import signal
 from types import FrameType
 from typing import Any
 
+from dwdp.cli_types import UserError
+
 __all__ = ["register"]
 
 ENV_WORKER_COMMAND = "DWDP_OPERATOR_WORKER_COMMAND"
@@ -118,8 +120,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _webhook(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
     """The webhook's settings (None without ``--webhook-listen``); certificates made here
     are removed when ``stack`` closes."""
-    from dwdp.cli import UserError
-
     if not args.webhook_listen:
         return None
     from pathlib import Path
@@ -164,7 +164,6 @@ def _run_in(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
 
     import kopf
 
-    from dwdp.cli import UserError
     from dwdp.operator import constants as c
     from dwdp.operator.handlers import OperatorConfig, build_registry, build_settings
     from dwdp.operator.kube import Kube

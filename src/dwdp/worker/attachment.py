@@ -1,7 +1,7 @@
 """The DWDP attachment of one rank's model: hooks H0-H3, expert bind/finish, weight guards,
 weight updates and the status the server reads (a ``DwdpStatusSource``).
 
-Built by :func:`dwdp.worker.attach.attach` once setup committed. The hooks tell the two
+Built by :func:`dwdp.worker.bringup.attach` once setup committed. The hooks tell the two
 schedules where the ordinary forward of the model is:
 
 ====================  ==================================  ===================================
@@ -78,7 +78,7 @@ class SetupFacts:
 class DwdpAttachment:
     """DWDP state, schedules and hooks of one rank's model (a ``DwdpStatusSource``).
 
-    Built by :func:`dwdp.worker.attach.attach`. ``close()`` removes the hooks and releases
+    Built by :func:`dwdp.worker.bringup.attach`. ``close()`` removes the hooks and releases
     stores, views and slots (the model cannot run afterwards: its tensors point into the
     slots).
     """
@@ -305,7 +305,7 @@ class DwdpAttachment:
             for p in ("gate_up_proj", "down_proj")
             if tensor is getattr(m.experts, p)
         }
-        from dwdp.worker.setup.vote import vote
+        from dwdp.worker.setup.group_vote import vote
 
         written = 0
         error: str | None = None

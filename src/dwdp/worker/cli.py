@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from dwdp.cli import port_number
+from dwdp.cli_types import UserError, port_number
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -125,7 +125,6 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _router_gate(args: argparse.Namespace) -> int:
     from dwdp.api.contract import Env
-    from dwdp.cli import UserError
     from dwdp.worker.apikey import ApiKey, ApiKeyError
     from dwdp.worker.gate.run import main
 

@@ -12,7 +12,7 @@ here) -> start the API server process (``ApiProcess``: a TMPDIR with no room for
 stops the rank here; it loads the tokenizer while the model loads) -> join the group
 (rendezvous) -> load the model (with expert DWDP only what the rank
 keeps: ``load_model``; with a group every rank votes on the load, and a rank that failed fails
-the group together: ``dwdp.worker.loading.vote``) -> DWDP setup (dense first, then experts;
+the group together: ``dwdp.worker.loading.load_vote``) -> DWDP setup (dense first, then experts;
 commit) -> size the KV pool (once the API process has loaded; on the host from the
 container's budget, ``dwdp.worker.host_memory``; beside the graphs' memory when they are on
 and the vLLM staging buffer) -> the engine: KV
@@ -498,7 +498,7 @@ def load_rank(cfg: LaunchConfig, plan: Any, group: Any, watch: MemoryWatch) -> t
     (``load_together``) under ``watch`` (a failed load's peak still goes into the
     termination message), with the GPU kernels in place (logged)."""
     from dwdp.worker.gpu.cuda_path import use_cuda_kernels
-    from dwdp.worker.loading.vote import load_together
+    from dwdp.worker.loading.load_vote import load_together
 
     watch.start()
     try:
@@ -626,8 +626,8 @@ def run_worker(opts: WorkerOptions) -> int:
 
         # the API server process imports and loads the tokenizer while the model loads
         api_process = ApiProcess(str(cfg.model.path))
-        from dwdp.worker.attach import setup_dwdp
-        from dwdp.worker.group import join_group
+        from dwdp.worker.bringup import setup_dwdp
+        from dwdp.worker.rendezvous import join_group
         from dwdp.worker.server.app import build_app
 
         stage["now"] = Stage.RENDEZVOUS

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 from dwdp.worker.engine.kv_pool import KvPool, kv_bytes_per_token, size_kv_pool
 from dwdp.worker.engine.piecewise import token_buckets
 from dwdp.worker.host_memory import HostBudget, host_budget
-from dwdp.worker.server.status import DwdpStatusSource
+from dwdp.worker.status_source import DwdpStatusSource
 
 if TYPE_CHECKING:
     from dwdp.api.launch import KvCacheConfig

@@ -27,8 +27,9 @@ from dwdp.operator.group.failure import classify_failure
 from dwdp.operator.observe import rank_report_from_json
 from dwdp.worker.launcher import launcher_line
 from dwdp.worker.main import phased
-from dwdp.worker.server.status import NoDwdp, with_identity
+from dwdp.worker.server.status import with_identity
 from dwdp.worker.setup.phases import DensePhase, ExpertPhase, SetupError
+from dwdp.worker.status_source import NoDwdp
 from dwdp.worker.transport.base import RendezvousTimeout
 from dwdp_dev.operator import rankprog
 

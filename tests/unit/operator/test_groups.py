@@ -7,7 +7,8 @@ import pytest
 
 from dwdp.operator.group.failure import classify_failure
 from dwdp.operator.group.restart import backoff_s
-from dwdp.operator.group.rollout import GroupSlot, RolloutStep, next_index, rollout_step
+from dwdp.operator.group.rollout import RolloutStep, next_index, rollout_step
+from dwdp.operator.group.state import GroupSlot
 from dwdp.operator.times import seconds_since
 
 

@@ -54,7 +54,7 @@ def _model():
 
 
 def test_attach_resolves_the_gather_once_per_manager_and_sets_up_on_created_streams():
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.models import adapter_for
 
     group = f"u{uuid.uuid4().hex[:8]}"
@@ -105,7 +105,7 @@ def test_attach_resolves_the_gather_once_per_manager_and_sets_up_on_created_stre
 def test_expert_failure_after_the_dense_commit_says_not_restored():
     """Dense DWDP committed (originals dropped), then expert setup fails on rank 1: every
     rank raises the expert phase with ``restored=False`` and leaves no store behind."""
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import FailAt, FailureInjector, SetupError
 

@@ -94,7 +94,7 @@ class RecordingBackend(CpuBackend):
 def test_contention_opt_runs_batched_copies_through_setup_dwdp(monkeypatch):
     """The launch's settings go through ``setup_dwdp`` (the worker's path) to the backend
     and both managers: every copy of setup and of the forward is batched."""
-    from dwdp.worker.attach import setup_dwdp
+    from dwdp.worker.bringup import setup_dwdp
     from dwdp.worker.models import adapter_for
 
     name = f"u{uuid.uuid4().hex[:8]}"
@@ -116,7 +116,7 @@ def test_contention_opt_runs_batched_copies_through_setup_dwdp(monkeypatch):
         )
         return backends[transport.rank]
 
-    monkeypatch.setattr("dwdp.worker.attach.make_backend", make)
+    monkeypatch.setattr("dwdp.worker.bringup.make_backend", make)
     ids = torch.arange(6).reshape(1, 6) % 64
 
     def body(transport):
@@ -143,7 +143,7 @@ def test_leaked_original_is_counted_in_status_and_metrics():
     the rank that holds it, in ``status()`` and in the ``dwdp_leaks`` metric."""
     from prometheus_client import generate_latest
 
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.models import adapter_for
     from dwdp.worker.server.metrics import ServerMetrics
 
@@ -182,7 +182,7 @@ def test_leaked_original_is_counted_in_status_and_metrics():
 def test_a_prefetch_ring_too_big_for_free_memory_is_refused_before_allocating():
     """The refusal expert setup really uses: the store plus ``num_slots`` slots need more
     than ``free_bytes()``: every rank raises at the allocate step, nothing allocated."""
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import SetupError
 

@@ -156,7 +156,7 @@ def test_cuda_graphs_on_a_cpu_rank_stop_it_before_the_rendezvous(
     def no_rendezvous(*args, **kwargs):
         raise AssertionError("the rank joined its group: cudaGraphs must refuse first")
 
-    monkeypatch.setattr("dwdp.worker.group.join_group", no_rendezvous)
+    monkeypatch.setattr("dwdp.worker.rendezvous.join_group", no_rendezvous)
     config = _config(tmp_path, model=str(checkpoint), engine={"cudaGraphs": True})
     code, line = _run(tmp_path, config)
     assert code == 1
@@ -209,7 +209,7 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path, checkpoint, monkeypatch):
     def no_group(cfg):
         raise AssertionError("the group was joined: the checkpoint check must fail first")
 
-    monkeypatch.setattr("dwdp.worker.group.join_group", no_group)
+    monkeypatch.setattr("dwdp.worker.rendezvous.join_group", no_group)
     name = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
     cases = {
         "missing": (lambda t: t.pop(name), f"tensor {name} is missing"),
@@ -564,7 +564,7 @@ def test_a_temporary_folder_too_long_for_the_ranks_sockets_is_refused_before_the
     def no_rendezvous(*args, **kwargs):
         raise AssertionError("the rank joined its group: the TMPDIR check must refuse first")
 
-    monkeypatch.setattr("dwdp.worker.group.join_group", no_rendezvous)
+    monkeypatch.setattr("dwdp.worker.rendezvous.join_group", no_rendezvous)
     code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint)))
     assert code == 1
     assert line.startswith(f"config: ValueError: TMPDIR: the temporary folder '{long_dir}' is "
@@ -624,7 +624,7 @@ def test_an_api_process_that_dies_while_the_model_loads_fails_the_rank_after_the
         raise AssertionError("the DWDP setup ran: the dead API process must fail the rank first")
 
     monkeypatch.setattr(worker_main, "load_rank", load_then_kill)
-    monkeypatch.setattr("dwdp.worker.attach.setup_dwdp", no_setup)
+    monkeypatch.setattr("dwdp.worker.bringup.setup_dwdp", no_setup)
     monkeypatch.setenv("DWDP_ROLE", "context")
     code, line = _run(tmp_path, _config(tmp_path, model=str(checkpoint)))
     assert code == 1
@@ -658,7 +658,7 @@ def test_a_rank_stopped_while_its_model_loads_exits_0_and_leaves_nothing_behind(
         real_close(self)
 
     monkeypatch.setattr(worker_main, "load_rank", signalled_load)
-    monkeypatch.setattr("dwdp.worker.attach.setup_dwdp", no_setup)
+    monkeypatch.setattr("dwdp.worker.bringup.setup_dwdp", no_setup)
     monkeypatch.setattr(ApiProcess, "close", close_signalled_again)
     monkeypatch.setenv("DWDP_ROLE", "context")
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
@@ -727,7 +727,7 @@ def test_multi_head_latent_attention_is_refused_for_vllm_before_the_rendezvous(
     def no_rendezvous(*args, **kwargs):
         raise AssertionError("the rank joined its group: kvTransfer.vllm must refuse first")
 
-    monkeypatch.setattr("dwdp.worker.group.join_group", no_rendezvous)
+    monkeypatch.setattr("dwdp.worker.rendezvous.join_group", no_rendezvous)
     monkeypatch.setenv("DWDP_ROLE", "context")
     ckpt = make_checkpoint("deepseek_v3", tmp_path / "ds", num_experts=4)
     code, line = _run(tmp_path, _config(tmp_path, model=str(ckpt), dwdp={"dwdpSize": 2}, **VLLM))

@@ -1,4 +1,4 @@
-"""The group-wide vote on the model load (``dwdp.worker.loading.vote``), over a real TCP
+"""The group-wide vote on the model load (``dwdp.worker.loading.load_vote``), over a real TCP
 store with two ranks in two threads: one rank's failed load fails both alike, naming it and
 its cause, and what either rank had loaded is dropped."""
 
@@ -17,8 +17,8 @@ from ports import free_port
 torch = pytest.importorskip("torch")
 
 from dwdp.api.contract import Stage  # noqa: E402
+from dwdp.worker.loading.load_vote import LoadError, load_together  # noqa: E402
 from dwdp.worker.loading.validate import CheckpointError  # noqa: E402
-from dwdp.worker.loading.vote import LoadError, load_together  # noqa: E402
 from dwdp.worker.main import phased  # noqa: E402
 from dwdp.worker.transport.base import RendezvousConfig  # noqa: E402
 from dwdp.worker.transport.tcp_store import TcpStoreTransport  # noqa: E402

@@ -20,7 +20,7 @@ from dwdp.worker.engine.base import EngineConfig  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp.worker.server.app import build_app  # noqa: E402
-from dwdp.worker.server.status import NoDwdp  # noqa: E402
+from dwdp.worker.status_source import NoDwdp  # noqa: E402
 from dwdp_dev.worker.checkpoint import make_checkpoint  # noqa: E402
 
 MAX_LEN = 96

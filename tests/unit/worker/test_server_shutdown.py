@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 
 from ports import free_port  # noqa: E402
 
-from dwdp.worker.server.run import uvicorn_kwargs  # noqa: E402
+from dwdp.worker.server.listen import uvicorn_kwargs  # noqa: E402
 
 SERVER = textwrap.dedent(
     """

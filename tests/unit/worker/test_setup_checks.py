@@ -49,7 +49,7 @@ def _attach_all(*, small_rank: int | None = None, corrupt=None,
     local work (the injector's hook); ``dense_off_rank`` has dense DWDP off. Returns each
     rank's ``SetupError`` (the test fails if a rank commits), after checking no store is left
     behind."""
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.models import adapter_for
 
     group = f"u{uuid.uuid4().hex[:8]}"

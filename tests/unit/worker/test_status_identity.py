@@ -11,12 +11,12 @@ from dwdp.worker.launcher import launcher_line
 from dwdp.worker.main import phased
 from dwdp.worker.server.status import (
     START_ID,
-    NoDwdp,
     engine_failure,
     rank_identity,
     server_identity,
     with_identity,
 )
+from dwdp.worker.status_source import NoDwdp
 
 pytestmark = pytest.mark.unit
 

@@ -42,7 +42,7 @@ def _model(arch: str, num_experts: int):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("shape", sorted(PARTITIONS))
 def test_an_uneven_partition_serves_the_replicated_models_tokens(arch, shape):
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.models import adapter_for
 
     num_experts, ranks, size, stride = PARTITIONS[shape]
@@ -86,7 +86,7 @@ def test_an_uneven_partition_serves_the_replicated_models_tokens(arch, shape):
 def test_a_shared_expert_held_with_other_bytes_is_refused_naming_it():
     """Redundant ranges (0, 4) and (2, 6): rank 1 holds expert 3 with other bytes than rank
     0 (the expert's owner): every rank refuses at the expert check, naming expert 3."""
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.models import adapter_for
     from dwdp.worker.setup.phases import SetupError
 

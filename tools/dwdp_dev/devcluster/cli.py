@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from dwdp.cli_types import UserError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``dwdp dev ...`` to the ``dwdp`` command line."""
@@ -89,8 +91,6 @@ def _user_error(exc: Exception):
     """The one-line error ``dwdp`` prints for ``exc`` (its first line, on stderr); the lines
     after it (a log excerpt, the fix) are printed to stderr first, so nothing shows twice."""
     import sys
-
-    from dwdp.cli import UserError
 
     first, _, rest = str(exc).partition("\n")
     if rest.strip():

@@ -32,7 +32,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -41,14 +40,12 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
-from dwdp_dev.devcluster import build, paths, pki
-
-if TYPE_CHECKING:
-    from dwdp_dev.devcluster import realnode
+from dwdp_dev.devcluster import build, paths, pki, realnode
+from dwdp_dev.devcluster.config import ClusterConfig
+from dwdp_dev.devcluster.pids import alive, read_pidfile, stop_pids, write_pidfile
 
 #: Feature gates for every component: the Workload/PodGroup API and gang scheduling.
 FEATURE_GATES = "GenericWorkload=true"
@@ -102,137 +99,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-@dataclasses.dataclass
-class NodeSpec:
-    """Capacity of each process-kubelet node (cpu in cores, memory as a quantity string)."""
-
-    cpu: str = "32"
-    memory: str = "128Gi"
-    gpus: int = 8
-    pods: int = 110
-
-
-@dataclasses.dataclass
-class ClusterConfig:
-    """Settings of one cluster, chosen at first ``up`` and stored in ``cluster.json``.
-
-    ``pod_net`` is the first two octets of the cluster's pod network (``100.64`` means
-    100.64.0.0/16, in the shared address space of RFC 6598): ``up`` routes it to the loopback
-    device as local addresses, so every pod address is bindable and reachable on this host,
-    and clusters on one machine never hand out the same address. (127.0.0.0/8 cannot be
-    used: the apiserver rejects loopback addresses in EndpointSlices.)
-    ``venv_bin`` is put first on the PATH of pods.
-
-    ``node_kind`` is ``"real"`` (the default: one real node, containerd, kubelet, kube-proxy in
-    a network namespace of its own, its pod network routed to it through a veth; see
-    realnode.py) or ``"process"`` (process kubelets: pods run as host processes); ``node_dev``
-    is the default route's device (guarded; the real node's addresses follow from ``pod_net``,
-    :func:`node_network`), ``node_images`` the store images it imports (None: every current
-    one). A real node's cpu and memory are the host's: ``node.cpu``/``node.memory`` apply to
-    process kubelets only.
-    """
-
-    etcd_port: int = 0
-    etcd_peer_port: int = 0
-    apiserver_port: int = 0
-    controller_manager_port: int = 0
-    scheduler_port: int = 0
-    kubelet_port: int = 0
-    pod_net: str = "100.64"
-    nodes: int = 1
-    node_name: str = "dwdp-dev"
-    node: NodeSpec = dataclasses.field(default_factory=NodeSpec)
-    venv_bin: str | None = None
-    node_kind: str = "real"
-    node_dev: str = ""
-    node_healthz_port: int = 0
-    proxy_healthz_port: int = 0
-    proxy_metrics_port: int = 0
-    dns_ready_port: int = 0
-    node_images: list[str] | None = None
-
-    def node_names(self) -> list[str]:
-        """Return the node names (one per process kubelet; a real node is one node)."""
-        if self.nodes == 1 or self.node_kind == "real":
-            return [self.node_name]
-        return [f"{self.node_name}-{i}" for i in range(self.nodes)]
-
-    @classmethod
-    def load(cls, path: Path) -> ClusterConfig:
-        """Read a ``cluster.json``."""
-        data = json.loads(path.read_text())
-        node = NodeSpec(**data.pop("node", {}))
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(node=node, **{k: v for k, v in data.items() if k in known})
-
-    def save(self, path: Path) -> None:
-        """Write this config as ``cluster.json``."""
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
-
-
-def _proc_start_time(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def write_pidfile(path: Path, pid: int) -> None:
-    """Record ``pid`` with its start time (so a reused pid is never mistaken for ours)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{pid} {_proc_start_time(pid) or '-'}\n")
-
-
-def read_pidfile(path: Path) -> int | None:
-    """Return the pid recorded in ``path`` if that very process still runs, else None."""
-    try:
-        pid_s, start = path.read_text().split()
-        pid = int(pid_s)
-    except (OSError, ValueError):
-        return None
-    if not _alive(pid) or (start != "-" and _proc_start_time(pid) != start):
-        return None
-    return pid
-
-
-def kill_group(pid: int, sig: int) -> None:
-    """Send ``sig`` to the process group led by ``pid`` (and to ``pid``); ignore if gone."""
-    for fn, target in ((os.killpg, pid), (os.kill, pid)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            fn(target, sig)
-
-
-def stop_pids(pids: list[int], timeout_s: float) -> None:
-    """SIGTERM each process group, wait up to ``timeout_s`` seconds, then SIGKILL what is left."""
-    for pid in pids:
-        kill_group(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        _reap()
-        time.sleep(0.05)
-    for pid in pids:
-        kill_group(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        _reap()
-        time.sleep(0.05)
-
-
-def _reap() -> None:
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-
-
 def _route(action: str, pod_net: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["ip", "route", action, "local", f"{pod_net}.0.0/16", "dev", "lo"],
@@ -264,8 +130,6 @@ def node_network(cfg: ClusterConfig) -> realnode.NodeNetwork | None:
     kubelets."""
     if cfg.node_kind != "real":
         return None
-    from dwdp_dev.devcluster import realnode
-
     return realnode.NodeNetwork(cfg.pod_net)
 
 
@@ -358,8 +222,6 @@ class Cluster:
                     f"a real node is one node (nodes={cfg.nodes}): process kubelets"
                     " (`--node process`) run several"
                 )
-            from dwdp_dev.devcluster import realnode
-
             try:
                 cfg.node_dev = realnode.default_device()
             except realnode.RealNodeError as exc:
@@ -600,7 +462,9 @@ class Cluster:
         ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
         return ctx
 
-    def _get(self, url: str, timeout: float = 2.0) -> tuple[int, str]:
+    def get(self, url: str, timeout: float = 2.0) -> tuple[int, str]:
+        """``(status, body)`` of a GET of ``url`` (https: as the cluster's admin); status 0
+        and the error when nothing answers."""
         ctx = self._ssl_context() if url.startswith("https") else None
         try:
             with urllib.request.urlopen(url, timeout=timeout, context=ctx) as resp:
@@ -617,7 +481,7 @@ class Cluster:
         while time.monotonic() < deadline:
             if check():
                 return
-            if not _alive(pid):
+            if not alive(pid):
                 raise ClusterError(
                     f"{name} exited at start; see {self.logs / (name + '.log')}\n"
                     + self._log_tail(name)
@@ -641,7 +505,7 @@ class Cluster:
         cfg = self.config()
         if cfg is None:
             return False
-        return self._get(f"https://127.0.0.1:{cfg.apiserver_port}/readyz")[0] == 200
+        return self.get(f"https://127.0.0.1:{cfg.apiserver_port}/readyz")[0] == 200
 
     def node_ready(self) -> dict[str, bool]:
         """Return {node name: Ready condition is True} for this cluster's nodes."""
@@ -650,7 +514,7 @@ class Cluster:
             return {}
         out = {}
         for name in cfg.node_names():
-            code, body = self._get(f"https://127.0.0.1:{cfg.apiserver_port}/api/v1/nodes/{name}")
+            code, body = self.get(f"https://127.0.0.1:{cfg.apiserver_port}/api/v1/nodes/{name}")
             ready = False
             if code == 200:
                 for cond in json.loads(body).get("status", {}).get("conditions", []):
@@ -693,8 +557,6 @@ class Cluster:
         cfg = self._prepare(dict(overrides))
         running = self.running()
         if cfg.node_kind == "real":
-            from dwdp_dev.devcluster import realnode
-
             try:  # before any process starts
                 realnode.RealNode(self).preflight()
             except realnode.RealNodeError as exc:
@@ -702,7 +564,7 @@ class Cluster:
         if "etcd" not in running:
             pid = self.spawn("etcd", self._component_cmd("etcd", cfg, binary))
             url = f"http://127.0.0.1:{cfg.etcd_port}/health"
-            self.wait_for_component("etcd", pid, lambda: '"true"' in self._get(url)[1], timeout_s)
+            self.wait_for_component("etcd", pid, lambda: '"true"' in self.get(url)[1], timeout_s)
         if "apiserver" not in running:
             pid = self.spawn("apiserver", self._component_cmd("apiserver", cfg, binary))
             self.wait_for_component("apiserver", pid, self.apiserver_ready, timeout_s)
@@ -710,8 +572,6 @@ class Cluster:
             if name not in running:
                 self.spawn(name, self._component_cmd(name, cfg, binary))
         if cfg.node_kind == "real":
-            from dwdp_dev.devcluster import realnode
-
             node = realnode.RealNode(self)
             try:
                 node.up(cfg, binary, timeout_s)
@@ -728,7 +588,7 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while not all(self.node_ready().values()):
             for name in ("controller-manager", "scheduler", *node_components):
-                if name not in pids or not _alive(pids[name]):
+                if name not in pids or not alive(pids[name]):
                     raise ClusterError(
                         f"{name} exited at start; see {self.logs / (name + '.log')}\n"
                         + self._log_tail(name)
@@ -760,8 +620,6 @@ class Cluster:
         running = self.running()
         cfg = self.config()
         if cfg is not None and cfg.node_kind == "real":
-            from dwdp_dev.devcluster import realnode
-
             # nothing may re-create pods while the real node deletes them
             stop_pids(
                 [running[n] for n in ("scheduler", "controller-manager") if n in running], timeout_s
@@ -784,8 +642,6 @@ class Cluster:
         cfg = self.config()
         running = self.running()
         if cfg is not None and cfg.node_kind == "real":
-            from dwdp_dev.devcluster import realnode
-
             names = list(COMPONENTS) + list(realnode.COMPONENTS)
         else:
             names = list(COMPONENTS) + [f"kubelet-{i}" for i in range(cfg.nodes if cfg else 1)]

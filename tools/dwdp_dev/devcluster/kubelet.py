@@ -81,7 +81,7 @@ from typing import Any
 
 import urllib3
 
-from dwdp_dev.devcluster.cluster import read_pidfile, write_pidfile
+from dwdp_dev.devcluster.pids import kill_group, read_pidfile, stop_pids, write_pidfile
 
 log = logging.getLogger("dwdp_dev.devcluster.kubelet")
 
@@ -1005,8 +1005,6 @@ class PodWorker(threading.Thread):
     def _kill(self, ctr: Container, grace_s: float, reason: str | None = None) -> None:
         if not ctr.running or ctr.kill_deadline is not None:
             return
-        from dwdp_dev.devcluster.cluster import kill_group
-
         assert ctr.proc is not None
         kill_group(ctr.proc.pid, signal.SIGTERM)
         ctr.kill_deadline = time.monotonic() + max(grace_s, 0.0)
@@ -1014,8 +1012,6 @@ class PodWorker(threading.Thread):
 
     def _reap(self, ctr: Container, pod: dict) -> None:
         """Handle a container whose main process exited."""
-        from dwdp_dev.devcluster.cluster import kill_group
-
         assert ctr.proc is not None
         code = ctr.proc.returncode
         kill_group(ctr.proc.pid, signal.SIGKILL)  # leftovers of its process group
@@ -1339,8 +1335,6 @@ class PodWorker(threading.Thread):
         return [*self.init_containers, *self.containers]
 
     def _kill_all_now(self) -> None:
-        from dwdp_dev.devcluster.cluster import stop_pids
-
         stop_pids([c.proc.pid for c in self._all() if c.proc is not None and c.running], 2.0)
 
     def _run(self) -> None:
@@ -1392,8 +1386,6 @@ class PodWorker(threading.Thread):
             if ctr.proc is not None and ctr.proc.poll() is not None and "running" in ctr.state:
                 self._reap(ctr, pod)
             if ctr.kill_deadline is not None and ctr.running and now >= ctr.kill_deadline:
-                from dwdp_dev.devcluster.cluster import kill_group
-
                 assert ctr.proc is not None
                 log.info("%s: %s ignored SIGTERM, SIGKILL", self.name, ctr.name)
                 kill_group(ctr.proc.pid, signal.SIGKILL)
@@ -1444,8 +1436,6 @@ class PodWorker(threading.Thread):
         for c in self._all():
             self._kill(c, grace)
         deadline = time.monotonic() + grace
-        from dwdp_dev.devcluster.cluster import kill_group
-
         while any(c.running for c in self._all()):
             if time.monotonic() >= deadline:
                 for c in self._all():
@@ -1462,8 +1452,6 @@ class PodWorker(threading.Thread):
     def _delete_pod(self, pod: dict) -> None:
         for c in self._all():
             if c.proc is not None:
-                from dwdp_dev.devcluster.cluster import kill_group
-
                 kill_group(c.proc.pid, signal.SIGKILL)
                 (self.dir / "run" / f"{c.name}.pid").unlink(missing_ok=True)
         try:
@@ -1913,8 +1901,6 @@ class Kubelet:
     # -- lifecycle ------------------------------------------------------------------
     def _sweep_leftovers(self) -> None:
         """Kill pod processes a previous kubelet of this state folder left running."""
-        from dwdp_dev.devcluster.cluster import stop_pids
-
         pids = []
         for f in (self.state_dir / "pods").glob("*/run/*.pid"):
             pid = read_pidfile(f)

@@ -59,18 +59,15 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
 from dwdp_dev.devcluster import build, clusterdns, images, nodestore, pki
-from dwdp_dev.devcluster.cluster import (
-    Cluster,
-    ClusterConfig,
-    read_pidfile,
-    stop_pids,
-)
+from dwdp_dev.devcluster.config import ClusterConfig
+from dwdp_dev.devcluster.pids import read_pidfile, stop_pids
 
 PACKAGES = ("containerd", "runc", "containernetworking-plugins")
 """The Debian packages the real node needs (containerd 1.6, runc 1.1, the CNI plugins)."""
@@ -265,10 +262,46 @@ def pause_archive(binary: Path, name: str = PAUSE_IMAGE) -> bytes:
     return out.getvalue()
 
 
+class ControlPlane(Protocol):
+    """What a real node uses of its cluster (``dwdp_dev.devcluster.cluster.Cluster``, which
+    imports this module): its folders, its settings and kubeconfigs, and its way to start,
+    find and check components."""
+
+    state_dir: Path
+    pki: Path
+    run: Path
+    """The pid files' folder."""
+
+    def config(self) -> ClusterConfig | None:
+        """The stored settings; None before the first ``up``."""
+
+    def write_kubeconfig(
+        self, cfg: ClusterConfig, path: Path | None = None, user: str = "admin",
+        host: str = "127.0.0.1",
+    ) -> None:
+        """Write a kubeconfig for the client certificate ``pki/<user>.crt`` at ``path``,
+        naming the apiserver at ``host``."""
+
+    def running(self) -> dict[str, int]:
+        """The pid of every component that runs, by name."""
+
+    def spawn(self, name: str, cmd: list[str]) -> int:
+        """Start ``cmd`` as component ``name``; its pid."""
+
+    def wait_for_component(
+        self, name: str, pid: int, check: Callable[[], bool], timeout_s: float
+    ) -> None:
+        """Wait until ``check()`` is true; a ``ClusterError`` when ``pid`` exits first or the
+        time is up."""
+
+    def get(self, url: str, timeout: float = 2.0) -> tuple[int, str]:
+        """``(status, body)`` of a GET of ``url``."""
+
+
 class RealNode:
     """The real node of one cluster (``cluster.config().node_kind == "real"``)."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: ControlPlane) -> None:
         self.cluster = cluster
         self.state_dir = cluster.state_dir
         cfg = cluster.config()
@@ -626,7 +659,7 @@ oom_score = 0
         )
         url = f"http://{self.net.node_ip}:{cfg.dns_ready_port}/ready"
         self.cluster.wait_for_component(
-            "coredns", pid, lambda: self.cluster._get(url)[0] == 200, timeout_s
+            "coredns", pid, lambda: self.cluster.get(url)[0] == 200, timeout_s
         )
 
     def import_images(self, cfg: ClusterConfig) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dwdp.cli_types import UserError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``testing make-checkpoint`` and ``testing train-demo-model`` to the ``dwdp`` command
@@ -48,8 +50,6 @@ def _out_dir(text: str) -> str:
 
 
 def _os_error(out: str, exc: OSError) -> Exception:
-    from dwdp.cli import UserError
-
     return UserError(f"--out {out}: {exc.strerror or exc}")
 
 
@@ -71,8 +71,6 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise _os_error(args.out, exc) from exc
     except ValueError as exc:
-        from dwdp.cli import UserError
-
         raise UserError(str(exc)) from exc
     print(out)
     return 0
@@ -86,8 +84,6 @@ def _train_demo_model(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise _os_error(args.out, exc) from exc
     except ValueError as exc:
-        from dwdp.cli import UserError
-
         raise UserError(str(exc)) from exc
     print(out)
     return 0

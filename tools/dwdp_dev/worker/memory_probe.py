@@ -110,7 +110,7 @@ def generate(model: Any, tok: Any, max_tokens: int) -> tuple[list[list[int]], in
 def replicated(path: str, device: str, max_tokens: int) -> dict[str, Any]:
     """The replicated reference: the whole model on ``device``."""
     from dwdp.worker.loading.checkpoint import load_checkpoint
-    from dwdp.worker.server.status import NoDwdp
+    from dwdp.worker.status_source import NoDwdp
 
     _reset(device)
     watch = MemoryWatch(device)
@@ -168,7 +168,7 @@ def dwdp_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _scenario(scenario: str, args: argparse.Namespace, backend: Backend,
               transport: GroupTransport) -> dict[str, Any]:
     from dwdp.api.partition import expert_partition
-    from dwdp.worker.attach import attach
+    from dwdp.worker.bringup import attach
     from dwdp.worker.loading.sharded import load_sharded
     from dwdp.worker.loading.validate import expert_count, load_config
     from dwdp.worker.models import require_adapter

@@ -57,7 +57,7 @@ class UvicornThread:
     def __init__(self, app: Any, **kwargs: Any) -> None:
         import uvicorn
 
-        from dwdp.worker.server.run import uvicorn_kwargs
+        from dwdp.worker.server.listen import uvicorn_kwargs
 
         config = uvicorn.Config(app, **uvicorn_kwargs(host="127.0.0.1", port=0, **kwargs))
         self.server = uvicorn.Server(config)

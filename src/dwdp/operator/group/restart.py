@@ -14,9 +14,9 @@ from dwdp.operator.actions import NO_ACTIONS, Actions, Delete, Event, GateChange
 from dwdp.operator.constants import GroupPhase, Reason
 from dwdp.operator.group.create import create_incarnation, next_incarnation
 from dwdp.operator.group.failure import EXIT_WORD, FailureClass
-from dwdp.operator.group.rollout import GroupSlot
 from dwdp.operator.group.state import (
     GroupDecision,
+    GroupSlot,
     GroupState,
     RoleContext,
     entry,

@@ -26,12 +26,17 @@ from dwdp.operator import naming
 from dwdp.operator.actions import Actions, Event, GateChange
 from dwdp.operator.constants import GroupPhase, Reason
 from dwdp.operator.group.create import create_incarnation
-from dwdp.operator.group.state import GroupDecision, RoleContext, draining_entry, entry
+from dwdp.operator.group.state import (
+    GroupDecision,
+    GroupSlot,
+    RoleContext,
+    draining_entry,
+    entry,
+)
 from dwdp.operator.group.verdict import GroupView
 from dwdp.operator.times import seconds_since
 
 __all__ = [
-    "GroupSlot",
     "RolloutStep",
     "deadline_left_s",
     "next_index",
@@ -39,17 +44,6 @@ __all__ = [
     "rollout_step",
     "stuck_groups",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class GroupSlot:
-    """One group of a role as the rollout sees it (draining groups are left out)."""
-
-    index: int
-    new: bool
-    """At the target revision (or waiting to restart at it)."""
-    serving: bool
-    """Committed with its gate open: it carries traffic."""
 
 
 @dataclass(frozen=True, slots=True)

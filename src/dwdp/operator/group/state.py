@@ -1,11 +1,12 @@
 """What the group steps read and return: the role's context, one group's state (its pods and
-what the status recorded about it), the decisions, and the ``status.groups[]`` records."""
+what the status recorded about it), the decisions (with the slot the rollout counts a group
+in), and the ``status.groups[]`` records."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dwdp.api.deployment import DwdpDeploymentSpec, FailureRecord, GroupStatus
 from dwdp.api.enums import Role
@@ -15,11 +16,9 @@ from dwdp.operator.constants import GroupPhase
 from dwdp.operator.group.verdict import GroupView
 from dwdp.operator.observe import Observed, ObservedPod
 
-if TYPE_CHECKING:
-    from dwdp.operator.group.rollout import GroupSlot
-
 __all__ = [
     "GroupDecision",
+    "GroupSlot",
     "GroupState",
     "RoleContext",
     "RoleDecision",
@@ -79,6 +78,17 @@ class GroupState:
     @property
     def terminating(self) -> list[ObservedPod]:
         return [p for p in self.pods if p.deleting]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSlot:
+    """One group of a role as the rollout sees it (draining groups are left out)."""
+
+    index: int
+    new: bool
+    """At the target revision (or waiting to restart at it)."""
+    serving: bool
+    """Committed with its gate open: it carries traffic."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,14 @@ from dwdp.operator.group.restart import (
     vanished,
     waiting_to_restart,
 )
-from dwdp.operator.group.rollout import GroupSlot
-from dwdp.operator.group.state import GroupDecision, GroupState, RoleContext, draining_entry, entry
+from dwdp.operator.group.state import (
+    GroupDecision,
+    GroupSlot,
+    GroupState,
+    RoleContext,
+    draining_entry,
+    entry,
+)
 from dwdp.operator.group.verdict import evaluate_group
 
 __all__ = [

@@ -28,35 +28,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dwdp.worker.engine.kv_connector import KvHoldFull
+from dwdp.worker.engine.kv_connector import TransferError
 from dwdp.worker.engine.paged import PagedKVCache
 
-KV_AGENT_PATH = "/v1/dwdp/kv_agent"
 RELEASE = b"dwdp-kv-release:"
 PULL_TIMEOUT_S = 60.0
-
-
-class TransferError(RuntimeError):
-    """A KV transfer that cannot happen or failed (one line naming the cause)."""
-
-
-class StagingFull(TransferError, KvHoldFull):
-    """A finished prefill found no room in the staging buffer its KV must pass through (vLLM
-    interop). The engine keeps the request and stages it as soon as leases end, for up to
-    ``retry_s`` (the lease time: a lease nobody reads or keeps alive has ended by then); past
-    that it fails, answered 503 (vllm-router 0.1.17 in PD mode does not retry a prefill; the
-    router gate in front of it sends the request again to other prefill servers, and a client
-    gets a 500 carrying this message only when they all fail)."""
-
-
-class LeaseError(TransferError):
-    """``kv_transfer_params`` that name no lease this reader may read, found before any block
-    is read: the client's error, answered ``status`` (400 contradictory params, 403 another
-    lease's token, 410 no such lease) with a message naming the field."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def release_message(request_id: str) -> bytes:

@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.api.defaults import KV_TRANSFER_LEASE_S
 from dwdp.worker.apikey import ApiKey
-from dwdp.worker.disagg.agent import (
+from dwdp.worker.disagg.agent import KvAgent, RemoteEngine
+from dwdp.worker.engine.kv_connector import (
     KV_AGENT_PATH,
-    KvAgent,
+    KvEndpoint,
+    KvTransferParams,
     LeaseError,
-    RemoteEngine,
     TransferError,
 )
-from dwdp.worker.engine.kv_connector import KvEndpoint, KvTransferParams
 
 if TYPE_CHECKING:
     from dwdp.worker.disagg.vllm_nixl import VllmProducer

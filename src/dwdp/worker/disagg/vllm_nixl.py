@@ -54,13 +54,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dwdp.api.defaults import VLLM_SIDE_CHANNEL_PORT, VLLM_VERSIONS
-from dwdp.worker.disagg.agent import StagingFull, TransferError, new_nixl_agent
+from dwdp.worker.disagg.agent import new_nixl_agent
 from dwdp.worker.disagg.vllm_layout import (
     VllmLayout,
     check_cpu_kernel,
     layout_for,
     to_cpu_attn_blocks,  # noqa: F401 (its old home)
 )
+from dwdp.worker.engine.kv_connector import StagingFull, TransferError
 
 log = logging.getLogger(__name__)
 

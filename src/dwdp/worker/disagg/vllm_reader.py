@@ -54,7 +54,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dwdp.worker.disagg.agent import PULL_TIMEOUT_S, LeaseError, TransferError, new_nixl_agent
+from dwdp.worker.disagg.agent import PULL_TIMEOUT_S, new_nixl_agent
 from dwdp.worker.disagg.vllm_nixl import (
     GET_META_MSG,
     VllmInterop,
@@ -64,7 +64,7 @@ from dwdp.worker.disagg.vllm_nixl import (
     staging_layout,
     zmq_path,
 )
-from dwdp.worker.engine.kv_connector import KvTransferParams
+from dwdp.worker.engine.kv_connector import KvTransferParams, LeaseError, TransferError
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,10 @@ makes today:
 refusal is a 400 naming ``kv_transfer_params.<field>``. From there it travels typed to the
 engine and the connector, which check only what depends on them (the engine: the block count
 against its block size; the connector: the remote side's lease).
+
+The seam's errors (``TransferError`` and its subclasses ``LeaseError`` and ``StagingFull``,
+``KvHoldFull``) and the side channel's path (``KV_AGENT_PATH``) are part of it: the engine and
+the server name them from here, never from an implementation.
 """
 
 from __future__ import annotations
@@ -199,6 +203,11 @@ class KvEndpoint:
     port: int
 
 
+KV_AGENT_PATH = "/v1/dwdp/kv_agent"
+"""The KV side channel's HTTP path on a disaggregated server: ``GET`` answers ``describe``,
+``DELETE`` ends a lease (``release_lease``)."""
+
+
 @runtime_checkable
 class KvServerSide(Protocol):
     """What an OpenAI server needs of a KV connector: its endpoint, who prefilled a request,
@@ -229,14 +238,38 @@ class KvHoldFull(RuntimeError):
         self.retry_s = retry_s
 
 
+class TransferError(RuntimeError):
+    """A KV transfer that cannot happen or failed (one line naming the cause): what a
+    connector's calls raise (the server answers 502)."""
+
+
+class StagingFull(TransferError, KvHoldFull):
+    """A finished prefill found no room in the staging buffer its KV must pass through (vLLM
+    interop). The engine keeps the request and stages it as soon as leases end, for up to
+    ``retry_s`` (the lease time: a lease nobody reads or keeps alive has ended by then); past
+    that it fails, answered 503 (vllm-router 0.1.17 in PD mode does not retry a prefill; the
+    router gate in front of it sends the request again to other prefill servers, and a client
+    gets a 500 carrying this message only when they all fail)."""
+
+
+class LeaseError(TransferError):
+    """``kv_transfer_params`` that name no lease this reader may read, found before any block
+    is read: the client's error, answered ``status`` (400 contradictory params, 403 another
+    lease's token, 410 no such lease) with a message naming the field."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @runtime_checkable
 class KvConnector(KvServerSide, Protocol):
     """What the engine and the server call on a KV connector (see the module docstring).
 
     Blocks are ids in the engine's block table (``dwdp.worker.engine.blocks``), tokens in
-    token order, ``block_size`` tokens each. Errors of a transfer raise
-    ``dwdp.worker.disagg.agent.TransferError`` (the server answers 502); params that name no
-    lease this server may read raise its subclass ``LeaseError`` (a 4xx naming the field).
+    token order, ``block_size`` tokens each. Errors of a transfer raise ``TransferError``
+    (the server answers 502); params that name no lease this server may read raise its
+    subclass ``LeaseError`` (a 4xx naming the field).
     Thread use: ``prepare_load`` and ``describe`` run off the engine thread, the rest on it.
     """
 

@@ -15,7 +15,7 @@ from dwdp.worker.apikey import ApiKey
 from dwdp.worker.gate.child import GateError
 from dwdp.worker.gate.proxy import Gate, needs_key
 from dwdp.worker.server.guard import RequestGuard
-from dwdp.worker.server.run import ListenError, listening_socket
+from dwdp.worker.server.listen import ListenError, listening_socket
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 ``load_checkpoint`` validates the safetensors headers against the config first
 (``dwdp.worker.loading.validate``), so a missing tensor or a tensor of the wrong shape or dtype
 fails with one line before any weight is read; then it loads through
-``AutoModelForCausalLM.from_pretrained`` and the tokenizer through ``AutoTokenizer``. A DWDP
+``AutoModelForCausalLM.from_pretrained`` and the tokenizer through ``AutoTokenizer``
+(``dwdp.worker.loading.tokenizer``). A DWDP
 rank loads through ``dwdp.worker.loading.sharded`` instead (only the experts it keeps), and so
 does an FP8 checkpoint (``dwdp.worker.quant.fp8``: its weights stay FP8).
 """
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dwdp.worker.loading.tokenizer import load_tokenizer
 from dwdp.worker.loading.validate import CheckpointError, validate_checkpoint
 from dwdp.worker.models import adapter_for
 from dwdp.worker.quant.fp8 import scheme_of
@@ -49,15 +51,3 @@ def load_checkpoint(path: str | Path, *, dtype: str = "auto") -> tuple[Any, Any]
         raise CheckpointError(f"checkpoint {path}: loading failed: {first}") from exc
     model.eval()
     return model, load_tokenizer(path)
-
-
-def load_tokenizer(path: Path) -> Any:
-    """The checkpoint's tokenizer (``AutoTokenizer``, local files only). Raises
-    ``CheckpointError`` naming the directory."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"checkpoint {path}: tokenizer: {first}") from exc

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dwdp.worker.expert.layout import LoadedExperts
+from dwdp.worker.loading.tokenizer import load_tokenizer
 from dwdp.worker.loading.validate import (
     CheckpointError,
     meta_model,
@@ -71,7 +72,6 @@ def load_sharded(
     import torch
 
     from dwdp.worker.expert.managed import select_layers
-    from dwdp.worker.loading.checkpoint import load_tokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(path)

@@ -48,13 +48,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response  # noqa:
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: E402
 
 from dwdp.worker.apikey import ApiKey  # noqa: E402
-from dwdp.worker.disagg.agent import KV_AGENT_PATH  # noqa: E402
-from dwdp.worker.engine.kv_connector import KvEndpoint  # noqa: E402
+from dwdp.worker.engine.kv_connector import KV_AGENT_PATH, KvEndpoint  # noqa: E402
 from dwdp.worker.server.core_client import EngineCoreClient  # noqa: E402
 from dwdp.worker.server.guard import RequestGuard  # noqa: E402
+from dwdp.worker.server.listen import listening_socket, uvicorn_kwargs  # noqa: E402
 from dwdp.worker.server.metrics import RequestCounter, ServerMetrics  # noqa: E402
 from dwdp.worker.server.serving import OpenAIServing  # noqa: E402
-from dwdp.worker.server.status import NoDwdp  # noqa: E402
+from dwdp.worker.status_source import NoDwdp  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +246,6 @@ def run(spec: ApiProcessSpec, tokenizer: Any) -> int:
     status."""
     import uvicorn
 
-    from dwdp.worker.server.run import listening_socket, uvicorn_kwargs
-
     client = EngineCoreClient(
         spec.core_address,
         tokenizer=tokenizer,
@@ -292,7 +290,7 @@ def main() -> int:
     """``python -m dwdp.worker.server.api_process`` (the launch on standard input: module
     docstring). A failure is logged in one line and left for the rank (``failure_of``), never
     as a traceback."""
-    from dwdp.worker.loading.checkpoint import load_tokenizer
+    from dwdp.worker.loading.tokenizer import load_tokenizer
     from dwdp.worker.termination import one_line
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

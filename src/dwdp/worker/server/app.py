@@ -19,8 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dwdp.worker.apikey import ApiKey
-from dwdp.worker.disagg.agent import KV_AGENT_PATH, LeaseError
-from dwdp.worker.engine.kv_connector import KvConnector, KvTransferParams
+from dwdp.worker.engine.kv_connector import KV_AGENT_PATH, KvConnector, KvTransferParams, LeaseError
 from dwdp.worker.engine.protocol import EngineClient
 from dwdp.worker.server.fields import NOT_HONOURED
 from dwdp.worker.server.guard import RequestGuard
@@ -35,13 +34,12 @@ from dwdp.worker.server.protocol import (
 )
 from dwdp.worker.server.serving import OpenAIServing, ServingError, lease_refusal
 from dwdp.worker.server.status import (
-    DwdpStatusSource,
-    NoDwdp,
     engine_failure,
     kv_tokens_in_use,
     prefix_cache_status,
     with_identity,
 )
+from dwdp.worker.status_source import DwdpStatusSource, NoDwdp
 
 if TYPE_CHECKING:
     from dwdp.worker.memory import RankMemory

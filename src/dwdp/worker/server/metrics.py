@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from dwdp.worker.server.status import DwdpStatusSource, kv_tokens_in_use
+from dwdp.worker.server.status import kv_tokens_in_use
 from dwdp.worker.server.vllm_metrics import VllmNames
+from dwdp.worker.status_source import DwdpStatusSource
 
 if TYPE_CHECKING:
     from dwdp.worker.memory import RankMemory

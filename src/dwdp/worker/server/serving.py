@@ -14,8 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dwdp.worker.disagg.agent import LeaseError, StagingFull, TransferError
-from dwdp.worker.engine.kv_connector import KvTransferParams
+from dwdp.worker.engine.kv_connector import KvTransferParams, LeaseError, StagingFull, TransferError
 from dwdp.worker.engine.protocol import (
     EngineClient,
     EngineError,
@@ -50,8 +49,8 @@ from dwdp.worker.server.protocol import (
     ServerRef,
     Usage,
 )
-from dwdp.worker.server.status import DwdpStatusSource
 from dwdp.worker.server.tools import ToolPlan, ToolStream, answer, finish_reason, tool_plan
+from dwdp.worker.status_source import DwdpStatusSource
 
 DEFAULT_MAX_TOKENS = 16
 

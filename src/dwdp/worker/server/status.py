@@ -1,14 +1,15 @@
-"""What the server reads about this rank's DWDP state (``/ready``, ``/dwdp/status``, metrics).
+"""What the server reads about this rank (``/ready``, ``/dwdp/status``, metrics): its identity,
+its engine's state, the status body.
 
-The server depends on the ``DwdpStatusSource`` protocol only; the attachment of DWDP to the
-model (``dwdp.worker.attachment``) implements it, and ``NoDwdp`` stands for a rank without DWDP.
+The server reads the rank's DWDP state through the ``DwdpStatusSource`` protocol only
+(``dwdp.worker.status_source``, below the server and the memory ledger alike).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from dwdp.api.contract import Env, RankIdentity, RankStatus, StatusPhase, new_start_id
 
@@ -100,54 +101,3 @@ def with_identity(
     if failure is not None:
         out.update(RankStatus(phase=StatusPhase.FAILED, error=failure).wire())
     return out
-
-
-@runtime_checkable
-class DwdpStatusSource(Protocol):
-    """A view of the DWDP state of this rank."""
-
-    @property
-    def committed(self) -> bool:
-        """True once the DWDP setup committed on every rank (or when DWDP is off)."""
-
-    def status(self) -> dict[str, Any]:
-        """JSON-able state: ``phase``, ``rank``, ``dwdp_size``, ``layout_digest``,
-        ``partition`` (every rank's expert range), ``bytes_stored``, ``bytes_moved``,
-        ``bytes_freed``, ``leaks``, ``slots``, ``slot_waits``, ``sm_reserve`` (the SMs
-        the gather kernel holds) and ``sm_reserve_model`` (the SMs the model's GEMMs leave
-        free, ``dwdp.smReserve``) (bytes as integers)."""
-
-    def buffer_ranges(self) -> list[tuple[int, int]]:
-        """``(address, bytes)`` of every DWDP store and slot this rank allocated."""
-
-
-class NoDwdp:
-    """The status of a rank that serves with replicated weights."""
-
-    committed = True
-
-    def __init__(self, reason: str = "DWDP is off (dwdp_size 1 and enable_dense false)") -> None:
-        self.reason = reason
-
-    def buffer_ranges(self) -> list[tuple[int, int]]:
-        """No DWDP buffers."""
-        return []
-
-    def status(self) -> dict[str, Any]:
-        """Phase ``disabled`` with zero counters."""
-        return RankStatus.build(
-            phase=StatusPhase.DISABLED,
-            reason=self.reason,
-            rank=0,
-            dwdp_size=1,
-            layout_digest=None,
-            partition=None,
-            bytes_stored=0,
-            bytes_moved=0,
-            bytes_freed=0,
-            leaks=0,
-            slots={},
-            slot_waits=0,
-            sm_reserve=0,
-            sm_reserve_model=0,
-        ).wire()

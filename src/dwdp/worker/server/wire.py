@@ -37,8 +37,7 @@ from typing import Any
 
 import msgpack
 
-from dwdp.worker.disagg.agent import LeaseError, StagingFull, TransferError
-from dwdp.worker.engine.kv_connector import KvTransferParams
+from dwdp.worker.engine.kv_connector import KvTransferParams, LeaseError, StagingFull, TransferError
 from dwdp.worker.engine.protocol import (
     EngineDeadError,
     EngineError,

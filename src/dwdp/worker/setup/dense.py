@@ -40,6 +40,7 @@ from dwdp.worker.dense.repoint import count_leaks, current_tensor, watch_storage
 from dwdp.worker.dense.rows import row_store_layout, write_rows
 from dwdp.worker.dense.state import DenseDwdp, DenseState, SlotRings
 from dwdp.worker.settings import CopySettings
+from dwdp.worker.setup.group_vote import vote
 from dwdp.worker.setup.phases import (
     DensePhase,
     FailureInjector,
@@ -47,7 +48,6 @@ from dwdp.worker.setup.phases import (
     describe,
     setup_stream,
 )
-from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
 from dwdp.worker.transport.codec import wire_record
 

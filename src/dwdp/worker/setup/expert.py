@@ -43,8 +43,8 @@ from dwdp.worker.expert.layout import (
 )
 from dwdp.worker.resident import ResidentBytes
 from dwdp.worker.settings import CopySettings
+from dwdp.worker.setup.group_vote import vote
 from dwdp.worker.setup.phases import ExpertPhase, FailureInjector, SetupError, describe
-from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
 from dwdp.worker.transport.codec import wire_record
 

@@ -22,8 +22,8 @@ from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.expert.layout import LoadedExperts
 from dwdp.worker.models.base import MoeLayer, expert_param_names
 from dwdp.worker.setup.expert import ExpertDwdp
+from dwdp.worker.setup.group_vote import vote
 from dwdp.worker.setup.phases import SetupError, setup_stream
-from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from dwdp.worker.models.base import EXPERT_PARAMS, MoeLayer
+from dwdp.worker.setup.group_vote import vote
 from dwdp.worker.setup.phases import SetupError
-from dwdp.worker.setup.vote import vote
 from dwdp.worker.transport.base import GroupTransport
 from dwdp.worker.transport.codec import wire_record
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from dwdp.api.contract import Stage
-from dwdp.worker.setup.vote import vote
+from dwdp.worker.setup.group_vote import vote
 from dwdp.worker.termination import one_line
 from dwdp.worker.transport.base import GroupTransport
 

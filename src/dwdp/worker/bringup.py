@@ -1,4 +1,4 @@
-"""DWDP attached to a transformers model: set it up, build the schedules, hook them in.
+"""Bringing DWDP up on a loaded transformers model: set it up, build the schedules, hook them in.
 
 ``setup_dwdp`` runs on a loaded model, after every weight transform: dense DWDP first (its
 commit returns the replicated dense memory), then expert DWDP (store, prefetch ring, copy
@@ -26,14 +26,14 @@ from dwdp.worker.backend.base import Backend, CopyPlan, Stream
 from dwdp.worker.dense.layout import Segment
 from dwdp.worker.dense.state import DenseDwdp
 from dwdp.worker.expert.layout import LoadedExperts
-from dwdp.worker.group import DwdpConfigError, make_backend
 from dwdp.worker.models.base import ArchitectureAdapter, MoeLayer
+from dwdp.worker.rendezvous import DwdpConfigError, make_backend
 from dwdp.worker.schedule.dense import DenseSlotSchedule
 from dwdp.worker.schedule.expert import ExpertPrefetchSchedule
-from dwdp.worker.server.status import DwdpStatusSource, NoDwdp
 from dwdp.worker.settings import DENSE_MIN_BYTES, CopySettings
 from dwdp.worker.setup.expert import ExpertDwdp
 from dwdp.worker.setup.phases import FailureInjector
+from dwdp.worker.status_source import DwdpStatusSource, NoDwdp
 from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""The one collective each setup phase ends with: every rank's status (and payload).
+"""The group's vote: the one collective each setup phase ends with (the load's vote and a
+weight update's use it too): every rank's status (and payload).
 
 A free function over the group transport, returning the transport's small named result
 (:class:`~dwdp.worker.transport.base.Exchange`): ``ok``, ``errors`` by rank, ``payloads``.

@@ -1,8 +1,9 @@
-"""Joining this rank's DWDP group and choosing its device backend.
+"""The rendezvous of this rank's DWDP group, and the device backend its stores then live in.
 
 ``join_group`` is the rendezvous (a collective: TCP store or MPI, from the launch's
-``transport``); ``make_backend`` picks the backend the launch's ``handleType`` names (``shm``:
-the cpu backend over host shared memory; ``posixFd``/``fabric``: the CUDA backend).
+``transport``); ``make_backend`` picks, for the group joined, the backend the launch's
+``handleType`` names (``shm``: the cpu backend over host shared memory, its files named after
+the group; ``posixFd``/``fabric``: the CUDA backend).
 """
 
 from __future__ import annotations
