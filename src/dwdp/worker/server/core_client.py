@@ -246,3 +246,8 @@ class EngineCoreClient:
             await self.call(Health())
         except EngineError as exc:
             raise EngineDeadError(str(exc)) from exc
+
+    def snapshot(self) -> None:
+        """None: the rank's own app publishes its engine's state (``/dwdp/status`` and the
+        engine families of ``/metrics`` are passed on to it)."""
+        return None
