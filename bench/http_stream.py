@@ -62,6 +62,9 @@ class InstantEngine:
     async def check_health(self) -> None:
         return None
 
+    def snapshot(self) -> None:
+        return None
+
 
 def measure(levels: Sequence[int], per_slot: int) -> list[dict]:
     """Each level's output tokens/s and the serving process's CPU microseconds per token."""

@@ -25,8 +25,9 @@ cd "$(dirname "$0")/.."
 WHEELS=.whl
 # The worker's packages beyond torch, transformers, safetensors and tokenizers, with their
 # dependencies; what the machine already has is left as it is (see `run`).
-PACKAGES=(fastapi uvicorn pydantic pyzmq msgpack prometheus-client PyYAML httpx cuda-bindings
-          apache-tvm-ffi jsonschema attrs jsonschema-specifications referencing rpds-py)
+PACKAGES=(fastapi uvicorn pydantic pyzmq msgpack msgspec prometheus-client PyYAML httpx
+          cuda-bindings apache-tvm-ffi jsonschema attrs jsonschema-specifications referencing
+          rpds-py)
 # Without their dependencies (xgrammar's are torch, transformers, triton, numpy, pydantic and
 # apache-tvm-ffi: the machine has the first four, PACKAGES brings the others).
 NO_DEPS=(xgrammar==0.2.9)

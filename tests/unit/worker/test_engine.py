@@ -251,6 +251,7 @@ def test_forward_failure_is_fatal(loaded, engine_cls):
     finally:
         handle.remove()
     assert len(fatal) == 1 and "device lost" in str(fatal[0])
+    assert engine.snapshot().failure == "RuntimeError: device lost"  # /dwdp/status's error
 
 
 def test_greedy_matches_transformers_generate(engine):

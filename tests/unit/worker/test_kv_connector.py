@@ -45,6 +45,9 @@ class RecordingEngine:
     async def score_prompt(self, prompt, top):
         return []
 
+    def snapshot(self):
+        return None
+
 
 @pytest.fixture
 def edge():

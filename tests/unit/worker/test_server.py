@@ -350,6 +350,9 @@ def test_health_503_when_engine_dead(tmp_path):
         def generate(self, *a):
             raise AssertionError
 
+        def snapshot(self):
+            return None
+
     with UvicornThread(build_app(Dead()), graceful_shutdown_timeout_s=None) as base:
         r = httpx.get(base + "/health")
         assert r.status_code == 503 and "boom" in r.json()["error"]["message"]

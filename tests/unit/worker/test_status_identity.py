@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dwdp.api.contract import Stage
+from dwdp.worker.engine.stats import EngineSnapshot, EngineStats
 from dwdp.worker.launcher import launcher_line
 from dwdp.worker.main import phased
 from dwdp.worker.server.status import (
@@ -73,12 +74,11 @@ def test_status_carries_the_identity_and_failed_when_the_engine_died() -> None:
     st = with_identity(NoDwdp().status(), ident)
     assert st["phase"] == "disabled" and st["revision"] == "r" and st["group"] == "g"
 
-    class Dead:
-        _dead = RuntimeError("boom")
-
-    st = with_identity(NoDwdp().status(), ident, engine_failure(Dead()))
+    dead = EngineSnapshot(EngineStats(), prefix_caching=True, failure="RuntimeError: boom")
+    st = with_identity(NoDwdp().status(), ident, engine_failure(dead))
     assert st["phase"] == "failed" and st["error"] == "RuntimeError: boom"
-    assert engine_failure(object()) is None
+    assert engine_failure(EngineSnapshot(EngineStats(), prefix_caching=True)) is None
+    assert engine_failure(None) is None  # an engine that publishes nothing
 
 
 def test_app_status_route_reports_identity() -> None:
@@ -87,9 +87,11 @@ def test_app_status_route_reports_identity() -> None:
     from dwdp.worker.server.app import build_app
 
     class Engine:
-        _dead = None
         model_name = "m"
         kv = None
+
+        def snapshot(self):
+            return None
 
     app = build_app(Engine(), identity={"group": "g1", "incarnation": 1, "revision": "rv"})
     body = TestClient(app).get("/dwdp/status").json()

@@ -164,8 +164,9 @@ def test_a_constraint_crosses_the_engine_core_link_whole():
     params = SamplingParams(structured=StructuredOutput("json", json.dumps(PERSON),
                                                         "response_format.json_schema.schema",
                                                         any_whitespace=False))
-    message = wire.unpack(wire.pack(wire.generate_message("r", [1, 2], params, None, None)))
-    assert wire.sampling_params(message["params"]) == params
+    sent = wire.Generate(id="r", prompt=[1, 2], params=params)
+    got = wire.decode_request(wire.encode(sent))
+    assert isinstance(got, wire.Generate) and got.params == params
 
 
 def _nested(levels: int) -> dict:

@@ -1,6 +1,7 @@
 """/metrics under vLLM's names too (llm-d's endpoint picker and vLLM dashboards read them):
 each mirrored family has the same samples as the project's own, with model_name added, and
-vllm:cache_config_info describes the KV cache. A real server on 127.0.0.1."""
+vllm:cache_config_info describes the KV cache. A real server on 127.0.0.1. And what
+``/metrics`` and ``/dwdp/status`` read of an engine: the snapshot it publishes, nothing else."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families
 
+from dwdp.worker.engine.stats import EngineSnapshot, EngineStats, KvCacheShape
 from dwdp.worker.server.vllm_metrics import VLLM_NAMES
 from dwdp_dev.worker.checkpoint import make_checkpoint
 from dwdp_dev.worker.servers import EngineServer
@@ -41,3 +43,47 @@ def test_every_mirrored_family_reads_as_the_projects_own(tmp_path):
     assert info.labels == {"block_size": "4", "num_gpu_blocks": "64",
                            "enable_prefix_caching": "True"}
     assert info.value == 1
+
+
+class _Published:
+    """An engine that publishes a given snapshot (the server reads nothing else of it)."""
+
+    model_name = "pub"
+    max_model_len = 64
+    tokenizer = None
+    kv = None
+
+    def __init__(self, snapshot: EngineSnapshot) -> None:
+        self.published = snapshot
+
+    def snapshot(self) -> EngineSnapshot:
+        return self.published
+
+
+def test_status_and_metrics_read_the_snapshot_the_engine_publishes():
+    from fastapi.testclient import TestClient
+
+    from dwdp.worker.server.app import build_app
+
+    stats = EngineStats(prompt_tokens=7, generation_tokens=5, prefix_cache_queries=8,
+                        prefix_cache_hits=2, kv_blocks_cached=3, requests_running=1)
+    engine = _Published(EngineSnapshot(stats, prefix_caching=False,
+                                       kv_cache=KvCacheShape(block_size=16, num_blocks=9)))
+    with TestClient(build_app(engine)) as client:
+        status = client.get("/dwdp/status").json()
+        families = {f.name: f for f in text_string_to_metric_families(
+            client.get("/metrics").text)}
+    assert status["prefix_cache"] == {"enabled": False, "cached_blocks": 3, "queries": 8,
+                                      "hits": 2, "hit_rate": 0.25}
+    assert "error" not in status and status["phase"] == "disabled"
+    assert families["vllm:prompt_tokens"].samples[0].value == 7
+    assert families["vllm:num_requests_running"].samples[0].labels == {"model_name": "pub"}
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.labels == {"block_size": "16", "num_gpu_blocks": "9",
+                           "enable_prefix_caching": "False"}
+    engine.published = EngineSnapshot(stats, prefix_caching=True, failure="RuntimeError: x")
+    with TestClient(build_app(engine)) as client:
+        status = client.get("/dwdp/status").json()
+        text = client.get("/metrics").text
+    assert (status["phase"], status["error"]) == ("failed", "RuntimeError: x")
+    assert "vllm:cache_config_info" not in text  # no paged KV cache published

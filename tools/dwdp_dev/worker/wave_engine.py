@@ -15,10 +15,11 @@ from __future__ import annotations
 import queue
 from collections.abc import Sequence
 
-from dwdp.worker.engine.base import EngineBase, EngineConfig, EngineStats
+from dwdp.worker.engine.base import EngineBase, EngineConfig
 from dwdp.worker.engine.protocol import RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
+from dwdp.worker.engine.stats import EngineStats
 
 __all__ = ["BatchingEngine", "EngineConfig", "EngineStats"]
 

@@ -15,6 +15,7 @@ consecutive passes).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import queue
@@ -39,6 +40,7 @@ from dwdp.worker.engine.protocol import (
 )
 from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import Choice, prompt_logprobs
+from dwdp.worker.engine.stats import EngineSnapshot, EngineStats, KvCacheShape
 
 log = logging.getLogger(__name__)
 
@@ -66,41 +68,6 @@ class EngineConfig:
     block_size: int = KV_BLOCK_SIZE
     cuda_graphs: bool = False
     prefix_caching: bool = True
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counters since start; read by the metrics collector at scrape time."""
-
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    forward_passes: int = 0
-    forward_seconds: float = 0.0
-    waves: int = 0
-    """Waves of the wave engine; steps of the continuous engine."""
-    preemptions: int = 0
-    kv_tokens_in_use: int = 0
-    """KV cache tokens held by running requests (a gauge, not a counter)."""
-    requests_running: int = 0
-    """Requests in the running set (a gauge; the continuous engine)."""
-    requests_waiting: int = 0
-    """Requests queued for a step (a gauge; the continuous engine)."""
-    kv_leases: int = 0
-    """Remote-decode prefills whose blocks wait for the generation side (a gauge)."""
-    remote_prefill_tokens: int = 0
-    """Prompt tokens whose KV was read from a context server (a counter)."""
-    graph_replays: int = 0
-    """Decode steps run as a CUDA graph replay (a counter; ``EngineConfig.cuda_graphs``)."""
-    piecewise_replays: int = 0
-    """Other steps run as piecewise graph replays (a counter; ``dwdp.worker.engine.piecewise``)."""
-    prefix_cache_queries: int = 0
-    """Prompt tokens of requests looked up in the prefix cache (a counter; vLLM's name)."""
-    prefix_cache_hits: int = 0
-    """Of those, tokens found cached and not computed again (a counter; vLLM's name)."""
-    kv_blocks_cached: int = 0
-    """Blocks the prefix cache holds, in use or free (a gauge)."""
 
 
 class EngineBase:
@@ -191,6 +158,22 @@ class EngineBase:
     def running(self) -> bool:
         """True while the engine thread serves."""
         return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def snapshot(self) -> EngineSnapshot:
+        """What this engine publishes about itself now (``EngineClient.snapshot``): a copy of
+        ``stats``, its KV cache's shape (``_kv_cache_shape``) and the error that killed it."""
+        dead = self._dead
+        return EngineSnapshot(
+            stats=dataclasses.replace(self.stats),
+            prefix_caching=self.config.prefix_caching,
+            kv_cache=self._kv_cache_shape(),
+            failure=None if dead is None else f"{type(dead).__name__}: {dead}",
+        )
+
+    def _kv_cache_shape(self) -> KvCacheShape | None:
+        """The paged KV cache's shape (``None``: this engine has none; a subclass that has one
+        says so)."""
+        return None
 
     # -- the EngineClient interface ----------------------------------------------------------
     async def check_health(self) -> None:

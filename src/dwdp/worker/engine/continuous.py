@@ -39,6 +39,7 @@ from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
 from dwdp.worker.engine.scheduler import Scheduler
 from dwdp.worker.engine.scheduler import Sequence as SchedSequence
+from dwdp.worker.engine.stats import KvCacheShape
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,10 @@ class ContinuousEngine(EngineBase):
         choice, until when it may wait); see ``_remote_decode``."""
         self._step_lock = threading.Lock()
         self._warmed = False
+
+    def _kv_cache_shape(self) -> KvCacheShape:
+        """The block pool's shape (``EngineBase.snapshot``)."""
+        return KvCacheShape(self.allocator.block_size, self.allocator.num_blocks)
 
     def capture_cuda_graphs(self) -> GraphStats:
         """Capture the piecewise graphs (``dwdp.worker.engine.piecewise``) and the decode

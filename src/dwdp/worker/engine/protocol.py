@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from dwdp.worker.engine.kv_connector import KvServerSide, KvTransferParams
+from dwdp.worker.engine.stats import EngineSnapshot
 
 
 class EngineError(RuntimeError):
@@ -233,3 +234,9 @@ class EngineClient(Protocol):
 
     async def check_health(self) -> None:
         """Return if the engine can serve; raise ``EngineDeadError`` otherwise."""
+
+    def snapshot(self) -> EngineSnapshot | None:
+        """What the engine publishes about itself now (``dwdp.worker.engine.stats``: a copy of
+        its counters, its KV cache's shape, the error that killed it), what ``/dwdp/status``
+        and ``/metrics`` read; ``None`` where it publishes nothing (an API server process's
+        client: the rank's own app reports its engine)."""

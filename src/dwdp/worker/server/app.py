@@ -326,17 +326,18 @@ def _add_status_route(app: FastAPI, memory: RankMemory | None,
     @app.get("/dwdp/status")
     async def dwdp_status(request: Request) -> dict[str, Any]:
         serving = _serving(request)
+        snapshot = serving.engine.snapshot()  # one for every field of this answer
         status = serving.dwdp.status()
         if memory is not None:
-            status.update(memory.status(kv_tokens_in_use(serving.engine)))
-        cache = prefix_cache_status(serving.engine)
+            status.update(memory.status(kv_tokens_in_use(snapshot)))
+        cache = prefix_cache_status(snapshot)
         if cache is not None:
             status["prefix_cache"] = cache
         kv = serving.engine.kv
         if isinstance(kv, KvConnector):  # a disaggregated server: its KV transfer counters
-            stats = getattr(serving.engine, "stats", None)
             status["kv_transfer"] = {
                 **kv.status(),
-                "remote_prefill_tokens": getattr(stats, "remote_prefill_tokens", 0),
+                "remote_prefill_tokens": (
+                    0 if snapshot is None else snapshot.stats.remote_prefill_tokens),
             }
-        return with_identity(status, identity, engine_failure(serving.engine))
+        return with_identity(status, identity, engine_failure(snapshot))

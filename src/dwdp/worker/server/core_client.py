@@ -1,8 +1,9 @@
 """The API server process's end of the link: an ``EngineClient`` that is the rank's engine core.
 
 ``EngineCoreClient`` holds a ZMQ ``DEALER`` connected to the core's ``ROUTER``
-(``dwdp.worker.server.engine_core``) and one reader task that hands every ``out`` and
-``error`` message to its request's queue and every ``reply`` to its call's future. What the
+(``dwdp.worker.server.engine_core``) and one reader task that hands every ``Out`` and
+``Failed`` (``dwdp.worker.server.wire``) to its request's queue and every ``Reply`` to its
+call's future. What the
 server reads without asking (the model's name and limits, the KV endpoint) comes once, with
 the process's launch (``dwdp.worker.server.api_process``); the tokenizer is the API process's
 own copy, loaded from the checkpoint.
@@ -17,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+import msgspec
+
 from dwdp.worker.engine.kv_connector import KvEndpoint, KvTransferParams
 from dwdp.worker.engine.protocol import (
     EngineDeadError,
@@ -29,13 +32,20 @@ from dwdp.worker.engine.protocol import (
 )
 from dwdp.worker.server.wire import (
     MAX_MESSAGE_BYTES,
-    WireError,
+    Abort,
+    Call,
+    ErrorInfo,
+    Failed,
+    Generate,
+    Health,
+    Out,
+    Release,
+    Reply,
+    Request,
+    Score,
+    decode_answer,
+    encode,
     error_of,
-    generate_message,
-    logprobs_of,
-    pack,
-    request_output,
-    unpack,
 )
 
 KNOWN_SERVERS = 1024
@@ -72,7 +82,7 @@ class RemoteKv:
 
     async def release(self, params: KvTransferParams) -> None:
         """End the lease ``params`` name on their context server (the core does it)."""
-        await self._client.call("release", kv=params.model_dump(mode="json", exclude_none=True))
+        await self._client.call(Release(kv=params))
 
 
 class EngineCoreClient:
@@ -93,8 +103,8 @@ class EngineCoreClient:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.kv: RemoteKv | None = RemoteKv(self, kv_endpoint) if kv_endpoint else None
-        self._streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
-        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._streams: dict[str, asyncio.Queue[Out | Failed]] = {}
+        self._calls: dict[int, asyncio.Future[Reply]] = {}
         self._call_ids = itertools.count()
         self._socket: Any = None
         self._context: Any = None
@@ -132,19 +142,16 @@ class EngineCoreClient:
     async def _read(self) -> None:
         try:
             while True:
-                message = unpack(await self._socket.recv())
-                kind = message.get("kind")
-                if kind == "reply":
-                    future = self._calls.pop(message.get("call"), None)  # type: ignore[arg-type]
+                message = decode_answer(await self._socket.recv())
+                if isinstance(message, Reply):
+                    future = self._calls.pop(message.call, None)
                     if future is not None and not future.done():
                         future.set_result(message)
-                elif kind == "outs":
-                    for update in message["outs"]:
-                        queue = self._streams.get(str(update.get("id")))
-                        if queue is not None:
-                            queue.put_nowait(update)
-                else:
-                    raise WireError(f"unknown kind {kind!r}")
+                    continue
+                for update in message.outs:
+                    queue = self._streams.get(update.id)
+                    if queue is not None:
+                        queue.put_nowait(update)
         except asyncio.CancelledError:
             self.fail("the API server is shutting down")
         except Exception as exc:  # a broken link: nothing can be served any more
@@ -157,31 +164,32 @@ class EngineCoreClient:
         if self._lost is not None:
             return
         self._lost = EngineDeadError(reason)
-        lost = {"kind": "error", "error": {"type": "EngineDeadError", "message": reason}}
-        for queue in self._streams.values():
-            queue.put_nowait(lost)
-        for future in self._calls.values():
+        lost = ErrorInfo("EngineDeadError", reason)
+        for request_id, queue in self._streams.items():
+            queue.put_nowait(Failed(id=request_id, error=lost))
+        for call, future in self._calls.items():
             if not future.done():
-                future.set_result(lost)
+                future.set_result(Reply(call=call, error=lost))
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, message: Request) -> None:
         if self._lost is not None or self._socket is None:
             raise EngineDeadError(str(self._lost or "not connected to the engine core"))
-        await self._socket.send(pack(message))
+        await self._socket.send(encode(message))
 
-    async def call(self, op: str, **fields: Any) -> Any:
-        """Send call ``op`` and return its reply's value; raises the error it carries."""
+    async def call(self, request: Call) -> list[TokenLogprob] | None:
+        """Send ``request`` (numbered here) and return its reply's value; raises the error it
+        carries."""
         call = next(self._call_ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._calls[call] = future
         try:
-            await self._send({"op": op, "call": call, **fields})
+            await self._send(msgspec.structs.replace(request, call=call))
             reply = await future
         finally:
             self._calls.pop(call, None)
-        if "error" in reply:
-            raise error_of(reply["error"])
-        return reply.get("value")
+        if reply.error is not None:
+            raise error_of(reply.error)
+        return reply.value
 
     # -- the EngineClient interface ----------------------------------------------------------
     async def generate(
@@ -199,23 +207,22 @@ class EngineCoreClient:
             raise RequestError(f"request id {request_id!r} is already running")
         if shared is not None and shared.claim is None:  # names the choices for the core
             shared.claim = uuid.uuid4().hex
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[Out | Failed] = asyncio.Queue()
         self._streams[request_id] = queue
         done = False
         try:
-            await self._send(generate_message(
-                request_id, list(prompt_token_ids), params, kv_transfer,
-                None if shared is None else str(shared.claim),
+            await self._send(Generate(
+                id=request_id, prompt=list(prompt_token_ids), params=params, kv=kv_transfer,
+                shared=None if shared is None else str(shared.claim),
             ))
             while True:
                 message = await queue.get()
-                if message["kind"] == "error":
+                if isinstance(message, Failed):
                     done = True
-                    raise error_of(message["error"])
-                out = request_output(message)
-                server = message.get("server")
-                if server and self.kv is not None and kv_transfer is not None:
-                    self.kv.learn(str(kv_transfer.remote_engine_id), server)
+                    raise error_of(message.error)
+                out = message.output
+                if message.server and self.kv is not None and kv_transfer is not None:
+                    self.kv.learn(str(kv_transfer.remote_engine_id), message.server)
                 done = out.finished
                 yield out
                 if done:
@@ -223,20 +230,24 @@ class EngineCoreClient:
         finally:
             self._streams.pop(request_id, None)
             if not done and self._lost is None:
-                await self._send({"op": "abort", "id": request_id})
+                await self._send(Abort(id=request_id))
 
     async def score_prompt(self, prompt_token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
         """``EngineClient.score_prompt`` through the core."""
-        value = await self.call("score", prompt=list(prompt_token_ids), top=top)
-        return logprobs_of(value)
+        return await self.call(Score(prompt=list(prompt_token_ids), top=top)) or []
 
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id`` in the core (unknown ids are ignored there)."""
-        await self._send({"op": "abort", "id": request_id})
+        await self._send(Abort(id=request_id))
 
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` when the core's engine cannot serve or the link is lost."""
         try:
-            await self.call("health")
+            await self.call(Health())
         except EngineError as exc:
             raise EngineDeadError(str(exc)) from exc
+
+    def snapshot(self) -> None:
+        """None: the rank's own app publishes its engine's state (``/dwdp/status`` and the
+        engine families of ``/metrics`` are passed on to it)."""
+        return None

@@ -1,11 +1,13 @@
 """The engine core's end of the link: the rank's engine served to its API server process.
 
 A thread of the rank runs one asyncio loop with a ZMQ ``ROUTER`` socket bound to the link's
-``ipc://`` address (``dwdp.worker.server.wire``). Each ``generate`` message becomes an engine
-request (``EngineBase.add_request``) whose updates the engine thread hands over in bursts: every
-update a step produces is appended to one buffer, and one wake-up of this loop sends them all as
-one ``outs`` message per API process. ``abort`` stops the request; calls (``score``, ``health``,
-``release``) are answered by one ``reply`` each. One task writes the socket, in order.
+``ipc://`` address (``dwdp.worker.server.wire``: the messages). Each ``Generate`` becomes an
+engine request (``EngineBase.add_request``) whose updates the engine thread hands over in bursts:
+every update a step produces is appended to one buffer, and one wake-up of this loop sends them
+all as one ``Outs`` per API process. A ``Generate`` that does not decode is refused (``Failed``)
+when its id can be read, so no API process's stream waits for it. ``Abort`` stops the request;
+calls (``Score``, ``Health``, ``Release``) are answered by one ``Reply`` each. One task writes
+the socket, in order.
 
 Why a process boundary: the API server's HTTP parsing, JSON and streaming share no interpreter
 lock with the engine thread's step launches any more; only this loop's small messages do.
@@ -17,7 +19,7 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.engine.protocol import (
@@ -25,17 +27,26 @@ from dwdp.worker.engine.protocol import (
     RequestError,
     RequestOutput,
     SharedPrefill,
+    TokenLogprob,
 )
 from dwdp.worker.server.wire import (
     MAX_MESSAGE_BYTES,
+    Abort,
+    Answer,
+    Call,
+    Failed,
+    Generate,
+    Health,
+    Out,
+    Outs,
+    Release,
+    Reply,
+    Score,
     WireError,
+    decode_request,
+    encode,
     error_fields,
-    kv_params,
-    logprobs_value,
-    output_message,
-    pack,
-    sampling_params,
-    unpack,
+    generate_id,
 )
 
 if TYPE_CHECKING:
@@ -144,31 +155,39 @@ class EngineCoreServer:
         while True:
             await sock.send_multipart(await outbox.get())
 
-    def _send(self, peer: Peer, message: dict[str, Any]) -> None:
+    def _send(self, peer: Peer, message: Answer) -> None:
         assert self._outbox is not None
-        self._outbox.put_nowait([peer, pack(message)])
+        self._outbox.put_nowait([peer, encode(message)])
 
     # -- messages ----------------------------------------------------------------------------
     def _dispatch(self, peer: Peer, frame: bytes) -> None:
         try:
-            message = unpack(frame)
-            op = message.get("op")
-            if op == "generate":
-                key = (peer, str(message["id"]))
-                if key in self._requests:  # answered, so the stream that sent it ends
-                    self._refuse(key, RequestError(f"request id {key[1]!r} is already running"))
-                    return
-                self._requests[key] = self._spawn(self._add(key, message))
-            elif op == "abort":
-                request = self._requests.get((peer, str(message.get("id"))))
-                if request is not None:
-                    self._abort(request)
-            elif op in CALLS:
-                self._spawn(self._call(peer, message, CALLS[op]))
+            message = decode_request(frame)
+        except WireError as exc:  # a malformed message never stops the core
+            request_id = generate_id(frame)
+            if request_id is None:
+                log.warning("engine core: a message dropped: %s", exc)
             else:
-                raise WireError(f"unknown op {op!r}")
-        except Exception as exc:  # a malformed message never stops the core
-            log.warning("engine core: a message dropped: %s: %s", type(exc).__name__, exc)
+                self._generate((peer, request_id), exc)
+            return
+        if isinstance(message, Generate):
+            self._generate((peer, message.id), message)
+        elif isinstance(message, Abort):
+            request = self._requests.get((peer, message.id))
+            if request is not None:
+                self._abort(request)
+        else:
+            self._spawn(self._call(peer, message))
+
+    def _generate(self, key: Key, message: Generate | WireError) -> None:
+        """Start request ``key``, or refuse it: its id is running (the refusal ends the stream
+        that sent it), or its message did not decode (a 400 naming the field)."""
+        if key in self._requests:
+            self._refuse(key, RequestError(f"request id {key[1]!r} is already running"))
+        elif isinstance(message, WireError):
+            self._refuse(key, RequestError(str(message)))
+        else:
+            self._requests[key] = self._spawn(self._add(key, message))
 
     def _spawn(self, work: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(work)
@@ -183,30 +202,29 @@ class EngineCoreServer:
         else:
             request.aborted = True  # the engine drops it at its next step
 
-    async def _add(self, key: Key, message: dict[str, Any]) -> None:
+    async def _add(self, key: Key, message: Generate) -> None:
         peer, request_id = key
         try:
-            kv = kv_params(message.get("kv"))
+            kv = message.kv
             if kv is not None and kv.do_remote_prefill:
                 self._remote[key] = str(kv.remote_engine_id)
             shared = None
-            if message.get("shared"):
-                self._shared_of[key] = str(message["shared"])
-                shared = self._share(peer, self._shared_of[key])
+            if message.shared:
+                self._shared_of[key] = message.shared
+                shared = self._share(peer, message.shared)
             self._requests[key] = await self.engine.add_request(
-                request_id, message["prompt"], sampling_params(message.get("params")), kv,
+                request_id, message.prompt, message.params, kv,
                 shared=shared, emit=lambda update: self._hand_over(key, update))
         except asyncio.CancelledError:
             self._forget(key)
         except Exception as exc:
-            # a malformed message (WireError, pydantic's) is the request's fault: a 400
+            # a ValueError the engine raised is the request's fault: a 400
             self._forget(key)
             self._refuse(key, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
 
     def _refuse(self, key: Key, error: BaseException) -> None:
         """End request ``key`` in its API process with ``error``."""
-        self._send(key[0], {"kind": "outs", "outs": [
-            {"kind": "error", "id": key[1], "error": error_fields(error)}]})
+        self._send(key[0], Outs(outs=[Failed(id=key[1], error=error_fields(error))]))
 
     def _forget(self, key: Key) -> None:
         """The request ended (or never started): drop what the core keeps of it."""
@@ -226,24 +244,24 @@ class EngineCoreServer:
     def _flush(self) -> None:
         """Send every buffered update, one ``outs`` message per API process."""
         self._flush_due = False
-        batches: dict[Peer, list[dict[str, Any]]] = {}
+        batches: dict[Peer, list[Out | Failed]] = {}
         while self._updates:
             key, update = self._updates.popleft()
             batches.setdefault(key[0], []).append(self._update_message(key, update))
         for peer, outs in batches.items():
-            self._send(peer, {"kind": "outs", "outs": outs})
+            self._send(peer, Outs(outs=outs))
 
-    def _update_message(self, key: Key, update: RequestOutput | BaseException) -> dict[str, Any]:
+    def _update_message(self, key: Key, update: RequestOutput | BaseException) -> Out | Failed:
         if isinstance(update, BaseException):
             self._forget(key)
-            return {"kind": "error", "id": key[1], "error": error_fields(update)}
+            return Failed(id=key[1], error=error_fields(update))
         server = None
         remote = self._remote.pop(key, None)
         if remote is not None and self.engine.kv is not None:
             server = self.engine.kv.server_of(remote) or None
         if update.finished:
             self._forget(key)
-        return output_message(update, server)
+        return Out(output=update, server=server)
 
     def _share(self, peer: Peer, key: str) -> SharedPrefill:
         """The ``SharedPrefill`` of the choices sent under ``key``, counted per request."""
@@ -258,33 +276,20 @@ class EngineCoreServer:
         else:
             self._shared[(peer, key)] = (shared, users - 1)
 
-    async def _call(self, peer: Peer, message: dict[str, Any],
-                    run: Callable[[EngineClient, dict[str, Any]], Awaitable[Any]]) -> None:
-        reply: dict[str, Any] = {"kind": "reply", "call": message.get("call")}
+    async def _call(self, peer: Peer, call: Call) -> None:
         try:
-            reply["value"] = await run(self.engine, message)
+            reply = Reply(call=call.call, value=await _answer(self.engine, call))
         except Exception as exc:
-            reply["error"] = error_fields(exc)
+            reply = Reply(call=call.call, error=error_fields(exc))
         self._send(peer, reply)
 
 
-async def _score(engine: EngineClient, message: dict[str, Any]) -> Any:
-    return logprobs_value(await engine.score_prompt(message["prompt"], int(message["top"])))
-
-
-async def _health(engine: EngineClient, message: dict[str, Any]) -> None:
-    await engine.check_health()
-
-
-async def _release(engine: EngineClient, message: dict[str, Any]) -> None:
-    params = kv_params(message.get("kv"))
-    if engine.kv is not None and params is not None:
-        await engine.kv.release(params)
-
-
-CALLS: dict[str, Callable[[EngineClient, dict[str, Any]], Awaitable[Any]]] = {
-    "score": _score,
-    "health": _health,
-    "release": _release,
-}
-"""The calls the core answers, by ``op``."""
+async def _answer(engine: EngineClient, call: Call) -> list[TokenLogprob] | None:
+    """What ``call`` returns (its ``Reply``'s ``value``); raises what the engine raised."""
+    if isinstance(call, Score):
+        return await engine.score_prompt(call.prompt, call.top)
+    if isinstance(call, Health):
+        await engine.check_health()
+    elif isinstance(call, Release) and engine.kv is not None:
+        await engine.kv.release(call.kv)
+    return None

@@ -1,9 +1,9 @@
 """Prometheus metrics of one rank, in a registry of the app (never the global one).
 
 Request counts and latency histograms are observed by the serving class; token counters and
-the DWDP counters (bytes moved, slot waits, store bytes, leaks) are read from the engine stats
-and the DWDP status source at scrape time by a custom collector, so the hot path does no
-bookkeeping twice.
+the DWDP counters (bytes moved, slot waits, store bytes, leaks) are read from the snapshot the
+engine publishes (``EngineClient.snapshot``) and the DWDP status source at scrape time by a
+custom collector, so the hot path does no bookkeeping twice.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dwdp.worker.server.vllm_metrics import VllmNames
 from dwdp.worker.status_source import DwdpStatusSource
 
 if TYPE_CHECKING:
+    from dwdp.worker.engine.protocol import EngineClient
+    from dwdp.worker.engine.stats import EngineSnapshot
     from dwdp.worker.memory import RankMemory
 
 PREFIX_QUERIES_DOC = "Prompt tokens looked up in the prefix cache, as vLLM's prefix_cache_queries."
@@ -29,13 +31,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 class _ScrapeCollector:
     def __init__(
-        self, engine: object, dwdp: DwdpStatusSource, memory: RankMemory | None
+        self, engine: EngineClient | None, dwdp: DwdpStatusSource, memory: RankMemory | None
     ) -> None:
         self.engine = engine
         self.dwdp = dwdp
         self.memory = memory
 
-    def _memory(self) -> Iterator[Metric]:
+    def _memory(self, snapshot: EngineSnapshot | None) -> Iterator[Metric]:
         if self.memory is None:
             return
         parts = GaugeMetricFamily(
@@ -60,12 +62,13 @@ class _ScrapeCollector:
             "dwdp_kv_cache_usage_perc",
             "Fraction (0-1) of the KV cache pool the running requests reserve, as vLLM's "
             "kv_cache_usage_perc.",
-            value=kv_tokens_in_use(self.engine) / capacity,
+            value=kv_tokens_in_use(snapshot) / capacity,
         )
 
     def collect(self) -> Iterator[Metric]:
-        stats = getattr(self.engine, "stats", None)
-        if stats is not None:
+        snapshot = None if self.engine is None else self.engine.snapshot()
+        if snapshot is not None:
+            stats = snapshot.stats
             for name, doc, value in (
                 ("dwdp_prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
                 ("dwdp_generation_tokens", "Tokens generated.", stats.generation_tokens),
@@ -111,7 +114,7 @@ class _ScrapeCollector:
         committed = GaugeMetricFamily("dwdp_committed", "1 once DWDP setup committed.")
         committed.add_metric([], 1.0 if self.dwdp.committed else 0.0)
         yield committed
-        yield from self._memory()
+        yield from self._memory(snapshot)
 
 
 class ServerMetrics:
@@ -125,17 +128,18 @@ class ServerMetrics:
 
     def __init__(
         self,
-        engine: object,
+        engine: EngineClient | None,
         dwdp: DwdpStatusSource,
         memory: RankMemory | None = None,
         *,
         requests: bool = True,
         engine_families: bool = True,
     ) -> None:
-        """``engine``: read for its ``stats`` (token and forward counters) when it has
-        them; ``dwdp``: the DWDP status source; ``memory``: the ledger and KV pool, when
-        the rank measured them. ``requests``: the request counts and latency histograms;
-        ``engine_families``: the families read at scrape time."""
+        """``engine``: read for the snapshot it publishes (token and forward counters,
+        ``EngineClient.snapshot``), when it publishes one; ``dwdp``: the DWDP status source;
+        ``memory``: the ledger and KV pool, when the rank measured them. ``requests``: the
+        request counts and latency histograms; ``engine_families``: the families read at
+        scrape time."""
         self.registry = CollectorRegistry(auto_describe=True)
         sources: list[Any] = []
         if requests:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dwdp.api.contract import Env, RankIdentity, RankStatus, StatusPhase, new_start_id
+from dwdp.worker.engine.stats import EngineSnapshot
 
 START_ID = new_start_id()
 """This process's start id (``/dwdp/status`` ``start_id``): new with every rank process."""
@@ -62,29 +63,27 @@ def server_identity(
     return out
 
 
-def engine_failure(engine: Any) -> str | None:
-    """The engine's fatal error as text, or None while it can serve (or cannot say)."""
-    dead = getattr(engine, "_dead", None)
-    return None if dead is None else f"{type(dead).__name__}: {dead}"
+def engine_failure(snapshot: EngineSnapshot | None) -> str | None:
+    """The engine's fatal error as text, or None while it can serve (or publishes nothing:
+    ``EngineClient.snapshot``)."""
+    return None if snapshot is None else snapshot.failure
 
 
-def kv_tokens_in_use(engine: Any) -> int:
-    """KV cache tokens the engine's running requests reserve (0 when it cannot say)."""
-    stats = getattr(engine, "stats", None)
-    return int(getattr(stats, "kv_tokens_in_use", 0))
+def kv_tokens_in_use(snapshot: EngineSnapshot | None) -> int:
+    """KV cache tokens the engine's running requests reserve (0 when it publishes nothing)."""
+    return 0 if snapshot is None else snapshot.stats.kv_tokens_in_use
 
 
-def prefix_cache_status(engine: Any) -> dict[str, Any] | None:
-    """The prefix cache's books for ``/dwdp/status`` (None when the engine keeps none):
+def prefix_cache_status(snapshot: EngineSnapshot | None) -> dict[str, Any] | None:
+    """The prefix cache's books for ``/dwdp/status`` (None when the engine publishes nothing):
     ``enabled``, ``cached_blocks``, ``queries`` and ``hits`` (prompt tokens, since start) and
     ``hit_rate`` (hits / queries; None before the first query)."""
-    stats = getattr(engine, "stats", None)
-    config = getattr(engine, "config", None)
-    if stats is None or not hasattr(stats, "prefix_cache_queries"):
+    if snapshot is None:
         return None
+    stats = snapshot.stats
     queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
     return {
-        "enabled": bool(getattr(config, "prefix_caching", False)),
+        "enabled": snapshot.prefix_caching,
         "cached_blocks": stats.kv_blocks_cached,
         "queries": queries,
         "hits": hits,

@@ -12,9 +12,12 @@ KV cache's shape as vLLM's ``CacheConfig`` names it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from dwdp.worker.engine.protocol import EngineClient
 
 VLLM_NAMES: dict[str, str] = {
     "dwdp_num_requests_running": "vllm:num_requests_running",
@@ -34,16 +37,16 @@ VLLM_NAMES: dict[str, str] = {
 
 class VllmNames:
     """A Prometheus collector: the families of ``sources`` named in :data:`VLLM_NAMES`,
-    renamed, with ``model_name`` added to every sample; and ``vllm:cache_config_info`` of
-    ``engine`` (its ``allocator``: ``block_size``, ``num_blocks``; its ``config``:
-    ``prefix_caching``) when it has a block allocator."""
+    renamed, with ``model_name`` (``engine``'s) added to every sample; and
+    ``vllm:cache_config_info`` of the paged KV cache ``engine`` publishes (its snapshot's
+    ``kv_cache`` and ``prefix_caching``), when it has one."""
 
-    def __init__(self, engine: Any, sources: Iterable[Any]) -> None:
+    def __init__(self, engine: EngineClient | None, sources: Iterable[Any]) -> None:
         self.engine = engine
         self.sources = list(sources)
 
     def collect(self) -> Iterator[Metric]:
-        model = str(getattr(self.engine, "model_name", ""))
+        model = "" if self.engine is None else self.engine.model_name
         for source in self.sources:
             for family in source.collect():
                 name = VLLM_NAMES.get(family.name)
@@ -62,14 +65,13 @@ class VllmNames:
             yield info
 
     def _cache_config_info(self) -> GaugeMetricFamily | None:
-        allocator = getattr(self.engine, "allocator", None)
-        if allocator is None:
+        snapshot = None if self.engine is None else self.engine.snapshot()
+        if snapshot is None or snapshot.kv_cache is None:
             return None
-        config = getattr(self.engine, "config", None)
         labels = {
-            "block_size": str(allocator.block_size),
-            "num_gpu_blocks": str(allocator.num_blocks),
-            "enable_prefix_caching": str(bool(getattr(config, "prefix_caching", False))),
+            "block_size": str(snapshot.kv_cache.block_size),
+            "num_gpu_blocks": str(snapshot.kv_cache.num_blocks),
+            "enable_prefix_caching": str(snapshot.prefix_caching),
         }
         family = GaugeMetricFamily("vllm:cache_config_info",
                                    "The KV cache's configuration, as vLLM's cache_config_info.",
