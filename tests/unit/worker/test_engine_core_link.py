@@ -13,8 +13,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from dwdp.worker.disagg.agent import LeaseError  # noqa: E402
-from dwdp.worker.engine.kv_connector import KvTransferParams  # noqa: E402
+from dwdp.worker.engine.kv_connector import KvTransferParams, LeaseError  # noqa: E402
 from dwdp.worker.engine.protocol import (  # noqa: E402
     EngineError,
     RequestOutput,
