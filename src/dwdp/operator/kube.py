@@ -23,7 +23,7 @@ from dwdp.api.deployment import API_VERSION, KIND
 from dwdp.operator import constants as c
 from dwdp.operator.conditions import gate_condition
 
-__all__ = ["ApiError", "Kube", "now_rfc3339"]
+__all__ = ["ApiError", "Kube", "api_request", "now_rfc3339"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,47 @@ class ApiError(Exception):
         self.message = message
 
 
+def api_request(
+    client: Any,
+    method: str,
+    path: str,
+    body: Any = None,
+    query: dict[str, Any] | None = None,
+    content_type: str = "application/json",
+    *,
+    timeout: float | None = REQUEST_TIMEOUT_S,
+    stream: bool = False,
+) -> Any:
+    """Send one request over ``client`` (a ``kubernetes.client.ApiClient``); return the decoded
+    JSON body, or with ``stream`` the open 2xx response (the caller reads it and releases its
+    connection). Raises :class:`ApiError` on a non-2xx answer, naming the Status's message;
+    the client's own errors (no answer) pass through. Also the raw request of the local
+    cluster's process kubelet (``dwdp_dev.devcluster.kubelet``)."""
+    headers = {"Accept": "application/json", "Content-Type": content_type}
+    method_, url, headers, body, _ = client.param_serialize(
+        method,
+        path,
+        query_params=list((query or {}).items()),
+        header_params=headers,
+        body=body,
+        auth_settings=["BearerToken"],
+    )
+    resp = client.call_api(method_, url, header_params=headers, body=body,
+                           _request_timeout=timeout)
+    raw = resp.response
+    ok = 200 <= resp.status <= 299
+    if ok and stream:
+        return raw
+    data = raw.data
+    raw.release_conn()
+    if not ok:
+        message = data.decode(errors="replace") if data else str(resp.reason)
+        with contextlib.suppress(ValueError, AttributeError):
+            message = json.loads(message).get("message", message)
+        raise ApiError(resp.status, message)
+    return json.loads(data) if data else None
+
+
 def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
     prefix, plural = _PATHS[kind]
     path = f"{prefix}/namespaces/{namespace}/{plural}"
@@ -100,42 +141,12 @@ class Kube:
         return cls(client.ApiClient(cfg))
 
     # -- transport ------------------------------------------------------------------
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        query: dict[str, Any] | None = None,
-        content_type: str = "application/json",
-    ) -> Any:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        method_, url, headers, body, _ = self.client.param_serialize(
-            method,
-            path,
-            query_params=list((query or {}).items()),
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        resp = self.client.call_api(
-            method_, url, header_params=headers, body=body, _request_timeout=REQUEST_TIMEOUT_S
-        )
-        raw = resp.response
-        data = raw.data
-        raw.release_conn()
-        if not 200 <= resp.status <= 299:
-            message = data.decode(errors="replace") if data else str(resp.reason)
-            with contextlib.suppress(ValueError, AttributeError):
-                message = json.loads(message).get("message", message)
-            raise ApiError(resp.status, message)
-        return json.loads(data) if data else None
-
     async def request(self, method: str, path: str, *, kind: str = "", **kwargs: Any) -> Any:
         """Send one request in a worker thread; return the decoded JSON body. Every
         non-GET request counts in :attr:`writes` under ``(method, kind)``."""
         if method != "GET":
             self.writes[(method, kind)] += 1
-        return await asyncio.to_thread(self._request, method, path, **kwargs)
+        return await asyncio.to_thread(api_request, self.client, method, path, **kwargs)
 
     # -- reads ------------------------------------------------------------------------
     async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:

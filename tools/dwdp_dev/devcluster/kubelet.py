@@ -81,6 +81,7 @@ from typing import Any
 
 import urllib3
 
+from dwdp.operator.kube import ApiError, api_request
 from dwdp_dev.devcluster.pids import kill_group, read_pidfile, stop_pids, write_pidfile
 
 log = logging.getLogger("dwdp_dev.devcluster.kubelet")
@@ -118,7 +119,8 @@ class SetupError(Exception):
 class Api:
     """A thin JSON client over the kubernetes package (dicts in, dicts out).
 
-    Methods raise ``ApiError`` (status code + body) on a non-2xx answer.
+    Methods raise ``ApiError`` (the operator's: status code and the Status's message) on a
+    non-2xx answer, ``ApiUnreachable`` when no answer comes.
     """
 
     def __init__(self, kubeconfig: Path) -> None:
@@ -140,31 +142,11 @@ class Api:
         timeout: float | None = 30,
     ) -> Any:
         """Send one request; return the decoded JSON (or the raw response if ``stream``)."""
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        method_, url, headers, body, _ = self.client.param_serialize(
-            method,
-            path,
-            query_params=list((query or {}).items()),
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
         try:
-            resp = self.client.call_api(
-                method_, url, header_params=headers, body=body, _request_timeout=timeout
-            )
+            return api_request(self.client, method, path, body, query, content_type,
+                               timeout=timeout, stream=stream)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise ApiUnreachable(exc) from exc
-        raw = resp.response
-        if not 200 <= resp.status <= 299:
-            data = raw.data
-            raw.release_conn()
-            raise ApiError(resp.status, data.decode(errors="replace") if data else resp.reason)
-        if stream:
-            return raw
-        data = raw.data
-        raw.release_conn()
-        return json.loads(data) if data else None
 
     def get(self, path: str, **query: Any) -> Any:
         """GET ``path``; return the object."""
@@ -186,14 +168,6 @@ class Api:
     def delete(self, path: str, body: dict | None = None) -> Any:
         """DELETE ``path`` with optional DeleteOptions."""
         return self.request("DELETE", path, body)
-
-
-class ApiError(Exception):
-    """A non-2xx answer of the apiserver."""
-
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(f"{status}: {str(body)[:300]}")
-        self.status = status
 
 
 class ApiUnreachable(ApiError):

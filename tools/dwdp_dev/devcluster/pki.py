@@ -19,22 +19,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from dwdp.operator.certs import cert_builder, key_usage, new_key, write_key
+
 _VALIDITY = dt.timedelta(days=3650)
-
-
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    path.chmod(0o600)
 
 
 def _name(cn: str, org: str | None = None) -> x509.Name:
@@ -64,31 +51,12 @@ def _issue(
     if (pki / f"{name}.crt").exists() and (pki / f"{name}.key").exists():
         return
     ca_cert, ca_key = ca
-    key = _key()
+    key = new_key()
     now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
     builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + _VALIDITY)
+        cert_builder(subject, ca_cert.subject, key.public_key(), now, now + _VALIDITY)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_encipherment=False,
-                content_commitment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(key_usage(cert_sign=False), critical=True)
         .add_extension(
             x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -101,7 +69,7 @@ def _issue(
         sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
-    _write_key(pki / f"{name}.key", key)
+    write_key(pki / f"{name}.key", key)
     (pki / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
@@ -122,38 +90,19 @@ def ensure_pki(pki: Path, apiserver_ips: tuple[str, ...]) -> None:
     serving certificate names ``apiserver_ips`` (issued again when one is missing)."""
     pki.mkdir(parents=True, exist_ok=True)
     if not ((pki / "ca.crt").exists() and (pki / "ca.key").exists()):
-        key = _key()
+        key = new_key()
         now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
         subject = _name("dwdp-devcluster-ca")
         cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now)
-            .not_valid_after(now + _VALIDITY)
+            cert_builder(subject, subject, key.public_key(), now, now + _VALIDITY)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    key_encipherment=False,
-                    content_commitment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
+            .add_extension(key_usage(cert_sign=True), critical=True)
             .add_extension(
                 x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
             )
             .sign(key, hashes.SHA256())
         )
-        _write_key(pki / "ca.key", key)
+        write_key(pki / "ca.key", key)
         (pki / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     ca = _load(pki, "ca")
     if not _names_ips(pki / "apiserver.crt", apiserver_ips):
@@ -184,8 +133,8 @@ def ensure_pki(pki: Path, apiserver_ips: tuple[str, ...]) -> None:
         ips=("127.0.0.1",),
     )
     if not (pki / "sa.key").exists():
-        key = _key()
-        _write_key(pki / "sa.key", key)
+        key = new_key()
+        write_key(pki / "sa.key", key)
         (pki / "sa.pub").write_bytes(
             key.public_key().public_bytes(
                 serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo

@@ -30,7 +30,9 @@ decode side a ``kv_consumer``) expects of a prefill server, and what this module
   heartbeats ``"HB:<id>,<id>"`` extend it by ``lease_s`` from their arrival.
 
 The reverse direction, a dwdp generation server reading a vLLM prefill server, is
-``dwdp.worker.disagg.vllm_reader`` (it shares this module's constants, hash and layout).
+``dwdp.worker.disagg.vllm_reader`` (it shares this module's constants, layout and
+``StagingAgent``: the NIXL agent over a staging buffer and the compatibility hash, set up
+alike on both sides).
 
 To move to the next vLLM: read the metadata module of its NIXL connector
 (``vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata``: ``NIXL_CONNECTOR_VERSION``,
@@ -206,6 +208,50 @@ def staging_layout(
     return layout, heads, head_dim
 
 
+@dataclass(slots=True)
+class StagingAgent:
+    """One side's NIXL agent over its staging buffer (one tensor a layer, registered), its
+    engine id and the compatibility hash its handshakes carry: set up alike by the prefill
+    side (``VllmProducer``) and the decode side (``vllm_reader.VllmReader``), so both hash
+    the same factors (the cache dtype included, as vLLM does)."""
+
+    engine_id: str
+    agent: Any
+    registered: Any
+    hash: str
+
+    @classmethod
+    def start(cls, name: str, interop: VllmInterop, layout: VllmLayout, staging: list[Any], *,
+              heads: int, head_dim: int) -> StagingAgent:
+        """An agent named ``name`` plus a random suffix with ``staging`` registered (host
+        memory when the layout's is DRAM), hashed for ``interop``'s fleet: ``staging``'s
+        dtype and length (the layers), ``heads`` KV heads of ``head_dim``. Raises
+        ``TransferError`` when NIXL cannot start."""
+        engine_id = f"{name}-{uuid.uuid4().hex[:12]}"
+        agent = new_nixl_agent(engine_id, host_memory=layout.mem_type == "DRAM")
+        registered = agent.register_memory(staging)
+        digest = compatibility_hash(
+            model=interop.model,
+            dtype=str(staging[0].dtype),
+            num_kv_heads=heads,
+            head_size=head_dim,
+            num_layers=len(staging),
+            hma=interop.hma,
+            attn_backend=layout.backend,
+            cache_dtype=interop.cache_dtype,
+            version=interop.version,
+        )
+        return cls(engine_id, agent, registered, digest)
+
+    def deregister(self) -> None:
+        """Deregister the staging buffer (closing: a failure is ignored); safe to call
+        twice."""
+        if self.registered is not None:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(self.registered)
+            self.registered = None
+
+
 def staged_blocks(
     cache: Any, layer: int, blocks: list[int], num_tokens: int, layout: VllmLayout
 ) -> Any:
@@ -288,7 +334,6 @@ class VllmProducer:
         self.cache = cache
         self.host = host
         self.lease_s = lease_s
-        self.engine_id = f"dwdp-vllm-{uuid.uuid4().hex[:12]}"
         k0 = cache.layers[0][0]
         self.dtype = k0.dtype
         self.num_layers = num_layers
@@ -303,20 +348,12 @@ class VllmProducer:
                                             self.staging[0].element_size())
         self.device_id = (k0.device.index or 0) if layout.mem_type == "VRAM" else 0
         self._free = list(range(self.num_staging - 1, -1, -1))
-        self._agent = new_nixl_agent(self.engine_id, host_memory=layout.mem_type == "DRAM")
-        self._registered = self._agent.register_memory(self.staging)
+        self._nixl = StagingAgent.start("dwdp-vllm", interop, layout, self.staging,
+                                        heads=self.heads, head_dim=self.head_dim)
+        self.engine_id, self._agent, self.hash = (self._nixl.engine_id, self._nixl.agent,
+                                                  self._nixl.hash)
         self._lock = threading.Lock()  # agent and leases
         self._leases: dict[str, _Lease] = {}
-        self.hash = compatibility_hash(
-            model=interop.model,
-            dtype=str(self.dtype),
-            num_kv_heads=self.heads,
-            head_size=self.head_dim,
-            num_layers=num_layers,
-            hma=interop.hma,
-            attn_backend=layout.backend,
-            version=interop.version,
-        )
         self.handshake = self._handshake_payload()
         self.handshakes = 0
         self.expired = 0  # leases that ended unread (no final notification within lease_s)
@@ -508,7 +545,4 @@ class VllmProducer:
         if self._thread.is_alive():
             self._thread.join(5)
         with self._lock:
-            if self._registered is not None:
-                with contextlib.suppress(Exception):
-                    self._agent.deregister_memory(self._registered)
-                self._registered = None
+            self._nixl.deregister()

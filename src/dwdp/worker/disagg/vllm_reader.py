@@ -1,6 +1,6 @@
 """A generation server that reads the KV an unmodified vLLM prefill server computed, through
 vLLM's NIXL connector (the reverse of ``dwdp.worker.disagg.vllm_nixl``, whose constants,
-compatibility hash and CPU attention layout it shares).
+staging agent with its compatibility hash, and CPU attention layout it shares).
 
 What vLLM 0.32.0's ``NixlConnector`` (pull mode, the prefill side a ``kv_producer``) gives a
 decode server, and what this module does with it:
@@ -50,17 +50,16 @@ import math
 import re
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dwdp.worker.disagg.agent import PULL_TIMEOUT_S, new_nixl_agent
+from dwdp.worker.disagg.agent import PULL_TIMEOUT_S
 from dwdp.worker.disagg.vllm_nixl import (
     GET_META_MSG,
+    StagingAgent,
     VllmInterop,
     VllmInteropError,
     cache_slots,
-    compatibility_hash,
     staging_layout,
     zmq_path,
 )
@@ -134,27 +133,17 @@ class VllmReader:
         self.handshake_timeout_s = handshake_timeout_s
         self.heartbeat_s = heartbeat_s
         self.dtype = cache.layers[0][0].dtype
-        self.engine_id = f"dwdp-vllm-reader-{uuid.uuid4().hex[:12]}"
         self.staging_tokens = int(staging_tokens)
         width = self.staging_tokens * self.heads * 2 * self.head_dim
         self.staging = [torch.zeros(width, dtype=self.dtype) for _ in range(num_layers)]
-        self._agent = new_nixl_agent(self.engine_id, host_memory=True)
-        self._registered = self._agent.register_memory(self.staging)
+        self._nixl = StagingAgent.start("dwdp-vllm-reader", interop, self.layout, self.staging,
+                                        heads=self.heads, head_dim=self.head_dim)
+        self.engine_id, self._agent, self.hash = (self._nixl.engine_id, self._nixl.agent,
+                                                  self._nixl.hash)
         self._lock = threading.Lock()  # the agent and the engine table
         self._connecting = threading.Lock()  # one handshake at a time
         self._engines: dict[str, VllmEngine] = {}
         self._last_beat = time.monotonic()
-        self.hash = compatibility_hash(
-            model=interop.model,
-            dtype=str(self.dtype),
-            num_kv_heads=self.heads,
-            head_size=self.head_dim,
-            num_layers=num_layers,
-            attn_backend=self.layout.backend,
-            hma=interop.hma,
-            cache_dtype=interop.cache_dtype,
-            version=interop.version,
-        )
         self.handshakes = 0
         self.reads = 0
         self.notifications = 0
@@ -468,10 +457,7 @@ class VllmReader:
                 with contextlib.suppress(Exception):  # closing: nothing left to do
                     self._agent.remove_remote_agent(engine.name)
             self._engines.clear()
-            if self._registered is not None:
-                with contextlib.suppress(Exception):
-                    self._agent.deregister_memory(self._registered)
-                self._registered = None
+            self._nixl.deregister()
 
 
 def _unpack(data: Any) -> Any:

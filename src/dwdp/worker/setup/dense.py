@@ -19,7 +19,7 @@ DWDP off sends only its flag), so they all raise there instead of blocking.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +46,7 @@ from dwdp.worker.setup.phases import (
     FailureInjector,
     SetupError,
     describe,
+    run_phase,
     setup_stream,
 )
 from dwdp.worker.transport.base import GroupTransport
@@ -117,11 +118,11 @@ def setup_dense(
                             enable_dense=enable_dense, options=options, injector=injector)
         if dense is None:
             return None
-        _run_phase(DensePhase.P2, dense, transport, injector, lambda: _p2_allocate(dense))
-        _run_phase(DensePhase.P3, dense, transport, injector,
-                   lambda: _p3_map(dense, transport))
-        _run_phase(DensePhase.P4, dense, transport, injector, lambda: _p4_gather_check(dense))
-        _run_phase(DensePhase.P5, dense, transport, injector, lambda: _p5_repoint(dense))
+        undo = dense.restore_and_release
+        run_phase(DensePhase.P2, transport, injector, lambda: _p2_allocate(dense), undo)
+        run_phase(DensePhase.P3, transport, injector, lambda: _p3_map(dense, transport), undo)
+        run_phase(DensePhase.P4, transport, injector, lambda: _p4_gather_check(dense), undo)
+        run_phase(DensePhase.P5, transport, injector, lambda: _p5_repoint(dense), undo)
         _p6_commit(dense, transport, injector)
     except BaseException:
         if dense is not None and dense.state is DenseState.SETTING_UP:
@@ -131,23 +132,6 @@ def setup_dense(
              "leaks=%d", rank, n, dense.layout.digest, dense.layout.sharded_bytes,
              dense.rows.nbytes, dense.leaks.count)
     return dense
-
-
-def _run_phase(phase: DensePhase, dense: DenseDwdp, transport: GroupTransport,
-               injector: FailureInjector, work: Callable[[], object]) -> None:
-    """Run one phase's local work, then its collective; roll back and raise on a failure
-    that any rank reported (see [Note: fail-together])."""
-    error: str | None = None
-    try:
-        work()
-        injector.check(phase, transport.rank)
-    except Exception as exc:
-        error = describe(exc)
-        log.warning("dense DWDP %s failed on rank %d: %s", phase, transport.rank, error)
-    verdict = vote(transport, f"dense.{phase}", error)
-    if not verdict.ok:
-        dense.restore_and_release()
-        raise SetupError(phase, phase.what, verdict.errors, restored=True)
 
 
 def _p1_collect(model: nn.Module, layers: Sequence[DenseLayerLike], *, backend: Backend,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,13 @@ from dwdp.worker.expert.layout import (
 from dwdp.worker.resident import ResidentBytes
 from dwdp.worker.settings import CopySettings
 from dwdp.worker.setup.group_vote import vote
-from dwdp.worker.setup.phases import ExpertPhase, FailureInjector, SetupError, describe
+from dwdp.worker.setup.phases import (
+    ExpertPhase,
+    FailureInjector,
+    SetupError,
+    describe,
+    run_phase,
+)
 from dwdp.worker.transport.base import GroupTransport
 from dwdp.worker.transport.codec import wire_record
 
@@ -180,10 +186,11 @@ def setup_experts(
         layout = _handshake(layers, partition, transport, injector)
         experts = ExpertDwdp(backend=backend, layout=layout, rank=rank, num_slots=num_slots,
                              settings=copy)
-        _step(ExpertPhase.ALLOCATE, experts, transport, injector,
-              lambda: _allocate(experts, layers))
-        _step(ExpertPhase.MAP, experts, transport, injector, lambda: _map(experts, transport))
-        _step(ExpertPhase.COMMIT, experts, transport, injector, lambda: None)
+        undo = experts.release
+        run_phase(ExpertPhase.ALLOCATE, transport, injector,
+                  lambda: _allocate(experts, layers), undo)
+        run_phase(ExpertPhase.MAP, transport, injector, lambda: _map(experts, transport), undo)
+        run_phase(ExpertPhase.COMMIT, transport, injector, lambda: None, undo)
     except BaseException:
         if experts is not None and experts.state is ExpertState.SETTING_UP:
             experts.release()
@@ -246,20 +253,6 @@ def _handshake_disagreements(payloads: Sequence[Handshake]) -> dict[int, str]:
         if odd:
             return dict.fromkeys(odd, f"disagrees with the other ranks on {what}")
     return {}
-
-
-def _step(phase: ExpertPhase, experts: ExpertDwdp, transport: GroupTransport,
-          injector: FailureInjector, work: Callable[[], object]) -> None:
-    error: str | None = None
-    try:
-        work()
-        injector.check(phase, transport.rank)
-    except Exception as exc:
-        error = describe(exc)
-    verdict = vote(transport, f"expert.{phase}", error)
-    if not verdict.ok:
-        experts.release()
-        raise SetupError(phase, phase.what, verdict.errors, restored=True)
 
 
 def _allocate(experts: ExpertDwdp, layers: Sequence[ExpertLayerWeights]) -> None:

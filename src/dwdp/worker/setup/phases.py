@@ -1,4 +1,5 @@
-"""Setup phases, the failure-injection hook and the errors every rank raises alike.
+"""Setup phases, the failure-injection hook, the errors every rank raises alike, and the
+runner of a phase that ends in a status-only vote.
 
 [Note: fail-together] Each phase ends with one collective that carries every rank's status
 (``None`` or its error). Every rank computes its verdict from that one exchange, so after
@@ -10,9 +11,15 @@ taking part in the collectives up to the verdict; it never leaves its peers bloc
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from dwdp.worker.setup.group_vote import vote
+from dwdp.worker.transport.base import GroupTransport
+
+log = logging.getLogger(__name__)
 
 
 class DensePhase(enum.StrEnum):
@@ -127,6 +134,30 @@ class FailureInjector:
                 raise InjectedFailure(f"injected failure at {phase} on rank {rank}")
         if self.hook is not None:
             self.hook(phase, rank)
+
+
+def run_phase(phase: DensePhase | ExpertPhase, transport: GroupTransport,
+              injector: FailureInjector, work: Callable[[], object],
+              undo: Callable[[], object]) -> None:
+    """Run one phase's local work, then its collective (label ``dense.<phase>`` or
+    ``expert.<phase>``); on a failure any rank reported, call ``undo`` and raise
+    :class:`SetupError` (``restored=True``) on every rank alike (see [Note: fail-together]).
+
+    For the phases whose collective carries only the status; a phase that exchanges a
+    payload or ends in the commit computes its own verdict.
+    """
+    kind = "dense" if isinstance(phase, DensePhase) else "expert"
+    error: str | None = None
+    try:
+        work()
+        injector.check(phase, transport.rank)
+    except Exception as exc:
+        error = describe(exc)
+        log.warning("%s DWDP %s failed on rank %d: %s", kind, phase, transport.rank, error)
+    verdict = vote(transport, f"{kind}.{phase}", error)
+    if not verdict.ok:
+        undo()
+        raise SetupError(phase, phase.what, verdict.errors, restored=True)
 
 
 def setup_stream(backend: Any, name: str) -> Any:
