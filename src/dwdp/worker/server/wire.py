@@ -69,7 +69,8 @@ class WireError(ValueError):
 
 def pack(message: dict[str, Any]) -> bytes:
     """One message as msgpack bytes."""
-    return msgpack.packb(message, use_bin_type=True)
+    data: bytes = msgpack.packb(message, use_bin_type=True)
+    return data
 
 
 def unpack(data: bytes) -> dict[str, Any]:
