@@ -395,63 +395,19 @@ def attach_kv_events(engine: Any, events: KvEventsConfig | None,
 
 def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: ApiKey,
                        local_rank: int = 0, staging: Staging | None = None) -> None:
-    """Give a context or generation rank its NIXL KV transfer; it advertises the pod's address
-    (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod). With
-    ``kvTransfer.vllm`` the other tier is vLLM: a context rank serves vLLM decode servers
-    (vLLM's ZMQ side channel on the advertised address, port ``sideChannelPort +
-    local_rank``); a generation rank reads from vLLM prefill servers (``VllmReader``).
-    ``staging``: the vLLM staging buffer the pool was sized beside (``resolve_kv_staging``)."""
-    from dwdp.worker.disagg.agent import KvAgent
-    from dwdp.worker.disagg.transfer import KvTransfer
+    """Give a context or generation rank the KV connector its launch config chooses
+    (``dwdp.worker.disagg.factory.create_kv_connector``: NIXL, with ``kvTransfer.vllm`` a
+    context rank's side for vLLM decode servers or a generation rank's reader of vLLM prefill
+    servers); it advertises the pod's address (``DWDP_POD_IP``; the bind address, or loopback
+    for a wildcard bind, outside a pod). ``staging``: the vLLM staging buffer the pool was
+    sized beside (``resolve_kv_staging``)."""
+    from dwdp.worker.disagg.factory import create_kv_connector
 
     advertise = advertised_host(host)
     layers = int(engine.model.config.get_text_config().num_hidden_layers)
-    lease_s = float(cfg.kv_cache.transfer_lease_seconds)
-    vllm = cfg.kv_transfer.vllm
-    reads = cfg.role is Role.GENERATION
-
-    def make(cache: Any) -> KvTransfer:
-        producer = reader = None
-        if vllm is not None:
-            from dwdp.worker.disagg.vllm_layout import block_size_for
-            from dwdp.worker.disagg.vllm_nixl import VllmInterop, VllmProducer
-            from dwdp.worker.disagg.vllm_reader import VllmReader
-
-            interop = VllmInterop(model=vllm.model or cfg.model.path, version=vllm.version,
-                                  port=vllm.side_channel_port + local_rank,
-                                  hma=vllm.hybrid_kv_cache_manager,
-                                  cpu_kernel=vllm.cpu_attention_kernel)
-            assert staging is not None  # resolve_kv_staging gives one with kvTransfer.vllm
-            if reads:
-                reader = VllmReader(cache, interop, num_layers=layers,
-                                    staging_tokens=staging.tokens)
-            else:
-                producer = VllmProducer(
-                    cache, interop, num_layers=layers, host=advertise, lease_s=lease_s,
-                    staging_blocks=staging.tokens // block_size_for("cpu"),
-                    staging_setting=staging.setting)
-        return KvTransfer(
-            KvAgent(cache, model=engine.model_name, num_layers=layers),
-            host=advertise, port=port, api_key=api_key, lease_s=lease_s, vllm=producer,
-            vllm_reader=reader,
-        )
-
-    engine.attach_kv_transfer(make)
-    if vllm is not None and reads:
-        log.info("KV transfer ready to read vLLM %s prefill servers: NIXL agent %s (vLLM), "
-                 "compatibility hash %s", vllm.version, engine.kv.vllm_reader.engine_id,
-                 engine.kv.vllm_reader.hash)
-    elif vllm is not None:
-        log.info("KV transfer ready for vLLM %s decode servers: NIXL agent %s, ZMQ side "
-                 "channel %s:%d", vllm.version, engine.kv.vllm.engine_id, advertise,
-                 vllm.side_channel_port + local_rank)
-        return
-    log.info(
-        "KV transfer ready: NIXL agent %s, side channel %s:%d",
-        engine.kv.endpoint.engine_id,
-        advertise,
-        port,
-    )
+    engine.attach_kv_transfer(lambda cache: create_kv_connector(
+        cache, cfg, model_name=engine.model_name, num_layers=layers, host=advertise, port=port,
+        api_key=api_key, local_rank=local_rank, staging=staging))
 
 
 def capture_cuda_graphs(engine: Any, ledger: MemoryLedger, watch: MemoryWatch) -> MemoryLedger:
