@@ -382,10 +382,10 @@ def test_the_graph_sees_the_worker_sub_packages() -> None:
 
 def test_the_module_graph_sees_lazy_and_dynamic_imports() -> None:
     """The module graph reads what it claims: ``dwdp.cli`` imports the command modules it
-    names, and the worker's entry imports its checkpoint loader inside a function."""
+    names, and the worker's entry imports its sharded loader (torch) inside a function."""
     graph = module_graph(SRC, "dwdp")
     assert graph["dwdp.cli"]["dwdp.worker.cli"] == {"importlib"}
-    assert graph["dwdp.worker.main"]["dwdp.worker.loading.checkpoint"] == {"function"}
+    assert graph["dwdp.worker.main"]["dwdp.worker.loading.sharded"] == {"function"}
     assert counts(SRC, "dwdp")["modules"] > 100
 
 

@@ -28,15 +28,35 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import yaml
+from pydantic import ValidationError
 
 from dwdp.api.contract import Env, Stage
-from dwdp.api.enums import Role
-from dwdp.api.launch import served_model_name
+from dwdp.api.enums import HandleType, Role
+from dwdp.api.errors import problems_from_validation_error
+from dwdp.api.launch import (
+    LaunchConfig,
+    dwdp_active,
+    launch_warnings,
+    resolve_role,
+    served_model_name,
+    validate_launch,
+)
+from dwdp.worker import rendezvous
 from dwdp.worker.apikey import ApiKey
+from dwdp.worker.disagg.vllm_layout import block_size_for
+from dwdp.worker.engine.kv_events import KvEventPublisher
+from dwdp.worker.engine.kv_pool import KvPool, check_max_tokens
+from dwdp.worker.gpu.cuda_path import use_cuda_kernels
+from dwdp.worker.host import check_copy_ops, probe_host
 from dwdp.worker.host_memory import env_limit
+from dwdp.worker.loading.checkpoint import load_checkpoint
+from dwdp.worker.loading.load_vote import load_together
+from dwdp.worker.loading.validate import expert_count, validate_checkpoint
 from dwdp.worker.memory import (
     MemoryLedger,
     MemoryWatch,
@@ -44,22 +64,35 @@ from dwdp.worker.memory import (
     Staging,
     size_rank_memory,
 )
+from dwdp.worker.models import adapter_for
+from dwdp.worker.server.run import (
+    ApiProcess,
+    StopBeforeServing,
+    StopRequested,
+    serve_with_api_process,
+)
 from dwdp.worker.server.status import rank_identity, server_identity
 from dwdp.worker.settings import (
     CopySettings,
+    resolve_copy_settings,
     resolve_cuda_graphs,
     resolve_dense_min_bytes,
     resolve_torch_threads,
 )
-from dwdp.worker.termination import write_termination_message
+from dwdp.worker.termination import one_line, write_termination_message
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    # names only annotations use; a module that loads torch, transformers, FastAPI or the
+    # engine is imported in the function that runs it (a rank's start stays light)
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-    from dwdp.api.launch import KvEventsConfig, LaunchConfig
+    from dwdp.api.launch import KvEventsConfig
     from dwdp.api.partition import ExpertPartition
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.continuous import ContinuousEngine
     from dwdp.worker.expert.layout import LoadedExperts
     from dwdp.worker.models.base import ArchitectureAdapter
+    from dwdp.worker.status_source import DwdpStatusSource
     from dwdp.worker.transport.base import GroupTransport
 
 log = logging.getLogger(__name__)
@@ -85,8 +118,6 @@ def phased(stage: str, exc: BaseException) -> str:
     failures by (the first word before ':'). The phase is the setup phase a ``SetupError``
     names, ``rendezvous`` for a transport timeout, ``config`` for the rendezvous secret file,
     otherwise the startup stage."""
-    from dwdp.worker.termination import one_line
-
     phase = getattr(exc, "phase", None)
     if stage == Stage.SETUP and isinstance(phase, str) and phase:
         stage = str(phase)
@@ -123,12 +154,6 @@ def load_launch_config(path: str | None) -> LaunchConfig:
 
     Raises ``WorkerStartupError`` naming the file, or the first invalid field.
     """
-    import yaml
-    from pydantic import ValidationError
-
-    from dwdp.api.errors import problems_from_validation_error
-    from dwdp.api.launch import LaunchConfig
-
     path = path or os.environ.get(Env.CONFIG)
     if not path:
         raise WorkerStartupError(f"no launch config: pass --config FILE or set {Env.CONFIG}")
@@ -169,8 +194,6 @@ def check_launch(
     generation server with enable_dense is refused here, before the model loads). A dense
     launch without the context role is warned about once.
     """
-    from dwdp.api.launch import launch_warnings, resolve_role, validate_launch
-
     try:
         role = resolve_role(role_flag if role_flag else cfg.role, environ)
     except ValueError as exc:
@@ -202,10 +225,6 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
     architecture without dense roots) or ``PartitionError`` (a config the partition cannot
     split), each one line.
     """
-    from dwdp.api.launch import validate_launch
-    from dwdp.worker.loading.validate import expert_count, validate_checkpoint
-    from dwdp.worker.models import adapter_for
-
     config = validate_checkpoint(cfg.model.path)
     adapter = adapter_for(config)  # the generic expert-only adapter without a match
     assert adapter is not None
@@ -229,8 +248,7 @@ def resolve_kv_staging(cfg: LaunchConfig, max_model_len: int) -> Staging | None:
     the larger of ``max_model_len`` and 2 x ``maxNumTokens``) rounded up to whole blocks of
     vLLM's CPU layout; a generation rank's READ buffer ``STAGING_TOKENS``. Raises
     ``WorkerStartupError`` for a ``stagingTokens`` below one ``max_model_len`` request."""
-    from dwdp.worker.disagg.vllm_layout import block_size_for
-    from dwdp.worker.disagg.vllm_reader import STAGING_TOKENS
+    from dwdp.worker.disagg.vllm_reader import STAGING_TOKENS  # only with kvTransfer.vllm
 
     vllm = cfg.kv_transfer.vllm
     if vllm is None:
@@ -256,10 +274,10 @@ def check_vllm_interop(cfg: LaunchConfig, config: PretrainedConfig, device: str)
     loads (``vllm_nixl.check_model_config`` for the model's dtype: ``model.dtype``, or the
     checkpoint's for ``auto``), and a rank whose cache would not be on the host (vLLM's CPU
     attention layout is the one staged). Raises ``VllmInteropError`` (one line)."""
-    from dwdp.worker.disagg.vllm_nixl import VllmInteropError, check_model_config
-
     if cfg.kv_transfer.vllm is None:
         return
+    from dwdp.worker.disagg.vllm_nixl import VllmInteropError, check_model_config
+
     if device != "cpu":
         raise VllmInteropError(
             f"kvTransfer.vllm: this rank's KV cache would be on {device}; only vLLM's CPU "
@@ -282,8 +300,6 @@ def resolve_max_model_len(cfg: LaunchConfig, config: PretrainedConfig) -> int:
     ``max_position_embeddings``; a ``kvCache.maxTokens`` below it is refused here, before
     the rendezvous. Raises ``WorkerStartupError`` (``maxModelLen`` above the model's
     context) or ``KvPoolError``."""
-    from dwdp.worker.engine.kv_pool import check_max_tokens
-
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if cfg.max_model_len is None:
         length = int(context or DEFAULT_MAX_MODEL_LEN)
@@ -306,10 +322,6 @@ def resolve_host_settings(
     the gate, ``config`` for a setting the host cannot run). Without DWDP: the defaults.
 
     Raises ``HostGateError`` or ``CopySettingsError``."""
-    from dwdp.api.launch import dwdp_active
-    from dwdp.worker.host import check_copy_ops, probe_host
-    from dwdp.worker.settings import resolve_copy_settings
-
     if not dwdp_active(cfg):
         return CopySettings()
     stage["now"] = Stage.HOST
@@ -331,8 +343,6 @@ def _torch_threads(threads: int | None) -> None:
 def _device_for(cfg: LaunchConfig, local_rank: int) -> str:
     """``cpu`` for the shm handle type (the cpu backend); otherwise the local rank's GPU
     when CUDA is available."""
-    from dwdp.api.enums import HandleType
-
     if cfg.handle_type == HandleType.SHM:
         return "cpu"
     import torch
@@ -342,13 +352,13 @@ def _device_for(cfg: LaunchConfig, local_rank: int) -> str:
 
 def load_model(
     cfg: LaunchConfig, plan: ModelPlan, group: GroupTransport | None, device: str
-) -> tuple[Any, Any, LoadedExperts | None]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LoadedExperts | None]:
     """``(model, tokenizer, loaded)`` on ``device``. With expert DWDP (``plan.partition``
     and a group) a sharded load: the model without the managed experts, and ``loaded`` the
     rows of this rank's range (``dwdp.worker.loading.sharded``); otherwise the whole
     checkpoint and ``None``. Raises ``CheckpointError`` naming the file and the tensor."""
     if plan.partition is not None and group is not None:
-        from dwdp.worker.loading.sharded import load_sharded
+        from dwdp.worker.loading.sharded import load_sharded  # torch
 
         return load_sharded(
             cfg.model.path,
@@ -358,8 +368,6 @@ def load_model(
             dtype=cfg.model.dtype,
             device=device,
         )
-    from dwdp.worker.loading.checkpoint import load_checkpoint
-
     model, tokenizer = load_checkpoint(cfg.model.path, dtype=cfg.model.dtype)
     if device != "cpu":
         model.to(device)
@@ -374,14 +382,12 @@ def advertised_host(host: str) -> str:
     )
 
 
-def attach_kv_events(engine: Any, events: KvEventsConfig | None,
+def attach_kv_events(engine: ContinuousEngine, events: KvEventsConfig | None,
                      host: str) -> Callable[[], None] | None:
     """Publish the engine's KV cache events (``kvCache.events``) before it starts; returns
     the publisher's ``close`` (None when unset). ``{pod_ip}`` and ``{model}`` in the topic
     become the rank's address and served name. Raises ``KvEventsError`` naming the endpoint
     when it cannot bind or connect."""
-    from dwdp.worker.engine.kv_events import KvEventPublisher
-
     if events is None:
         return None
     topic = events.topic.replace("{pod_ip}", advertised_host(host)).replace(
@@ -393,68 +399,26 @@ def attach_kv_events(engine: Any, events: KvEventsConfig | None,
     return publisher.close
 
 
-def attach_kv_transfer(engine: Any, cfg: Any, host: str, port: int, api_key: ApiKey,
-                       local_rank: int = 0, staging: Staging | None = None) -> None:
-    """Give a context or generation rank its NIXL KV transfer; it advertises the pod's address
-    (``DWDP_POD_IP``; the bind address, or loopback for a wildcard bind, outside a pod). With
-    ``kvTransfer.vllm`` the other tier is vLLM: a context rank serves vLLM decode servers
-    (vLLM's ZMQ side channel on the advertised address, port ``sideChannelPort +
-    local_rank``); a generation rank reads from vLLM prefill servers (``VllmReader``).
-    ``staging``: the vLLM staging buffer the pool was sized beside (``resolve_kv_staging``)."""
-    from dwdp.worker.disagg.agent import KvAgent
-    from dwdp.worker.disagg.transfer import KvTransfer
+def attach_kv_transfer(engine: ContinuousEngine, cfg: LaunchConfig, host: str, port: int,
+                       api_key: ApiKey, local_rank: int = 0,
+                       staging: Staging | None = None) -> None:
+    """Give a context or generation rank the KV connector its launch config chooses
+    (``dwdp.worker.disagg.factory.create_kv_connector``: NIXL, with ``kvTransfer.vllm`` a
+    context rank's side for vLLM decode servers or a generation rank's reader of vLLM prefill
+    servers); it advertises the pod's address (``DWDP_POD_IP``; the bind address, or loopback
+    for a wildcard bind, outside a pod). ``staging``: the vLLM staging buffer the pool was
+    sized beside (``resolve_kv_staging``)."""
+    from dwdp.worker.disagg.factory import create_kv_connector  # NIXL's agent, asyncio
 
     advertise = advertised_host(host)
     layers = int(engine.model.config.get_text_config().num_hidden_layers)
-    lease_s = float(cfg.kv_cache.transfer_lease_seconds)
-    vllm = cfg.kv_transfer.vllm
-    reads = cfg.role is Role.GENERATION
-
-    def make(cache: Any) -> KvTransfer:
-        producer = reader = None
-        if vllm is not None:
-            from dwdp.worker.disagg.vllm_layout import block_size_for
-            from dwdp.worker.disagg.vllm_nixl import VllmInterop, VllmProducer
-            from dwdp.worker.disagg.vllm_reader import VllmReader
-
-            interop = VllmInterop(model=vllm.model or cfg.model.path, version=vllm.version,
-                                  port=vllm.side_channel_port + local_rank,
-                                  hma=vllm.hybrid_kv_cache_manager,
-                                  cpu_kernel=vllm.cpu_attention_kernel)
-            assert staging is not None  # resolve_kv_staging gives one with kvTransfer.vllm
-            if reads:
-                reader = VllmReader(cache, interop, num_layers=layers,
-                                    staging_tokens=staging.tokens)
-            else:
-                producer = VllmProducer(
-                    cache, interop, num_layers=layers, host=advertise, lease_s=lease_s,
-                    staging_blocks=staging.tokens // block_size_for("cpu"),
-                    staging_setting=staging.setting)
-        return KvTransfer(
-            KvAgent(cache, model=engine.model_name, num_layers=layers),
-            host=advertise, port=port, api_key=api_key, lease_s=lease_s, vllm=producer,
-            vllm_reader=reader,
-        )
-
-    engine.attach_kv_transfer(make)
-    if vllm is not None and reads:
-        log.info("KV transfer ready to read vLLM %s prefill servers: NIXL agent %s (vLLM), "
-                 "compatibility hash %s", vllm.version, engine.kv.vllm_reader.engine_id,
-                 engine.kv.vllm_reader.hash)
-    elif vllm is not None:
-        log.info("KV transfer ready for vLLM %s decode servers: NIXL agent %s, ZMQ side "
-                 "channel %s:%d", vllm.version, engine.kv.vllm.engine_id, advertise,
-                 vllm.side_channel_port + local_rank)
-        return
-    log.info(
-        "KV transfer ready: NIXL agent %s, side channel %s:%d",
-        engine.kv.endpoint.engine_id,
-        advertise,
-        port,
-    )
+    engine.attach_kv_transfer(lambda cache: create_kv_connector(
+        cache, cfg, model_name=engine.model_name, num_layers=layers, host=advertise, port=port,
+        api_key=api_key, local_rank=local_rank, staging=staging))
 
 
-def capture_cuda_graphs(engine: Any, ledger: MemoryLedger, watch: MemoryWatch) -> MemoryLedger:
+def capture_cuda_graphs(engine: ContinuousEngine, ledger: MemoryLedger,
+                        watch: MemoryWatch) -> MemoryLedger:
     """Capture the engine's decode graphs (after the KV transfer, before ``start``) and put
     their measured pool in the ledger in place of the estimate the KV pool was sized beside;
     ``watch`` keeps it. Raises ``CudaGraphError`` (one line)."""
@@ -479,8 +443,6 @@ def rank_settings(cfg: LaunchConfig, local_rank: int) -> tuple[bool, int, ApiKey
     ``engine.cudaGraphs`` (``resolve_cuda_graphs``), the dense storage threshold (bytes), the
     API key (a mounted file or a value); sets torch's threads (``DWDP_TORCH_THREADS``).
     Raises ``CudaGraphsError`` or ``WorkerEnvError`` naming the setting."""
-    from dwdp.api.launch import dwdp_active
-
     cuda_graphs = resolve_cuda_graphs(
         cfg.engine.cuda_graphs,
         role=cfg.role,
@@ -493,13 +455,12 @@ def rank_settings(cfg: LaunchConfig, local_rank: int) -> tuple[bool, int, ApiKey
     return cuda_graphs, dense_min_bytes, api_key
 
 
-def load_rank(cfg: LaunchConfig, plan: Any, group: Any, watch: MemoryWatch) -> tuple[Any, Any, Any]:
+def load_rank(
+    cfg: LaunchConfig, plan: ModelPlan, group: GroupTransport | None, watch: MemoryWatch
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LoadedExperts | None]:
     """``(model, tokenizer, loaded)``: the checkpoint loaded with the group
     (``load_together``) under ``watch`` (a failed load's peak still goes into the
     termination message), with the GPU kernels in place (logged)."""
-    from dwdp.worker.gpu.cuda_path import use_cuda_kernels
-    from dwdp.worker.loading.load_vote import load_together
-
     watch.start()
     try:
         model, tokenizer, loaded = load_together(
@@ -513,10 +474,10 @@ def load_rank(cfg: LaunchConfig, plan: Any, group: Any, watch: MemoryWatch) -> t
 
 
 def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
-                  cuda_graphs: bool) -> Any:
+                  cuda_graphs: bool) -> EngineConfig:
     """The engine's ``EngineConfig``: the launch config's limits and KV cache settings, the
     resolved context length, the sized pool (tokens) and the resolved ``engine.cudaGraphs``."""
-    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.base import EngineConfig  # the engine: asyncio, threads
 
     return EngineConfig(
         max_batch_size=cfg.max_batch_size,
@@ -529,15 +490,13 @@ def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
     )
 
 
-def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
-                       server: dict[str, Any], api_key: ApiKey) -> dict[str, Any]:
+def api_process_fields(cfg: LaunchConfig, engine: ContinuousEngine, host: str, port: int,
+                       server: Mapping[str, object], api_key: ApiKey) -> dict[str, object]:
     """What the rank's API server process is told once the engine runs (``ApiProcessSpec``'s
     fields but the link's addresses; its tokenizer it loaded when it started): where to listen,
     the served names and limits, the KV endpoint, the rank's identity, the graceful-shutdown
     bound and the API key."""
-    from dataclasses import asdict
-
-    from dwdp.worker.server.api_process import key_fields
+    from dwdp.worker.server.api_process import key_fields  # FastAPI
 
     return {
         **key_fields(api_key),
@@ -552,8 +511,9 @@ def api_process_fields(cfg: LaunchConfig, engine: Any, host: str, port: int,
     }
 
 
-def size_memory(model: Any, dwdp: Any, watch: MemoryWatch, cfg: LaunchConfig,
-                plan: ModelPlan, cuda_graphs: bool) -> tuple[Any, MemoryLedger]:
+def size_memory(model: PreTrainedModel, dwdp: DwdpStatusSource, watch: MemoryWatch,
+                cfg: LaunchConfig, plan: ModelPlan,
+                cuda_graphs: bool) -> tuple[KvPool, MemoryLedger]:
     """The rank's KV pool and memory ledger (``size_rank_memory``) from the launch config
     and the model plan (its context length and staging buffer): the pods' ranks on one host
     share its memory (``LOCAL_WORLD_SIZE``)."""
@@ -571,13 +531,19 @@ def size_memory(model: Any, dwdp: Any, watch: MemoryWatch, cfg: LaunchConfig,
     )
 
 
-def make_engine(model: Any, tokenizer: Any, cfg: LaunchConfig, config: Any, *,
-                on_fatal_line: Callable[[BaseException], object],
-                server_holder: dict[str, Any]) -> tuple[Any, list[BaseException]]:
+def make_engine(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: LaunchConfig,
+    config: EngineConfig,
+    *,
+    on_fatal_line: Callable[[BaseException], object],
+    server_holder: dict[str, Callable[[], None]],
+) -> tuple[ContinuousEngine, list[BaseException]]:
     """The rank's ``ContinuousEngine`` (not started) and the list its fatal error lands in:
     on one, ``on_fatal_line`` writes the termination message and serving is stopped
     (``server_holder["stop"]``, once ``serve_with_api_process`` set it)."""
-    from dwdp.worker.engine.continuous import ContinuousEngine
+    from dwdp.worker.engine.continuous import ContinuousEngine  # the engine: asyncio, threads
 
     fatal: list[BaseException] = []
 
@@ -600,14 +566,12 @@ def make_engine(model: Any, tokenizer: Any, cfg: LaunchConfig, config: Any, *,
 
 def run_worker(opts: WorkerOptions) -> int:
     """Run one rank until it is stopped; returns the exit status (0 clean, 1 fatal)."""
-    stop_engine = None
-    api_process: Any = None
+    stop_engine: Callable[[], None] | None = None
+    api_process: ApiProcess | None = None
     close_events: Callable[[], None] | None = None
-    group: Any = None
+    group: GroupTransport | None = None
     stage: dict[str, str] = {"now": Stage.CONFIG}
     watch = MemoryWatch("cpu")
-    from dwdp.worker.server.run import StopBeforeServing, StopRequested
-
     stop_signals = StopBeforeServing(lambda: stage["now"] == Stage.SERVE)
     stopped = False
     try:
@@ -622,16 +586,13 @@ def run_worker(opts: WorkerOptions) -> int:
         settings = resolve_host_settings(cfg, local_rank, stage)
         stage["now"] = Stage.CONFIG
         cuda_graphs, dense_min_bytes, api_key = rank_settings(cfg, local_rank)
-        from dwdp.worker.server.run import ApiProcess, serve_with_api_process
-
         # the API server process imports and loads the tokenizer while the model loads
         api_process = ApiProcess(str(cfg.model.path))
-        from dwdp.worker.bringup import setup_dwdp
-        from dwdp.worker.rendezvous import join_group
-        from dwdp.worker.server.app import build_app
+        from dwdp.worker.bringup import setup_dwdp  # torch
+        from dwdp.worker.server.app import build_app  # FastAPI
 
         stage["now"] = Stage.RENDEZVOUS
-        group = join_group(cfg)
+        group = rendezvous.join_group(cfg)
         stage["now"] = Stage.LOAD
         watch = MemoryWatch(_device_for(cfg, local_rank))
         model, tokenizer, loaded = load_rank(cfg, plan, group, watch)
@@ -651,7 +612,7 @@ def run_worker(opts: WorkerOptions) -> int:
         pool, ledger = size_memory(model, dwdp, watch, cfg, plan, cuda_graphs)
         ledger = ledger.with_api_process(api_process.proc.pid)
         watch.record(ledger)
-        server_holder: dict[str, Any] = {}
+        server_holder: dict[str, Callable[[], None]] = {}
         engine, fatal = make_engine(
             model, tokenizer, cfg,
             engine_config(cfg, plan.max_model_len, pool.capacity_tokens, cuda_graphs),

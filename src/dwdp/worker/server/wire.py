@@ -181,9 +181,10 @@ def _dec_hook(kind: type, value: Any) -> Any:
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_REQUESTS = msgspec.msgpack.Decoder(Generate | Abort | Score | Health | Release,
-                                    dec_hook=_dec_hook)
-_ANSWERS = msgspec.msgpack.Decoder(Outs | Reply, dec_hook=_dec_hook)
+_REQUESTS: msgspec.msgpack.Decoder[Generate | Abort | Score | Health | Release] = (
+    msgspec.msgpack.Decoder(Generate | Abort | Score | Health | Release, dec_hook=_dec_hook))
+_ANSWERS: msgspec.msgpack.Decoder[Outs | Reply] = msgspec.msgpack.Decoder(
+    Outs | Reply, dec_hook=_dec_hook)
 
 
 class _Addressed(msgspec.Struct):
