@@ -41,6 +41,9 @@ SERVER = textwrap.dedent(
         async def check_health(self):
             return None
 
+        def snapshot(self):
+            return None
+
         async def abort(self, request_id):
             return None
 
@@ -154,6 +157,9 @@ class _IdleEngine:
     kv = None
 
     async def check_health(self):
+        return None
+
+    def snapshot(self):
         return None
 
 
