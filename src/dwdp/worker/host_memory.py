@@ -99,15 +99,16 @@ class HostBudget:
         """One line: the budget, what set it, the limit and the working set (GiB)."""
         limit, used = self.limit, self.working_set
         return (
-            f"host memory budget {_gib(self.available)} GiB ({self.limited_by}; limit "
-            f"{'none' if limit is None else _gib(limit) + ' GiB'}, working set "
-            f"{'unknown' if used is None else _gib(used) + ' GiB'}, host MemAvailable "
-            f"{_gib(self.host_available)} GiB)"
+            f"host memory budget {gib(self.available)} GiB ({self.limited_by}; limit "
+            f"{'none' if limit is None else gib(limit) + ' GiB'}, working set "
+            f"{'unknown' if used is None else gib(used) + ' GiB'}, host MemAvailable "
+            f"{gib(self.host_available)} GiB)"
         )
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f}"
+def gib(n: int | None) -> str:
+    """Bytes as GiB with two decimals (``-`` for None), as every memory line shows them."""
+    return "-" if n is None else f"{n / 2**30:.2f}"
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -264,7 +265,7 @@ def oom_cause(root: Path = Path("/")) -> str:
     for level in levels:
         if level.limit is not None and oom_kills(level.path, version):
             return (f"OOM-killed: the container reached its memory limit of "
-                    f"{_gib(level.limit)} GiB (cgroup {version} {level.path}); raise "
+                    f"{gib(level.limit)} GiB (cgroup {version} {level.path}); raise "
                     f"resources.limits.memory, or lower what the ranks take (kvCache."
                     f"freeMemoryFraction or maxTokens, ranksPerPod)")
     return ""

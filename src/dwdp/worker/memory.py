@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.engine.kv_pool import KvPool, kv_bytes_per_token, size_kv_pool
 from dwdp.worker.engine.piecewise import token_buckets
-from dwdp.worker.host_memory import HostBudget, host_budget
+from dwdp.worker.host_memory import HostBudget, gib, host_budget
 from dwdp.worker.status_source import DwdpStatusSource
 
 if TYPE_CHECKING:
@@ -145,13 +145,9 @@ class RankMemory:
         }
 
 
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
-
-
 def ledger_summary(parts: dict[str, Placed]) -> str:
     """One line for the termination message: ``memory GiB (host/device): part h/d, ...``."""
-    shown = ", ".join(f"{k} {_gib(v.host)}/{_gib(v.device)}" for k, v in parts.items())
+    shown = ", ".join(f"{k} {gib(v.host)}/{gib(v.device)}" for k, v in parts.items())
     return f"memory GiB (host/device): {shown}" if shown else ""
 
 

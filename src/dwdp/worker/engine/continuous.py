@@ -486,7 +486,7 @@ class ContinuousEngine(EngineBase):
 
     def _take(self, seq: SchedSequence, choice: Any) -> None:
         """Give a request the token it sampled (``choice``): it finishes (a remote-decode
-        prefill keeps its blocks under the lease ``_hold`` made) or goes on."""
+        prefill keeps its blocks under the lease ``_remote_decode`` made) or goes on."""
         state, kv = seq.state, self.kv
         self.stats.generation_tokens += 1
         reason = state.take(choice.token, eos_token_ids=self.eos_token_ids,
