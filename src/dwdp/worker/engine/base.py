@@ -40,6 +40,7 @@ from dwdp.worker.engine.protocol import (
 )
 from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import Choice, prompt_logprobs
+from dwdp.worker.engine.speculative import SpeculativeConfig
 from dwdp.worker.engine.stats import EngineSnapshot, EngineStats, KvCacheShape
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class EngineConfig:
     captured by ``ContinuousEngine.capture_cuda_graphs`` (CUDA only; the worker resolves the
     setting, ``engine.cudaGraphs``); ``prefix_caching``: keep computed full blocks cached by
     their tokens' chain hash and share them with later requests (``kvCache.prefixCaching``;
-    ``dwdp.worker.engine.blocks``).
+    ``dwdp.worker.engine.blocks``); ``speculative``: decoding requests propose draft tokens
+    that one forward verifies (``dwdp.worker.engine.speculative``; the continuous engine;
+    ``engine.speculative``); ``None``: off.
     """
 
     max_batch_size: int = MAX_BATCH_SIZE
@@ -68,6 +71,7 @@ class EngineConfig:
     block_size: int = KV_BLOCK_SIZE
     cuda_graphs: bool = False
     prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
 
 
 class EngineBase:
@@ -168,6 +172,7 @@ class EngineBase:
             prefix_caching=self.config.prefix_caching,
             kv_cache=self._kv_cache_shape(),
             failure=None if dead is None else f"{type(dead).__name__}: {dead}",
+            speculative=self.config.speculative,
         )
 
     def _kv_cache_shape(self) -> KvCacheShape | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dwdp.worker.engine.speculative import SpeculativeConfig
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -47,6 +49,36 @@ class EngineStats:
     """Of those, tokens found cached and not computed again (a counter; vLLM's name)."""
     kv_blocks_cached: int = 0
     """Blocks the prefix cache holds, in use or free (a gauge)."""
+    spec_drafts: int = 0
+    """Speculative decoding (counters, vLLM's ``vllm:spec_decode_*``): request steps that
+    proposed at least one draft token."""
+    spec_draft_tokens: int = 0
+    """Draft tokens proposed."""
+    spec_accepted_tokens: int = 0
+    """Draft tokens accepted (the target model chose them)."""
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    """Per draft position ``i``: drafts whose token ``i`` was accepted (a new tuple per
+    change, so that a snapshot's copy never changes under its reader)."""
+
+    def observe_draft(self, proposed: int, accepted: int) -> None:
+        """One request's speculative step: ``proposed`` drafts, the first ``accepted`` of
+        them taken."""
+        if proposed == 0:
+            return
+        self.spec_drafts += 1
+        self.spec_draft_tokens += proposed
+        self.spec_accepted_tokens += accepted
+        per = list(self.spec_accepted_per_pos)
+        per.extend([0] * (proposed - len(per)))
+        for i in range(accepted):
+            per[i] += 1
+        self.spec_accepted_per_pos = tuple(per)
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted over proposed draft tokens; ``None`` before the first draft."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens \
+            else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +97,12 @@ class EngineSnapshot:
     ``stats``: a copy of its counters; ``prefix_caching``: whether it caches prompt prefixes
     (``EngineConfig.prefix_caching``); ``kv_cache``: its paged KV cache's shape (``None``: it
     has none, as the wave engine); ``failure``: the error that killed it, as
-    ``"Type: message"`` (``None`` while it can serve).
+    ``"Type: message"`` (``None`` while it can serve); ``speculative``: its speculative
+    decoding (``EngineConfig.speculative``; ``None``: off).
     """
 
     stats: EngineStats
     prefix_caching: bool
     kv_cache: KvCacheShape | None = None
     failure: str | None = None
+    speculative: SpeculativeConfig | None = None

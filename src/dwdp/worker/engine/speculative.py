@@ -1,0 +1,81 @@
+"""Speculative decoding: draft tokens proposed without a forward, verified by the target model.
+
+A decoding request proposes up to ``num_speculative_tokens`` draft tokens before a step
+(``Drafter.propose``); the step feeds its last token and the drafts as one chunk, so one forward
+computes the target model's logits at every draft position (``Chunk.draft``). The engine then
+takes tokens position by position through the one sampler (``dwdp.worker.engine.sampler.choose``
+on that position's row, with the request's grammar, ``logit_bias``, ``min_tokens`` and logprobs
+as for any step) and stops at the first token that differs from the draft: the accepted drafts
+and that token are the step's output, the cache keeps the accepted drafts' entries and gives
+back the rejected tail's blocks (``Scheduler.accept``).
+
+Taking each position's token from the target's own distribution makes the output exactly what
+decoding without drafts gives: greedy token for token, and sampled by the same law (a draft
+proposed without a distribution of its own is a point mass, whose rejection sampling is this
+comparison: the draft is accepted with the target's probability of it, and a rejected position
+draws from the target's distribution without it). A seeded request draws once per output token,
+as without drafts, so its answer is the same too.
+
+``ngram`` (vLLM's prompt lookup): the longest suffix of the request's tokens, between
+``prompt_lookup_min`` and ``prompt_lookup_max`` tokens long, that also occurs earlier in its
+prompt and output; the tokens after its earliest occurrence are the drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+SpeculativeMethod = Literal["ngram"]
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """``engine.speculative``: the draft ``method``, up to ``num_speculative_tokens`` drafts per
+    step and request, and for ``ngram`` the lengths of the suffix it looks up."""
+
+    method: SpeculativeMethod = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+
+class Drafter:
+    """Proposes a request's draft tokens by ``config.method``."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to ``min(limit, num_speculative_tokens)`` draft tokens to follow ``tokens``
+        (the request's prompt and output); empty when none is found."""
+        k = min(limit, self.config.num_speculative_tokens)
+        if k <= 0:
+            return []
+        cfg = self.config
+        return ngram_drafts(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+
+def ngram_drafts(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The ``k`` tokens (fewer at the end) after the earliest earlier occurrence of the longest
+    suffix of ``tokens`` of ``n_min`` to ``n_max`` tokens; empty when no such suffix recurs."""
+    import numpy as np
+
+    total = len(tokens)
+    if total < n_min + 1 or k <= 0:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    best_n, best_at = 0, -1
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        suffix = arr[total - n :]
+        # candidate starts: windows of n tokens ending before the last token
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: total - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            best_n, best_at = n, int(hits[0])
+            break
+    if best_n == 0:
+        return []
+    start = best_at + best_n
+    return [int(t) for t in arr[start : start + k]]
