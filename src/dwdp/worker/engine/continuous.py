@@ -37,8 +37,9 @@ from dwdp.worker.engine.piecewise import PiecewiseGraphs
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
-from dwdp.worker.engine.scheduler import Scheduler
+from dwdp.worker.engine.scheduler import Scheduled, Scheduler
 from dwdp.worker.engine.scheduler import Sequence as SchedSequence
+from dwdp.worker.engine.speculative import Drafter
 from dwdp.worker.engine.stats import KvCacheShape
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class ContinuousEngine(EngineBase):
         choice, until when it may wait); see ``_remote_decode``."""
         self._step_lock = threading.Lock()
         self._warmed = False
+        self.drafter = Drafter(cfg.speculative) if cfg.speculative is not None else None
+        """Proposes decoding requests' draft tokens (``engine.speculative``), or ``None``."""
 
     def _kv_cache_shape(self) -> KvCacheShape:
         """The block pool's shape (``EngineBase.snapshot``)."""
@@ -451,6 +454,7 @@ class ContinuousEngine(EngineBase):
         if not self._replays_next():
             self._settle()
         kv = self.kv
+        self._propose()
         plan = [p for p in self.scheduler.schedule() if self._joins(p.seq, kv)]
         if not plan:
             self._settle()
@@ -461,9 +465,9 @@ class ContinuousEngine(EngineBase):
         self.stats.preemptions = self.scheduler.preemptions
         self._count_kv()
         logits = self.runner.execute([p.chunk for p in plan])  # queued; the host goes on
-        sampled = [p.seq for p in plan if p.chunk.sample]
+        sampled = [p for p in plan if p.chunk.sample]
         for p in plan:
-            seq, n = p.seq, len(p.chunk.token_ids)
+            seq, n = p.seq, len(p.chunk.token_ids) - p.chunk.draft  # drafts: once verified
             self.stats.prompt_tokens += max(
                 0, min(seq.computed + n, len(seq.state.prompt)) - seq.computed
             )
@@ -471,8 +475,12 @@ class ContinuousEngine(EngineBase):
         # after the commits: a stop string found here ends a request of this step and frees
         # its blocks, which the commit (prefix caching: full blocks registered) still needed
         self._settle()
-        for seq, choice in zip(sampled, choose(logits, [s.state for s in sampled]), strict=True):
-            state = seq.state
+        rows = _first_rows(sampled, logits)
+        choices = choose(rows, [p.seq.state for p in sampled])
+        row = 0
+        for p, choice in zip(sampled, choices, strict=True):
+            seq, state = p.seq, p.seq.state
+            first, row = row, row + p.chunk.rows
             if state.finished:
                 continue  # a stop string ended it while this step ran: its token is dropped
             params = state.kv_transfer
@@ -481,8 +489,47 @@ class ContinuousEngine(EngineBase):
                 self._remote_decode(seq, kv, choice)
             else:
                 self._take(seq, choice)
+            if p.chunk.draft:
+                self._verify(seq, p.chunk, choice.token, logits, first)
         self._count_kv()
         self._publish_kv_events()
+
+    # -- speculative decoding ----------------------------------------------------------------
+    def _propose(self) -> None:
+        """Before a step is scheduled: each running request with one pending token (it
+        decodes) proposes its draft tokens (``Drafter``), as many as its ``max_tokens`` and
+        the model's context leave room for after the token the step adds anyway."""
+        drafter = self.drafter
+        if drafter is None:
+            return
+        for seq in self.scheduler.running:
+            state = seq.state
+            seq.draft = []
+            if seq.pending != 1:
+                continue
+            room = min(state.params.max_tokens - len(state.tokens),
+                       self.max_model_len - state.length) - 1
+            if room > 0:
+                seq.draft = drafter.propose(seq.token_ids(), room)
+
+    def _verify(self, seq: SchedSequence, chunk: Chunk, token: int, logits: Any,
+                first: int) -> None:
+        """After a draft chunk's first token (``token``, from logits row ``first``) was taken:
+        take the token of each next row while the one before it equals the draft there
+        (module ``dwdp.worker.engine.speculative``), then keep the accepted drafts' KV and give
+        back the rejected tail's blocks (``Scheduler.accept``)."""
+        state, draft = seq.state, chunk.token_ids[len(chunk.token_ids) - chunk.draft :]
+        accepted = 0
+        while accepted < len(draft) and token == draft[accepted] and not state.finished:
+            accepted += 1
+            row = first + accepted
+            choice = choose(logits[row : row + 1], [state])[0]
+            self._take(seq, choice)
+            token = choice.token
+        self.stats.observe_draft(len(draft), accepted)
+        if not state.finished:
+            self.scheduler.accept(seq, accepted)
+        seq.draft = []
 
     def _take(self, seq: SchedSequence, choice: Any) -> None:
         """Give a request the token it sampled (``choice``): it finishes (a remote-decode
@@ -500,7 +547,8 @@ class ContinuousEngine(EngineBase):
         if kv is not None and state.kv_transfer_out is not None:
             kv.cancel_hold(state.request_id)  # it goes on (max_tokens > 1): no lease
             state.kv_transfer_out = None
-        self._unsettled.append(seq)
+        if not self._unsettled or self._unsettled[-1] is not seq:  # a draft's: once
+            self._unsettled.append(seq)
 
     def _replays_next(self) -> bool:
         """Whether the next step is likely a graph replay (decided before it is scheduled:
@@ -558,3 +606,17 @@ class ContinuousEngine(EngineBase):
 
     def _live_states(self) -> list[RequestState]:
         return [seq.state for seq in self._sequences.values()]
+
+
+def _first_rows(sampled: list[Scheduled], logits: Any) -> Any:
+    """Each sampling chunk's first logits row: ``logits`` itself unless a draft chunk keeps
+    more than one."""
+    if all(p.chunk.rows == 1 for p in sampled):
+        return logits
+    import torch
+
+    starts, row = [], 0
+    for p in sampled:
+        starts.append(row)
+        row += p.chunk.rows
+    return logits[torch.tensor(starts, device=logits.device)]

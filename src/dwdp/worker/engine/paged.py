@@ -56,12 +56,20 @@ _STEP: contextvars.ContextVar[StepLayout | KernelLayout | None] = contextvars.Co
 class Chunk:
     """One request's part of a step: tokens ``[start, start + len(token_ids))`` of the request,
     ``blocks`` its block table, ``sample``: the step ends at the request's last known token, so
-    its logits choose the next one."""
+    its logits choose the next one. ``draft``: the last ``draft`` of ``token_ids`` are draft
+    tokens after the last known one (speculative decoding, ``sample`` true): the step keeps the
+    logits of the chunk's last ``draft + 1`` positions (``rows``)."""
 
     token_ids: Sequence[int]
     start: int
     blocks: Sequence[int]
     sample: bool
+    draft: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Logits rows the step keeps for this chunk: 0, 1, or ``draft + 1``."""
+        return self.draft + 1 if self.sample else 0
 
 
 class _Masks:
@@ -98,7 +106,7 @@ class StepLayout(_Masks):
     position_ids: Any  # [1, T]
     slots: Any  # [T] cache slot of each new token
     context_slots: Any | None  # [S] slots of every request's context; None: the new tokens
-    logits_index: Any  # [R] position in T of each sampled request's last token
+    logits_index: Any  # [R] position in T of each kept logits row (``Chunk.rows``)
     prefills: list[tuple[int, int, int, int]]  # (q0, q1, k0, k1) of each multi-token chunk
     decode_q: Any | None  # [B] positions in T of the single-token chunks
     decode_k: Any | None  # [B, Kmax] positions in S of their contexts (padded with 0)
@@ -141,8 +149,7 @@ class StepLayout(_Masks):
                 prefills.append((q, q + n, k, k + end))
             q += n
             k += end
-            if c.sample:
-                sample_at.append(q - 1)
+            sample_at.extend(range(q - c.rows, q))
         dq = dk = None
         if decode_q:
             width = max(decode_len)
@@ -191,7 +198,7 @@ class KernelLayout(_Masks):
     input_ids: Any  # [1, T]
     position_ids: Any  # [1, T]
     slots: Any  # [T] int64 cache slot of each new token
-    logits_index: Any  # [R] position in T of each sampled request's last token
+    logits_index: Any  # [R] position in T of each kept logits row (``Chunk.rows``)
     fresh: list[tuple[int, int]]
     paged: PagedRequests | None
     cache: PagedKVCache
@@ -221,9 +228,9 @@ class KernelLayout(_Masks):
 @dataclass(frozen=True, slots=True)
 class StepRows:
     """The host data of one kernel step of ``T`` tokens: ``tokens`` [4, T] int64 (token ids,
-    the row of each sampling chunk's last token padded with 0, positions, cache slots; pinned
-    for a CUDA device, so that its copy runs asynchronously), ``samples`` (the sampling
-    chunks), ``fresh`` (the (q0, q1) rows of chunks that start a prompt) and the paged kernel's
+    the rows whose logits the step keeps (``Chunk.rows``) padded with 0, positions, cache
+    slots; pinned for a CUDA device, so that its copy runs asynchronously), ``samples`` (those
+    rows), ``fresh`` (the (q0, q1) rows of chunks that start a prompt) and the paged kernel's
     request rows of every other chunk (``q_start``, ``q_len``, ``seq_len``, block ``tables``)."""
 
     tokens: Any
@@ -273,8 +280,7 @@ class StepRows:
                 seq_len.append(end)
                 tables.append(c.blocks[: -(-end // bs)])
             q += n
-            if c.sample:
-                sample_at.append(q - 1)
+            sample_at.extend(range(q - c.rows, q))
         if small:
             parts.append(torch.tensor(small, dtype=torch.long).view(-1, 2).T)
         tokens = torch.empty((4, len(ids)), dtype=torch.long, pin_memory=pin)

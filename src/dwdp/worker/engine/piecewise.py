@@ -249,8 +249,11 @@ class PiecewiseGraphs:
         return out[None]
 
     def fits(self, chunks: Sequence[Chunk]) -> bool:
-        """Whether the step of ``chunks`` replays a bucket: at most the largest's tokens."""
-        return 0 < sum(len(c.token_ids) for c in chunks) <= self.buckets[-1]
+        """Whether the step of ``chunks`` replays a bucket: at most the largest's tokens, and
+        at most ``max_batch_size`` logits rows (a step of draft chunks may keep more: it runs
+        eagerly)."""
+        return (0 < sum(len(c.token_ids) for c in chunks) <= self.buckets[-1]
+                and sum(c.rows for c in chunks) <= self.max_batch_size)
 
     def replay(self, chunks: Sequence[Chunk]) -> Any:
         """Copy the step's token data into the smallest bucket holding it and run its pieces;

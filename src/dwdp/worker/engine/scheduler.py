@@ -27,6 +27,12 @@ longest run of cached full blocks its known tokens hash to (never its last token
 it needs; never for a request that pulls its prompt, whose blocks the transfer writes) and
 counts those tokens as computed; ``commit`` caches each block a step fills.
 
+With speculative decoding (``dwdp.worker.engine.speculative``) a decoding request's chunk is
+its pending token and the draft tokens the engine proposed (``Sequence.draft``), cut to the
+step's budget and dropped when their blocks are not free (a draft never preempts); the step
+commits the pending token, and ``accept`` the drafts the target model confirmed, giving back the
+blocks of the rejected tail.
+
 A request never holds more than one request of ``max_model_len`` tokens of blocks, and the
 engine refuses one that could not fit the pool alone, so the oldest request always progresses.
 """
@@ -70,6 +76,9 @@ class Sequence:
     looked_up: bool = False
     """Its first join looked its prompt up in the prefix cache (``state.cached_tokens``
     holds what it found; a rejoin after a preemption is not counted again)."""
+    draft: list[int] = field(default_factory=list)
+    """Draft tokens to verify after its pending token in the next step (speculative decoding:
+    the engine proposes them before ``schedule``; dropped where the step has no room)."""
 
     @property
     def pending(self) -> int:
@@ -88,14 +97,17 @@ class Sequence:
             self.hashes += block_hashes(self.token_ids(), block_size, parent,
                                         start=len(self.hashes), count=want)
 
-    def chunk(self, n: int) -> Chunk:
-        """The next ``n`` pending tokens as a step chunk."""
+    def chunk(self, n: int, draft: list[int] | None = None) -> Chunk:
+        """The next ``n`` pending tokens as a step chunk, followed by ``draft`` tokens (the
+        last pending token's chunk only)."""
         prompt, tokens = self.state.prompt, self.state.tokens
         start, end, cut = self.computed, self.computed + n, len(prompt)
         if start >= cut:  # decoding: no copy of the whole context per step
             ids = tokens[start - cut : end - cut]
         else:
             ids = prompt[start:end] + tokens[: max(0, end - cut)]
+        if draft:
+            return Chunk(ids + draft, start, self.blocks, True, len(draft))
         return Chunk(ids, start, self.blocks, end == cut + len(tokens))
 
 
@@ -156,9 +168,10 @@ class Scheduler:
             if seq not in self.running:
                 continue  # preempted by an older request in this step
             n = min(seq.pending, budget)
-            if n and self._grow(seq, seq.computed + n):
-                plan.append(Scheduled(seq, seq.chunk(n)))
-                budget -= n
+            draft = self._room_for_draft(seq, n, budget)
+            if n and self._grow(seq, seq.computed + n + len(draft)):
+                plan.append(Scheduled(seq, seq.chunk(n, draft)))
+                budget -= n + len(draft)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             shared = self._shareable(seq)
@@ -202,6 +215,26 @@ class Scheduler:
                 seq.blocks[b], seq.hashes[b], parent=seq.hashes[b - 1] if b else None,
                 token_ids=ids[b * size : (b + 1) * size] if ids is not None else ())
         seq.registered = full
+
+    def accept(self, seq: Sequence, accepted: int) -> None:
+        """A step verified ``seq``'s draft and kept its first ``accepted`` tokens (their KV is
+        in the cache): count and cache them as ``commit`` does, and give back the blocks of
+        the rejected tail beyond what its pending token needs."""
+        self.commit(seq, accepted)
+        keep = self.allocator.blocks_for(seq.computed + 1)
+        if len(seq.blocks) > keep:
+            self.allocator.free(seq.blocks[keep:])
+            del seq.blocks[keep:]
+
+    def _room_for_draft(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """The part of ``seq.draft`` this step runs after its ``n`` tokens: none unless ``n``
+        is its last pending token, at most what is left of the budget, and none when its blocks
+        are not free (a draft never preempts)."""
+        if not seq.draft or n != seq.pending:
+            return []
+        draft = seq.draft[: max(0, budget - n)]
+        need = self.allocator.blocks_for(seq.computed + n + len(draft)) - len(seq.blocks)
+        return draft if draft and self.allocator.can_allocate(need) else []
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a joining ``seq`` can share: its known tokens but the last, in
