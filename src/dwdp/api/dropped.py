@@ -6,7 +6,8 @@ and generation sections of a DwdpDeployment and in a worker's launch config. Thi
 accepted only their defaults (every rank serves one whole model through the eager forward
 pass of the base checkpoint), so the fields are gone from the models and the CRD, except
 ``engine.cudaGraphs``, which came back as a real setting (:class:`dwdp.api.launch.EngineSpec`):
-the ``engine`` section is known again, and its five other switches are dropped fields in it.
+the ``engine`` section is known again, and its five other switches are dropped fields in it
+(``speculativeDecoding``'s reason points to ``engine.speculative``, its successor).
 A document that still writes one, at any value, is refused as an unknown field: the models
 forbid unknown fields, and the apiserver refuses them under strict field validation (what
 ``kubectl apply`` asks for) or prunes them otherwise (the CRD's schema is structural).
@@ -54,7 +55,7 @@ DROPPED_FIELDS: Mapping[tuple[str, ...], str] = {
     ),
     ("engine", "lora"): "LoRA adapters are not supported yet; the base checkpoint is served",
     ("engine", "speculativeDecoding"): (
-        "speculative decoding is not supported yet; the engine decodes without drafts"
+        "speculative decoding is engine.speculative now (method and numSpeculativeTokens)"
     ),
     ("engine", "sleepMode"): (
         "sleep mode is not supported yet; weights and KV cache stay resident"

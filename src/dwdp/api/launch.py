@@ -12,7 +12,8 @@ Rule order: role, the settings this worker does not run (:mod:`dwdp.api.support`
 DWDP mode, dense roots; one problem per field, the first rule that names it. Paths are
 relative to the launch config (``dwdp.dwdpSize``); the DwdpDeployment prefixes them with
 ``spec.context``. Every rank serves one whole model: the launch has no parallel layout, and
-its one engine switch is ``engine.cudaGraphs`` (the others are :mod:`dwdp.api.dropped`).
+its engine switches are ``engine.cudaGraphs`` and ``engine.speculative`` (the others are
+:mod:`dwdp.api.dropped`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "LaunchConfig",
     "LaunchError",
     "LaunchModel",
+    "SpeculativeSpec",
     "StagingTokens",
     "VllmConnectorConfig",
     "dense_mode",
@@ -282,9 +284,86 @@ class KvTransferConfig(ApiModel):
     )
 
 
+PROMPT_LOOKUP_DEFAULT = 5
+"""vLLM's n-gram suffix length when neither promptLookupMin nor promptLookupMax is set."""
+PROMPT_LOOKUP_LIMIT = 64
+"""The longest n-gram suffix ``promptLookupMax`` may ask for (vLLM sets no bound; the drafter
+compares every suffix length from promptLookupMax down to promptLookupMin against the whole
+request each step, and suffixes that long hardly ever recur but cost every step)."""
+MAX_SPECULATIVE_TOKENS = 16
+"""The most draft tokens ``numSpeculativeTokens`` may ask for per step and request."""
+
+_LOOKUP_ORDER = (
+    "the drafter looks up suffixes from promptLookupMax down to promptLookupMin tokens long"
+)
+LOOKUP_ORDER_RULE = cel_rule(
+    "!has(self.promptLookupMin) || !has(self.promptLookupMax) || "
+    "self.promptLookupMin <= self.promptLookupMax",
+    f"promptLookupMin must be at most promptLookupMax: {_LOOKUP_ORDER}",
+    field_path=".promptLookupMin",
+)
+"""vLLM's ``prompt_lookup_min <= prompt_lookup_max``, in the CRD."""
+
+LookupLength = Annotated[int, Field(strict=True, ge=1, le=PROMPT_LOOKUP_LIMIT)]
+"""An n-gram suffix length: a whole number from 1 to :data:`PROMPT_LOOKUP_LIMIT`."""
+
+
+class SpeculativeSpec(ApiModel):
+    """Speculative decoding (vLLM's ``--speculative-config``): before each step a decoding
+    request proposes up to numSpeculativeTokens draft tokens without a forward, and the step
+    verifies them in the same forward that computes its next token; the output is what
+    decoding without drafts gives."""
+
+    model_config = ConfigDict(json_schema_extra=cel_rules([LOOKUP_ORDER_RULE]))
+
+    method: Literal["ngram"] = Field(
+        default="ngram",
+        description="How drafts are proposed: ngram (vLLM's prompt lookup): the tokens that "
+        "followed the earliest earlier occurrence of the request's last promptLookupMin to "
+        "promptLookupMax tokens in its prompt and output. The only method today: a draft "
+        "model or DeepSeek's multi-token prediction (MTP) heads are not built yet.",
+    )
+    num_speculative_tokens: int = Field(
+        strict=True,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="Draft tokens proposed per step and decoding request, at most "
+        f"(1 to {MAX_SPECULATIVE_TOKENS}; vLLM's num_speculative_tokens). Required.",
+    )
+    prompt_lookup_min: LookupLength | None = Field(
+        default=None,
+        description="Shortest suffix the ngram method looks up, in tokens "
+        f"(1 to {PROMPT_LOOKUP_LIMIT}). Unset: promptLookupMax when that is set, else "
+        f"{PROMPT_LOOKUP_DEFAULT} (vLLM's rule).",
+    )
+    prompt_lookup_max: LookupLength | None = Field(
+        default=None,
+        description="Longest suffix the ngram method looks up, in tokens "
+        f"(1 to {PROMPT_LOOKUP_LIMIT}); at least promptLookupMin. Unset: promptLookupMin when "
+        f"that is set, else {PROMPT_LOOKUP_DEFAULT} (vLLM's rule).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeSpec:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is not None and high is not None and low > high:
+            rule = f"must be at most promptLookupMax ({high}): {_LOOKUP_ORDER}"
+            raise RuleViolations([Problem(("promptLookupMin",), low, rule)])
+        return self
+
+    def lookup_range(self) -> tuple[int, int]:
+        """``(promptLookupMin, promptLookupMax)`` resolved by vLLM's rules: both unset: 5 and
+        5; one set: the other takes its value."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None:
+            low = PROMPT_LOOKUP_DEFAULT if high is None else high
+        return low, low if high is None else high
+
+
 class EngineSpec(ApiModel):
-    """Engine switches of a rank; the other switches of earlier specs (torchCompile,
-    overlapScheduler, lora, speculativeDecoding, sleepMode) are refused as dropped fields."""
+    """Engine switches of a rank: cudaGraphs and speculative; the other switches of earlier
+    specs (torchCompile, overlapScheduler, lora, speculativeDecoding, sleepMode) are refused as
+    dropped fields."""
 
     cuda_graphs: Bool | None = Field(
         default=None,
@@ -294,6 +373,13 @@ class EngineSpec(ApiModel):
         "Unset: on for a generation "
         "server on CUDA, off otherwise. True needs CUDA and is refused with DWDP on (the "
         "prefetch schedule runs host hooks around every MoE layer).",
+    )
+    speculative: SpeculativeSpec | None = Field(
+        default=None,
+        description="Speculative decoding: decoding requests propose draft tokens that one "
+        "forward verifies, several tokens per step where the drafts are right, with the same "
+        "output as without them (greedy token for token, sampled by the same distribution). "
+        "Unset: off.",
     )
 
 

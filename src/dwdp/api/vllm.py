@@ -189,6 +189,7 @@ DWDP_ONLY_SETTINGS: tuple[DwdpOnlySetting, ...] = (
     DwdpOnlySetting(("kvCache", "prefixCaching"), True, "--no-enable-prefix-caching in args"),
     DwdpOnlySetting(("kvCache", "events"), None, "--kv-events-config in args"),
     DwdpOnlySetting(("engine", "cudaGraphs"), None, "--enforce-eager in args"),
+    DwdpOnlySetting(("engine", "speculative"), None, "--speculative-config in args"),
 )
 """The generation section's settings a vLLM server does not read; with ``vllm`` each must
 keep its default (the apiserver fills defaults in, so "unset" is "at its default")."""

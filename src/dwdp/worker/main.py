@@ -51,6 +51,7 @@ from dwdp.worker.apikey import ApiKey
 from dwdp.worker.disagg.vllm_layout import block_size_for
 from dwdp.worker.engine.kv_events import KvEventPublisher
 from dwdp.worker.engine.kv_pool import KvPool, check_max_tokens
+from dwdp.worker.engine.speculative import SpeculativeConfig
 from dwdp.worker.gpu.cuda_path import use_cuda_kernels
 from dwdp.worker.host import check_copy_ops, probe_host
 from dwdp.worker.host_memory import env_limit
@@ -473,10 +474,26 @@ def load_rank(
     return model, tokenizer, loaded
 
 
+def speculative_config(cfg: LaunchConfig) -> SpeculativeConfig | None:
+    """``engine.speculative`` resolved once, vLLM's prompt-lookup defaults applied
+    (``SpeculativeSpec.lookup_range``); None: off."""
+    spec = cfg.engine.speculative
+    if spec is None:
+        return None
+    low, high = spec.lookup_range()
+    return SpeculativeConfig(
+        method=spec.method,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=low,
+        prompt_lookup_max=high,
+    )
+
+
 def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
                   cuda_graphs: bool) -> EngineConfig:
     """The engine's ``EngineConfig``: the launch config's limits and KV cache settings, the
-    resolved context length, the sized pool (tokens) and the resolved ``engine.cudaGraphs``."""
+    resolved context length, the sized pool (tokens), the resolved ``engine.cudaGraphs`` and
+    ``engine.speculative`` (:func:`speculative_config`)."""
     from dwdp.worker.engine.base import EngineConfig  # the engine: asyncio, threads
 
     return EngineConfig(
@@ -487,6 +504,7 @@ def engine_config(cfg: LaunchConfig, max_model_len: int, capacity_tokens: int,
         block_size=cfg.kv_cache.block_size,
         cuda_graphs=cuda_graphs,
         prefix_caching=cfg.kv_cache.prefix_caching,
+        speculative=speculative_config(cfg),
     )
 
 

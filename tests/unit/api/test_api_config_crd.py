@@ -180,7 +180,8 @@ def test_crd_spec_keeps_no_unknown_field(schema) -> None:
     for section in ("context", "generation"):
         props = spec["properties"][section]["properties"]
         assert "parallel" not in props
-        assert set(props["engine"]["properties"]) == {"cudaGraphs"}  # the rest are dropped
+        # the rest are dropped (speculativeDecoding's successor is speculative)
+        assert set(props["engine"]["properties"]) == {"cudaGraphs", "speculative"}
 
 
 def test_crd_names_subresources_and_columns() -> None:

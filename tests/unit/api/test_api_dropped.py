@@ -72,6 +72,17 @@ def test_the_engine_section_is_known_with_cuda_graphs_only(section) -> None:
     ]
 
 
+@pytest.mark.parametrize("section", SECTIONS)
+def test_speculative_decoding_stays_dropped_and_points_to_speculative(section) -> None:
+    """The old switch ``engine.speculativeDecoding`` is refused at any value, its reason
+    naming its successor ``engine.speculative``, which is a real setting beside it."""
+    assert _lines(section, {"engine": {"speculative": {"numSpeculativeTokens": 2}}}) == []
+    assert _lines(section, {"engine": {"speculativeDecoding": True}}) == [
+        f"spec.{section}.engine.speculativeDecoding: unknown field (dropped: speculative "
+        "decoding is engine.speculative now (method and numSpeculativeTokens))"
+    ]
+
+
 def test_a_misspelled_field_gets_the_nearest_known_name() -> None:
     lines = _lines("context", {"dwdp": {"dwdpsize": 4}, "maxBatchSzie": 4, "zzz": 1})
     assert sorted(lines) == [

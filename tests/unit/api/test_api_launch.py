@@ -139,6 +139,66 @@ def test_cuda_graphs_launch_rules() -> None:
     )
 
 
+def _refusal(engine: dict) -> list[str]:
+    with pytest.raises(ValidationError) as info:
+        launch(role="generation", engine=engine)
+    return [str(p) for p in problems_from_validation_error(info.value, model=LaunchConfig)]
+
+
+@pytest.mark.parametrize(
+    ("given", "resolved"),
+    [({}, (5, 5)), ({"promptLookupMax": 3}, (3, 3)), ({"promptLookupMin": 7}, (7, 7)),
+     ({"promptLookupMin": 2, "promptLookupMax": 4}, (2, 4)),
+     ({"promptLookupMin": 64, "promptLookupMax": 64}, (64, 64))],
+)
+def test_speculative_lookup_resolves_as_vllm(given, resolved) -> None:
+    """``engine.speculative``: off by default; ngram unless told; the suffix lengths by
+    vLLM's rules (both unset: 5 and 5; one set: the other takes its value)."""
+    assert launch().engine.speculative is None
+    spec = launch(engine={"speculative": {"numSpeculativeTokens": 3, **given}}).engine.speculative
+    assert spec is not None and spec.method == "ngram" and spec.num_speculative_tokens == 3
+    assert spec.lookup_range() == resolved
+
+
+def test_speculative_lookup_min_above_max_names_both() -> None:
+    shown = _refusal({"speculative": {"numSpeculativeTokens": 3, "promptLookupMin": 6,
+                                      "promptLookupMax": 4}})
+    assert shown == [
+        "engine.speculative.promptLookupMin: must be at most promptLookupMax (4): the drafter "
+        "looks up suffixes from promptLookupMax down to promptLookupMin tokens long (got 6)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("speculative", "line"),
+    [
+        ({}, "engine.speculative.numSpeculativeTokens: is required"),
+        ({"numSpeculativeTokens": 0},
+         "engine.speculative.numSpeculativeTokens: must be greater than or equal to 1 (got 0)"),
+        ({"numSpeculativeTokens": 17},
+         "engine.speculative.numSpeculativeTokens: must be less than or equal to 16 (got 17)"),
+        ({"numSpeculativeTokens": "3"},
+         'engine.speculative.numSpeculativeTokens: must be a whole number (got "3")'),
+        ({"numSpeculativeTokens": 2, "promptLookupMax": 65},
+         "engine.speculative.promptLookupMax: must be less than or equal to 64 (got 65)"),
+        ({"numSpeculativeTokens": 2, "promptLookupMin": 0},
+         "engine.speculative.promptLookupMin: must be greater than or equal to 1 (got 0)"),
+        ({"method": "mtp", "numSpeculativeTokens": 1},
+         "engine.speculative.method: must be 'ngram' (got \"mtp\")"),
+    ],
+)
+def test_speculative_out_of_range_is_one_line(speculative, line) -> None:
+    assert _refusal({"speculative": speculative}) == [line]
+
+
+def test_speculative_on_a_context_rank_with_dwdp() -> None:
+    """A context server decodes every request it is sent whole (without generation servers,
+    or through the client Service), so speculation is accepted there, DWDP on or not."""
+    cfg = launch(role="context", dwdp={"dwdpSize": 4},
+                 engine={"speculative": {"numSpeculativeTokens": 2}})
+    validate_launch(cfg)
+
+
 def test_launch_may_use_mpi() -> None:
     """A launch config may name the MPI transport (a rank started under mpirun); only a
     DwdpDeployment, whose pods start ranks with ``dwdp launch``, refuses it."""

@@ -174,6 +174,30 @@ def test_cuda_graphs_on_a_cpu_rank_stop_it_before_the_rendezvous(
     assert "the prefetch schedule runs host hooks around every MoE layer" in line
 
 
+def test_engine_config_carries_speculative_resolved_once(tmp_path):
+    """``engine.speculative`` of a DwdpDeployment's generation section reaches the engine's
+    ``EngineConfig`` through the rendered launch config, vLLM's lookup defaults resolved;
+    unset, the engine decodes without drafts."""
+    from dwdp.api.deployment import launch_config_for, parse_deployment
+    from dwdp.api.enums import Role
+    from dwdp.worker.engine.speculative import SpeculativeConfig
+
+    spec = parse_deployment({
+        "apiVersion": "dwdp.io/v1alpha1", "kind": "DwdpDeployment", "metadata": {"name": "s"},
+        "spec": {"model": {"path": "/models/m"}, "image": "dwdp-worker:dev", "context": {},
+                 "generation": {"engine": {"speculative": {"numSpeculativeTokens": 4,
+                                                           "promptLookupMax": 3}}}},
+    }).spec
+    rendered = launch_config_for(spec, Role.GENERATION).to_yaml_dict()
+    path = tmp_path / "launch.yaml"
+    path.write_text(yaml.safe_dump(rendered))
+    config = worker_main.engine_config(load_launch_config(str(path)), 64, 256, False)
+    assert config.speculative == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_min=3, prompt_lookup_max=3)
+    context = launch_config_for(spec, Role.CONTEXT)
+    assert worker_main.engine_config(context, 64, 256, False).speculative is None
+
+
 def test_bad_launch_config_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {path: /x}\ndwdp: {numPrefetchSlots: 1}\n")

@@ -87,3 +87,67 @@ def test_status_and_metrics_read_the_snapshot_the_engine_publishes():
         text = client.get("/metrics").text
     assert (status["phase"], status["error"]) == ("failed", "RuntimeError: x")
     assert "vllm:cache_config_info" not in text  # no paged KV cache published
+
+
+SPEC_HELP = {
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
+}
+
+
+def test_speculative_counters_and_status_read_the_snapshot():
+    """With speculative decoding on, vLLM 0.32's spec_decode counters (its names, help strings
+    and labels, a position series for every draft position from the start) and the status's
+    ``speculative`` books come from the snapshot's counters; off, neither is there."""
+    from fastapi.testclient import TestClient
+
+    from dwdp.worker.engine.speculative import SpeculativeConfig
+    from dwdp.worker.server.app import build_app
+
+    stats = EngineStats()
+    stats.observe_draft(3, 2)  # positions 0 and 1 accepted
+    stats.observe_draft(2, 0)
+    stats.observe_draft(3, 1)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
+    engine = _Published(EngineSnapshot(stats, prefix_caching=True, speculative=spec))
+    with TestClient(build_app(engine)) as client:
+        status = client.get("/dwdp/status").json()
+        text = client.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, doc in SPEC_HELP.items():
+        assert families[name].type == "counter", name
+        assert families[name].documentation == doc, name
+    assert "vllm:spec_decode_num_drafts_total{model_name=\"pub\"} 3.0" in text
+    values = {name: [(s.name, s.labels, s.value) for s in families[name].samples]
+              for name in SPEC_HELP}
+    assert values["vllm:spec_decode_num_drafts"] == [
+        ("vllm:spec_decode_num_drafts_total", {"model_name": "pub"}, 3)]
+    assert values["vllm:spec_decode_num_draft_tokens"][0][2] == 8
+    assert values["vllm:spec_decode_num_accepted_tokens"][0][2] == 3
+    assert values["vllm:spec_decode_num_accepted_tokens_per_pos"] == [
+        ("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+         {"model_name": "pub", "position": str(pos)}, value)
+        for pos, value in enumerate([2, 1, 0, 0])]
+    assert status["speculative"] == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 3, "drafts": 3, "draft_tokens": 8, "accepted_tokens": 3,
+        "acceptance_rate": 3 / 8, "accepted_per_position": [2, 1, 0, 0]}
+
+    engine.published = EngineSnapshot(EngineStats(), prefix_caching=True, speculative=spec)
+    with TestClient(build_app(engine)) as client:
+        status = client.get("/dwdp/status").json()
+        families = {f.name: f for f in text_string_to_metric_families(
+            client.get("/metrics").text)}
+    assert status["speculative"]["acceptance_rate"] is None  # no draft yet
+    assert status["speculative"]["accepted_per_position"] == [0, 0, 0, 0]
+    assert [s.value for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples] \
+        == [0, 0, 0, 0]
+
+    engine.published = EngineSnapshot(stats, prefix_caching=True)  # off
+    with TestClient(build_app(engine)) as client:
+        status = client.get("/dwdp/status").json()
+        text = client.get("/metrics").text
+    assert "speculative" not in status
+    assert "spec_decode" not in text

@@ -37,6 +37,7 @@ from dwdp.worker.server.status import (
     engine_failure,
     kv_tokens_in_use,
     prefix_cache_status,
+    speculative_status,
     with_identity,
 )
 from dwdp.worker.status_source import DwdpStatusSource, NoDwdp
@@ -333,6 +334,9 @@ def _add_status_route(app: FastAPI, memory: RankMemory | None,
         cache = prefix_cache_status(snapshot)
         if cache is not None:
             status["prefix_cache"] = cache
+        speculative = speculative_status(snapshot)
+        if speculative is not None:
+            status["speculative"] = speculative
         kv = serving.engine.kv
         if isinstance(kv, KvConnector):  # a disaggregated server: its KV transfer counters
             status["kv_transfer"] = {

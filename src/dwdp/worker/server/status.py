@@ -91,6 +91,31 @@ def prefix_cache_status(snapshot: EngineSnapshot | None) -> dict[str, Any] | Non
     }
 
 
+def speculative_status(snapshot: EngineSnapshot | None) -> dict[str, Any] | None:
+    """Speculative decoding's books for ``/dwdp/status`` (None when it is off or the engine
+    publishes nothing): the resolved ``method``, ``num_speculative_tokens`` and
+    ``prompt_lookup_min``/``_max``; since start ``drafts`` (request steps that proposed
+    drafts), ``draft_tokens``, ``accepted_tokens``, ``acceptance_rate`` (accepted / draft
+    tokens; None before the first draft) and ``accepted_per_position`` (accepted drafts per
+    draft position, one entry per position up to ``num_speculative_tokens``)."""
+    if snapshot is None or snapshot.speculative is None:
+        return None
+    spec, stats = snapshot.speculative, snapshot.stats
+    k = spec.num_speculative_tokens
+    per = list(stats.spec_accepted_per_pos[:k])
+    return {
+        "method": spec.method,
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": spec.prompt_lookup_min,
+        "prompt_lookup_max": spec.prompt_lookup_max,
+        "drafts": stats.spec_drafts,
+        "draft_tokens": stats.spec_draft_tokens,
+        "accepted_tokens": stats.spec_accepted_tokens,
+        "acceptance_rate": stats.spec_acceptance_rate,
+        "accepted_per_position": per + [0] * (k - len(per)),
+    }
+
+
 def with_identity(
     status: dict[str, Any], identity: Mapping[str, Any] | None, failure: str | None = None
 ) -> dict[str, Any]:

@@ -6,7 +6,10 @@ vllm-router and Grafana dashboards made for vLLM.
 One collector re-exports the project's own families (``dwdp_*``, the one place they are
 counted) under vLLM's names, each sample with vLLM's ``model_name`` label added; nothing is
 counted twice. ``vllm:cache_config_info`` is an info gauge (value 1) whose labels carry the
-KV cache's shape as vLLM's ``CacheConfig`` names it.
+KV cache's shape as vLLM's ``CacheConfig`` names it. With speculative decoding on (the
+snapshot's ``speculative``), vLLM 0.32's ``vllm:spec_decode_*`` counters, with its help
+strings, read from the snapshot's counters (they have no ``dwdp_*`` twin: counted once, here);
+without it they are absent, as on a vLLM server without ``--speculative-config``.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
     from dwdp.worker.engine.protocol import EngineClient
+    from dwdp.worker.engine.stats import EngineSnapshot
 
 VLLM_NAMES: dict[str, str] = {
     "dwdp_num_requests_running": "vllm:num_requests_running",
@@ -34,12 +38,21 @@ VLLM_NAMES: dict[str, str] = {
 }
 """The project's family name -> vLLM's (families without a vLLM twin are not mirrored)."""
 
+SPEC_DECODE_DOCS: dict[str, str] = {
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
+}
+"""vLLM 0.32's speculative-decoding counters and their help strings (``SpecDecodingProm``)."""
+
 
 class VllmNames:
     """A Prometheus collector: the families of ``sources`` named in :data:`VLLM_NAMES`,
     renamed, with ``model_name`` (``engine``'s) added to every sample; and
     ``vllm:cache_config_info`` of the paged KV cache ``engine`` publishes (its snapshot's
-    ``kv_cache`` and ``prefix_caching``), when it has one."""
+    ``kv_cache`` and ``prefix_caching``), when it has one; the ``vllm:spec_decode_*`` counters
+    when its snapshot has ``speculative``."""
 
     def __init__(self, engine: EngineClient | None, sources: Iterable[Any]) -> None:
         self.engine = engine
@@ -60,12 +73,14 @@ class VllmNames:
                         sample.value, sample.timestamp, sample.exemplar,
                     )
                 yield renamed
-        info = self._cache_config_info()
+        snapshot = None if self.engine is None else self.engine.snapshot()
+        info = self._cache_config_info(snapshot)
         if info is not None:
             yield info
+        yield from _spec_decode(snapshot, model)
 
-    def _cache_config_info(self) -> GaugeMetricFamily | None:
-        snapshot = None if self.engine is None else self.engine.snapshot()
+    @staticmethod
+    def _cache_config_info(snapshot: EngineSnapshot | None) -> GaugeMetricFamily | None:
         if snapshot is None or snapshot.kv_cache is None:
             return None
         labels = {
@@ -78,3 +93,26 @@ class VllmNames:
                                    labels=list(labels))
         family.add_metric(list(labels.values()), 1.0)
         return family
+
+
+def _spec_decode(snapshot: EngineSnapshot | None, model: str) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters (:data:`SPEC_DECODE_DOCS`) of ``snapshot``, none
+    when it has no ``speculative``: one ``..._per_pos`` series per draft position ``0`` to
+    ``num_speculative_tokens - 1``, those no draft reached yet at 0."""
+    if snapshot is None or snapshot.speculative is None:
+        return
+    stats = snapshot.stats
+    for name, value in (
+        ("vllm:spec_decode_num_drafts", stats.spec_drafts),
+        ("vllm:spec_decode_num_draft_tokens", stats.spec_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", stats.spec_accepted_tokens),
+    ):
+        family = CounterMetricFamily(name, SPEC_DECODE_DOCS[name], labels=["model_name"])
+        family.add_metric([model], value)
+        yield family
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    per_pos = CounterMetricFamily(name, SPEC_DECODE_DOCS[name], labels=["model_name", "position"])
+    accepted = stats.spec_accepted_per_pos
+    for pos in range(snapshot.speculative.num_speculative_tokens):
+        per_pos.add_metric([model, str(pos)], accepted[pos] if pos < len(accepted) else 0)
+    yield per_pos
