@@ -132,7 +132,7 @@ def test_a_token_sampled_after_an_accepted_draft_follows_the_target_distribution
     assert engine.stats.spec_accepted_tokens >= n
     thirds = collections.Counter(o.token_ids[2] for o in outs if o.token_ids[:2] == [first, second])
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + [first, second]])).logits[0, -1]
+        logits = model(torch.tensor([[*prompt, first, second]])).logits[0, -1]
     expected = torch.softmax(logits.double(), dim=-1) * n
     big = (expected >= 5).nonzero().flatten().tolist()
     observed = [thirds.get(t, 0) for t in big] + [n - sum(thirds.get(t, 0) for t in big)]
