@@ -5,6 +5,7 @@ drafts, greedy token for token and sampled by the target's law, with the cache's
 from __future__ import annotations
 
 import collections
+import re
 
 import pytest
 
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 from dwdp.worker.engine.base import EngineConfig  # noqa: E402
 from dwdp.worker.engine.blocks import BlockAllocator  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
-from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
+from dwdp.worker.engine.protocol import SamplingParams, StructuredOutput  # noqa: E402
 from dwdp.worker.engine.requests import RequestState  # noqa: E402
 from dwdp.worker.engine.scheduler import Scheduler, Sequence  # noqa: E402
 from dwdp.worker.engine.speculative import Drafter, SpeculativeConfig, ngram_drafts  # noqa: E402
@@ -78,19 +79,24 @@ def test_greedy_answers_are_token_for_token_those_without_drafts(loaded):
 
 def test_stop_tokens_max_tokens_and_parallel_samples_end_as_without_drafts(loaded):
     """A stop token inside an accepted run of drafts ends the request there (not part of the
-    output), ``max_tokens`` is never overrun by a run of accepted drafts, and requests of one
-    prompt side by side (``n`` > 1's sibling sequences) each decode as they would alone."""
+    output), so does a stop string (the text cut before it), ``max_tokens`` is never overrun
+    by a run of accepted drafts, and requests of one prompt side by side (``n`` > 1's sibling
+    sequences) each decode as they would alone."""
     prompts = _prompts(loaded, 3)
     plain = _engine(loaded, None).run_batch(prompts, SamplingParams(max_tokens=30,
                                                                      ignore_eos=True))
     stop = plain[0].token_ids[17]
+    text = plain[1].text
     for params in (SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop]),
+                   SamplingParams(max_tokens=30, ignore_eos=True,
+                                  stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
                    SamplingParams(max_tokens=13, ignore_eos=True),
                    SamplingParams(max_tokens=20, ignore_eos=True)):
         want = _engine(loaded, None).run_batch(prompts * 2, params)
         got = _engine(loaded).run_batch(prompts * 2, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+        assert [o.text for o in got] == [o.text for o in want]
 
 
 def test_seeded_sampled_answers_are_those_without_drafts(loaded):
@@ -168,3 +174,21 @@ def test_accepting_part_of_a_draft_frees_the_rejected_tail_and_caches_only_kept_
     assert len(seq.blocks) == 3  # 9 tokens: the pending one's block kept, one freed
     assert alloc.num_in_use == 3
     assert seq.registered == 2  # blocks of tokens 0-7: prompt, its token, the accepted draft
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_constrained_answer_is_the_same_with_drafts(demo, temperature):
+    """A request under a grammar (a regex here) takes each draft position's token under the
+    grammar as advanced by the tokens before it: the same answer as without drafts, greedy or
+    seeded, with drafts accepted."""
+    _, tok = demo
+    text = "Paris is the capital of France. Paris is the capital of France. Paris"
+    prompt = tok(text)["input_ids"]
+    rule = StructuredOutput("regex", r"( is the capital of (France|Peru)\.( Paris)?){1,4}")
+    params = SamplingParams(max_tokens=40, temperature=temperature, seed=5, structured=rule)
+    plain = _engine(demo, None).run_batch([prompt] * 3, params)
+    engine = _engine(demo)
+    spec = engine.run_batch([prompt] * 3, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert re.fullmatch(rule.source, spec[0].text), spec[0].text
+    assert engine.stats.spec_accepted_tokens > 0

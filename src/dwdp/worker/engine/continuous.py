@@ -539,7 +539,9 @@ class ContinuousEngine(EngineBase):
         reason = state.take(choice.token, eos_token_ids=self.eos_token_ids,
                             max_model_len=self.max_model_len, logprob=choice.logprob)
         if reason is not None:
-            if reason != "stop" and state.settle(self._tokenizer):
+            # the tokens taken before this one (a verify step takes several) get their text;
+            # a stop string among them ends the request there
+            if state.settle(self._tokenizer):
                 reason = "stop"
             self._finish(state, reason)
             self._lease_or_end(seq)
