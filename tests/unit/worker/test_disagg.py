@@ -473,3 +473,32 @@ def test_a_failed_nixl_read_releases_the_lease_at_once(checkpoint):
               "the failed read's lease still holds blocks", timeout=1.0)
         assert ctx.engine.kv.leases_refused == 1 and ctx.engine.kv.leases_expired == 0
         assert gen.engine.kv.blocks_received == 0
+
+
+def test_a_speculating_generation_server_behind_vllm_router_answers_as_without(checkpoint):
+    """A generation server with n-gram speculation (``engine.speculative``) behind vllm-router
+    decodes from the context server's KV: its greedy answers, whole and streamed, are the tokens
+    a plain engine gives the same prompt, and drafts were accepted on the way."""
+    from dwdp.worker.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    phrase = list(range(7, 19))
+    prompt = phrase * 3 + phrase[:4]  # a repeated phrase: the drafts find something to propose
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with _server(checkpoint, server=CTX) as ctx, EngineServer(
+        checkpoint, api_key=KEY, max_model_len=128, block_size=4, server=GEN, speculative=spec,
+    ) as gen, VllmRouter([ctx.base], [gen.base], api_key=KEY) as router:
+        want = ctx.engine.run_batch([prompt], params)[0].token_ids
+        body = {"model": "m", "prompt": prompt, "max_tokens": 24, "ignore_eos": True}
+        r = httpx.post(router + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+        with httpx.stream("POST", router + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert [t for e in events[:-1]
+                for t in json.loads(e)["choices"][0].get("token_ids", [])] == want
+        assert gen.engine.stats.remote_prefill_tokens >= 2 * len(prompt)
+        assert gen.engine.stats.spec_accepted_tokens > 0
+        metrics = gen.client.get("/metrics").text
+        assert "vllm:spec_decode_num_accepted_tokens_total" in metrics
