@@ -168,13 +168,15 @@ def make_checkpoint(
     moe_width: int = 16,
     max_shard_size: str | None = None,
     head_dim: int = 8,
+    mtp: bool = False,
 ) -> Path:
     """Write a tiny seeded checkpoint of ``arch`` into ``out`` (created; existing files of the
     same names are overwritten). Returns the directory. Raises ``ValueError`` for bad arguments.
 
     ``moe_width``: the routed experts' width; ``max_shard_size`` (``"50MB"``): split the
     weights into several safetensors files with ``model.safetensors.index.json``
-    (``None``: ``save_pretrained``'s default).
+    (``None``: ``save_pretrained``'s default). ``mtp`` (DeepSeek-V3 only): one seeded
+    multi-token-prediction layer too (:func:`write_mtp_layer`).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -202,7 +204,49 @@ def make_checkpoint(
         model.save_pretrained(str(out))
     else:
         model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    if mtp:
+        write_mtp_layer(out, config, seed + 1)
     (out / "dwdp_checkpoint.json").write_text(
         json.dumps({"arch": arch, "seed": seed, "num_experts": num_experts}, indent=2) + "\n"
     )
     return out
+
+
+def write_mtp_layer(out: Path, config: Any, seed: int, block: Any = None,
+                    extra: dict[str, Any] | None = None) -> None:
+    """Add a DeepSeek-V3 MTP layer to the checkpoint in ``out`` (``config`` its config): its
+    tensors in ``mtp.safetensors`` under ``model.layers.{num_hidden_layers}.``
+    (``dwdp.worker.loading.mtp``) and ``num_nextn_predict_layers: 1`` in config.json. The
+    layer's block is ``block`` (a one-layer model of ``block_config(config)``) and its own
+    tensors ``extra`` (``enorm.weight``, ``hnorm.weight``, ``eh_proj.weight``): a trained
+    layer's; ``None``: seeded (:func:`fill_seeded`)."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from dwdp.worker.loading.mtp import block_config, stored_key
+
+    if config.model_type != "deepseek_v3":
+        raise ValueError(f"mtp: DeepSeek-V3 checkpoints only, not {config.model_type}")
+    layer = int(config.num_hidden_layers)
+    dtype = getattr(torch, str(config.dtype).removeprefix("torch."))
+    if block is None:
+        block = AutoModelForCausalLM.from_config(block_config(config), dtype=dtype)
+        fill_seeded(block, seed)
+    if extra is None:
+        gen = torch.Generator().manual_seed(seed)
+        hidden = int(config.hidden_size)
+        extra = {"enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
+                 "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.05}
+    with tempfile.TemporaryDirectory() as tmp:
+        block.save_pretrained(tmp)  # the stored form (per-expert matrices) of the block
+        tensors = {}
+        for file in sorted(Path(tmp).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+    stored = {stored_key(name, layer): t for name, t in tensors.items()}
+    stored.update({stored_key(name, layer): t.to(dtype) for name, t in extra.items()})
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(out / "mtp.safetensors"))
+    config.num_nextn_predict_layers = 1
+    config.save_pretrained(str(out))

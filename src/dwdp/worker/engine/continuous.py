@@ -26,6 +26,7 @@ from dwdp.worker.engine.blocks import BlockAllocator
 from dwdp.worker.engine.graphs import CudaGraphError, DecodeGraphs, GraphStats
 from dwdp.worker.engine.kv_connector import KvConnector, KvHoldFull, KvTransferParams
 from dwdp.worker.engine.kv_events import KvEventPublisher
+from dwdp.worker.engine.mtp_drafts import MtpDrafts
 from dwdp.worker.engine.paged import (
     Chunk,
     KernelLayout,
@@ -39,7 +40,7 @@ from dwdp.worker.engine.requests import RequestState
 from dwdp.worker.engine.sampler import choose
 from dwdp.worker.engine.scheduler import Scheduled, Scheduler
 from dwdp.worker.engine.scheduler import Sequence as SchedSequence
-from dwdp.worker.engine.speculative import Drafter
+from dwdp.worker.engine.speculative import Drafter, DraftLayer
 from dwdp.worker.engine.stats import KvCacheShape
 
 log = logging.getLogger(__name__)
@@ -147,12 +148,27 @@ class ContinuousEngine(EngineBase):
         choice, until when it may wait); see ``_remote_decode``."""
         self._step_lock = threading.Lock()
         self._warmed = False
-        self.drafter = Drafter(cfg.speculative) if cfg.speculative is not None else None
-        """Proposes decoding requests' draft tokens (``engine.speculative``), or ``None``."""
+        spec = cfg.speculative
+        self.drafter = Drafter(spec) if spec is not None and spec.method == "ngram" else None
+        """Proposes decoding requests' n-gram draft tokens (``engine.speculative``), or
+        ``None``."""
+        self.mtp: MtpDrafts | None = None
+        """The MTP layer drafting for ``method: mtp`` (``attach_draft_layer``), or ``None``."""
 
     def _kv_cache_shape(self) -> KvCacheShape:
         """The block pool's shape (``EngineBase.snapshot``)."""
         return KvCacheShape(self.allocator.block_size, self.allocator.num_blocks)
+
+    def attach_draft_layer(self, layer: DraftLayer) -> None:
+        """The MTP layer that drafts for ``engine.speculative.method: mtp`` (``dwdp.worker
+        .engine.mtp_drafts``), on the model's device; call before ``start``."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "mtp":
+            raise EngineError("attach_draft_layer: engine.speculative.method is not mtp")
+        self.mtp = MtpDrafts(layer, self.model, num_blocks=self.allocator.num_blocks,
+                             block_size=self.allocator.block_size,
+                             cache_kwarg=self._cache_kwarg,
+                             num_speculative_tokens=spec.num_speculative_tokens)
 
     def capture_cuda_graphs(self) -> GraphStats:
         """Capture the piecewise graphs (``dwdp.worker.engine.piecewise``) and the decode
@@ -168,6 +184,11 @@ class ContinuousEngine(EngineBase):
                 f"engine.cudaGraphs: the model is on {cache.device}; CUDA graphs need a CUDA "
                 "device"
             )
+        if self.mtp is not None:
+            raise CudaGraphError(
+                "engine.cudaGraphs: engine.speculative.method mtp runs its steps eagerly (the "
+                "captured graphs do not keep the hidden states the MTP layer reads); leave "
+                "cudaGraphs unset or false")
         self._warm_up()  # the pool's tensors first: they are not graph memory
         device = self.model.device
         torch.cuda.synchronize(device)  # the capture empties the allocator's cache: so first
@@ -226,6 +247,10 @@ class ContinuousEngine(EngineBase):
         (``_warm_up``), and with ``config.cuda_graphs`` the graphs are captured (``capture_cuda_
         graphs``, unless done already: its ``CudaGraphError`` is raised here, before the engine
         serves)."""
+        spec = self.config.speculative
+        if spec is not None and spec.method == "mtp" and self.mtp is None:
+            raise EngineError("engine.speculative.method mtp: no MTP layer attached "
+                              "(attach_draft_layer)")
         if self._thread is None:
             if self.runner.cache.kernel:
                 self._warm_up()
@@ -477,6 +502,7 @@ class ContinuousEngine(EngineBase):
         self._settle()
         rows = _first_rows(sampled, logits)
         choices = choose(rows, [p.seq.state for p in sampled])
+        accepted: dict[int, int] = {}
         row = 0
         for p, choice in zip(sampled, choices, strict=True):
             seq, state = p.seq, p.seq.state
@@ -490,7 +516,9 @@ class ContinuousEngine(EngineBase):
             else:
                 self._take(seq, choice)
             if p.chunk.draft:
-                self._verify(seq, p.chunk, choice.token, logits, first)
+                accepted[id(seq)] = self._verify(seq, p.chunk, choice.token, logits, first)
+        if self.mtp is not None:
+            self.mtp.after(plan, accepted, self.scheduler, self._room)
         self._count_kv()
         self._publish_kv_events()
 
@@ -499,25 +527,31 @@ class ContinuousEngine(EngineBase):
         """Before a step is scheduled: each running request with one pending token (it
         decodes) proposes its draft tokens (``Drafter``), as many as its ``max_tokens`` and
         the model's context leave room for after the token the step adds anyway."""
-        drafter = self.drafter
-        if drafter is None:
+        if self.config.speculative is None:
             return
+        drafter = self.drafter
         for seq in self.scheduler.running:
-            state = seq.state
-            seq.draft = []
-            if seq.pending != 1:
-                continue
-            room = min(state.params.max_tokens - len(state.tokens),
-                       self.max_model_len - state.length) - 1
-            if room > 0:
+            room = self._room(seq) if seq.pending == 1 else 0
+            if room <= 0:
+                seq.draft = []
+            elif drafter is not None:
                 seq.draft = drafter.propose(seq.token_ids(), room)
+            else:  # the MTP layer's, from the step before
+                seq.draft = seq.draft[:room]
+
+    def _room(self, seq: SchedSequence) -> int:
+        """How many drafts a decoding request can use after its pending token: what its
+        ``max_tokens`` and the model's context leave."""
+        state = seq.state
+        return min(state.params.max_tokens - len(state.tokens),
+                   self.max_model_len - state.length) - 1
 
     def _verify(self, seq: SchedSequence, chunk: Chunk, token: int, logits: Any,
-                first: int) -> None:
+                first: int) -> int:
         """After a draft chunk's first token (``token``, from logits row ``first``) was taken:
         take the token of each next row while the one before it equals the draft there
         (module ``dwdp.worker.engine.speculative``), then keep the accepted drafts' KV and give
-        back the rejected tail's blocks (``Scheduler.accept``)."""
+        back the rejected tail's blocks (``Scheduler.accept``); returns the drafts accepted."""
         state, draft = seq.state, chunk.token_ids[len(chunk.token_ids) - chunk.draft :]
         accepted = 0
         while accepted < len(draft) and token == draft[accepted] and not state.finished:
@@ -530,6 +564,7 @@ class ContinuousEngine(EngineBase):
         if not state.finished:
             self.scheduler.accept(seq, accepted)
         seq.draft = []
+        return accepted
 
     def _take(self, seq: SchedSequence, choice: Any) -> None:
         """Give a request the token it sampled (``choice``): it finishes (a remote-decode

@@ -226,6 +226,17 @@ class Scheduler:
             self.allocator.free(seq.blocks[keep:])
             del seq.blocks[keep:]
 
+    def reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Give ``seq`` the blocks for ``tokens`` tokens if they are free (never preempting);
+        False when they are not."""
+        need = self.allocator.blocks_for(tokens) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        seq.blocks.extend(self.allocator.allocate(need))
+        return True
+
     def _room_for_draft(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """The part of ``seq.draft`` this step runs after its ``n`` tokens: none unless ``n``
         is its last pending token, at most what is left of the budget, and none when its blocks

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol
 
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "mtp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,19 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
 
 
+class DraftLayer(Protocol):
+    """A draft model that continues the target's last hidden state (DeepSeek's MTP layer,
+    ``dwdp.worker.loading.mtp.MtpLayer``): ``block`` (a causal LM run on ``inputs_embeds``,
+    its output before the final norm), ``inputs`` (the block's input rows from the next
+    tokens' ids and the hidden states before them) and ``logits`` (of output rows)."""
+
+    block: Any
+
+    def inputs(self, token_ids: Any, hidden: Any) -> Any: ...
+
+    def logits(self, hidden: Any) -> Any: ...
+
+
 class Drafter:
     """Proposes a request's draft tokens by ``config.method``."""
 
@@ -48,8 +61,8 @@ class Drafter:
         self.config = config
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """Up to ``min(limit, num_speculative_tokens)`` draft tokens to follow ``tokens``
-        (the request's prompt and output); empty when none is found."""
+        """Up to ``min(limit, num_speculative_tokens)`` n-gram draft tokens to follow
+        ``tokens`` (the request's prompt and output); empty when none is found."""
         k = min(limit, self.config.num_speculative_tokens)
         if k <= 0:
             return []

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -104,6 +104,25 @@ def load_sharded(
     return model, load_tokenizer(path), rows
 
 
+def read_into(path: Path, model: nn.Module, adapter: ArchitectureAdapter,
+              alias: Callable[[str], str | None], device: str) -> None:
+    """Read every state-dict tensor of ``model`` (on the meta device) from the checkpoint at
+    ``path`` onto ``device``, the stored keys seen under ``alias`` (a stored key -> the name
+    the model's tensors ask for; ``None``: not seen): how an MTP layer, stored under its layer's
+    index, loads into a model of its own (``dwdp.worker.loading.mtp``). Raises
+    ``CheckpointError`` as :func:`load_sharded`."""
+    stored, files = scan_checkpoint(path)
+    keys = {seen: key for key in stored if (seen := alias(key)) is not None}
+    headers = {seen: stored[key] for seen, key in keys.items()}
+    where = {seen: files[key] for seen, key in keys.items()}
+    with _Reader(path, adapter, headers, where, device, keys=keys) as reader:
+        for name, meta in model.state_dict(keep_vars=True).items():
+            value = reader.read(name, meta, 0, None)
+            _check_scale(path, keys.get(name, name), value, 0)
+            _put(model, name, value, meta)
+    _materialize_buffers(model, device)
+
+
 def _checkpoint_tensors(model: nn.Module, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The state-dict tensors a checkpoint holds (a tied output embedding left out)."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -175,12 +194,15 @@ class _Reader:
         headers: dict[str, tuple[tuple[int, ...], str]],
         where: dict[str, Path],
         device: str,
+        keys: dict[str, str] | None = None,
     ) -> None:
         self.path = path
         self.adapter = adapter
         self.headers = headers
         self.where = where
         self.device = device
+        self.keys = keys or {}
+        """Names read -> the keys stored under them (``read_into``); others are their own."""
         self._stack = contextlib.ExitStack()
         self._file: Path | None = None
         self._handle: Any = None
@@ -202,7 +224,7 @@ class _Reader:
             self._stack.close()
             self._handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
             self._file = file
-        return self._handle.get_slice(key)
+        return self._handle.get_slice(self.keys.get(key, key))
 
     def read(
         self, name: str, meta: torch.Tensor, start: int, end: int | None, *,

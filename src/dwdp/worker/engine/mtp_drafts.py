@@ -1,0 +1,123 @@
+"""Draft tokens from a DeepSeek MTP layer (``engine.speculative.method: mtp``).
+
+After every step of the continuous engine (``ContinuousEngine._step``), :meth:`MtpDrafts.after`
+runs the MTP layer (``dwdp.worker.engine.speculative.DraftLayer``) over the positions the step
+kept: every prompt position a chunk computed and, of a decoding request, its pending token and
+the drafts the target accepted. Position ``p`` gets the target's last hidden state there
+(captured from the model's final norm during the step's forward) and the token at ``p + 1``,
+so the layer's KV cache (a ``PagedKVCache`` of its own, in the requests' own blocks) follows the
+target's, and its output at a decoding request's last kept position predicts the token after the
+one the step chose: the first draft of the next step. Further drafts run the layer one position
+on, its own output standing in for the target's hidden state (vLLM's ``deepseek_mtp``); their
+cache entries are overwritten by the next step's pass. The drafts land in ``Sequence.draft``.
+
+A request whose prompt KV was read from a context server has no MTP entries for its prompt
+(only the model's layers move): it decodes without MTP drafts. Steps run eagerly: the captured
+CUDA graphs do not keep the hidden states (``ContinuousEngine.capture_cuda_graphs`` refuses).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dwdp.worker.engine.paged import Chunk, PagedKVCache, use_paged_attention
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from dwdp.worker.engine.scheduler import Scheduled, Scheduler, Sequence
+    from dwdp.worker.engine.speculative import DraftLayer
+
+
+class MtpDrafts:
+    """The MTP layer of one engine, its KV cache and the target's captured hidden states."""
+
+    def __init__(self, layer: DraftLayer, target: Any, *, num_blocks: int, block_size: int,
+                 cache_kwarg: str, num_speculative_tokens: int) -> None:
+        import torch
+
+        self.layer = layer
+        self.k = num_speculative_tokens
+        block = layer.block
+        use_paged_attention(block)
+        self.cache = PagedKVCache(num_blocks, block_size, dtype=block.dtype, device=block.device)
+        self._cache_kwarg = cache_kwarg
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=block.device)
+        self.hidden: Any = None
+        """The target's last hidden states [1, T, H] of the step that ran last."""
+        target.model.norm.register_forward_hook(self._capture)
+
+    def _capture(self, module: Any, args: Any, output: Any) -> None:
+        self.hidden = output
+
+    def after(self, plan: list[Scheduled], accepted: dict[int, int], scheduler: Scheduler,
+              room: Callable[[Sequence], int]) -> None:
+        """Run the layer over the kept positions of ``plan`` (``accepted``: drafts accepted per
+        ``id(seq)``) and set the drafts of the decoding requests, up to ``room(seq)`` each."""
+        import torch
+
+        chunks: list[Chunk] = []
+        rows: list[int] = []
+        ids: list[int] = []
+        wanting: list[tuple[Sequence, int]] = []
+        q = 0
+        for p in plan:
+            c, seq = p.chunk, p.seq
+            q0, q = q, q + len(c.token_ids)
+            if seq.state.finished or seq.remote_prompt or seq not in scheduler.running:
+                continue
+            kept = len(c.token_ids) - c.draft + accepted.get(id(seq), 0)
+            following = seq.token_ids()[c.start + 1 : c.start + kept + 1]
+            if len(following) < kept:
+                continue  # its last token is not taken (a prefill parked for its KV hold)
+            want = c.sample and room(seq) > 0
+            chunks.append(Chunk(following, c.start, seq.blocks, want))
+            rows.extend(range(q0, q0 + kept))
+            ids.extend(following)
+            if want:
+                wanting.append((seq, c.start + kept - 1))  # its last kept position
+        if not chunks:
+            return
+        device = self.cache.device
+        hidden = self.hidden[0].index_select(0, torch.tensor(rows, device=device))
+        last = self._forward(chunks, ids, hidden)
+        drafts = self.layer.logits(last).argmax(dim=-1).tolist()
+        for (seq, _), token in zip(wanting, drafts, strict=True):
+            seq.draft = [int(token)]
+        self._chain(wanting, last, scheduler, room)
+
+    def _chain(self, wanting: list[tuple[Sequence, int]], hidden: Any, scheduler: Scheduler,
+               room: Callable[[Sequence], int]) -> None:
+        """Drafts after the first: the layer one position on per round, fed its own output
+        (``hidden``: a row per ``wanting`` request) and the draft before, while a request has
+        room and its blocks hold the position."""
+        import torch
+
+        active = wanting
+        for j in range(1, self.k):
+            keep = [i for i, (seq, pos) in enumerate(active)
+                    if room(seq) > j and scheduler.reserve(seq, pos + j + 1)]
+            if not keep:
+                return
+            active = [active[i] for i in keep]
+            hidden = hidden.index_select(0, torch.tensor(keep, device=hidden.device))
+            chunks = [Chunk([seq.draft[-1]], pos + j, seq.blocks, True) for seq, pos in active]
+            hidden = self._forward(chunks, [seq.draft[-1] for seq, _ in active], hidden)
+            for (seq, _), token in zip(active, self.layer.logits(hidden).argmax(-1).tolist(),
+                                       strict=True):
+                seq.draft.append(int(token))
+
+    def _forward(self, chunks: list[Chunk], ids: list[int], hidden: Any) -> Any:
+        """The layer over ``chunks`` (the next tokens ``ids``, the hidden states before them
+        [T, H]): its output rows at the sampling chunks' last positions [R, H]."""
+        import torch
+
+        layout = self.cache.layout(chunks)
+        embeds = self.layer.inputs(torch.tensor(ids, device=hidden.device), hidden)
+        with torch.inference_mode(), self.cache.step(layout):
+            out = self.layer.block.model(
+                inputs_embeds=embeds, position_ids=layout.position_ids,
+                attention_mask=self._no_mask, use_cache=True,
+                **{self._cache_kwarg: self.cache},
+            ).last_hidden_state[0]
+        return out.index_select(0, layout.logits_index)
