@@ -37,9 +37,10 @@ from pydantic import ValidationError
 
 from dwdp.api.contract import Env, Stage
 from dwdp.api.enums import HandleType, Role
-from dwdp.api.errors import problems_from_validation_error
+from dwdp.api.errors import Problem, problems_from_validation_error
 from dwdp.api.launch import (
     LaunchConfig,
+    LaunchError,
     dwdp_active,
     launch_warnings,
     resolve_role,
@@ -51,12 +52,13 @@ from dwdp.worker.apikey import ApiKey
 from dwdp.worker.disagg.vllm_layout import block_size_for
 from dwdp.worker.engine.kv_events import KvEventPublisher
 from dwdp.worker.engine.kv_pool import KvPool, check_max_tokens
-from dwdp.worker.engine.speculative import SpeculativeConfig
+from dwdp.worker.engine.speculative import DraftLayer, SpeculativeConfig
 from dwdp.worker.gpu.cuda_path import use_cuda_kernels
 from dwdp.worker.host import check_copy_ops, probe_host
 from dwdp.worker.host_memory import env_limit
 from dwdp.worker.loading.checkpoint import load_checkpoint
 from dwdp.worker.loading.load_vote import load_together
+from dwdp.worker.loading.mtp import has_mtp_layer
 from dwdp.worker.loading.validate import expert_count, validate_checkpoint
 from dwdp.worker.memory import (
     MemoryLedger,
@@ -230,6 +232,7 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
     adapter = adapter_for(config)  # the generic expert-only adapter without a match
     assert adapter is not None
     validate_launch(cfg, dense_roots=adapter.has_dense_roots)
+    check_draft_layer(cfg, config)
     num_experts = expert_count(config)
     partition = None
     if cfg.dwdp.expert_dwdp:
@@ -241,6 +244,33 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
     max_model_len = resolve_max_model_len(cfg, config)
     return ModelPlan(config, adapter, num_experts, partition, max_model_len,
                      resolve_kv_staging(cfg, max_model_len))
+
+
+def check_draft_layer(cfg: LaunchConfig, config: PretrainedConfig) -> None:
+    """``engine.speculative.method: mtp`` needs the checkpoint's MTP layer: ``LaunchError``
+    naming the field when it holds none (``dwdp.worker.loading.mtp.has_mtp_layer``)."""
+    spec = cfg.engine.speculative
+    if spec is not None and spec.method == "mtp" and not has_mtp_layer(cfg.model.path, config):
+        kind = getattr(config, "model_type", "?")
+        raise LaunchError(Problem(
+            ("engine", "speculative", "method"), "mtp",
+            f"needs the checkpoint's multi-token prediction layer; {cfg.model.path} ({kind}) "
+            "holds none (num_nextn_predict_layers in config.json and the layer's tensors); "
+            "use ngram"))
+
+
+def load_draft_layer(cfg: LaunchConfig, model: PreTrainedModel) -> DraftLayer | None:
+    """The checkpoint's MTP layer on the model's device and dtype when
+    ``engine.speculative.method`` is mtp (``dwdp.worker.loading.mtp``), else ``None``."""
+    spec = cfg.engine.speculative
+    if spec is None or spec.method != "mtp":
+        return None
+    from dwdp.worker.loading.mtp import load_mtp  # torch
+
+    layer = load_mtp(cfg.model.path, model.config, dtype=model.dtype, device=str(model.device))
+    log.info("engine: MTP layer %d loaded for drafts (%d per step)",
+             model.config.num_hidden_layers, spec.num_speculative_tokens)
+    return layer
 
 
 def resolve_kv_staging(cfg: LaunchConfig, max_model_len: int) -> Staging | None:
@@ -449,6 +479,7 @@ def rank_settings(cfg: LaunchConfig, local_rank: int) -> tuple[bool, int, ApiKey
         role=cfg.role,
         device=_device_for(cfg, local_rank),
         dwdp_enabled=dwdp_active(cfg),
+        mtp=cfg.engine.speculative is not None and cfg.engine.speculative.method == "mtp",
     )
     dense_min_bytes = resolve_dense_min_bytes(os.environ)
     api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
@@ -614,6 +645,7 @@ def run_worker(opts: WorkerOptions) -> int:
         stage["now"] = Stage.LOAD
         watch = MemoryWatch(_device_for(cfg, local_rank))
         model, tokenizer, loaded = load_rank(cfg, plan, group, watch)
+        draft = load_draft_layer(cfg, model)
         api_process.check()
         stage["now"] = Stage.SETUP
         dwdp = setup_dwdp(
@@ -638,6 +670,8 @@ def run_worker(opts: WorkerOptions) -> int:
                 with_memory(phased(Stage.ENGINE, exc), watch), opts.termination_log),
             server_holder=server_holder,
         )
+        if draft is not None:
+            engine.attach_draft_layer(draft)
         if cfg.role in (Role.CONTEXT, Role.GENERATION):
             attach_kv_transfer(engine, cfg, opts.host, port, api_key, local_rank,
                                plan.kv_staging)

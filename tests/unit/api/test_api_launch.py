@@ -183,8 +183,8 @@ def test_speculative_lookup_min_above_max_names_both() -> None:
          "engine.speculative.promptLookupMax: must be less than or equal to 64 (got 65)"),
         ({"numSpeculativeTokens": 2, "promptLookupMin": 0},
          "engine.speculative.promptLookupMin: must be greater than or equal to 1 (got 0)"),
-        ({"method": "mtp", "numSpeculativeTokens": 1},
-         "engine.speculative.method: must be 'ngram' (got \"mtp\")"),
+        ({"method": "eagle", "numSpeculativeTokens": 1},
+         "engine.speculative.method: must be 'ngram' or 'mtp' (got \"eagle\")"),
     ],
 )
 def test_speculative_out_of_range_is_one_line(speculative, line) -> None:

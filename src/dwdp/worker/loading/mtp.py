@@ -39,6 +39,18 @@ def mtp_layers(config: Any) -> int:
     return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
 
 
+def has_mtp_layer(path: str | Path, config: Any) -> bool:
+    """Whether the checkpoint at ``path`` holds an MTP layer: its config declares one and its
+    files hold the layer's ``eh_proj`` (DeepSeek-V3's config declares one by default, also for
+    a checkpoint saved without it)."""
+    from dwdp.worker.loading.validate import scan_checkpoint
+
+    if mtp_layers(config) < 1:
+        return False
+    headers, _ = scan_checkpoint(Path(path))
+    return f"model.layers.{config.num_hidden_layers}.eh_proj.weight" in headers
+
+
 def block_config(config: Any) -> Any:
     """The config of the one-layer model that holds an MTP layer's block: one MoE layer and no
     MTP layer of its own."""
@@ -130,9 +142,10 @@ def load_mtp(path: str | Path, config: Any, *, dtype: Any, device: str) -> MtpLa
     from dwdp.worker.models import adapter_for
 
     path = Path(path)
-    if mtp_layers(config) < 1:
+    if not has_mtp_layer(path, config):
         raise CheckpointError(
-            f"checkpoint {path}: config.json declares no MTP layer (num_nextn_predict_layers)")
+            f"checkpoint {path}: holds no MTP layer (num_nextn_predict_layers in config.json "
+            f"and model.layers.{config.num_hidden_layers}.* in its files)")
     layer = int(config.num_hidden_layers)
     one = block_config(config)
     block = meta_model(one, dtype)
