@@ -1,13 +1,18 @@
-"""Speculative decoding's pay (``engine.speculative``, n-gram drafts): time per output token at
-concurrency 1 and output tokens/s at concurrency 32, with and without drafts, in one run.
+"""Speculative decoding's pay (``engine.speculative``): time per output token at concurrency 1
+and output tokens/s at concurrency 32, plain, with n-gram drafts and with MTP drafts, in one run.
 
-The model is the trained demo model (``dwdp testing train-demo-model``, cached; it knows the
-capitals of its corpus), on the CPU or one GPU (``--device cuda``: the worker's GPU kernels,
-CUDA graphs captured in both modes; a verify step, which is no decode-only step, replays the
-piecewise graphs or runs eagerly). The workload is copy-heavy (a summarize-and-quote shape):
-each prompt quotes ``--facts`` capital sentences of the corpus and then starts quoting them
-again, so the answer repeats text of its prompt, where n-gram drafts find their tokens. Greedy,
-``--max-tokens`` tokens, EOS ignored.
+The model is the trained demo model with its trained MTP layer (``dwdp_dev.worker.demo_mtp``,
+cached; it knows the capitals of its corpus), on the CPU or one GPU (``--device cuda``: the
+worker's GPU kernels; CUDA graphs captured for plain and ngram (a verify step, which is no
+decode-only step, replays the piecewise graphs or runs eagerly), none for mtp, which runs
+eagerly). Two workloads, greedy, up to ``--max-tokens`` tokens (the model's EOS ends an
+answer, as it was trained to):
+
+- ``quote`` (copy-heavy, a summarize-and-quote shape): each prompt quotes ``--facts`` capital
+  sentences of the corpus and then starts quoting them again, so the answer repeats text of its
+  prompt, where n-gram drafts find their tokens;
+- ``ask``: the corpus's capital questions as plain completions ("What is the capital of X?"),
+  whose answers the prompt does not hold.
 
 - ``c1``: the requests one at a time through the running engine (``generate``); per request
   ``tpot_ms`` = (last token's arrival - first token's) / (tokens - 1); the median over requests.
@@ -15,10 +20,10 @@ again, so the answer repeats text of its prompt, where n-gram drafts find their 
 - ``acceptance``: accepted over proposed draft tokens (``EngineStats``), and accepted tokens per
   draft position over drafts.
 
-Run: ``.venv/bin/python bench/spec_decode.py [--device cuda]``; writes
-``bench/results/spec_decode-<device>.json`` (``device`` names the card or the CPU) and prints a
-table. Ratios (speculative over plain) are the comparable figures; the absolute times depend
-on the machine and its load.
+Run: ``.venv/bin/python bench/spec_decode.py [--device cuda]`` (about a minute on 2 CPU
+cores); writes ``bench/results/spec_decode-<device>.json`` (``device`` names the card or
+the CPU) and prints a table. Ratios (speculative over plain) are the comparable figures; the
+absolute times depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -38,14 +43,16 @@ from dwdp.worker.engine.continuous import ContinuousEngine
 from dwdp.worker.engine.protocol import SamplingParams
 from dwdp.worker.engine.speculative import SpeculativeConfig
 from dwdp.worker.loading.checkpoint import load_checkpoint
+from dwdp.worker.loading.mtp import load_mtp
+from dwdp.worker.loading.validate import validate_checkpoint
 from dwdp_dev.devcluster.paths import cache_dir
 from dwdp_dev.worker.demo_corpus import CAPITALS
-from dwdp_dev.worker.demo_model import cached_demo_model
+from dwdp_dev.worker.demo_mtp import cached_demo_mtp_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def prompts(tokenizer, count: int, facts: int) -> list[list[int]]:
+def quote_prompts(tokenizer, count: int, facts: int) -> list[list[int]]:
     """Copy-heavy prompts: ``facts`` capital sentences, then the first of them again and the
     start of the second."""
     out = []
@@ -57,10 +64,20 @@ def prompts(tokenizer, count: int, facts: int) -> list[list[int]]:
     return out
 
 
-def engine(model, tok, spec: SpeculativeConfig | None, device: str) -> ContinuousEngine:
+def ask_prompts(tokenizer, count: int) -> list[list[int]]:
+    """The corpus's capital questions."""
+    return [tokenizer(f"What is the capital of {CAPITALS[(i * 5) % len(CAPITALS)][0]}?")
+            ["input_ids"] for i in range(count)]
+
+
+def engine(model, tok, layer, spec: SpeculativeConfig | None, device: str) -> ContinuousEngine:
+    mtp = spec is not None and spec.method == "mtp"
     config = EngineConfig(max_batch_size=32, max_num_tokens=2048, max_model_len=512,
-                          cuda_graphs=device == "cuda", speculative=spec)
-    return ContinuousEngine(model, tok, model_name="demo", config=config)
+                          cuda_graphs=device == "cuda" and not mtp, speculative=spec)
+    eng = ContinuousEngine(model, tok, model_name="demo", config=config)
+    if mtp:
+        eng.attach_draft_layer(layer)
+    return eng
 
 
 async def one(eng: ContinuousEngine, rid: str, prompt: list[int], params) -> tuple[float, int]:
@@ -102,48 +119,54 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--facts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4, help="numSpeculativeTokens")
+    ap.add_argument("--k", type=int, default=4, help="numSpeculativeTokens of ngram")
+    ap.add_argument("--mtp-k", type=int, default=1, help="numSpeculativeTokens of mtp")
     args = ap.parse_args()
     torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
-    model, tok = load_checkpoint(cached_demo_model(cache_dir() / "models"))
+    path = cached_demo_mtp_model(cache_dir() / "models")
+    model, tok = load_checkpoint(path)
     if args.device == "cuda":
         from dwdp.worker.gpu.cuda_path import use_cuda_kernels
 
         model.to("cuda")
         use_cuda_kernels(model)
-    work = prompts(tok, args.requests, args.facts)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    layer = load_mtp(path, validate_checkpoint(path), dtype=model.dtype, device=str(model.device))
+    workloads = {"quote": quote_prompts(tok, args.requests, args.facts),
+                 "ask": ask_prompts(tok, args.requests)}
+    params = SamplingParams(max_tokens=args.max_tokens)
     modes = {"plain": None,
              "ngram": SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_min=2,
-                                        prompt_lookup_max=4)}
-    rows = {}
-    for name, spec in modes.items():
-        with engine(model, tok, spec, args.device) as eng:
-            asyncio.run(measure(eng, work[:2], params))  # warm-up: kernels, graphs, caches
-            eng.stats = type(eng.stats)()
-            rows[name] = asyncio.run(measure(eng, work, params))
+                                        prompt_lookup_max=4),
+             "mtp": SpeculativeConfig(method="mtp", num_speculative_tokens=args.mtp_k)}
+    rows: dict[str, dict] = {}
+    for load, work in workloads.items():
+        for name, spec in modes.items():
+            with engine(model, tok, layer, spec, args.device) as eng:
+                asyncio.run(measure(eng, work[:2], params))  # warm-up: kernels, graphs
+                eng.stats = type(eng.stats)()
+                rows[f"{load}/{name}"] = asyncio.run(measure(eng, work, params))
     card = (torch.cuda.get_device_name() if args.device == "cuda"
             else platform.processor() or "cpu")
-    result = {
-        "device": card,
-        "settings": vars(args),
-        "modes": rows,
-        "c1_tpot_ngram_over_plain": rows["ngram"]["c1_tpot_ms_p50"]
-        / rows["plain"]["c1_tpot_ms_p50"],
-        "c32_throughput_ngram_over_plain": rows["ngram"]["c32_output_tokens_per_s"]
-        / rows["plain"]["c32_output_tokens_per_s"],
-    }
+    ratios = {f"{load}/{name}": {
+        "c1_tpot_over_plain": rows[f"{load}/{name}"]["c1_tpot_ms_p50"]
+        / rows[f"{load}/plain"]["c1_tpot_ms_p50"],
+        "c32_throughput_over_plain": rows[f"{load}/{name}"]["c32_output_tokens_per_s"]
+        / rows[f"{load}/plain"]["c32_output_tokens_per_s"]}
+        for load in workloads for name in ("ngram", "mtp")}
+    result = {"device": card, "settings": vars(args), "modes": rows, "ratios": ratios}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"spec_decode-{args.device}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"device: {card}")
-    print(f"{'mode':8} {'c1 tpot p50 ms':>15} {'c32 tok/s':>10} {'acceptance':>11}")
-    for name, r in rows.items():
+    print(f"{'workload/mode':14} {'c1 tpot p50 ms':>15} {'c32 tok/s':>10} {'accept':>7} "
+          f"{'c1 x plain':>10} {'c32 x plain':>11}")
+    for key, r in rows.items():
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        tpot, rate = r["c1_tpot_ms_p50"], r["c32_output_tokens_per_s"]
-        print(f"{name:8} {tpot:15.2f} {rate:10.1f} {acc:>11}")
-    print(f"ngram / plain: c1 tpot {result['c1_tpot_ngram_over_plain']:.2f}x, "
-          f"c32 throughput {result['c32_throughput_ngram_over_plain']:.2f}x -> {out}")
+        ratio = ratios.get(key, {"c1_tpot_over_plain": 1.0, "c32_throughput_over_plain": 1.0})
+        print(f"{key:14} {r['c1_tpot_ms_p50']:15.2f} {r['c32_output_tokens_per_s']:10.1f} "
+              f"{acc:>7} {ratio['c1_tpot_over_plain']:10.2f} "
+              f"{ratio['c32_throughput_over_plain']:11.2f}")
+    print(f"-> {out}")
 
 
 if __name__ == "__main__":
