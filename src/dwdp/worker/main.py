@@ -246,11 +246,16 @@ def check_model(cfg: LaunchConfig) -> ModelPlan:
                      resolve_kv_staging(cfg, max_model_len))
 
 
+def mtp_drafts(cfg: LaunchConfig) -> bool:
+    """Whether the rank drafts with the checkpoint's MTP layer (``engine.speculative``)."""
+    spec = cfg.engine.speculative
+    return spec is not None and spec.method == "mtp"
+
+
 def check_draft_layer(cfg: LaunchConfig, config: PretrainedConfig) -> None:
     """``engine.speculative.method: mtp`` needs the checkpoint's MTP layer: ``LaunchError``
     naming the field when it holds none (``dwdp.worker.loading.mtp.has_mtp_layer``)."""
-    spec = cfg.engine.speculative
-    if spec is not None and spec.method == "mtp" and not has_mtp_layer(cfg.model.path, config):
+    if mtp_drafts(cfg) and not has_mtp_layer(cfg.model.path, config):
         kind = getattr(config, "model_type", "?")
         raise LaunchError(Problem(
             ("engine", "speculative", "method"), "mtp",
@@ -263,7 +268,7 @@ def load_draft_layer(cfg: LaunchConfig, model: PreTrainedModel) -> DraftLayer | 
     """The checkpoint's MTP layer on the model's device and dtype when
     ``engine.speculative.method`` is mtp (``dwdp.worker.loading.mtp``), else ``None``."""
     spec = cfg.engine.speculative
-    if spec is None or spec.method != "mtp":
+    if spec is None or not mtp_drafts(cfg):
         return None
     from dwdp.worker.loading.mtp import load_mtp  # torch
 
@@ -479,7 +484,7 @@ def rank_settings(cfg: LaunchConfig, local_rank: int) -> tuple[bool, int, ApiKey
         role=cfg.role,
         device=_device_for(cfg, local_rank),
         dwdp_enabled=dwdp_active(cfg),
-        mtp=cfg.engine.speculative is not None and cfg.engine.speculative.method == "mtp",
+        mtp=mtp_drafts(cfg),
     )
     dense_min_bytes = resolve_dense_min_bytes(os.environ)
     api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)
@@ -577,6 +582,7 @@ def size_memory(model: PreTrainedModel, dwdp: DwdpStatusSource, watch: MemoryWat
         cuda_graphs=cuda_graphs,
         max_batch_size=cfg.max_batch_size,
         staging=plan.kv_staging,
+        draft_layers=1 if mtp_drafts(cfg) else 0,
     )
 
 

@@ -409,21 +409,24 @@ def size_rank_memory(
     cuda_graphs: bool = False,
     max_batch_size: int = 1,
     staging: Staging | None = None,
+    draft_layers: int = 0,
 ) -> tuple[KvPool, MemoryLedger]:
     """After the commit, before the engine starts: the activation headroom (``_headroom``),
     the KV pool from the memory left (``dwdp.worker.engine.kv_pool.size_kv_pool``) after the
     ``staging`` buffer the KV transfer will allocate beside it (on the pool's side), and the
     ledger, which ``watch`` keeps. ``host_sharers``: the ranks of the pod, which share the
-    host's memory (a pool on the host takes its share of the container's budget). Raises
-    ``KvPoolError`` for a pool below one ``max_model_len`` request; the termination message
-    then lists every part measured."""
+    host's memory (a pool on the host takes its share of the container's budget);
+    ``draft_layers``: layers of a draft model whose KV cache each pooled token also holds (an
+    MTP layer's). Raises ``KvPoolError`` for a pool below one ``max_model_len`` request; the
+    termination message then lists every part measured."""
     _, expert, dense, _ = dwdp_buffers(dwdp.status())
     headroom, graphs = _headroom(model, watch, max_num_tokens=max_num_tokens,
                                  max_model_len=max_model_len, cuda_graphs=cuda_graphs,
                                  max_batch_size=max_batch_size)
     where = DEVICE if watch.on_gpu else HOST
     budget = None if watch.on_gpu else host_budget()
-    per_token = kv_bytes_per_token(model.config.get_text_config(), model.dtype.itemsize)
+    per_token = kv_bytes_per_token(model.config.get_text_config(), model.dtype.itemsize,
+                                   draft_layers)
     staged = Placed.on(where, staging.tokens * per_token if staging else 0)
     free = free_for_kv_bytes(
         watch.device,

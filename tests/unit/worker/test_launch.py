@@ -783,3 +783,49 @@ def test_the_vllm_check_passes_a_model_vllm_can_share_and_refuses_a_device_cache
     with pytest.raises(VllmInteropError, match="the model's head_dim 16; "):
         check_vllm_interop(cfg, narrow, "cpu")
     check_vllm_interop(load_launch_config(str(_config(tmp_path, model="/m"))), narrow, "cuda:0")
+
+
+def test_a_rank_drafting_with_the_checkpoints_mtp_layer_answers_as_transformers(tmp_path):
+    """``engine.speculative.method: mtp`` on the demo model with its trained MTP layer: the
+    rank loads the layer, its greedy answer is transformers' ``generate``'s, and its metrics
+    and status count the drafts it accepted."""
+    import torch
+
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp_dev.devcluster.paths import cache_dir
+    from dwdp_dev.worker.demo_mtp import cached_demo_mtp_model
+
+    path = cached_demo_mtp_model(cache_dir() / "models")
+    model, tok = load_checkpoint(path)
+    prompt = tok("What is the capital of France?")["input_ids"]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    want_ids = want[0, len(prompt):].tolist()
+    if tok.eos_token_id in want_ids:
+        want_ids = want_ids[: want_ids.index(tok.eos_token_id)]
+    base = _free_base_port(1)
+    config = _config(tmp_path, model=str(path), serverPort=base,
+                     engine={"speculative": {"method": "mtp", "numSpeculativeTokens": 2}})
+    proc, _ = _launch(tmp_path, config, 1)
+    try:
+        url = f"http://127.0.0.1:{base}"
+        _wait_ready(url, proc)
+        r = httpx.post(url + "/v1/completions",
+                       json={"prompt": prompt, "max_tokens": 12, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want_ids
+        status = httpx.get(url + "/dwdp/status", timeout=10).json()["speculative"]
+        assert status["method"] == "mtp" and status["accepted_tokens"] > 0
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{' in metrics
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_mtp_on_a_checkpoint_without_the_layer_stops_the_rank_in_one_line(tmp_path, checkpoint):
+    config = _config(tmp_path, model=str(checkpoint),
+                     engine={"speculative": {"method": "mtp", "numSpeculativeTokens": 1}})
+    code, term = _run(tmp_path, config, role="generation")
+    assert code != 0
+    assert "engine.speculative.method: needs the checkpoint's multi-token prediction layer" \
+        in term and term.count("\n") <= 1, term

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from dwdp.worker.engine.base import EngineConfig  # noqa: E402
 from dwdp.worker.engine.blocks import BlockAllocator  # noqa: E402
 from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
+from dwdp.worker.engine.kv_pool import kv_bytes_per_token  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams, StructuredOutput  # noqa: E402
 from dwdp.worker.engine.requests import RequestState  # noqa: E402
 from dwdp.worker.engine.scheduler import Scheduler, Sequence  # noqa: E402
@@ -238,6 +239,10 @@ def test_mtp_drafts_are_mostly_accepted_and_change_no_answer(demo_mtp):
     assert stats.spec_accepted_per_pos[0] >= 0.6 * stats.spec_drafts, stats
     assert len(stats.spec_accepted_per_pos) == 3 and stats.spec_accepted_per_pos[2] > 0
     assert engine.allocator.num_in_use == 0
+    # the layer's cache holds one more layer's KV per pooled token: what the ledger adds
+    assert engine.mtp is not None
+    extra = kv_bytes_per_token(model.config, 4, 1) - kv_bytes_per_token(model.config, 4)
+    assert engine.mtp.cache.nbytes == extra * engine.allocator.capacity_tokens
 
 
 def test_mtp_seeded_sampled_answers_are_those_without_drafts(demo_mtp):

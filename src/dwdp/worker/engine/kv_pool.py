@@ -31,8 +31,9 @@ class KvPoolError(ValueError):
     """The KV cache pool cannot hold one request of the longest context (one line)."""
 
 
-def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
-    """Bytes the KV cache stores per token, over every decoder layer.
+def kv_bytes_per_token(config: Any, dtype_bytes: int, extra_layers: int = 0) -> int:
+    """Bytes the KV cache stores per token, over every decoder layer and ``extra_layers``
+    more of the same shape (a draft MTP layer's cache beside the model's).
 
     ``config``: a transformers text config. Multi-head latent attention (DeepSeek-V3: the
     config has ``kv_lora_rank``) caches the compressed latent and the rotary key, one head:
@@ -40,7 +41,7 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     value per KV head: ``2 x num_key_value_heads x head_dim`` values per layer. ``dtype_bytes``:
     bytes per value (2 for bf16/fp16). Raises ``ValueError`` for a config without the fields.
     """
-    layers = int(config.num_hidden_layers)
+    layers = int(config.num_hidden_layers) + extra_layers
     lora = getattr(config, "kv_lora_rank", None)
     if lora:
         per_layer = int(lora) + int(config.qk_rope_head_dim)
