@@ -198,7 +198,7 @@ PIECEWISE_CHILD = textwrap.dedent(
 
     want = run(ContinuousEngine(model, tok, model_name="tiny", config=config))
     engine = ContinuousEngine(model, tok, model_name="tiny", config=config)
-    pieces = PiecewiseGraphs(engine.runner.cache, max_num_tokens=16, max_batch_size=4)
+    pieces = PiecewiseGraphs(engine.runner.cache, max_num_tokens=16, max_rows=4)
 
     class Eager:
         # the capture needs CUDA: here a bucket's "pieces" are the forward over its static

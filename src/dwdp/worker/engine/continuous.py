@@ -195,8 +195,10 @@ class ContinuousEngine(EngineBase):
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()
+        spec = cfg.speculative
         pieces = PiecewiseGraphs.capture(
-            cache, self.runner.forward, pool=pool, max_batch_size=cfg.max_batch_size,
+            cache, self.runner.forward, pool=pool,
+            max_rows=cfg.max_batch_size * (1 + (spec.num_speculative_tokens if spec else 0)),
             max_num_tokens=min(cfg.max_num_tokens, self.max_model_len),
         )
         graphs = DecodeGraphs.capture(

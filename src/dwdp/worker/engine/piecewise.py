@@ -108,12 +108,14 @@ class PiecewiseGraphs:
 
     Build with ``PiecewiseGraphs.capture``."""
 
-    def __init__(self, cache: PagedKVCache, *, max_num_tokens: int, max_batch_size: int) -> None:
+    def __init__(self, cache: PagedKVCache, *, max_num_tokens: int, max_rows: int) -> None:
         import torch
 
         self.cache = cache
         self.buckets = token_buckets(max_num_tokens)
-        self.max_batch_size = max_batch_size
+        self.max_rows = max_rows
+        """The most logits rows a step keeps: one per request (``max_batch_size``), and with
+        speculative decoding one per draft position too."""
         size = self.buckets[-1]
         self.scratch_slot = cache.scratch_block * cache.block_size
         self.longs = torch.zeros((4, size), dtype=torch.long, device=cache.device)
@@ -126,9 +128,8 @@ class PiecewiseGraphs:
 
     def layout(self, tokens: int) -> KernelLayout:
         """The static layout of bucket ``tokens``: views of ``longs``; the sampled rows are
-        the bucket's first ``min(tokens, max_batch_size)`` (a step samples at most one row per
-        request)."""
-        rows = min(tokens, self.max_batch_size)
+        the bucket's first ``min(tokens, max_rows)``."""
+        rows = min(tokens, self.max_rows)
         return KernelLayout(
             input_ids=self.longs[0:1, :tokens],
             position_ids=self.longs[2:3, :tokens],
@@ -164,7 +165,7 @@ class PiecewiseGraphs:
         forward: Callable[[KernelLayout], Any],
         *,
         max_num_tokens: int,
-        max_batch_size: int,
+        max_rows: int,
         pool: Any,
     ) -> PiecewiseGraphs:
         """Capture every bucket, largest first, into the memory pool ``pool``.
@@ -172,7 +173,7 @@ class PiecewiseGraphs:
         ``CudaGraphError`` naming the bucket and the first line of the failure."""
         import torch
 
-        self = cls(cache, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
+        self = cls(cache, max_num_tokens=max_num_tokens, max_rows=max_rows)
         side = torch.cuda.Stream(device=cache.device)
         for tokens in reversed(self.buckets):
             layout = self.layout(tokens)
@@ -210,7 +211,7 @@ class PiecewiseGraphs:
     def _logits(self, logits: Any) -> Any:
         """The static logits [rows, vocab] of ``logits``, sized for the most rows a step
         samples."""
-        return self.static("logits", logits, 0, min(self.buckets[-1], self.max_batch_size))
+        return self.static("logits", logits, 0, min(self.buckets[-1], self.max_rows))
 
     def _capture(self, layout: KernelLayout, forward: Callable[[KernelLayout], Any],
                  pool: Any) -> _Bucket:
@@ -249,11 +250,10 @@ class PiecewiseGraphs:
         return out[None]
 
     def fits(self, chunks: Sequence[Chunk]) -> bool:
-        """Whether the step of ``chunks`` replays a bucket: at most the largest's tokens, and
-        at most ``max_batch_size`` logits rows (a step of draft chunks may keep more: it runs
-        eagerly)."""
+        """Whether the step of ``chunks`` replays a bucket: at most the largest's tokens and
+        ``max_rows`` logits rows."""
         return (0 < sum(len(c.token_ids) for c in chunks) <= self.buckets[-1]
-                and sum(c.rows for c in chunks) <= self.max_batch_size)
+                and sum(c.rows for c in chunks) <= self.max_rows)
 
     def replay(self, chunks: Sequence[Chunk]) -> Any:
         """Copy the step's token data into the smallest bucket holding it and run its pieces;
