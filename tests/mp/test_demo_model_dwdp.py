@@ -5,8 +5,10 @@ renders them) greedily. Every rank's tokens and logits equal one process with re
 weights, and the answers are the facts the model learned (" Paris." after "The capital of
 France is").
 
-The model is the one the demo serves (``cached_demo_model`` in the shared cache; trained there
-on first use, about half a minute on one core).
+The model is the one the demo serves with its trained MTP layer beside it
+(``cached_demo_mtp_model`` in the shared cache; trained there on first use, about 40 seconds
+on one core); the ranks also answer with speculative decoding on (n-gram and MTP drafts), which
+changes no token.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dwdp.worker.engine.continuous import ContinuousEngine  # noqa: E402
 from dwdp.worker.engine.protocol import SamplingParams  # noqa: E402
 from dwdp.worker.loading.checkpoint import load_checkpoint  # noqa: E402
 from dwdp_dev.devcluster.paths import cache_dir  # noqa: E402
-from dwdp_dev.worker.demo_model import cached_demo_model  # noqa: E402
+from dwdp_dev.worker.demo_mtp import cached_demo_mtp_model  # noqa: E402
 
 WORLD = 4
 NUM_EXPERTS = 8
@@ -87,18 +89,45 @@ def _rank_main(rank: int, out: Path, group: str, port: int, checkpoint: str) -> 
         try:
             engine = ContinuousEngine(model, tok, model_name="demo")
             results = engine.run_batch(_batch(tok, rank), PARAMS, keep_logits=True)
+            drafted = _drafted(model, tok, checkpoint, rank)
             status = attachment.status()
         finally:
             attachment.close()
     torch.save([(r.token_ids, torch.stack(r.logits)) for r in results], out / f"out.{rank}.pt")
     (out / f"s.{rank}.json").write_text(
-        json.dumps({"texts": [r.text for r in results], "phase": status["phase"]})
+        json.dumps({"texts": [r.text for r in results], "phase": status["phase"],
+                    "drafted": drafted})
     )
+
+
+def _drafted(model, tok, checkpoint: str, rank: int) -> dict:
+    """The same batch on the DWDP-attached model with speculative decoding (n-gram, then the
+    checkpoint's MTP layer): each method's tokens and accepted drafts (verify steps of several
+    tokens per request run through the prefetch schedule like any step)."""
+    from dwdp.worker.engine.base import EngineConfig
+    from dwdp.worker.engine.speculative import SpeculativeConfig
+    from dwdp.worker.loading.mtp import load_mtp
+
+    out = {}
+    for spec in (SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                   prompt_lookup_max=3),
+                 SpeculativeConfig(method="mtp", num_speculative_tokens=2)):
+        engine = ContinuousEngine(model, tok, model_name="demo",
+                                  config=EngineConfig(speculative=spec))
+        if spec.method == "mtp":
+            engine.attach_draft_layer(load_mtp(checkpoint, model.config, dtype=model.dtype,
+                                               device="cpu"))
+        results = engine.run_batch(_batch(tok, rank), PARAMS)
+        out[spec.method] = {"tokens": [r.token_ids for r in results],
+                            "accepted": engine.stats.spec_accepted_tokens}
+    return out
 
 
 @pytest.fixture(scope="module")
 def checkpoint() -> str:
-    return str(cached_demo_model(cache_dir() / "models"))
+    """The demo model with its trained MTP layer (the same weights as the demo's, and the
+    layer beside them)."""
+    return str(cached_demo_mtp_model(cache_dir() / "models"))
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +168,14 @@ def test_the_answers_are_the_facts(run):
         assert story.startswith(" there was a tiny model"), rank
         assert dwdp == " across the ranks of a group.", rank
         assert chat.startswith("Hello, DWDP group!"), rank
+
+
+def test_speculative_decoding_on_the_dwdp_group_changes_no_token(run):
+    """n-gram and MTP drafts on every rank of the group (its steps, verify steps included,
+    run through the prefetch schedule): the greedy tokens of the plain run, drafts accepted."""
+    for rank in range(WORLD):
+        got = torch.load(run / f"out.{rank}.pt")
+        drafted = read_records(run, "s", WORLD)[rank]["drafted"]
+        for method in ("ngram", "mtp"):
+            assert drafted[method]["tokens"] == [tokens for tokens, _ in got], (rank, method)
+        assert drafted["mtp"]["accepted"] > 0, rank
