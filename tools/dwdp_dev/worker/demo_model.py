@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -295,20 +295,25 @@ def train_demo_model(
 
 
 def cached_demo_model(cache: str | Path, settings: TrainSettings | None = None) -> Path:
-    """The trained demo model under ``cache/demo-<digest>``: trained there on first use (in a
-    temporary sibling folder, renamed when complete, so an interrupted run leaves nothing
-    half-written behind); returns the folder, readable by every user (pods that mount a copy
+    """The trained demo model under ``cache/demo-<digest>``: trained there on first use
+    (``trained_once``); returns the folder, readable by every user (pods that mount a copy
     of it run as uid 1000)."""
     settings = settings or TrainSettings()
-    cache = Path(cache)
-    final = cache / f"demo-{inputs_digest(settings)}"
+    return trained_once(Path(cache) / f"demo-{inputs_digest(settings)}",
+                        lambda tmp: train_demo_model(tmp, settings))
+
+
+def trained_once(final: Path, train: Callable[[Path], object]) -> Path:
+    """``final`` when it holds a complete checkpoint (its :data:`MARKER`), else ``train``-ed
+    into a temporary sibling folder, renamed to ``final`` when complete, so an interrupted run
+    leaves nothing half-written behind; the folder and its files readable by every user."""
     if (final / MARKER).is_file():
         _readable_by_all(final)
         return final
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".train-", dir=cache))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".train-", dir=final.parent))
     try:
-        train_demo_model(tmp, settings)
+        train(tmp)
         _readable_by_all(tmp)
         try:
             os.rename(tmp, final)

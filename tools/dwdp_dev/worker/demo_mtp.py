@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,9 +30,9 @@ from dwdp_dev.worker.demo_model import (
     _batches,
     _deterministic,
     _examples,
-    _readable_by_all,
     cached_demo_model,
     inputs_digest,
+    trained_once,
 )
 
 
@@ -153,23 +151,8 @@ def train_demo_mtp_model(out: str | Path, demo: TrainSettings | None = None,
 def cached_demo_mtp_model(cache: str | Path, demo: TrainSettings | None = None,
                           settings: MtpSettings | None = None) -> Path:
     """The demo model with its trained MTP layer under ``cache/demo-<digest>-mtp``, trained
-    there on first use (in a temporary sibling folder, renamed when complete)."""
+    there on first use (``trained_once``)."""
     demo = demo or TrainSettings()
     settings = settings or MtpSettings()
-    cache = Path(cache)
-    final = cache / f"demo-{mtp_digest(demo, settings)}-mtp"
-    if (final / MARKER).is_file() and (final / "mtp.safetensors").is_file():
-        return final
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".train-mtp-", dir=cache))
-    try:
-        train_demo_mtp_model(tmp, demo, settings)
-        _readable_by_all(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another run finished first: its copy is equally good
-            if not (final / MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return trained_once(Path(cache) / f"demo-{mtp_digest(demo, settings)}-mtp",
+                        lambda tmp: train_demo_mtp_model(tmp, demo, settings))
