@@ -18,6 +18,7 @@ its engine switches are ``engine.cudaGraphs`` and ``engine.speculative`` (the ot
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Mapping
@@ -308,13 +309,60 @@ LookupLength = Annotated[int, Field(strict=True, ge=1, le=PROMPT_LOOKUP_LIMIT)]
 """An n-gram suffix length: a whole number from 1 to :data:`PROMPT_LOOKUP_LIMIT`."""
 
 
+BatchSizeRange = Annotated[list[Annotated[int, Field(strict=True, ge=0)]],
+                          Field(min_length=3, max_length=3)]
+"""``[first, last, tokens]``: running requests ``first`` to ``last`` draft ``tokens`` each."""
+
+_SCHEDULE = "numSpeculativeTokensPerBatchSize"
+
+
+def _batch_schedule_problem(schedule: list[list[int]]) -> Problem | None:
+    """vLLM's rules of a batch-size schedule (``validate_and_normalize_dynamic_sd_schedule``):
+    each range 1 <= first <= last; sorted by first, no two overlap; the first starts at 1.
+    The first entry (its index as given) that breaks one."""
+    for i, (first, last, tokens) in enumerate(schedule):
+        if first < 1 or first > last:
+            rule = "must be [first, last, tokens] with 1 <= first <= last"
+            return Problem((_SCHEDULE, i), [first, last, tokens], rule)
+    order = sorted(range(len(schedule)), key=lambda i: schedule[i][0])
+    for before, i in itertools.pairwise(order):
+        if schedule[i][0] <= schedule[before][1]:
+            rule = f"overlaps the range {schedule[before]}: each batch size in one range"
+            return Problem((_SCHEDULE, i), schedule[i], rule)
+    if order and schedule[order[0]][0] != 1:
+        rule = "the first range must start at 1, so every batch size has its drafts"
+        return Problem((_SCHEDULE, order[0]), schedule[order[0]], rule)
+    return None
+
+
+SCHEDULE_RANGE_RULE = cel_rule(
+    f"!has(self.{_SCHEDULE}) || self.{_SCHEDULE}.all(e, e[0] >= 1 && e[0] <= e[1])",
+    f"{_SCHEDULE}: each entry must be [first, last, tokens] with 1 <= first <= last",
+    field_path=f".{_SCHEDULE}",
+)
+SCHEDULE_OVERLAP_RULE = cel_rule(
+    f"!has(self.{_SCHEDULE}) || self.{_SCHEDULE}.all(a, self.{_SCHEDULE}.all(b, "
+    "a == b || a[1] < b[0] || b[1] < a[0]))",
+    f"{_SCHEDULE}: two ranges overlap; each batch size in one range",
+    field_path=f".{_SCHEDULE}",
+)
+SCHEDULE_START_RULE = cel_rule(
+    f"!has(self.{_SCHEDULE}) || size(self.{_SCHEDULE}) == 0 || "
+    f"self.{_SCHEDULE}.exists(e, e[0] == 1)",
+    f"{_SCHEDULE}: the first range must start at 1, so every batch size has its drafts",
+    field_path=f".{_SCHEDULE}",
+)
+"""vLLM's batch-size schedule rules, in the CRD."""
+
+
 class SpeculativeSpec(ApiModel):
     """Speculative decoding (vLLM's ``--speculative-config``): before each step a decoding
     request proposes up to numSpeculativeTokens draft tokens without a forward, and the step
     verifies them in the same forward that computes its next token; the output is what
     decoding without drafts gives."""
 
-    model_config = ConfigDict(json_schema_extra=cel_rules([LOOKUP_ORDER_RULE]))
+    model_config = ConfigDict(json_schema_extra=cel_rules(
+        [LOOKUP_ORDER_RULE, SCHEDULE_RANGE_RULE, SCHEDULE_OVERLAP_RULE, SCHEDULE_START_RULE]))
 
     method: Literal["ngram", "mtp"] = Field(
         default="ngram",
@@ -346,12 +394,26 @@ class SpeculativeSpec(ApiModel):
         f"that is set, else {PROMPT_LOOKUP_DEFAULT} (vLLM's rule).",
     )
 
+    num_speculative_tokens_per_batch_size: list[BatchSizeRange] | None = Field(
+        default=None,
+        max_length=64,
+        description="Fewer drafts under load (vLLM's num_speculative_tokens_per_batch_size): "
+        "[first, last, tokens] inclusive ranges of running requests, not overlapping, the "
+        "lowest starting at 1; a step with that many requests drafts at most "
+        "tokens per request (0: none, so speculation costs no throughput when the batch is "
+        "large); a gap or the tail keeps the range before's tokens. Unset: "
+        "numSpeculativeTokens at every batch size.",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> SpeculativeSpec:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is not None and high is not None and low > high:
             rule = f"must be at most promptLookupMax ({high}): {_LOOKUP_ORDER}"
             raise RuleViolations([Problem(("promptLookupMin",), low, rule)])
+        problem = _batch_schedule_problem(self.num_speculative_tokens_per_batch_size or [])
+        if problem is not None:
+            raise RuleViolations([problem])
         return self
 
     def lookup_range(self) -> tuple[int, int]:

@@ -522,6 +522,8 @@ def speculative_config(cfg: LaunchConfig) -> SpeculativeConfig | None:
         num_speculative_tokens=spec.num_speculative_tokens,
         prompt_lookup_min=low,
         prompt_lookup_max=high,
+        per_batch_size=tuple(sorted((first, last, tokens) for first, last, tokens
+                                    in spec.num_speculative_tokens_per_batch_size or ())),
     )
 
 

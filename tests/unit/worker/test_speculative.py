@@ -275,3 +275,23 @@ def test_mtp_on_a_checkpoint_without_the_layer_is_refused_naming_the_field(loade
                                          "the checkpoint's multi-token prediction layer")
     with pytest.raises(CheckpointError, match="holds no MTP layer"):
         load_mtp(path, model.config, dtype=torch.float32, device="cpu")
+
+
+def test_the_batch_size_schedule_caps_the_drafts_of_a_step(loaded):
+    """vLLM's ``num_speculative_tokens_per_batch_size``: a step with that many running
+    requests drafts at most the range's tokens (0: none); gaps and the tail keep the range
+    before's; the answers stay the same."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                             per_batch_size=((1, 2, 3), (3, 4, 1), (8, 16, 0)))
+    assert [spec.drafts_at(b) for b in (1, 2, 3, 4, 5, 7, 8, 40)] == [3, 3, 1, 1, 1, 1, 0, 0]
+    prompts = _prompts(loaded, 8)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = _engine(loaded, None).run_batch(prompts, params)
+    crowded = _engine(loaded, spec)
+    assert [o.token_ids for o in crowded.run_batch(prompts, params)] == \
+        [o.token_ids for o in plain]
+    assert crowded.stats.spec_drafts == 0  # eight requests ran every step together
+    fewer = _engine(loaded, spec)
+    assert [o.token_ids for o in fewer.run_batch(prompts[:2], params)] == \
+        [o.token_ids for o in plain[:2]]
+    assert fewer.stats.spec_draft_tokens > 0

@@ -543,10 +543,13 @@ class ContinuousEngine(EngineBase):
 
     def _room(self, seq: SchedSequence) -> int:
         """How many drafts a decoding request can use after its pending token: what its
-        ``max_tokens`` and the model's context leave."""
-        state = seq.state
-        return min(state.params.max_tokens - len(state.tokens),
-                   self.max_model_len - state.length) - 1
+        ``max_tokens`` and the model's context leave, at most the drafts of a step of this
+        many running requests (``SpeculativeConfig.drafts_at``)."""
+        state, spec = seq.state, self.config.speculative
+        assert spec is not None
+        return min(state.params.max_tokens - len(state.tokens) - 1,
+                   self.max_model_len - state.length - 1,
+                   spec.drafts_at(len(self.scheduler.running)))
 
     def _verify(self, seq: SchedSequence, chunk: Chunk, token: int, logits: Any,
                 first: int) -> int:

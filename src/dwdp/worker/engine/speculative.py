@@ -33,12 +33,26 @@ SpeculativeMethod = Literal["ngram", "mtp"]
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """``engine.speculative``: the draft ``method``, up to ``num_speculative_tokens`` drafts per
-    step and request, and for ``ngram`` the lengths of the suffix it looks up."""
+    step and request (fewer under load with ``per_batch_size``), and for ``ngram`` the lengths
+    of the suffix it looks up."""
 
     method: SpeculativeMethod = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    per_batch_size: tuple[tuple[int, int, int], ...] = ()
+    """vLLM's ``num_speculative_tokens_per_batch_size``: ``(first, last, k)`` inclusive ranges
+    of running requests, sorted, the first from 1: a step with that many requests drafts at
+    most ``k`` tokens per request (0: none); a gap or the tail keeps the range before's ``k``;
+    empty: ``num_speculative_tokens`` at every size (:meth:`drafts_at`)."""
+
+    def drafts_at(self, batch: int) -> int:
+        """The drafts per request of a step of ``batch`` running requests."""
+        k = self.num_speculative_tokens
+        for first, _, tokens in reversed(self.per_batch_size):
+            if batch >= first:
+                return min(k, tokens)
+        return k
 
 
 class DraftLayer(Protocol):
