@@ -124,7 +124,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
     path = cached_demo_mtp_model(cache_dir() / "models")
-    model, tok = load_checkpoint(path)
+    # bf16 on the GPU: the worker's Triton kernels at the demo's shapes need more shared
+    # memory than an H100 has in float32 (OutOfResources, seen on one)
+    model, tok = load_checkpoint(path, dtype="bfloat16" if args.device == "cuda" else "auto")
     if args.device == "cuda":
         from dwdp.worker.gpu.cuda_path import use_cuda_kernels
 
