@@ -12,8 +12,11 @@ pool for the node and be OOM-killed once it filled it. The budget is the smalles
   ``memory.max`` and ``memory.current``; v1 (the memory controller of a v1 hierarchy, hybrid
   hosts included): ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``;
 - ``DWDP_MEMORY_LIMIT`` (the container's limit from the downward API, where the operator
-  sets it) less this container's working set when the cgroup gives one, else less nothing
-  (the limit is then an upper bound only).
+  sets it) less this container's working set when a cgroup of this branch has a limit (then
+  the innermost is the container's own), else less nothing: with no cgroup limit at all the
+  innermost cgroup is no container's (a session's, under a process kubelet that starts pods
+  as plain processes: its working set is everything else running there), and the limit is an
+  upper bound only.
 
 The cgroup files are found through ``/proc/self/cgroup`` and ``/proc/self/mountinfo`` (a
 container without a cgroup namespace sees its own cgroup at the mount's root). ``root``
@@ -76,12 +79,19 @@ class HostBudget:
         return self.levels[0].working_set if self.levels else None
 
     @property
+    def _container_used(self) -> int:
+        """What counts against ``DWDP_MEMORY_LIMIT``: the innermost cgroup's working set when
+        a cgroup of the branch has a limit (a container's), else 0 (module docstring)."""
+        limited = any(lv.limit is not None for lv in self.levels)
+        return (self.working_set or 0) if limited else 0
+
+    @property
     def available(self) -> int:
         """Bytes this process's container may still take: the smallest headroom."""
         candidates = [self.host_available,
                       *(lv.headroom for lv in self.levels if lv.headroom is not None)]
         if self.env_limit is not None:
-            candidates.append(max(0, self.env_limit - (self.working_set or 0)))
+            candidates.append(max(0, self.env_limit - self._container_used))
         return min(candidates)
 
     @property
@@ -91,7 +101,7 @@ class HostBudget:
         for lv in self.levels:
             if lv.headroom is not None and lv.headroom < best:
                 best, name = lv.headroom, f"cgroup {self.cgroup} {lv.path}"
-        if self.env_limit is not None and self.env_limit - (self.working_set or 0) < best:
+        if self.env_limit is not None and self.env_limit - self._container_used < best:
             name = Env.MEMORY_LIMIT.value
         return name
 

@@ -94,6 +94,18 @@ def test_v1_without_a_limit_leaves_the_host(tmp_path) -> None:
     assert budget.limited_by == "host MemAvailable"
 
 
+def test_the_operators_limit_is_an_upper_bound_where_no_cgroup_has_a_limit() -> None:
+    """Pods started as plain processes (the local cluster's process kubelet) sit in a cgroup
+    of no container: its working set (everything else running there) does not count against
+    ``DWDP_MEMORY_LIMIT``; a container's cgroup, with a limit of its own, does."""
+    session = CgroupLevel(Path("/sys/fs/cgroup/user.slice"), None, 5 * GIB)
+    shared = HostBudget(host_available=20 * GIB, levels=(session,), env_limit=6 * GIB)
+    assert (shared.available, shared.limited_by) == (6 * GIB, "DWDP_MEMORY_LIMIT")
+    pod = CgroupLevel(Path("/sys/fs/cgroup/kubepods/pod"), 8 * GIB, 5 * GIB)
+    contained = HostBudget(host_available=20 * GIB, levels=(pod,), env_limit=6 * GIB)
+    assert (contained.available, contained.limited_by) == (1 * GIB, "DWDP_MEMORY_LIMIT")
+
+
 def test_the_operators_limit_counts_where_no_cgroup_can_be_read(tmp_path) -> None:
     root = _tree(tmp_path, "", "", {})
     assert read_cgroup(root) == ("none", ())
@@ -152,10 +164,11 @@ class _NoDwdp:
 
 def test_a_pool_that_does_not_fit_the_container_is_refused_naming_the_budget(monkeypatch):
     """A pod of 2 ranks whose container may take 0.5 GiB more (the operator's 2 GiB limit
-    less a 1.5 GiB working set): the margin kept, each rank's share less the vLLM staging
-    buffer cannot hold one request of 65536 tokens (2048 bytes each); the one-line refusal
-    names the settings, the bytes one request needs, the budget and the staging buffer."""
-    used = CgroupLevel(Path("/sys/fs/cgroup/pod"), None, 3 * GIB // 2)
+    less a 1.5 GiB working set, in a pod cgroup limited to 3 GiB): the margin kept, each
+    rank's share less the vLLM staging buffer cannot hold one request of 65536 tokens (2048
+    bytes each); the one-line refusal names the settings, the bytes one request needs, the
+    budget and the staging buffer."""
+    used = CgroupLevel(Path("/sys/fs/cgroup/pod"), 3 * GIB, 3 * GIB // 2)
     budget = HostBudget(host_available=20 * GIB, levels=(used,), env_limit=2 * GIB)
     monkeypatch.setattr(memory, "host_budget", lambda: budget)
     staging = memory.Staging(8192, "kvTransfer.vllm.stagingTokens 8192")
