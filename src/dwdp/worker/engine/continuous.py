@@ -37,7 +37,7 @@ from dwdp.worker.engine.paged import (
 from dwdp.worker.engine.piecewise import PiecewiseGraphs
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
-from dwdp.worker.engine.sampler import choose
+from dwdp.worker.engine.sampler import choose, choose_each
 from dwdp.worker.engine.scheduler import Scheduled, Scheduler
 from dwdp.worker.engine.scheduler import Sequence as SchedSequence
 from dwdp.worker.engine.speculative import Drafter, DraftLayer
@@ -559,12 +559,14 @@ class ContinuousEngine(EngineBase):
         back the rejected tail's blocks (``Scheduler.accept``); returns the drafts accepted."""
         state, draft = seq.state, chunk.token_ids[len(chunk.token_ids) - chunk.draft :]
         accepted = 0
-        while accepted < len(draft) and token == draft[accepted] and not state.finished:
-            accepted += 1
-            row = first + accepted
-            choice = choose(logits[row : row + 1], [state])[0]
-            self._take(seq, choice)
-            token = choice.token
+        if token == draft[0] and not state.finished:
+            rows = logits[first + 1 : first + 1 + len(draft)]
+            for choice in choose_each(rows, state):
+                accepted += 1
+                self._take(seq, choice)
+                token = choice.token
+                if accepted == len(draft) or token != draft[accepted] or state.finished:
+                    break
         self.stats.observe_draft(len(draft), accepted)
         if not state.finished:
             self.scheduler.accept(seq, accepted)

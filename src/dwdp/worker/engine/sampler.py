@@ -16,6 +16,7 @@ top ``logprobs`` alternatives. Results cross to the host once per step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +65,7 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
     constrained = any(c is not None for c in constraints)
     allowed = masked(logits, constraints) if constrained else logits
     tokens = torch.argmax(allowed, dim=-1)  # float32 is exact for bf16/fp16: the same argmax
-    plain = all(s.params.greedy and s.params.logprobs is None and not s.keep_logits
-                and not _changes_logits(s) for s in states)
+    plain = all(_plain(s) for s in states)
     if plain:  # the decode hot path: one argmax, one copy
         return [Choice(t) for t in tokens.tolist()]
     rows = logits.float()  # the raw model's: logprobs and kept logits
@@ -111,6 +111,29 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
         pairs = tuple(zip(top_ids[row][:n], top_vals[row][:n], strict=True))
         out[i] = Choice(host_tokens[i], TokenLogprob(host_tokens[i], host_chosen[row], pairs))
     return out
+
+
+def choose_each(rows: Any, state: RequestState) -> Iterator[Choice]:
+    """The token of each of ``rows`` ([n, vocab]) for one request, in order, as the caller
+    takes them (a verify step's draft positions): the request's state may change between rows
+    (its grammar, ``min_tokens``, its generator), so each row is chosen once the one before
+    was taken; a plain greedy request's rows, which depend on nothing it takes, cross to the
+    host in one copy."""
+    import torch
+
+    if _plain(state) and state.constraint is None:  # a grammar's mask moves with each token
+        yield from (Choice(t) for t in torch.argmax(rows, dim=-1).tolist())
+        return
+    for i in range(rows.shape[0]):
+        yield choose(rows[i : i + 1], [state])[0]
+
+
+def _plain(state: RequestState) -> bool:
+    """Greedy on the raw logits, nothing kept or reported: one argmax decides the token (its
+    rules cannot start to apply later: ``min_tokens`` only ends)."""
+    p = state.params
+    return p.greedy and p.logprobs is None and not state.keep_logits \
+        and not _changes_logits(state)
 
 
 def _changes_logits(state: RequestState) -> bool:
