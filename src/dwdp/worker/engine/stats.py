@@ -74,6 +74,12 @@ class EngineStats:
             per[i] += 1
         self.spec_accepted_per_pos = tuple(per)
 
+    def spec_accepted_at(self, positions: int) -> list[int]:
+        """Accepted drafts per draft position ``0`` to ``positions - 1`` (0 where no draft
+        reached yet)."""
+        per = list(self.spec_accepted_per_pos[:positions])
+        return per + [0] * (positions - len(per))
+
     @property
     def spec_acceptance_rate(self) -> float | None:
         """Accepted over proposed draft tokens; ``None`` before the first draft."""

@@ -102,7 +102,6 @@ def speculative_status(snapshot: EngineSnapshot | None) -> dict[str, Any] | None
         return None
     spec, stats = snapshot.speculative, snapshot.stats
     k = spec.num_speculative_tokens
-    per = list(stats.spec_accepted_per_pos[:k])
     return {
         "method": spec.method,
         "num_speculative_tokens": k,
@@ -112,7 +111,7 @@ def speculative_status(snapshot: EngineSnapshot | None) -> dict[str, Any] | None
         "draft_tokens": stats.spec_draft_tokens,
         "accepted_tokens": stats.spec_accepted_tokens,
         "acceptance_rate": stats.spec_acceptance_rate,
-        "accepted_per_position": per + [0] * (k - len(per)),
+        "accepted_per_position": stats.spec_accepted_at(k),
     }
 
 

@@ -112,7 +112,7 @@ def _spec_decode(snapshot: EngineSnapshot | None, model: str) -> Iterator[Metric
         yield family
     name = "vllm:spec_decode_num_accepted_tokens_per_pos"
     per_pos = CounterMetricFamily(name, SPEC_DECODE_DOCS[name], labels=["model_name", "position"])
-    accepted = stats.spec_accepted_per_pos
-    for pos in range(snapshot.speculative.num_speculative_tokens):
-        per_pos.add_metric([model, str(pos)], accepted[pos] if pos < len(accepted) else 0)
+    accepted = stats.spec_accepted_at(snapshot.speculative.num_speculative_tokens)
+    for pos, count in enumerate(accepted):
+        per_pos.add_metric([model, str(pos)], count)
     yield per_pos
