@@ -223,27 +223,40 @@ def _new_model(settings: TrainSettings, tokenizer: Any) -> Any:
 
 
 def _train(model: Any, batches: list[tuple[Any, Any, Any]], settings: TrainSettings) -> float:
-    """AdamW for ``settings.epochs`` passes over ``batches`` (a seeded order each pass, cosine
-    learning rate); returns the mean loss of the last pass."""
+    """The model's own loss over ``batches`` (``fit``); returns the last pass's mean loss."""
+
+    def loss(index: int) -> Any:
+        ids, mask, labels = batches[index]
+        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    model.train()
+    last = fit(list(model.parameters()), len(batches), loss, epochs=settings.epochs,
+               lr=settings.lr, weight_decay=settings.weight_decay, seed=settings.seed)
+    model.eval()
+    return last
+
+
+def fit(params: list[Any], batches: int, loss: Callable[[int], Any], *, epochs: int,
+        lr: float, weight_decay: float, seed: int) -> float:
+    """AdamW over ``params`` for ``epochs`` passes over ``batches`` minibatches (a seeded
+    order each pass, cosine learning rate down to a tenth), ``loss(index)`` the loss of one;
+    returns the mean loss of the last pass."""
     import torch
 
-    steps = settings.epochs * len(batches)
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=settings.lr / 10)
-    order = torch.Generator().manual_seed(settings.seed)
-    model.train()
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * batches,
+                                                       eta_min=lr / 10)
+    order = torch.Generator().manual_seed(seed)
     losses: list[float] = []
-    for _ in range(settings.epochs):
+    for _ in range(epochs):
         losses = []
-        for index in torch.randperm(len(batches), generator=order).tolist():
-            ids, mask, labels = batches[index]
+        for index in torch.randperm(batches, generator=order).tolist():
             opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
+            value = loss(index)
+            value.backward()
             opt.step()
             sched.step()
-            losses.append(float(loss.detach()))
-    model.eval()
+            losses.append(float(value.detach()))
     return sum(losses) / len(losses)
 
 

@@ -31,6 +31,7 @@ from dwdp_dev.worker.demo_model import (
     _deterministic,
     _examples,
     cached_demo_model,
+    fit,
     inputs_digest,
     trained_once,
 )
@@ -92,31 +93,23 @@ def _train(model: Any, block: Any, extra: Any, batches: list, settings: MtpSetti
     output there is scored against token ``p + 2``. Returns the last pass's mean loss."""
     import torch
 
-    params = [p for p in [*block.parameters(), *extra.parameters()] if p.requires_grad]
-    steps = settings.epochs * len(batches)
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=settings.lr / 10)
     with torch.no_grad():
         hidden = [model.model(input_ids=ids, attention_mask=mask).last_hidden_state
                   for ids, mask, _ in batches]
-    order = torch.Generator().manual_seed(settings.seed)
+
+    def loss(index: int) -> Any:
+        ids, mask, labels = batches[index]
+        embeds = block.model.embed_tokens(ids[:, 1:])
+        x = extra["eh_proj"](torch.cat(
+            [extra["enorm"](embeds), extra["hnorm"](hidden[index][:, :-1])], dim=-1))
+        return block(inputs_embeds=x, attention_mask=mask[:, 1:], labels=labels[:, 1:]).loss
+
+    params = [p for p in [*block.parameters(), *extra.parameters()] if p.requires_grad]
     block.train()
-    losses: list[float] = []
-    for _ in range(settings.epochs):
-        losses = []
-        for index in torch.randperm(len(batches), generator=order).tolist():
-            ids, mask, labels = batches[index]
-            embeds = block.model.embed_tokens(ids[:, 1:])
-            x = extra["eh_proj"](torch.cat(
-                [extra["enorm"](embeds), extra["hnorm"](hidden[index][:, :-1])], dim=-1))
-            opt.zero_grad(set_to_none=True)
-            loss = block(inputs_embeds=x, attention_mask=mask[:, 1:], labels=labels[:, 1:]).loss
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
+    last = fit(params, len(batches), loss, epochs=settings.epochs, lr=settings.lr,
+               weight_decay=0.0, seed=settings.seed)
     block.eval()
-    return sum(losses) / len(losses)
+    return last
 
 
 def train_demo_mtp_model(out: str | Path, demo: TrainSettings | None = None,
