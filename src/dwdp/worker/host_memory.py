@@ -108,11 +108,13 @@ class HostBudget:
     def describe(self) -> str:
         """One line: the budget, what set it, the limit and the working set (GiB)."""
         limit, used = self.limit, self.working_set
+        shown = "unknown" if used is None else f"{gib(used)} GiB"
+        if used is not None and self.env_limit is not None and not self._container_used:
+            shown += " of a cgroup without a limit, not counted"
         return (
             f"host memory budget {gib(self.available)} GiB ({self.limited_by}; limit "
-            f"{'none' if limit is None else gib(limit) + ' GiB'}, working set "
-            f"{'unknown' if used is None else gib(used) + ' GiB'}, host MemAvailable "
-            f"{gib(self.host_available)} GiB)"
+            f"{'none' if limit is None else gib(limit) + ' GiB'}, working set {shown}, host "
+            f"MemAvailable {gib(self.host_available)} GiB)"
         )
 
 

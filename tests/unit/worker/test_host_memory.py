@@ -101,9 +101,11 @@ def test_the_operators_limit_is_an_upper_bound_where_no_cgroup_has_a_limit() -> 
     session = CgroupLevel(Path("/sys/fs/cgroup/user.slice"), None, 5 * GIB)
     shared = HostBudget(host_available=20 * GIB, levels=(session,), env_limit=6 * GIB)
     assert (shared.available, shared.limited_by) == (6 * GIB, "DWDP_MEMORY_LIMIT")
+    assert "working set 5.00 GiB of a cgroup without a limit, not counted" in shared.describe()
     pod = CgroupLevel(Path("/sys/fs/cgroup/kubepods/pod"), 8 * GIB, 5 * GIB)
     contained = HostBudget(host_available=20 * GIB, levels=(pod,), env_limit=6 * GIB)
     assert (contained.available, contained.limited_by) == (1 * GIB, "DWDP_MEMORY_LIMIT")
+    assert "working set 5.00 GiB, host" in contained.describe()
 
 
 def test_the_operators_limit_counts_where_no_cgroup_can_be_read(tmp_path) -> None:
