@@ -18,7 +18,7 @@ drafts the layer runs again one position on, its own output standing in for the 
 state there. Its attention has a KV cache of its own, in the same blocks as the model's.
 
 :func:`load_mtp` reads the layer into :class:`MtpLayer`: its block is a one-layer DeepSeek-V3
-model (the checkpoint's names mapped to that model's, :func:`checkpoint_name`), read through
+model (the checkpoint's names mapped to that model's, :func:`block_name`), read through
 the sharded loader's reader (only the layer's tensors are read); its final norm is the shared
 head's, applied by :meth:`MtpLayer.logits`, not by the block (the chain needs the hidden state
 before it).
@@ -58,8 +58,6 @@ def block_config(config: Any) -> Any:
     one.num_hidden_layers = 1
     one.first_k_dense_replace = 0
     one.num_nextn_predict_layers = 0
-    if getattr(one, "mlp_layer_types", None) is not None:
-        one.mlp_layer_types = ["sparse"]
     return one
 
 
@@ -111,10 +109,6 @@ class MtpLayer:
     def __init__(self, block: Any, enorm: Any, hnorm: Any, eh_proj: Any, norm: Any) -> None:
         self.block, self.enorm, self.hnorm, self.eh_proj, self.norm = (
             block, enorm, hnorm, eh_proj, norm)
-
-    @property
-    def device(self) -> Any:
-        return self.block.device
 
     def inputs(self, token_ids: Any, hidden: Any) -> Any:
         """The block's input rows [1, T, H] from the next tokens' ids [T] and the hidden
