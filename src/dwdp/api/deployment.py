@@ -816,6 +816,20 @@ _ROUTER_NEEDS_GENERATION = (
 )
 
 
+_MTP_BOTH_SIDES = (
+    "the MTP layer's KV of a prompt moves with the model's from the context server that "
+    "prefilled it to the generation server that decodes it: with dwdp generation servers "
+    "(generation.replicas > 0), speculative.method mtp is set on both sections or on neither"
+)
+
+
+def _mtp_cel(section: str) -> str:
+    """CEL: the section's ``engine.speculative.method`` is mtp."""
+    s = f"self.{section}"
+    return (f"(has({s}.engine) && has({s}.engine.speculative) && "
+            f"has({s}.engine.speculative.method) && {s}.engine.speculative.method == 'mtp')")
+
+
 _DRA_WITH_DEVICE_PLUGIN = (
     f"must not hold {DEFAULT_GPU_RESOURCE} when gpu.resourceClaimTemplateName is set: the DRA "
     "claim gives the pod its GPUs"
@@ -911,6 +925,28 @@ def _rules_spec() -> list[dict[str, str]]:
             field_path=".router.enabled",
         ),
         *_rules_vllm(),
+        *_rules_mtp(),
+    ]
+
+
+def _rules_mtp() -> list[dict[str, str]]:
+    """MTP drafts on both sides of the KV transfer or on neither (``_mtp_problems``)."""
+    dwdp_generation = ("has(self.generation) && !has(self.generation.vllm) && "
+                       "self.generation.replicas > 0")
+    context, generation = _mtp_cel("context"), _mtp_cel("generation")
+    return [
+        cel_rule(
+            f"!({dwdp_generation}) || !{generation} || {context}",
+            f"generation.engine.speculative.method mtp needs context.engine.speculative.method "
+            f"mtp: {_MTP_BOTH_SIDES}",
+            field_path=".generation.engine.speculative.method",
+        ),
+        cel_rule(
+            f"!({dwdp_generation}) || !{context} || {generation}",
+            f"context.engine.speculative.method mtp needs generation.engine.speculative.method "
+            f"mtp: {_MTP_BOTH_SIDES}",
+            field_path=".context.engine.speculative.method",
+        ),
     ]
 
 
@@ -1071,9 +1107,25 @@ class DwdpDeploymentSpec(ApiModel):
         rule = f"must be at least context.maxModelLen {length}: {_VLLM_STAGING}"
         return [Problem(("generation", "vllm", "stagingTokens"), tokens, rule)]
 
+    def _mtp_problems(self) -> list[Problem]:
+        """MTP drafts on one side of the KV transfer only (dwdp generation servers): the
+        context servers' KV layout would differ from the generation servers'."""
+        generation = self.generation
+        if generation is None or generation.vllm is not None or generation.replicas == 0:
+            return []
+        sides = {"context": self.context.engine, "generation": generation.engine}
+        mtp = {name: e.speculative is not None and e.speculative.method == "mtp"
+               for name, e in sides.items()}
+        if mtp["context"] == mtp["generation"]:
+            return []
+        this, other = ("context", "generation") if mtp["context"] else ("generation", "context")
+        rule = f"{this}.engine.speculative.method mtp needs {other}.engine.speculative.method "
+        return [Problem((this, "engine", "speculative", "method"), "mtp",
+                        f"{rule}mtp: {_MTP_BOTH_SIDES}")]
+
     @model_validator(mode="after")
     def _check(self) -> DwdpDeploymentSpec:
-        problems = self._vllm_problems()
+        problems = self._vllm_problems() + self._mtp_problems()
         rdv, first = self.rendezvous.port, self.server.port
         last = first + self.context.ranks_per_pod - 1
         if last > 65535:

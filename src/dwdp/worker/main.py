@@ -450,7 +450,8 @@ def attach_kv_transfer(engine: ContinuousEngine, cfg: LaunchConfig, host: str, p
     layers = int(engine.model.config.get_text_config().num_hidden_layers)
     engine.attach_kv_transfer(lambda cache: create_kv_connector(
         cache, cfg, model_name=engine.model_name, num_layers=layers, host=advertise, port=port,
-        api_key=api_key, local_rank=local_rank, staging=staging))
+        api_key=api_key, local_rank=local_rank, staging=staging,
+        draft_layers=0 if engine.mtp is None else 1))
 
 
 def capture_cuda_graphs(engine: ContinuousEngine, ledger: MemoryLedger,

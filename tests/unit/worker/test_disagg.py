@@ -502,3 +502,95 @@ def test_a_speculating_generation_server_behind_vllm_router_answers_as_without(c
         assert gen.engine.stats.spec_accepted_tokens > 0
         metrics = gen.client.get("/metrics").text
         assert "vllm:spec_decode_num_accepted_tokens_total" in metrics
+
+
+@pytest.fixture(scope="module")
+def demo_mtp_checkpoint():
+    from dwdp_dev.devcluster.paths import cache_dir
+    from dwdp_dev.worker.demo_mtp import cached_demo_mtp_model
+
+    return cached_demo_mtp_model(cache_dir() / "models")
+
+
+def _mtp_server(path: Path, server: dict, mtp: bool, **limits) -> EngineServer:
+    from dwdp.worker.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2) if mtp else None
+    return EngineServer(path, api_key=KEY, max_model_len=128, block_size=4, server=server,
+                        speculative=spec, **limits)
+
+
+def _recording(obj, name: str, seen: list) -> None:
+    """Wrap ``obj.name`` so that each call's block list (its last argument or its result)
+    lands in ``seen``."""
+    real = getattr(obj, name)
+
+    def call(*args):
+        out = real(*args)
+        seen.append(list(args[-1] if name == "load" else out))
+        return out
+
+    setattr(obj, name, call)
+
+
+def _mtp_kv(engine, blocks: list[int], n: int):
+    """The MTP layer's cache entries (keys and values) of positions ``0..n-1`` in ``blocks``."""
+    layer = engine.model.config.num_hidden_layers
+    size = engine.allocator.block_size
+    slots = torch.tensor([blocks[p // size] * size + p % size for p in range(n)])
+    return [t.index_select(0, slots) for t in engine.runner.cache.layers[layer]]
+
+
+def test_a_generation_servers_mtp_layer_drafts_from_the_context_servers_kv(
+        demo_mtp_checkpoint):
+    """MTP drafts on both sides: the context server fills its MTP layer's KV of the prompt
+    before it answers the prefill, and the generation server reads it with the model's: after
+    the decode, the generation server holds the MTP KV of every prompt position that an engine
+    prefilling the prompt itself computes. The greedy answers are a plain engine's token for
+    token, the first drafts are mostly accepted, and no block is left on either side."""
+    from dwdp_dev.worker.demo_corpus import CAPITALS
+
+    local = _mtp_server(demo_mtp_checkpoint, GEN, True, prefix_caching=False).engine
+    with _mtp_server(demo_mtp_checkpoint, CTX, True) as ctx, \
+            _mtp_server(demo_mtp_checkpoint, GEN, True) as gen:
+        tok = ctx.engine.tokenizer
+        prompts = [tok(f"What is the capital of {c}?")["input_ids"] for c, _ in CAPITALS[:6]]
+        want = [o.token_ids for o in _mtp_server(demo_mtp_checkpoint, GEN, False).engine
+                .run_batch(prompts, SamplingParams(max_tokens=16))]
+        pulled: list[list[int]] = []
+        prefilled: list[list[int]] = []
+        _recording(gen.engine.kv, "load", pulled)
+        _recording(local.allocator, "allocate", prefilled)
+        for prompt, tokens in zip(prompts, want, strict=True):
+            body = {"model": "m", "prompt": prompt, "max_tokens": 16}
+            _, r = _routed(ctx, gen, "/v1/completions", body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == tokens
+            local.run_batch([prompt], SamplingParams(max_tokens=2))
+            got, truth = (_mtp_kv(gen.engine, pulled[-1], len(prompt)),
+                          _mtp_kv(local, prefilled[0], len(prompt)))
+            prefilled.clear()
+            for a, b in zip(got, truth, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        stats = gen.engine.stats
+        assert stats.remote_prefill_tokens == sum(map(len, prompts))
+        assert stats.spec_drafts > 0
+        assert stats.spec_accepted_per_pos[0] >= 0.6 * stats.spec_drafts, stats
+        _wait(lambda: ctx.engine.allocator.num_in_use == 0 == gen.engine.allocator.num_in_use,
+              "blocks still held after the decodes")
+
+
+def test_mtp_on_one_side_only_is_a_clear_kv_transfer_error(demo_mtp_checkpoint):
+    """A generation server with MTP reading a context server without it: the layouts differ by
+    the MTP layer, and the decode request's error says so (the operator refuses such a
+    deployment before any pod starts; a hand-made pairing gets this)."""
+    with _mtp_server(demo_mtp_checkpoint, CTX, False) as ctx, \
+            _mtp_server(demo_mtp_checkpoint, GEN, True) as gen:
+        _, r = _routed(ctx, gen, "/v1/completions",
+                       {"model": "m", "prompt": [5, 6, 7, 8, 9], "max_tokens": 4})
+        assert r.status_code >= 400, r.text
+        message = r.json()["error"]["message"]
+        assert "draft_layers 0 there, 1 here" in message
+        assert "engine.speculative.method mtp on both servers" in message
+        _wait(lambda: ctx.engine.kv.leases == 0, "the refused read's lease still held",
+              timeout=5.0)

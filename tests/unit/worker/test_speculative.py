@@ -239,10 +239,12 @@ def test_mtp_drafts_are_mostly_accepted_and_change_no_answer(demo_mtp):
     assert stats.spec_accepted_per_pos[0] >= 0.6 * stats.spec_drafts, stats
     assert len(stats.spec_accepted_per_pos) == 3 and stats.spec_accepted_per_pos[2] > 0
     assert engine.allocator.num_in_use == 0
-    # the layer's cache holds one more layer's KV per pooled token: what the ledger adds
-    assert engine.mtp is not None
+    # the layer's KV is one more layer of the engine's cache, after the model's: one more
+    # layer's bytes per pooled token, what the ledger adds
     extra = kv_bytes_per_token(model.config, 4, 1) - kv_bytes_per_token(model.config, 4)
-    assert engine.mtp.cache.nbytes == extra * engine.allocator.capacity_tokens
+    mtp_kv = engine.runner.cache.layers[model.config.num_hidden_layers]
+    assert sum(t.numel() * t.element_size() for t in mtp_kv) == \
+        extra * engine.allocator.capacity_tokens
 
 
 def test_mtp_seeded_sampled_answers_are_those_without_drafts(demo_mtp):

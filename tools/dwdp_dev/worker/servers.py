@@ -134,7 +134,9 @@ class EngineServer:
     one, the generation server reads vLLM prefill servers), on
     ``device`` (``cuda:N``: the worker's GPU kernels too, as
     ``dwdp.worker.main`` sets them). ``server``: its identity in the ``dwdp`` response field
-    (``status.server_identity``). ``limits`` go to ``EngineConfig``. A context manager:
+    (``status.server_identity``). ``limits`` go to ``EngineConfig``; with
+    ``speculative.method`` mtp the checkpoint's MTP layer is attached and its KV moves with the
+    model's. A context manager:
     ``base`` is its URL and ``client`` an ``httpx.Client`` carrying the key once entered (an
     ``ApiKey`` of a file: the key when entered; the server checks the current one)."""
 
@@ -155,6 +157,13 @@ class EngineServer:
             use_cuda_kernels(model)
         self.engine = ContinuousEngine(model, tok, model_name=model_name,
                                        config=EngineConfig(**limits))
+        spec = self.engine.config.speculative
+        if spec is not None and spec.method == "mtp":
+            from dwdp.worker.loading.mtp import load_mtp
+            from dwdp.worker.loading.validate import validate_checkpoint
+
+            self.engine.attach_draft_layer(load_mtp(
+                path, validate_checkpoint(path), dtype=model.dtype, device=str(model.device)))
         self.api_key, self.kv, self.lease_s, self.model_name = api_key, kv, lease_s, model_name
         self.vllm = vllm  # a VllmInterop: a context rank that vLLM decode servers read
         self.vllm_staging_blocks = vllm_staging_blocks
@@ -203,7 +212,8 @@ class EngineServer:
 
                 reader = VllmReader(cache, self.vllm_prefill, num_layers=layers)
             return KvTransfer(
-                KvAgent(cache, model=self.model_name, num_layers=layers),
+                KvAgent(cache, model=self.model_name, num_layers=layers,
+                        draft_layers=0 if self.engine.mtp is None else 1),
                 host="127.0.0.1", port=port, api_key=self.api_key, lease_s=self.lease_s,
                 vllm=producer, vllm_reader=reader,
             )

@@ -10,8 +10,11 @@ key can learn where another server's KV cache lives.
 
 A generation server ``connect``s to the context server named by ``kv_transfer_params``
 (``remote_host``/``remote_port``) once per remote engine; the layouts must agree (model, dtype,
-block size, layers and their shapes) or ``TransferError`` names what differs. ``pull`` reads the
-remote blocks of every layer into local blocks with one NIXL READ and, when it is done, notifies
+block size, draft layers, layers and their shapes) or ``TransferError`` names what differs. The
+draft layers are the MTP layer's (``engine.speculative.method: mtp``), cache layer
+``num_layers`` after the model's: its KV of a prompt moves with the model's, so the generation
+server's MTP layer drafts from the first step. ``pull`` reads the remote blocks of every layer
+into local blocks with one NIXL READ and, when it is done, notifies
 the context side with ``release_message(request_id)``, which frees the lease there.
 
 On the host, UCX is limited to TCP unless ``UCX_TLS`` is set: pods do not share memory, so UCX's
@@ -33,6 +36,11 @@ from dwdp.worker.engine.paged import PagedKVCache
 
 RELEASE = b"dwdp-kv-release:"
 PULL_TIMEOUT_S = 60.0
+
+
+_WHY = {"draft_layers": " (the MTP layer's KV moves with the model's: "
+                        "engine.speculative.method mtp on both servers or on neither)"}
+"""What a layout difference means, where the key alone does not say it."""
 
 
 def release_message(request_id: str) -> bytes:
@@ -78,15 +86,18 @@ class KvAgent:
     when NIXL is missing or a layer of the cache was never allocated.
     """
 
-    def __init__(self, cache: PagedKVCache, *, model: str, num_layers: int) -> None:
-        missing = [i for i in range(num_layers) if i not in cache.layers]
+    def __init__(self, cache: PagedKVCache, *, model: str, num_layers: int,
+                 draft_layers: int = 0) -> None:
+        total = num_layers + draft_layers
+        missing = [i for i in range(total) if i not in cache.layers]
         if missing:
             raise TransferError(f"KV cache layers {missing} were never allocated")
         self.cache = cache
         self.model = model
+        self.draft_layers = draft_layers
         self.engine_id = f"dwdp-{uuid.uuid4().hex[:12]}"
         self._agent = new_nixl_agent(self.engine_id, host_memory=cache.device.type == "cpu")
-        self._tensors = [t for i in range(num_layers) for t in cache.layers[i]]
+        self._tensors = [t for i in range(total) for t in cache.layers[i]]
         self._registered = self._agent.register_memory(self._tensors)
         self.memory_type = "DRAM" if cache.device.type == "cpu" else "VRAM"  # NIXL's name
         self._dev = 0 if cache.device.type == "cpu" else (cache.device.index or 0)
@@ -98,6 +109,7 @@ class KvAgent:
             "model": self.model,
             "dtype": str(self.cache.dtype),
             "block_size": self.cache.block_size,
+            "draft_layers": self.draft_layers,
             "layers": [
                 [list(t.shape[1:]) for t in self.cache.layers[i]]
                 for i in range(len(self._tensors) // 2)
@@ -123,11 +135,11 @@ class KvAgent:
         if engine_id in self._remotes:
             return self._remotes[engine_id]
         theirs, ours = described.get("layout") or {}, self.layout()
-        for key in ("model", "dtype", "block_size", "layers"):
+        for key in ("model", "dtype", "block_size", "draft_layers", "layers"):
             if theirs.get(key) != ours.get(key):
                 raise TransferError(
                     f"KV layout differs from {engine_id}: {key} {theirs.get(key)!r} there, "
-                    f"{ours.get(key)!r} here"
+                    f"{ours.get(key)!r} here{_WHY.get(key, '')}"
                 )
         regions = described.get("regions")
         if not isinstance(regions, list) or len(regions) != len(ours["layers"]):

@@ -42,18 +42,21 @@ def create_kv_connector(
     api_key: ApiKey,
     local_rank: int = 0,
     staging: Staging | None = None,
+    draft_layers: int = 0,
 ) -> KvTransfer:
     """The KV connector of a context or generation rank (``cfg.role``) over ``cache``: a
     ``KvTransfer`` whose side channel is ``host``:``port`` (the address the rank advertises),
     with ``kvTransfer.vllm`` its vLLM side too (module docstring). ``staging``: the vLLM
     staging buffer the pool was sized beside (``dwdp.worker.main.resolve_kv_staging``; given
-    with ``kvTransfer.vllm``). Logs what it built. Raises ``TransferError`` (NIXL, ZMQ) or
-    ``VllmInteropError`` (a cache vLLM's servers cannot share), one line each."""
+    with ``kvTransfer.vllm``). ``draft_layers``: the MTP layer's cache layers after the
+    model's ``num_layers`` (``engine.speculative.method: mtp``), moved with them. Logs what
+    it built. Raises ``TransferError`` (NIXL, ZMQ) or ``VllmInteropError`` (a cache vLLM's
+    servers cannot share), one line each."""
     lease_s = float(cfg.kv_cache.transfer_lease_seconds)
     producer, reader = _vllm_side(cache, cfg, num_layers=num_layers, host=host,
                                   lease_s=lease_s, local_rank=local_rank, staging=staging)
     kv = KvTransfer(
-        KvAgent(cache, model=model_name, num_layers=num_layers),
+        KvAgent(cache, model=model_name, num_layers=num_layers, draft_layers=draft_layers),
         host=host, port=port, api_key=api_key, lease_s=lease_s, vllm=producer,
         vllm_reader=reader,
     )

@@ -165,8 +165,8 @@ class ContinuousEngine(EngineBase):
         spec = self.config.speculative
         if spec is None or spec.method != "mtp":
             raise EngineError("attach_draft_layer: engine.speculative.method is not mtp")
-        self.mtp = MtpDrafts(layer, self.model, num_blocks=self.allocator.num_blocks,
-                             block_size=self.allocator.block_size,
+        layers = int(self.model.config.get_text_config().num_hidden_layers)
+        self.mtp = MtpDrafts(layer, self.model, self.runner.cache, layer_index=layers,
                              cache_kwarg=self._cache_kwarg,
                              num_speculative_tokens=spec.num_speculative_tokens)
 
@@ -266,7 +266,9 @@ class ContinuousEngine(EngineBase):
         cache tensors), then ``ModelRunner.warm_up_kernels``."""
         if self._warmed:
             return
-        self.run_batch([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
+        # two tokens with an MTP layer: its pass after the first step allocates its layer
+        self.run_batch([[0]], SamplingParams(max_tokens=1 if self.mtp is None else 2,
+                                             ignore_eos=True))
         began = time.perf_counter()
         forwards = self.runner.warm_up_kernels(self.max_model_len, self.config.max_num_tokens)
         if forwards:
@@ -505,22 +507,25 @@ class ContinuousEngine(EngineBase):
         rows = _first_rows(sampled, logits)
         choices = choose(rows, [p.seq.state for p in sampled])
         accepted: dict[int, int] = {}
+        held: list[tuple[SchedSequence, Any]] = []
         row = 0
         for p, choice in zip(sampled, choices, strict=True):
             seq, state = p.seq, p.seq.state
             first, row = row, row + p.chunk.rows
             if state.finished:
                 continue  # a stop string ended it while this step ran: its token is dropped
-            params = state.kv_transfer
-            remote_decode = params is not None and params.do_remote_decode
-            if kv is not None and remote_decode:
-                self._remote_decode(seq, kv, choice)
-            else:
-                self._take(seq, choice)
+            if kv is not None and _decodes_remotely(seq):
+                held.append((seq, choice))  # after the MTP pass, whose KV the hold carries
+                continue
+            self._take(seq, choice)
             if p.chunk.draft:
                 accepted[id(seq)] = self._verify(seq, p.chunk, choice.token, logits, first)
         if self.mtp is not None:
-            self.mtp.after(plan, accepted, self.scheduler, self._room)
+            self.mtp.after(plan, accepted, self.scheduler, self._room,
+                           {id(seq): choice.token for seq, choice in held})
+        for seq, choice in held:
+            assert kv is not None
+            self._remote_decode(seq, kv, choice)
         self._count_kv()
         self._publish_kv_events()
 
@@ -533,7 +538,9 @@ class ContinuousEngine(EngineBase):
             return
         drafter = self.drafter
         for seq in self.scheduler.running:
-            room = self._room(seq) if seq.pending == 1 else 0
+            # a prefill for a generation server that waits for room to hold its KV decodes
+            # on without drafts (its steps' tokens go out as they come: ``_step``'s holds)
+            room = self._room(seq) if seq.pending == 1 and not _decodes_remotely(seq) else 0
             if room <= 0:
                 seq.draft = []
             elif drafter is not None:
@@ -650,6 +657,13 @@ class ContinuousEngine(EngineBase):
 
     def _live_states(self) -> list[RequestState]:
         return [seq.state for seq in self._sequences.values()]
+
+
+def _decodes_remotely(seq: SchedSequence) -> bool:
+    """Whether ``seq`` is a prefill whose KV a generation server decodes from
+    (``kv_transfer_params.do_remote_decode``)."""
+    params = seq.state.kv_transfer
+    return params is not None and params.do_remote_decode
 
 
 def _first_rows(sampled: list[Scheduled], logits: Any) -> Any:

@@ -5,15 +5,19 @@ runs the MTP layer (``dwdp.worker.engine.speculative.DraftLayer``) over the posi
 kept: every prompt position a chunk computed and, of a decoding request, its pending token and
 the drafts the target accepted. Position ``p`` gets the target's last hidden state there
 (captured from the model's final norm during the step's forward) and the token at ``p + 1``,
-so the layer's KV cache (a ``PagedKVCache`` of its own, in the requests' own blocks) follows the
-target's, and its output at a decoding request's last kept position predicts the token after the
-one the step chose: the first draft of the next step. Further drafts run the layer one position
-on, its own output standing in for the target's hidden state (vLLM's ``deepseek_mtp``); their
-cache entries are overwritten by the next step's pass. The drafts land in ``Sequence.draft``.
+so the layer's KV follows the target's, and its output at a decoding request's last kept
+position predicts the token after the one the step chose: the first draft of the next step.
+Further drafts run the layer one position on, its own output standing in for the target's
+hidden state (vLLM's ``deepseek_mtp``); their cache entries are overwritten by the next step's
+pass. The drafts land in ``Sequence.draft``.
 
-A request whose prompt KV was read from a context server has no MTP entries for its prompt
-(only the model's layers move): it decodes without MTP drafts. Steps run eagerly: the captured
-CUDA graphs do not keep the hidden states (``ContinuousEngine.capture_cuda_graphs`` refuses).
+The layer's KV is layer ``layer_index`` (the model's layer count, as in the checkpoint) of the
+engine's own ``PagedKVCache``, in the requests' blocks: the prefix cache shares it with the
+model's, and the KV transfer moves it with the model's (``dwdp.worker.disagg.agent``). A context
+server runs the pass over a prefill whose KV it holds for a generation server before the hold
+is answered (``held``), so that server's MTP layer drafts from its first step. Steps run
+eagerly: the captured CUDA graphs do not keep the hidden states
+(``ContinuousEngine.capture_cuda_graphs`` refuses).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ if TYPE_CHECKING:
 class MtpDrafts:
     """The MTP layer of one engine, its KV cache and the target's captured hidden states."""
 
-    def __init__(self, layer: DraftLayer, target: Any, *, num_blocks: int, block_size: int,
+    def __init__(self, layer: DraftLayer, target: Any, cache: PagedKVCache, *, layer_index: int,
                  cache_kwarg: str, num_speculative_tokens: int) -> None:
         import torch
 
@@ -40,7 +44,10 @@ class MtpDrafts:
         self.k = num_speculative_tokens
         block = layer.block
         use_paged_attention(block)
-        self.cache = PagedKVCache(num_blocks, block_size, dtype=block.dtype, device=block.device)
+        for module in block.modules():  # its attention's cache layer: after the model's
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = layer_index
+        self.cache = cache
         self._cache_kwarg = cache_kwarg
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=block.device)
         self.hidden: Any = None
@@ -51,10 +58,14 @@ class MtpDrafts:
         self.hidden = output
 
     def after(self, plan: list[Scheduled], accepted: dict[int, int], scheduler: Scheduler,
-              room: Callable[[Sequence], int]) -> None:
+              room: Callable[[Sequence], int], held: dict[int, int] | None = None) -> None:
         """Run the layer over the kept positions of ``plan`` (``accepted``: drafts accepted per
-        ``id(seq)``) and set the drafts of the decoding requests, up to ``room(seq)`` each."""
+        ``id(seq)``) and set the drafts of the decoding requests, up to ``room(seq)`` each.
+        ``held``: per ``id(seq)``, the token a prefill chose whose KV is to be held for a
+        generation server, not taken yet; the pass has written the cache when this returns."""
         import torch
+
+        held = held or {}
 
         chunks: list[Chunk] = []
         rows: list[int] = []
@@ -64,10 +75,11 @@ class MtpDrafts:
         for p in plan:
             c, seq = p.chunk, p.seq
             q0, q = q, q + len(c.token_ids)
-            if seq.state.finished or seq.remote_prompt or seq not in scheduler.running:
+            if seq.state.finished or seq not in scheduler.running:
                 continue
             kept = len(c.token_ids) - c.draft + accepted.get(id(seq), 0)
-            following = seq.token_ids()[c.start + 1 : c.start + kept + 1]
+            tokens = seq.token_ids() + ([held[id(seq)]] if id(seq) in held else [])
+            following = tokens[c.start + 1 : c.start + kept + 1]
             if len(following) < kept:
                 continue  # its last token is not taken (a prefill parked for its KV hold)
             want = c.sample and room(seq) > 0
@@ -85,6 +97,8 @@ class MtpDrafts:
         for (seq, _), token in zip(wanting, drafts, strict=True):
             seq.draft = [int(token)]
         self._chain(wanting, last, scheduler, room)
+        if held and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # before a reader may look
 
     def _chain(self, wanting: list[tuple[Sequence, int]], hidden: Any, scheduler: Scheduler,
                room: Callable[[Sequence], int]) -> None:
