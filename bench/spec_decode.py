@@ -3,10 +3,9 @@ and output tokens/s at concurrency 32, plain, with n-gram drafts and with MTP dr
 
 The model is the trained demo model with its trained MTP layer (``dwdp_dev.worker.demo_mtp``,
 cached; it knows the capitals of its corpus), on the CPU or one GPU (``--device cuda``: the
-worker's GPU kernels; CUDA graphs captured for plain and ngram (a verify step, which is no
-decode-only step, replays the piecewise graphs or runs eagerly), none for mtp, which runs
-eagerly). Two workloads, greedy, up to ``--max-tokens`` tokens (the model's EOS ends an
-answer, as it was trained to):
+worker's GPU kernels and CUDA graphs in every mode: decode-only steps replay the decode graphs,
+verify steps the piecewise graphs; the MTP layer itself runs eagerly). Two workloads,
+greedy, up to ``--max-tokens`` tokens (the model's EOS ends an answer, as it was trained to):
 
 - ``quote`` (copy-heavy, a summarize-and-quote shape): each prompt quotes ``--facts`` capital
   sentences of the corpus and then starts quoting them again, so the answer repeats text of its
@@ -73,7 +72,7 @@ def ask_prompts(tokenizer, count: int) -> list[list[int]]:
 def engine(model, tok, layer, spec: SpeculativeConfig | None, device: str) -> ContinuousEngine:
     mtp = spec is not None and spec.method == "mtp"
     config = EngineConfig(max_batch_size=32, max_num_tokens=2048, max_model_len=512,
-                          cuda_graphs=device == "cuda" and not mtp, speculative=spec)
+                          cuda_graphs=device == "cuda", speculative=spec)
     eng = ContinuousEngine(model, tok, model_name="demo", config=config)
     if mtp:
         eng.attach_draft_layer(layer)

@@ -101,3 +101,19 @@ def test_mtp_drafts_on_the_gpu_answer_as_plain_decoding_and_are_mostly_accepted(
     assert _same_but_near_ties(plain, spec) >= len(prompts) - 1
     stats = engine.stats
     assert stats.spec_accepted_per_pos[0] >= 0.6 * stats.spec_drafts, stats
+
+
+def test_mtp_drafts_with_cuda_graphs_read_the_replayed_steps_hidden_states(demo):
+    """MTP drafts with the decode and piecewise graphs: the hook's copy of the final norm's
+    output is one of the captured kernels, so a replayed step hands the MTP layer its own
+    hidden states. Drafts read from a stale buffer would be rejected nearly always; here the
+    answers are the plain graphs' and the first drafts mostly accepted, as without graphs."""
+    prompts = _prompts(demo[1])[:6]
+    params = SamplingParams(max_tokens=24)
+    plain = _engine(demo, None, True).run_batch(prompts, params, keep_logits=True)
+    engine = _engine(demo, SpeculativeConfig(method="mtp", num_speculative_tokens=2), True)
+    spec = engine.run_batch(prompts, params)
+    assert _same_but_near_ties(plain, spec) >= len(prompts) - 1
+    stats = engine.stats
+    assert stats.piecewise_replays > 0  # the verify steps replayed graphs
+    assert stats.spec_accepted_per_pos[0] >= 0.6 * stats.spec_drafts, stats

@@ -417,16 +417,20 @@ def size_rank_memory(
     ledger, which ``watch`` keeps. ``host_sharers``: the ranks of the pod, which share the
     host's memory (a pool on the host takes its share of the container's budget);
     ``draft_layers``: layers of a draft model whose KV cache each pooled token also holds (an
-    MTP layer's). Raises ``KvPoolError`` for a pool below one ``max_model_len`` request; the
+    MTP layer's; its buffer of a step's hidden states, ``max_num_tokens`` rows, joins the
+    activation headroom). Raises ``KvPoolError`` for a pool below one ``max_model_len`` request; the
     termination message then lists every part measured."""
     _, expert, dense, _ = dwdp_buffers(dwdp.status())
     headroom, graphs = _headroom(model, watch, max_num_tokens=max_num_tokens,
                                  max_model_len=max_model_len, cuda_graphs=cuda_graphs,
                                  max_batch_size=max_batch_size)
+    config = model.config.get_text_config()
+    if draft_layers and watch.on_gpu:  # dwdp.worker.engine.mtp_drafts: the hidden states
+        buffer = draft_layers * max_num_tokens * int(config.hidden_size) * model.dtype.itemsize
+        headroom = Placed(host=None, device=(headroom.device or 0) + buffer)
     where = DEVICE if watch.on_gpu else HOST
     budget = None if watch.on_gpu else host_budget()
-    per_token = kv_bytes_per_token(model.config.get_text_config(), model.dtype.itemsize,
-                                   draft_layers)
+    per_token = kv_bytes_per_token(config, model.dtype.itemsize, draft_layers)
     staged = Placed.on(where, staging.tokens * per_token if staging else 0)
     free = free_for_kv_bytes(
         watch.device,

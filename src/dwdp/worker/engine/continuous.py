@@ -166,9 +166,11 @@ class ContinuousEngine(EngineBase):
         if spec is None or spec.method != "mtp":
             raise EngineError("attach_draft_layer: engine.speculative.method is not mtp")
         layers = int(self.model.config.get_text_config().num_hidden_layers)
+        k = spec.num_speculative_tokens
+        most = max(self.config.max_num_tokens, self.config.max_batch_size * (1 + k))
         self.mtp = MtpDrafts(layer, self.model, self.runner.cache, layer_index=layers,
-                             cache_kwarg=self._cache_kwarg,
-                             num_speculative_tokens=spec.num_speculative_tokens)
+                             cache_kwarg=self._cache_kwarg, num_speculative_tokens=k,
+                             max_tokens=most)
 
     def capture_cuda_graphs(self) -> GraphStats:
         """Capture the piecewise graphs (``dwdp.worker.engine.piecewise``) and the decode
@@ -184,11 +186,6 @@ class ContinuousEngine(EngineBase):
                 f"engine.cudaGraphs: the model is on {cache.device}; CUDA graphs need a CUDA "
                 "device"
             )
-        if self.mtp is not None:
-            raise CudaGraphError(
-                "engine.cudaGraphs: engine.speculative.method mtp runs its steps eagerly (the "
-                "captured graphs do not keep the hidden states the MTP layer reads); leave "
-                "cudaGraphs unset or false")
         self._warm_up()  # the pool's tensors first: they are not graph memory
         device = self.model.device
         torch.cuda.synchronize(device)  # the capture empties the allocator's cache: so first

@@ -15,9 +15,12 @@ The layer's KV is layer ``layer_index`` (the model's layer count, as in the chec
 engine's own ``PagedKVCache``, in the requests' blocks: the prefix cache shares it with the
 model's, and the KV transfer moves it with the model's (``dwdp.worker.disagg.agent``). A context
 server runs the pass over a prefill whose KV it holds for a generation server before the hold
-is answered (``held``), so that server's MTP layer drafts from its first step. Steps run
-eagerly: the captured CUDA graphs do not keep the hidden states
-(``ContinuousEngine.capture_cuda_graphs`` refuses).
+is answered (``held``), so that server's MTP layer drafts from its first step.
+
+The target's hidden states reach the layer through a buffer of the step's largest token count:
+a forward hook on the model's final norm copies its output there. Under CUDA graphs that copy is
+one of the captured kernels, so a replayed step (decode graphs or piecewise graphs) refreshes the
+buffer as an eager one does; the layer itself runs eagerly after the step.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class MtpDrafts:
     """The MTP layer of one engine, its KV cache and the target's captured hidden states."""
 
     def __init__(self, layer: DraftLayer, target: Any, cache: PagedKVCache, *, layer_index: int,
-                 cache_kwarg: str, num_speculative_tokens: int) -> None:
+                 cache_kwarg: str, num_speculative_tokens: int, max_tokens: int) -> None:
         import torch
 
         self.layer = layer
@@ -50,12 +53,19 @@ class MtpDrafts:
         self.cache = cache
         self._cache_kwarg = cache_kwarg
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=block.device)
-        self.hidden: Any = None
-        """The target's last hidden states [1, T, H] of the step that ran last."""
+        hidden = int(target.config.get_text_config().hidden_size)
+        self.hidden = torch.zeros((max_tokens, hidden), dtype=block.dtype, device=block.device)
+        """The target's last hidden states of the step that ran last, a row per token of the
+        step ([``max_tokens``, H]: a step's tokens at most, or its graph bucket's)."""
         target.model.norm.register_forward_hook(self._capture)
 
     def _capture(self, module: Any, args: Any, output: Any) -> None:
-        self.hidden = output
+        """The final norm's output [1, T, H] into ``hidden`` (recorded in a captured graph)."""
+        tokens = output.shape[1]
+        if tokens > self.hidden.shape[0]:
+            raise RuntimeError(f"MTP drafts: a step of {tokens} tokens, the hidden-state buffer "
+                               f"holds {self.hidden.shape[0]}")
+        self.hidden[:tokens].copy_(output[0])
 
     def after(self, plan: list[Scheduled], accepted: dict[int, int], scheduler: Scheduler,
               room: Callable[[Sequence], int], held: dict[int, int] | None = None) -> None:
@@ -91,7 +101,7 @@ class MtpDrafts:
         if not chunks:
             return
         device = self.cache.device
-        hidden = self.hidden[0].index_select(0, torch.tensor(rows, device=device))
+        hidden = self.hidden.index_select(0, torch.tensor(rows, device=device))
         last = self._forward(chunks, ids, hidden)
         drafts = self.layer.logits(last).argmax(dim=-1).tolist()
         for (seq, _), token in zip(wanting, drafts, strict=True):
