@@ -371,8 +371,7 @@ class SpeculativeSpec(ApiModel):
         "promptLookupMax tokens in its prompt and output; mtp (vLLM's deepseek_mtp): the "
         "checkpoint's multi-token prediction layer (DeepSeek-V3's num_nextn_predict_layers), "
         "run after every step on the model's last hidden states; a checkpoint without one is "
-        "refused when the rank starts, and mtp runs its steps eagerly (cudaGraphs true is "
-        "refused beside it; unset, it resolves to off).",
+        "refused when the rank starts.",
     )
     num_speculative_tokens: int = Field(
         strict=True,
@@ -425,26 +424,10 @@ class SpeculativeSpec(ApiModel):
         return low, low if high is None else high
 
 
-MTP_EAGER = (
-    "with engine.speculative.method mtp: the MTP layer reads the model's hidden states after "
-    "every step, which the captured CUDA graphs do not keep; leave cudaGraphs unset or false"
-)
-GRAPHS_WITH_MTP_RULE = cel_rule(
-    "!has(self.cudaGraphs) || !self.cudaGraphs || !has(self.speculative) || "
-    "!has(self.speculative.method) || self.speculative.method != 'mtp'",
-    f"cudaGraphs true is not supported by this worker {MTP_EAGER}",
-    field_path=".cudaGraphs",
-)
-"""CUDA graphs and MTP drafts, in the CRD (the worker's ``resolve_cuda_graphs`` says the
-same)."""
-
-
 class EngineSpec(ApiModel):
     """Engine switches of a rank: cudaGraphs and speculative; the other switches of earlier
     specs (torchCompile, overlapScheduler, lora, speculativeDecoding, sleepMode) are refused as
     dropped fields."""
-
-    model_config = ConfigDict(json_schema_extra=cel_rules([GRAPHS_WITH_MTP_RULE]))
 
     cuda_graphs: Bool | None = Field(
         default=None,
@@ -462,14 +445,6 @@ class EngineSpec(ApiModel):
         "output as without them (greedy token for token, sampled by the same distribution). "
         "Unset: off.",
     )
-
-    @model_validator(mode="after")
-    def _check(self) -> EngineSpec:
-        spec = self.speculative
-        if self.cuda_graphs and spec is not None and spec.method == "mtp":
-            rule = f"is not supported by this worker {MTP_EAGER}"
-            raise RuleViolations([Problem(("cudaGraphs",), True, rule)])
-        return self
 
 
 def served_model_name(served_name: str | None, path: str) -> str:

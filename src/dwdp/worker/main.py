@@ -485,7 +485,6 @@ def rank_settings(cfg: LaunchConfig, local_rank: int) -> tuple[bool, int, ApiKey
         role=cfg.role,
         device=_device_for(cfg, local_rank),
         dwdp_enabled=dwdp_active(cfg),
-        mtp=mtp_drafts(cfg),
     )
     dense_min_bytes = resolve_dense_min_bytes(os.environ)
     api_key = ApiKey.from_env(os.environ, file_var=Env.API_KEY_FILE, value_var=Env.API_KEY)

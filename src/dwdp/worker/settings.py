@@ -36,7 +36,6 @@ from dwdp.api.config import DwdpConfig
 from dwdp.api.contract import ENV_DENSE_MIN_BYTES, ENV_TORCH_THREADS
 from dwdp.api.enums import CopyMode, GatherKernel, Role
 from dwdp.api.errors import Problem
-from dwdp.api.launch import MTP_EAGER
 from dwdp.api.support import CUDA_GRAPHS_WITH_DWDP
 
 log = logging.getLogger(__name__)
@@ -183,7 +182,6 @@ class CudaGraphsError(ValueError):
 
 def resolve_cuda_graphs(
     setting: bool | None, *, role: Role | None, device: str, dwdp_enabled: bool,
-    mtp: bool = False,
 ) -> bool:
     """Whether this rank captures CUDA graphs of its decode-only steps.
 
@@ -193,9 +191,8 @@ def resolve_cuda_graphs(
         device: where the model runs (``cpu`` or ``cuda:N``).
         dwdp_enabled: DWDP is on (``dwdp.api.launch.dwdp_active``): the prefetch schedule
             runs host hooks around every MoE layer.
-        mtp: ``engine.speculative.method`` is mtp (its steps run eagerly).
 
-    Unset: on for a generation server on CUDA without DWDP or MTP drafts, off otherwise;
+    Unset: on for a generation server on CUDA without DWDP, off otherwise;
     false: off; true: on.
 
     Raises:
@@ -204,13 +201,10 @@ def resolve_cuda_graphs(
     """
     on_cuda = device.startswith("cuda")
     if setting is None:
-        return role is Role.GENERATION and on_cuda and not dwdp_enabled and not mtp
+        return role is Role.GENERATION and on_cuda and not dwdp_enabled
     if not setting:
         return False
     limit = CUDA_GRAPHS_WITH_DWDP
-    if mtp:
-        raise CudaGraphsError(str(Problem(limit.path, True,
-                                          f"is not supported by this worker {MTP_EAGER}")))
     if dwdp_enabled:
         raise CudaGraphsError(str(Problem(limit.path, True, limit.rule)))
     if not on_cuda:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dwdp.api.enums import Role
-from dwdp.api.launch import MTP_EAGER, KvCacheConfig
+from dwdp.api.launch import KvCacheConfig
 from dwdp.api.support import CUDA_GRAPHS_WITH_DWDP
 from dwdp.worker import memory
 from dwdp.worker.memory import MemoryWatch, Placed, RankMemory, size_rank_memory
@@ -54,18 +54,6 @@ def test_true_with_dwdp_is_refused_with_the_api_words() -> None:
         resolve_cuda_graphs(True, role=Role.CONTEXT, device=GPU, dwdp_enabled=True)
     assert str(info.value) == f"engine.cudaGraphs: {CUDA_GRAPHS_WITH_DWDP.rule} (got true)"
     assert "prefetch schedule runs host hooks" in str(info.value)
-
-
-def test_mtp_drafts_leave_graphs_off_when_unset_and_refuse_them_when_asked() -> None:
-    """``engine.speculative.method: mtp`` runs its steps eagerly: unset resolves to off on a
-    generation server on CUDA, true is refused with the API's words."""
-    assert resolve_cuda_graphs(None, role=Role.GENERATION, device=GPU, dwdp_enabled=False,
-                               mtp=True) is False
-    with pytest.raises(CudaGraphsError) as info:
-        resolve_cuda_graphs(True, role=Role.GENERATION, device=GPU, dwdp_enabled=False,
-                            mtp=True)
-    assert str(info.value) == (
-        f"engine.cudaGraphs: is not supported by this worker {MTP_EAGER} (got true)")
 
 
 # -- the memory ledger -------------------------------------------------------------------------
