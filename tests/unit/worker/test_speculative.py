@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -297,3 +299,19 @@ def test_the_batch_size_schedule_caps_the_drafts_of_a_step(loaded):
     assert [o.token_ids for o in fewer.run_batch(prompts[:2], params)] == \
         [o.token_ids for o in plain[:2]]
     assert fewer.stats.spec_draft_tokens > 0
+
+
+@given(prompt=st.lists(st.integers(0, 9), min_size=1, max_size=12),
+       output=st.lists(st.integers(0, 9), max_size=12), start=st.integers(0, 30),
+       count=st.integers(1, 8), held=st.none() | st.integers(10, 12))
+def test_the_mtp_pass_reads_the_tokens_after_a_chunk_as_the_whole_sequence_holds_them(
+        prompt, output, start, count, held):
+    """``mtp_drafts._following`` (the tokens after a chunk's positions, read in place) is the
+    slice of the whole sequence, a held prefill's token after it."""
+    from types import SimpleNamespace
+
+    from dwdp.worker.engine.mtp_drafts import _following
+
+    seq = SimpleNamespace(state=SimpleNamespace(prompt=prompt, tokens=output))
+    whole = prompt + output + ([] if held is None else [held])
+    assert _following(seq, start, count, held) == whole[start + 1 : start + count + 1]

@@ -88,8 +88,7 @@ class MtpDrafts:
             if seq.state.finished or seq not in scheduler.running:
                 continue
             kept = len(c.token_ids) - c.draft + accepted.get(id(seq), 0)
-            tokens = seq.token_ids() + ([held[id(seq)]] if id(seq) in held else [])
-            following = tokens[c.start + 1 : c.start + kept + 1]
+            following = _following(seq, c.start, kept, held.get(id(seq)))
             if len(following) < kept:
                 continue  # its last token is not taken (a prefill parked for its KV hold)
             want = c.sample and room(seq) > 0
@@ -145,3 +144,15 @@ class MtpDrafts:
                 **{self._cache_kwarg: self.cache},
             ).last_hidden_state[0]
         return out.index_select(0, layout.logits_index)
+
+
+def _following(seq: Sequence, start: int, count: int, held: int | None) -> list[int]:
+    """The tokens at positions ``start + 1`` to ``start + count`` of ``seq`` (its prompt, its
+    output, then ``held`` when given), fewer where they do not exist yet; read in place, not
+    from a copy of the whole sequence."""
+    prompt, output = seq.state.prompt, seq.state.tokens
+    low, high, n = start + 1, start + count + 1, len(prompt)
+    got = prompt[low:high] + output[max(low - n, 0) : max(high - n, 0)]
+    if held is not None and len(got) < count and low + len(got) == n + len(output):
+        got.append(held)
+    return got
