@@ -822,6 +822,52 @@ def test_a_rank_drafting_with_the_checkpoints_mtp_layer_answers_as_transformers(
         proc.wait(timeout=60)
 
 
+def test_a_context_and_a_generation_rank_drafting_with_mtp_decode_across_the_transfer(
+        tmp_path):
+    """A context rank and a generation rank launched with ``engine.speculative.method: mtp``:
+    the context rank prefills (``do_remote_decode``), the generation rank reads the prompt's KV
+    (both agents describe the MTP layer: a layout that differs fails the read), answers as
+    transformers' ``generate`` and accepts drafts. ``test_disagg`` checks the MTP KV read."""
+    import torch
+
+    from dwdp.worker.loading.checkpoint import load_checkpoint
+    from dwdp_dev.devcluster.paths import cache_dir
+    from dwdp_dev.worker.demo_mtp import cached_demo_mtp_model
+
+    path = cached_demo_mtp_model(cache_dir() / "models")
+    model, tok = load_checkpoint(path)
+    prompt = tok("What is the capital of Japan?")["input_ids"]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    want_ids = want[0, len(prompt):].tolist()
+    if tok.eos_token_id in want_ids:
+        want_ids = want_ids[: want_ids.index(tok.eos_token_id)]
+    mtp = {"speculative": {"method": "mtp", "numSpeculativeTokens": 2}}
+    ranks = []
+    try:
+        for role in ("context", "generation"):
+            base = _free_base_port(1)
+            config = _config(tmp_path, model=str(path), serverPort=base, role=role, engine=mtp)
+            ranks.append((f"http://127.0.0.1:{base}", _launch(tmp_path, config, 1)[0]))
+        for url, proc in ranks:
+            _wait_ready(url, proc)
+        (ctx, _), (gen, _) = ranks
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        pre = httpx.post(ctx + "/v1/completions", timeout=60, json={
+            **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert pre.status_code == 200, pre.text
+        r = httpx.post(gen + "/v1/completions", timeout=60, json={
+            **body, "kv_transfer_params": pre.json()["kv_transfer_params"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want_ids
+        status = httpx.get(gen + "/dwdp/status", timeout=10).json()["speculative"]
+        assert status["accepted_tokens"] > 0, status
+    finally:
+        for _, proc in ranks:
+            proc.terminate()
+        for _, proc in ranks:
+            proc.wait(timeout=60)
+
+
 def test_mtp_on_a_checkpoint_without_the_layer_stops_the_rank_in_one_line(tmp_path, checkpoint):
     config = _config(tmp_path, model=str(checkpoint),
                      engine={"speculative": {"method": "mtp", "numSpeculativeTokens": 1}})
