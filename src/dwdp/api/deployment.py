@@ -817,9 +817,8 @@ _ROUTER_NEEDS_GENERATION = (
 
 
 _MTP_BOTH_SIDES = (
-    "the MTP layer's KV of a prompt moves with the model's from the context server that "
-    "prefilled it to the generation server that decodes it: with dwdp generation servers "
-    "(generation.replicas > 0), speculative.method mtp is set on both sections or on neither"
+    "the generation server's MTP layer reads its KV of a prompt from the context server that "
+    "prefilled it (set mtp on both sections, or on neither)"
 )
 
 
@@ -1119,9 +1118,8 @@ class DwdpDeploymentSpec(ApiModel):
         if mtp["context"] == mtp["generation"]:
             return []
         this, other = ("context", "generation") if mtp["context"] else ("generation", "context")
-        rule = f"{this}.engine.speculative.method mtp needs {other}.engine.speculative.method "
-        return [Problem((this, "engine", "speculative", "method"), "mtp",
-                        f"{rule}mtp: {_MTP_BOTH_SIDES}")]
+        rule = f"needs {other}.engine.speculative.method mtp too: {_MTP_BOTH_SIDES}"
+        return [Problem((this, "engine", "speculative", "method"), "mtp", rule)]
 
     @model_validator(mode="after")
     def _check(self) -> DwdpDeploymentSpec:
