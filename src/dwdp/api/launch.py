@@ -399,9 +399,9 @@ class SpeculativeSpec(ApiModel):
         description="Fewer drafts under load (vLLM's num_speculative_tokens_per_batch_size): "
         "[first, last, tokens] inclusive ranges of running requests, not overlapping, the "
         "lowest starting at 1; a step with that many requests drafts at most "
-        "tokens per request (0: none, so speculation costs no throughput when the batch is "
-        "large); a gap or the tail keeps the range before's tokens. Unset: "
-        "numSpeculativeTokens at every batch size.",
+        "tokens per request, never more than numSpeculativeTokens (0: none, so speculation "
+        "costs no throughput when the batch is large); a gap or the tail keeps the range "
+        "before's tokens. Unset: numSpeculativeTokens at every batch size.",
     )
 
     @model_validator(mode="after")
