@@ -785,10 +785,9 @@ def test_the_vllm_check_passes_a_model_vllm_can_share_and_refuses_a_device_cache
     check_vllm_interop(load_launch_config(str(_config(tmp_path, model="/m"))), narrow, "cuda:0")
 
 
-def test_a_rank_drafting_with_the_checkpoints_mtp_layer_answers_as_transformers(tmp_path):
-    """``engine.speculative.method: mtp`` on the demo model with its trained MTP layer: the
-    rank loads the layer, its greedy answer is transformers' ``generate``'s, and its metrics
-    and status count the drafts it accepted."""
+def _mtp_demo_greedy(question: str) -> tuple[Path, list[int], list[int]]:
+    """The demo model with its MTP layer (cached), the question's prompt ids and
+    transformers' greedy answer to it (12 tokens, up to EOS)."""
     import torch
 
     from dwdp.worker.loading.checkpoint import load_checkpoint
@@ -797,11 +796,19 @@ def test_a_rank_drafting_with_the_checkpoints_mtp_layer_answers_as_transformers(
 
     path = cached_demo_mtp_model(cache_dir() / "models")
     model, tok = load_checkpoint(path)
-    prompt = tok("What is the capital of France?")["input_ids"]
-    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-    want_ids = want[0, len(prompt):].tolist()
-    if tok.eos_token_id in want_ids:
-        want_ids = want_ids[: want_ids.index(tok.eos_token_id)]
+    prompt = tok(question)["input_ids"]
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    answer = out[0, len(prompt):].tolist()
+    if tok.eos_token_id in answer:
+        answer = answer[: answer.index(tok.eos_token_id)]
+    return path, prompt, answer
+
+
+def test_a_rank_drafting_with_the_checkpoints_mtp_layer_answers_as_transformers(tmp_path):
+    """``engine.speculative.method: mtp`` on the demo model with its trained MTP layer: the
+    rank loads the layer, its greedy answer is transformers' ``generate``'s, and its metrics
+    and status count the drafts it accepted."""
+    path, prompt, want_ids = _mtp_demo_greedy("What is the capital of France?")
     base = _free_base_port(1)
     config = _config(tmp_path, model=str(path), serverPort=base,
                      engine={"speculative": {"method": "mtp", "numSpeculativeTokens": 2}})
@@ -828,19 +835,7 @@ def test_a_context_and_a_generation_rank_drafting_with_mtp_decode_across_the_tra
     the context rank prefills (``do_remote_decode``), the generation rank reads the prompt's KV
     (both agents describe the MTP layer: a layout that differs fails the read), answers as
     transformers' ``generate`` and accepts drafts. ``test_disagg`` checks the MTP KV read."""
-    import torch
-
-    from dwdp.worker.loading.checkpoint import load_checkpoint
-    from dwdp_dev.devcluster.paths import cache_dir
-    from dwdp_dev.worker.demo_mtp import cached_demo_mtp_model
-
-    path = cached_demo_mtp_model(cache_dir() / "models")
-    model, tok = load_checkpoint(path)
-    prompt = tok("What is the capital of Japan?")["input_ids"]
-    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-    want_ids = want[0, len(prompt):].tolist()
-    if tok.eos_token_id in want_ids:
-        want_ids = want_ids[: want_ids.index(tok.eos_token_id)]
+    path, prompt, want_ids = _mtp_demo_greedy("What is the capital of Japan?")
     mtp = {"speculative": {"method": "mtp", "numSpeculativeTokens": 2}}
     ranks = []
     try:
