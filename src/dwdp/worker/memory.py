@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dwdp.worker.engine.kv_pool import KvPool, kv_bytes_per_token, size_kv_pool
+from dwdp.worker.engine.mtp_drafts import hidden_rows
 from dwdp.worker.engine.piecewise import token_buckets
 from dwdp.worker.host_memory import HostBudget, gib, host_budget
 from dwdp.worker.status_source import DwdpStatusSource
@@ -417,16 +418,17 @@ def size_rank_memory(
     ledger, which ``watch`` keeps. ``host_sharers``: the ranks of the pod, which share the
     host's memory (a pool on the host takes its share of the container's budget);
     ``draft_layers``: layers of a draft model whose KV cache each pooled token also holds (an
-    MTP layer's; its buffer of a step's hidden states, ``max_num_tokens`` rows, joins the
-    activation headroom). Raises ``KvPoolError`` for a pool below one ``max_model_len`` request; the
-    termination message then lists every part measured."""
+    MTP layer's; its buffer of a forward's hidden states joins the activation headroom).
+    Raises ``KvPoolError`` for a pool below one ``max_model_len`` request; the termination
+    message then lists every part measured."""
     _, expert, dense, _ = dwdp_buffers(dwdp.status())
     headroom, graphs = _headroom(model, watch, max_num_tokens=max_num_tokens,
                                  max_model_len=max_model_len, cuda_graphs=cuda_graphs,
                                  max_batch_size=max_batch_size)
     config = model.config.get_text_config()
     if draft_layers and watch.on_gpu:  # dwdp.worker.engine.mtp_drafts: the hidden states
-        buffer = draft_layers * max_num_tokens * int(config.hidden_size) * model.dtype.itemsize
+        rows = hidden_rows(max_num_tokens, max_batch_size)
+        buffer = draft_layers * rows * int(config.hidden_size) * model.dtype.itemsize
         headroom = Placed(host=None, device=(headroom.device or 0) + buffer)
     where = DEVICE if watch.on_gpu else HOST
     budget = None if watch.on_gpu else host_budget()

@@ -520,14 +520,14 @@ def _mtp_server(path: Path, server: dict, mtp: bool, **limits) -> EngineServer:
                         speculative=spec, **limits)
 
 
-def _recording(obj, name: str, seen: list) -> None:
-    """Wrap ``obj.name`` so that each call's block list (its last argument or its result)
-    lands in ``seen``."""
+def _recording(obj, name: str, seen: list, blocks) -> None:
+    """Wrap ``obj.name`` so that each call's block list, ``blocks(args, result)``, lands in
+    ``seen``."""
     real = getattr(obj, name)
 
     def call(*args):
         out = real(*args)
-        seen.append(list(args[-1] if name == "load" else out))
+        seen.append(list(blocks(args, out)))
         return out
 
     setattr(obj, name, call)
@@ -559,8 +559,8 @@ def test_a_generation_servers_mtp_layer_drafts_from_the_context_servers_kv(
                 .run_batch(prompts, SamplingParams(max_tokens=16))]
         pulled: list[list[int]] = []
         prefilled: list[list[int]] = []
-        _recording(gen.engine.kv, "load", pulled)
-        _recording(local.allocator, "allocate", prefilled)
+        _recording(gen.engine.kv, "load", pulled, lambda args, _: args[-1])  # local blocks
+        _recording(local.allocator, "allocate", prefilled, lambda _, out: out)
         for prompt, tokens in zip(prompts, want, strict=True):
             body = {"model": "m", "prompt": prompt, "max_tokens": 16}
             _, r = _routed(ctx, gen, "/v1/completions", body)

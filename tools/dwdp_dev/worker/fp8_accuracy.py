@@ -73,16 +73,14 @@ def next_token_agreement(reference: Any, candidate: Any,
     sequence (teacher-forced; module docstring). Both models on one device."""
     import torch
 
-    counts = [0, 0, 0, 0]
+    same, decided = [], []
     device = next(reference.parameters()).device
     with torch.inference_mode():
         for ids in sequences:
             x = torch.tensor([list(ids)], device=device)
             ref = reference(x).logits[0].float()
-            same = ref.argmax(-1) == candidate(x).logits[0].argmax(-1)
+            same.append(ref.argmax(-1) == candidate(x).logits[0].argmax(-1))
             top = torch.topk(torch.softmax(ref, -1), 2).values
-            decided = top[:, 0] - top[:, 1] >= DECIDED
-            for i, n in enumerate((same.sum(), same.numel(), (same & decided).sum(),
-                                   decided.sum())):
-                counts[i] += int(n)
-    return Agreement(*counts)
+            decided.append(top[:, 0] - top[:, 1] >= DECIDED)
+    agree, sure = torch.cat(same), torch.cat(decided)
+    return Agreement(int(agree.sum()), agree.numel(), int((agree & sure).sum()), int(sure.sum()))

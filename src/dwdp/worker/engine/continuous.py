@@ -26,7 +26,7 @@ from dwdp.worker.engine.blocks import BlockAllocator
 from dwdp.worker.engine.graphs import CudaGraphError, DecodeGraphs, GraphStats
 from dwdp.worker.engine.kv_connector import KvConnector, KvHoldFull, KvTransferParams
 from dwdp.worker.engine.kv_events import KvEventPublisher
-from dwdp.worker.engine.mtp_drafts import MtpDrafts
+from dwdp.worker.engine.mtp_drafts import MtpDrafts, hidden_rows
 from dwdp.worker.engine.paged import (
     Chunk,
     KernelLayout,
@@ -84,6 +84,13 @@ class ModelRunner:
             return logits
         layout = self.cache.layout(chunks)
         return self._engine._timed(lambda: self.forward(layout))
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the model's device (nothing to wait for on the host)."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(self.device).synchronize()
 
     def warm_up_kernels(self, max_model_len: int, max_num_tokens: int) -> int:
         """On the paged kernel's path, one forward per kernel variant a step can need
@@ -166,11 +173,10 @@ class ContinuousEngine(EngineBase):
         if spec is None or spec.method != "mtp":
             raise EngineError("attach_draft_layer: engine.speculative.method is not mtp")
         layers = int(self.model.config.get_text_config().num_hidden_layers)
-        k = spec.num_speculative_tokens
-        most = max(self.config.max_num_tokens, self.config.max_batch_size * (1 + k))
+        rows = hidden_rows(self.config.max_num_tokens, self.config.max_batch_size)
         self.mtp = MtpDrafts(layer, self.model, self.runner.cache, layer_index=layers,
-                             cache_kwarg=self._cache_kwarg, num_speculative_tokens=k,
-                             max_tokens=most)
+                             cache_kwarg=self._cache_kwarg,
+                             num_speculative_tokens=spec.num_speculative_tokens, max_tokens=rows)
 
     def capture_cuda_graphs(self) -> GraphStats:
         """Capture the piecewise graphs (``dwdp.worker.engine.piecewise``) and the decode
@@ -520,6 +526,8 @@ class ContinuousEngine(EngineBase):
         if self.mtp is not None:
             self.mtp.after(plan, accepted, self.scheduler, self._room,
                            {id(seq): choice.token for seq, choice in held})
+            if held:  # a generation server reads a hold's blocks once it is answered: the MTP
+                self.runner.synchronize()  # pass's writes first (the model's were: logits read)
         for seq, choice in held:
             assert kv is not None
             self._remote_decode(seq, kv, choice)

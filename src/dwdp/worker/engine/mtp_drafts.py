@@ -36,6 +36,13 @@ if TYPE_CHECKING:
     from dwdp.worker.engine.speculative import DraftLayer
 
 
+def hidden_rows(max_num_tokens: int, max_batch_size: int) -> int:
+    """Rows of the hidden-state buffer: the most tokens of one forward, a step's (at most
+    ``max_num_tokens``, the scheduler's budget) or a decode graph's bucket (at most
+    ``max_batch_size``)."""
+    return max(max_num_tokens, max_batch_size)
+
+
 class MtpDrafts:
     """The MTP layer of one engine, its KV cache and the target's captured hidden states."""
 
@@ -72,7 +79,7 @@ class MtpDrafts:
         """Run the layer over the kept positions of ``plan`` (``accepted``: drafts accepted per
         ``id(seq)``) and set the drafts of the decoding requests, up to ``room(seq)`` each.
         ``held``: per ``id(seq)``, the token a prefill chose whose KV is to be held for a
-        generation server, not taken yet; the pass has written the cache when this returns."""
+        generation server, not taken yet (the pass covers its prompt)."""
         import torch
 
         held = held or {}
@@ -106,8 +113,6 @@ class MtpDrafts:
         for (seq, _), token in zip(wanting, drafts, strict=True):
             seq.draft = [int(token)]
         self._chain(wanting, last, scheduler, room)
-        if held and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # before a reader may look
 
     def _chain(self, wanting: list[tuple[Sequence, int]], hidden: Any, scheduler: Scheduler,
                room: Callable[[Sequence], int]) -> None:
