@@ -3,15 +3,18 @@ and output tokens/s at concurrency 32, plain, with n-gram drafts and with MTP dr
 
 The model is the trained demo model with its trained MTP layer (``dwdp_dev.worker.demo_mtp``,
 cached; it knows the capitals of its corpus), on the CPU or one GPU (``--device cuda``: the
-worker's GPU kernels and CUDA graphs in every mode: decode-only steps replay the decode graphs,
-verify steps the piecewise graphs; the MTP layer itself runs eagerly). Two workloads,
-greedy, up to ``--max-tokens`` tokens (the model's EOS ends an answer, as it was trained to):
+worker's GPU kernels, for the MTP layer too, and CUDA graphs in every mode: decode steps replay
+the decode graphs, verify steps the verify graphs, the MTP layer's pass after either its own
+graphs; steps with a prompt chunk the piecewise graphs). Two workloads, greedy, up to
+``--max-tokens`` tokens:
 
 - ``quote`` (copy-heavy, a summarize-and-quote shape): each prompt quotes ``--facts`` capital
-  sentences of the corpus and then starts quoting them again, so the answer repeats text of its
-  prompt, where n-gram drafts find their tokens;
+  sentences of the corpus and then starts quoting them again; the answers run to
+  ``--max-tokens`` (``ignore_eos``: past its first sentence the model goes on quoting capital
+  sentences), repeating text of the prompt, where n-gram drafts find their tokens;
 - ``ask``: the corpus's capital questions as plain completions ("What is the capital of X?"),
-  whose answers the prompt does not hold.
+  whose answers the prompt does not hold; the model's EOS ends an answer (a few tokens), as it
+  was trained to, so the MTP layer drafts in the text it was trained on.
 
 - ``c1``: the requests one at a time through the running engine (``generate``); per request
   ``tpot_ms`` = (last token's arrival - first token's) / (tokens - 1); the median over requests.
@@ -132,9 +135,12 @@ def main() -> None:
         model.to("cuda")
         use_cuda_kernels(model)
     layer = load_mtp(path, validate_checkpoint(path), dtype=model.dtype, device=str(model.device))
+    if args.device == "cuda":
+        use_cuda_kernels(layer.block)  # as the worker's load_draft_layer
     workloads = {"quote": quote_prompts(tok, args.requests, args.facts),
                  "ask": ask_prompts(tok, args.requests)}
-    params = SamplingParams(max_tokens=args.max_tokens)
+    params = {"quote": SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+              "ask": SamplingParams(max_tokens=args.max_tokens)}
     modes = {"plain": None,
              "ngram": SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_min=2,
                                         prompt_lookup_max=4),
@@ -143,9 +149,9 @@ def main() -> None:
     for load, work in workloads.items():
         for name, spec in modes.items():
             with engine(model, tok, layer, spec, args.device) as eng:
-                asyncio.run(measure(eng, work[:2], params))  # warm-up: kernels, graphs
+                asyncio.run(measure(eng, work[:2], params[load]))  # warm-up: kernels, graphs
                 eng.stats = type(eng.stats)()
-                rows[f"{load}/{name}"] = asyncio.run(measure(eng, work, params))
+                rows[f"{load}/{name}"] = asyncio.run(measure(eng, work, params[load]))
     card = (torch.cuda.get_device_name() if args.device == "cuda"
             else platform.processor() or "cpu")
     ratios = {f"{load}/{name}": {

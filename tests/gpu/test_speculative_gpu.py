@@ -2,7 +2,8 @@
 MTP layer (``dwdp_dev.worker.demo_mtp``) in bf16 on cuda:0 with the worker's GPU kernels.
 
 - n-gram drafts with CUDA graphs (decode steps replay the decode graphs, verify steps the
-  piecewise graphs) answer the greedy tokens of plain decoding with graphs;
+  verify graphs: slabs of 1 + numSpeculativeTokens tokens a request) answer the greedy tokens
+  of plain decoding with graphs;
 - MTP drafts, eager and with graphs, answer the greedy tokens of plain decoding (eager, or
   with graphs), and the first draft is accepted at least 60% of the time on the corpus's
   questions.
@@ -41,6 +42,7 @@ def demo():
     model.to("cuda:0")
     use_cuda_kernels(model)
     layer = load_mtp(path, validate_checkpoint(path), dtype=torch.bfloat16, device="cuda:0")
+    use_cuda_kernels(layer.block)  # as the worker's load_draft_layer
     return model, tok, layer
 
 
@@ -91,16 +93,17 @@ def test_ngram_drafts_with_cuda_graphs_answer_as_plain_decoding(demo):
     spec = engine.run_batch(prompts, params)
     assert _same_but_near_ties(plain, spec) >= len(prompts) - 2
     assert engine.stats.spec_accepted_tokens > 0
-    assert engine.stats.piecewise_replays > 0  # verify steps replayed the piecewise graphs
+    assert engine.runner.verify.replays > 0  # verify steps replayed the verify graphs
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 def test_mtp_drafts_on_the_gpu_answer_as_plain_decoding_and_are_mostly_accepted(demo, graphs):
-    """MTP drafts, eager and with the decode and piecewise graphs: with graphs, the hook's copy
-    of the final norm's output is one of the captured kernels, so a replayed step hands the MTP
-    layer its own hidden states (drafts read from a stale buffer would be rejected nearly
-    always). The answers are plain decoding's (eager or with graphs, as the drafts), the first
-    drafts mostly accepted."""
+    """MTP drafts, eager and with graphs (decode, verify and piecewise graphs, and the MTP
+    layer's pass after a replayed decode or verify step): the hook's copy of the final norm's
+    output is one of the captured kernels, so a replayed step hands the MTP layer its own
+    hidden states (drafts read from a stale buffer would be rejected nearly always). The
+    answers are plain decoding's (eager or with graphs, as the drafts), the first drafts
+    mostly accepted."""
     prompts = _prompts(demo[1])[:6]
     params = SamplingParams(max_tokens=24)
     plain = _engine(demo, None, graphs).run_batch(prompts, params, keep_logits=True)
@@ -109,4 +112,7 @@ def test_mtp_drafts_on_the_gpu_answer_as_plain_decoding_and_are_mostly_accepted(
     assert _same_but_near_ties(plain, spec) >= len(prompts) - 1
     stats = engine.stats
     assert stats.spec_accepted_per_pos[0] >= 0.6 * stats.spec_drafts, stats
-    assert (stats.piecewise_replays > 0) == graphs  # the verify steps replayed graphs
+    # with graphs the verify steps, and the MTP pass after them, replayed their graphs
+    verify = engine.runner.verify
+    assert (verify is not None and verify.replays > 0) == graphs
+    assert (sum(g.replays for g in engine.mtp.graphs.values()) > 0) == graphs

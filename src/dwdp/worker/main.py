@@ -265,16 +265,19 @@ def check_draft_layer(cfg: LaunchConfig, config: PretrainedConfig) -> None:
 
 
 def load_draft_layer(cfg: LaunchConfig, model: PreTrainedModel) -> DraftLayer | None:
-    """The checkpoint's MTP layer on the model's device and dtype when
-    ``engine.speculative.method`` is mtp (``dwdp.worker.loading.mtp``), else ``None``."""
+    """The checkpoint's MTP layer on the model's device and dtype, with the GPU kernels the
+    model has (``use_cuda_kernels``), when ``engine.speculative.method`` is mtp
+    (``dwdp.worker.loading.mtp``), else ``None``."""
     spec = cfg.engine.speculative
     if spec is None or not mtp_drafts(cfg):
         return None
     from dwdp.worker.loading.mtp import load_mtp  # torch
 
     layer = load_mtp(cfg.model.path, model.config, dtype=model.dtype, device=str(model.device))
-    log.info("engine: MTP layer %d loaded for drafts (%d per step)",
-             model.config.num_hidden_layers, spec.num_speculative_tokens)
+    kernels = use_cuda_kernels(layer.block)  # the model's GPU kernels, as load_rank's
+    log.info("engine: MTP layer %d loaded for drafts (%d per step)%s",
+             model.config.num_hidden_layers, spec.num_speculative_tokens,
+             f"; GPU path: {', '.join(kernels)}" if kernels else "")
     return layer
 
 
@@ -585,6 +588,7 @@ def size_memory(model: PreTrainedModel, dwdp: DwdpStatusSource, watch: MemoryWat
         max_batch_size=cfg.max_batch_size,
         staging=plan.kv_staging,
         draft_layers=1 if mtp_drafts(cfg) else 0,
+        draft_tokens=spec.num_speculative_tokens if (spec := cfg.engine.speculative) else 0,
     )
 
 

@@ -369,17 +369,18 @@ def measure_ledger(
 
 
 def _headroom(model: Any, watch: MemoryWatch, *, max_num_tokens: int, max_model_len: int,
-              cuda_graphs: bool, max_batch_size: int) -> tuple[Placed, Placed]:
+              cuda_graphs: bool, max_batch_size: int, draft_tokens: int) -> tuple[Placed, Placed]:
     """``(activations_headroom, cuda_graphs)``: on a GPU one profiling forward of
     ``min(max_num_tokens, max_model_len)`` tokens, with ``cuda_graphs`` one more of the largest
-    bucket's tokens (module docstring); on the host neither is measured."""
+    bucket's tokens (module docstring; a verify graph's bucket holds ``1 + draft_tokens`` a
+    request); on the host neither is measured."""
     if not watch.on_gpu:
         return Placed(host=None, device=0), Placed(0, 0)
     tokens = min(max_num_tokens, max_model_len)
     headroom = Placed(host=None, device=activation_headroom(model, tokens))
     graphs = Placed(0, 0)
     if cuda_graphs:
-        largest = max(max_batch_size, token_buckets(tokens)[-1])
+        largest = max(max_batch_size * (1 + draft_tokens), token_buckets(tokens)[-1])
         graphs = Placed.on(DEVICE, activation_headroom(model, min(largest, max_model_len)))
     return headroom, graphs
 
@@ -411,6 +412,7 @@ def size_rank_memory(
     max_batch_size: int = 1,
     staging: Staging | None = None,
     draft_layers: int = 0,
+    draft_tokens: int = 0,
 ) -> tuple[KvPool, MemoryLedger]:
     """After the commit, before the engine starts: the activation headroom (``_headroom``),
     the KV pool from the memory left (``dwdp.worker.engine.kv_pool.size_kv_pool``) after the
@@ -418,16 +420,17 @@ def size_rank_memory(
     ledger, which ``watch`` keeps. ``host_sharers``: the ranks of the pod, which share the
     host's memory (a pool on the host takes its share of the container's budget);
     ``draft_layers``: layers of a draft model whose KV cache each pooled token also holds (an
-    MTP layer's; its buffer of a forward's hidden states joins the activation headroom).
+    MTP layer's; its buffer of a forward's hidden states joins the activation headroom);
+    ``draft_tokens``: a verify step's draft tokens a request (``numSpeculativeTokens``).
     Raises ``KvPoolError`` for a pool below one ``max_model_len`` request; the termination
     message then lists every part measured."""
     _, expert, dense, _ = dwdp_buffers(dwdp.status())
     headroom, graphs = _headroom(model, watch, max_num_tokens=max_num_tokens,
                                  max_model_len=max_model_len, cuda_graphs=cuda_graphs,
-                                 max_batch_size=max_batch_size)
+                                 max_batch_size=max_batch_size, draft_tokens=draft_tokens)
     config = model.config.get_text_config()
     if draft_layers and watch.on_gpu:  # dwdp.worker.engine.mtp_drafts: the hidden states
-        rows = hidden_rows(max_num_tokens, max_batch_size)
+        rows = hidden_rows(max_num_tokens, max_batch_size, draft_tokens)
         buffer = draft_layers * rows * int(config.hidden_size) * model.dtype.itemsize
         headroom = Placed(host=None, device=(headroom.device or 0) + buffer)
     where = DEVICE if watch.on_gpu else HOST

@@ -132,11 +132,11 @@ REPLAY_CHILD = textwrap.dedent(
 
         def replay(self):
             layout = graphs.layout(self.batch)
-            graphs.logits[self.batch].copy_(engine.runner.forward(layout))
+            graphs.outputs[self.batch].copy_(engine.runner.forward(layout))
 
     for b in graphs.buckets:
         graphs.graphs[b] = Eager(b)
-        graphs.logits[b] = torch.empty(b, vocab)
+        graphs.outputs[b] = torch.empty(b, vocab)
     engine.runner.graphs = graphs
     got = [(r.token_ids, r.finish_reason) for r in engine.run_batch(prompts, params)]
     assert got == want, (got, want)

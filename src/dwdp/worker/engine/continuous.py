@@ -58,8 +58,9 @@ DEFAULT_POOL_TOKENS = 65536
 class ModelRunner:
     """Runs one packed step of ``Chunk``s through the model and returns the logits of the
     chunks that sample: [number of sampling chunks, vocab] on the model's device. A decode-only
-    step replays a captured CUDA graph when ``graphs`` holds one that fits; another step
-    replays the piecewise graphs (``pieces``) when it fits their largest bucket."""
+    step replays a captured CUDA graph when ``graphs`` holds one that fits, a verify step
+    (decoding requests with draft tokens) one of ``verify``; another step replays the
+    piecewise graphs (``pieces``) when it fits their largest bucket."""
 
     def __init__(self, engine: ContinuousEngine, cache: PagedKVCache) -> None:
         import torch
@@ -68,16 +69,23 @@ class ModelRunner:
         self.cache = cache
         self.device = engine.model.device
         self.graphs: DecodeGraphs | None = None
+        self.verify: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
+        self.replayed: DecodeGraphs | None = None
+        """The decode graphs the last step replayed (its token rows in slabs of their ``q``),
+        or ``None`` (its rows one chunk after the other)."""
         # a prepared 4D mask makes transformers skip its own mask building: dwdp_paged needs none
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
     def execute(self, chunks: Sequence[Chunk]) -> Any:
-        graphs, pieces, stats = self.graphs, self.pieces, self._engine.stats
-        if graphs is not None and graphs.fits(chunks):
-            logits = self._engine._timed(lambda: graphs.replay(chunks))
-            stats.graph_replays = graphs.replays
-            return logits
+        pieces, stats = self.pieces, self._engine.stats
+        self.replayed = None
+        for graphs in (self.graphs, self.verify):
+            if graphs is not None and graphs.fits(chunks):
+                logits = self._engine._timed(functools.partial(graphs.replay, chunks))
+                self.replayed = graphs
+                stats.graph_replays += 1
+                return logits
         if pieces is not None and pieces.fits(chunks):
             logits = self._engine._timed(lambda: pieces.replay(chunks))
             stats.piecewise_replays = pieces.replays
@@ -173,7 +181,8 @@ class ContinuousEngine(EngineBase):
         if spec is None or spec.method != "mtp":
             raise EngineError("attach_draft_layer: engine.speculative.method is not mtp")
         layers = int(self.model.config.get_text_config().num_hidden_layers)
-        rows = hidden_rows(self.config.max_num_tokens, self.config.max_batch_size)
+        rows = hidden_rows(self.config.max_num_tokens, self.config.max_batch_size,
+                           spec.num_speculative_tokens)
         self.mtp = MtpDrafts(layer, self.model, self.runner.cache, layer_index=layers,
                              cache_kwarg=self._cache_kwarg,
                              num_speculative_tokens=spec.num_speculative_tokens, max_tokens=rows)
@@ -204,11 +213,19 @@ class ContinuousEngine(EngineBase):
             max_rows=cfg.max_batch_size * (1 + (spec.num_speculative_tokens if spec else 0)),
             max_num_tokens=min(cfg.max_num_tokens, self.max_model_len),
         )
+        runner = self.runner
         graphs = DecodeGraphs.capture(
-            cache, self.runner.forward, pool=pool, max_batch_size=cfg.max_batch_size,
+            cache, runner.forward, pool=pool, max_batch_size=cfg.max_batch_size,
             max_model_len=self.max_model_len,
         )
-        self.runner.graphs, self.runner.pieces = graphs, pieces
+        if spec is not None:  # verify steps: a slab of 1 + numSpeculativeTokens a request
+            runner.verify = DecodeGraphs.capture(
+                cache, runner.forward, pool=pool, max_batch_size=cfg.max_batch_size,
+                max_model_len=self.max_model_len, q=1 + spec.num_speculative_tokens,
+                what="the verify step")
+        if self.mtp is not None:
+            self.mtp.capture(graphs, runner.verify, pool=pool)
+        runner.graphs, runner.pieces = graphs, pieces
         return GraphStats(graphs.buckets, int(torch.cuda.memory_reserved(device)) - before,
                           token_buckets=pieces.buckets)
 
@@ -525,7 +542,8 @@ class ContinuousEngine(EngineBase):
                 accepted[id(seq)] = self._verify(seq, p.chunk, choice.token, logits, first)
         if self.mtp is not None:
             self.mtp.after(plan, accepted, self.scheduler, self._room,
-                           {id(seq): choice.token for seq, choice in held})
+                           {id(seq): choice.token for seq, choice in held},
+                           self.runner.replayed)
             if held:  # a generation server reads a hold's blocks once it is answered: the MTP
                 self.runner.synchronize()  # pass's writes first (the model's were: logits read)
         for seq, choice in held:

@@ -59,52 +59,62 @@ def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def is_decode_only(chunks: Sequence[Chunk]) -> bool:
-    """Every chunk adds one token to a context already cached and samples the next (a decode
-    step). A one-token piece of a prompt that does not end the prompt (``sample`` false: the
-    budget's last token went to a prefill) is not decode: its step keeps no logits row for it."""
-    return all(len(c.token_ids) == 1 and c.start > 0 and c.sample for c in chunks)
+def is_decode_only(chunks: Sequence[Chunk], q: int = 1) -> bool:
+    """Every chunk adds its pending token, and at most ``q - 1`` draft tokens after it, to a
+    context already cached, and samples from each (a decode step; with drafts a verify step).
+    A one-token piece of a prompt that does not end the prompt (``sample`` false: the budget's
+    last token went to a prefill) is not decode: its step keeps no logits row for it."""
+    return all(0 < len(c.token_ids) <= q and c.start > 0 and c.sample
+               and c.draft == len(c.token_ids) - 1 for c in chunks)
 
 
 class DecodeGraphs:
-    """The captured decode steps of one ``PagedKVCache`` (kernel mode) and their static inputs.
+    """The captured steps of one ``PagedKVCache`` (kernel mode) whose requests each add 1 to
+    ``q`` tokens to a cached context, and their static inputs. Request ``i`` of a bucket owns
+    token rows ``i * q`` to ``i * q + q - 1`` (its slab); rows past its tokens, and the slabs
+    past the step's requests, are padding: they write the scratch block and attend nothing
+    of a request's. ``q`` is 1 for decode steps, ``1 + numSpeculativeTokens`` for verify
+    steps, and ``dwdp.worker.engine.mtp_drafts`` captures its layer's pass the same way.
 
-    Static device tensors, shared by every bucket (bucket ``b`` uses their first ``b`` rows):
-    ``longs`` [3, B] int64 (token ids, positions, slots) and ``ints`` int32
+    Static device tensors, shared by every bucket (bucket ``b`` uses their first ``b`` slabs):
+    ``longs`` [3, B * q] int64 (token ids, positions, slots) and ``ints`` int32
     ``[q_start B | q_len B | seq_len B | block table B x W]`` (each part from its
     ``index_offsets``), W = the blocks of one ``max_model_len`` request; pinned host twins are
     filled per step and copied in. Build with ``DecodeGraphs.capture``.
     """
 
-    def __init__(self, cache: PagedKVCache, *, max_batch_size: int, max_model_len: int) -> None:
+    def __init__(self, cache: PagedKVCache, *, max_batch_size: int, max_model_len: int,
+                 q: int = 1) -> None:
         import torch
 
         from dwdp.worker.gpu.paged_attention import index_offsets
 
-        self.cache = cache
+        self.cache, self.q = cache, q
         self.buckets = bucket_sizes(max_batch_size)
         size, device = self.buckets[-1], cache.device
         self.width = -(-max_model_len // cache.block_size)
         self.scratch_slot = cache.scratch_block * cache.block_size
-        self.longs = torch.zeros((3, size), dtype=torch.long, device=device)
+        self.longs = torch.zeros((3, size * q), dtype=torch.long, device=device)
         self.offsets = index_offsets(size)
-        q_start, q_len, seq_len, table = self.offsets
+        q_start, q_len, _, table = self.offsets
         self.ints = torch.zeros(table + size * self.width, dtype=torch.int32, device=device)
-        self.ints[q_start : q_start + size] = torch.arange(size, dtype=torch.int32,
+        self.ints[q_start : q_start + size] = torch.arange(0, size * q, q, dtype=torch.int32,
                                                            device=device)
-        self.ints[q_len : q_len + size] = 1
-        self.ints[seq_len : seq_len + size] = 1  # a padding row's
+        self.ints[q_len:table] = 1  # a padding row's q_len and seq_len
         self.table = self.ints[table:].view(size, self.width)
         self.table[:, 0] = cache.scratch_block
         pin = self.longs.is_cuda  # pinned host memory: the copies in run asynchronously
-        self.host_longs = torch.zeros((3, size), dtype=torch.long, pin_memory=pin)
-        self.host_seq = torch.ones(size, dtype=torch.int32, pin_memory=pin)
+        self.host_longs = torch.zeros((3, size * q), dtype=torch.long, pin_memory=pin)
+        self.host_lens = torch.ones(table - q_len, dtype=torch.int32, pin_memory=pin)
+        """q_len then seq_len of each row, as ``ints`` holds them from ``q_len`` on."""
+        self.host_rows = torch.zeros(size * q, dtype=torch.long, pin_memory=pin)
+        self.rows_index = torch.zeros(size * q, dtype=torch.long, device=device)
         self.host_table = torch.zeros((size, self.width), dtype=torch.int32, pin_memory=pin)
         self.host_table[:, 0] = cache.scratch_block
         self._row_blocks: list[Any] = [None] * size  # the block list each host row holds
         self._row_filled = [1] * size
         self.graphs: dict[int, Any] = {}
-        self.logits: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = {}
         self.layouts: dict[int, KernelLayout] = {}
         """Each bucket's layout: a graph reads its tensors by address, so they live as long."""
         self.replays = 0
@@ -116,16 +126,17 @@ class DecodeGraphs:
         from dwdp.worker.gpu.paged_attention import PagedRequests
 
         q_start, q_len, seq_len, _ = self.offsets
+        tokens = batch * self.q
         requests = PagedRequests(
             self.ints[q_start : q_start + batch], self.ints[q_len : q_len + batch],
-            self.ints[seq_len : seq_len + batch], self.table[:batch], 1,
+            self.ints[seq_len : seq_len + batch], self.table[:batch], self.q,
             self.width * self.cache.block_size,
         )
         return KernelLayout(
-            input_ids=self.longs[0:1, :batch],
-            position_ids=self.longs[1:2, :batch],
-            slots=self.longs[2, :batch],
-            logits_index=torch.arange(batch, device=self.cache.device),
+            input_ids=self.longs[0:1, :tokens],
+            position_ids=self.longs[1:2, :tokens],
+            slots=self.longs[2, :tokens],
+            logits_index=torch.arange(tokens, device=self.cache.device),
             fresh=[],
             paged=requests,
             cache=self.cache,
@@ -140,14 +151,16 @@ class DecodeGraphs:
         max_batch_size: int,
         max_model_len: int,
         pool: Any,
+        q: int = 1,
+        what: str = "the decode step",
     ) -> DecodeGraphs:
         """Capture one graph per bucket, largest first, into the memory pool ``pool``
         (``torch.cuda.graph_pool_handle()``). ``forward(layout)`` runs the model over a layout
-        and returns its logits [rows, vocab]. Raises ``CudaGraphError`` naming the bucket and
-        the first line of the failure."""
+        and returns a row per token [rows, ...] (the logits). Raises ``CudaGraphError`` naming
+        ``what`` and the bucket and the first line of the failure."""
         import torch
 
-        self = cls(cache, max_batch_size=max_batch_size, max_model_len=max_model_len)
+        self = cls(cache, max_batch_size=max_batch_size, max_model_len=max_model_len, q=q)
         self.longs[2].fill_(self.scratch_slot)  # capture writes and reads the scratch block only
         side = torch.cuda.Stream(device=cache.device)
         for batch in reversed(self.buckets):
@@ -160,45 +173,67 @@ class DecodeGraphs:
                 torch.cuda.current_stream(cache.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                    self.logits[batch] = forward(layout)
+                    self.outputs[batch] = forward(layout)
             except Exception as exc:
-                raise CudaGraphError.capturing(f"the decode step of batch {batch}", exc) from exc
+                raise CudaGraphError.capturing(f"{what} of batch {batch}", exc) from exc
             self.graphs[batch] = graph
         torch.cuda.synchronize(cache.device)
         return self
 
     def fits(self, chunks: Sequence[Chunk]) -> bool:
-        """Whether the step of ``chunks`` replays a graph: decode-only, within the buckets."""
-        return 0 < len(chunks) <= self.buckets[-1] and is_decode_only(chunks)
+        """Whether the step of ``chunks`` replays a graph: a decode (or verify) step of at most
+        ``q`` tokens a request, within the buckets."""
+        return 0 < len(chunks) <= self.buckets[-1] and is_decode_only(chunks, self.q)
 
-    def replay(self, chunks: Sequence[Chunk]) -> Any:
-        """Copy the step's inputs into the smallest bucket holding it and replay; returns the
-        logits [len(chunks), vocab] (a view of the graph's output, valid until the next
-        replay)."""
-        import torch
-
+    def replay(self, chunks: Sequence[Chunk | None]) -> Any:
+        """Copy the step's inputs into the smallest bucket holding it and replay; returns each
+        chunk's last ``Chunk.rows`` output rows, in order ([sum of rows, ...]; a view of the
+        graph's output when every chunk keeps its whole slab, valid until the next replay).
+        A ``None`` chunk is a padding slab (its requests' place kept, nothing of it kept)."""
         n = len(chunks)
         batch = next(b for b in self.buckets if b >= n)
-        bs = self.cache.block_size
-        pad = batch - n
-        ids = [c.token_ids[0] for c in chunks] + [0] * pad
-        pos = [c.start for c in chunks] + [0] * pad
-        slots = [c.blocks[c.start // bs] * bs + c.start % bs for c in chunks]
-        self.host_longs[:, :batch] = torch.tensor(
-            [ids, pos, slots + [self.scratch_slot] * pad], dtype=torch.long)
-        self.host_seq[:batch] = torch.tensor([c.start + 1 for c in chunks] + [1] * pad,
-                                             dtype=torch.int32)
-        width = max(self._fill_table(row, c.blocks, c.start // bs + 1)
-                    for row, c in enumerate(chunks))
-        for row in range(n, batch):
-            self._fill_table(row, None, 1)
-        seq_len = self.offsets[2]
-        self.longs[:, :batch].copy_(self.host_longs[:, :batch], non_blocking=True)
-        self.ints[seq_len : seq_len + batch].copy_(self.host_seq[:batch], non_blocking=True)
-        self.table[:batch, :width].copy_(self.host_table[:batch, :width], non_blocking=True)
+        self._fill(chunks, batch)
         self.graphs[batch].replay()
         self.replays += 1
-        return self.logits[batch][:n]
+        out, q = self.outputs[batch], self.q
+        if all(c is not None and c.rows == q for c in chunks):
+            return out[: n * q]
+        kept = [i * q + r for i, c in enumerate(chunks) if c is not None
+                for r in range(len(c.token_ids) - c.rows, len(c.token_ids))]
+        self.host_rows[: len(kept)] = self.host_rows.new_tensor(kept)
+        index = self.rows_index[: len(kept)]
+        index.copy_(self.host_rows[: len(kept)], non_blocking=True)
+        return out.index_select(0, index)
+
+    def _fill(self, chunks: Sequence[Chunk | None], batch: int) -> None:
+        """The static inputs of bucket ``batch`` from ``chunks``: every slab's token ids,
+        positions and slots (padding on the scratch block), the rows' lengths and tables."""
+        import torch
+
+        bs, q, scratch = self.cache.block_size, self.q, self.scratch_slot
+        ids, pos, slots = [0] * (batch * q), [0] * (batch * q), [scratch] * (batch * q)
+        q_lens, seq_lens = [1] * batch, [1] * batch
+        width = 1
+        for row, c in enumerate(chunks):
+            if c is None:
+                self._fill_table(row, None, 1)
+                continue
+            at, n = row * q, len(c.token_ids)
+            ids[at : at + n] = c.token_ids
+            pos[at : at + n] = range(c.start, c.start + n)
+            slots[at : at + n] = [c.blocks[p // bs] * bs + p % bs
+                                  for p in range(c.start, c.start + n)]
+            q_lens[row], seq_lens[row] = n, c.start + n
+            width = max(width, self._fill_table(row, c.blocks, (c.start + n - 1) // bs + 1))
+        for row in range(len(chunks), batch):
+            self._fill_table(row, None, 1)
+        self.host_longs[:, : batch * q] = torch.tensor([ids, pos, slots], dtype=torch.long)
+        part = self.offsets[2] - self.offsets[1]
+        self.host_lens[:batch] = torch.tensor(q_lens, dtype=torch.int32)
+        self.host_lens[part : part + batch] = torch.tensor(seq_lens, dtype=torch.int32)
+        self.longs[:, : batch * q].copy_(self.host_longs[:, : batch * q], non_blocking=True)
+        self.ints[self.offsets[1] : self.offsets[3]].copy_(self.host_lens, non_blocking=True)
+        self.table[:batch, :width].copy_(self.host_table[:batch, :width], non_blocking=True)
 
     def _fill_table(self, row: int, blocks: Any, count: int) -> int:
         """Make host row ``row`` hold the first ``count`` blocks of ``blocks`` (``None``: the

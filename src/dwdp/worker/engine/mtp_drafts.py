@@ -20,14 +20,18 @@ is answered (``held``), so that server's MTP layer drafts from its first step.
 The target's hidden states reach the layer through a buffer of the step's largest token count:
 a forward hook on the model's final norm copies its output there. Under CUDA graphs that copy is
 one of the captured kernels, so a replayed step (decode graphs or piecewise graphs) refreshes the
-buffer as an eager one does; the layer itself runs eagerly after the step.
+buffer as an eager one does. After a replayed decode or verify step, the layer's pass replays
+graphs of its own (``capture``: ``dwdp.worker.engine.graphs.DecodeGraphs`` of the same slabs,
+reading the buffer in place); after any other step, and for the drafts after the first, it
+runs eagerly.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dwdp.worker.engine.paged import Chunk, PagedKVCache, use_paged_attention
+from dwdp.worker.engine.graphs import DecodeGraphs
+from dwdp.worker.engine.paged import Chunk, KernelLayout, PagedKVCache, use_paged_attention
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,11 +40,11 @@ if TYPE_CHECKING:
     from dwdp.worker.engine.speculative import DraftLayer
 
 
-def hidden_rows(max_num_tokens: int, max_batch_size: int) -> int:
+def hidden_rows(max_num_tokens: int, max_batch_size: int, num_speculative_tokens: int) -> int:
     """Rows of the hidden-state buffer: the most tokens of one forward, a step's (at most
-    ``max_num_tokens``, the scheduler's budget) or a decode graph's bucket (at most
-    ``max_batch_size``)."""
-    return max(max_num_tokens, max_batch_size)
+    ``max_num_tokens``, the scheduler's budget) or a verify graph's bucket (``max_batch_size``
+    slabs of ``1 + num_speculative_tokens`` tokens)."""
+    return max(max_num_tokens, max_batch_size * (1 + num_speculative_tokens))
 
 
 class MtpDrafts:
@@ -65,6 +69,8 @@ class MtpDrafts:
         """The target's last hidden states of the step that ran last, a row per token of the
         step ([``max_tokens``, H]: a step's tokens at most, or its graph bucket's)."""
         target.model.norm.register_forward_hook(self._capture)
+        self.graphs: dict[int, DecodeGraphs] = {}
+        """The layer's pass after a replayed step, by the step's slab (``q``): ``capture``."""
 
     def _capture(self, module: Any, args: Any, output: Any) -> None:
         """The final norm's output [1, T, H] into ``hidden`` (recorded in a captured graph)."""
@@ -74,17 +80,29 @@ class MtpDrafts:
                                f"holds {self.hidden.shape[0]}")
         self.hidden[:tokens].copy_(output[0])
 
+    def capture(self, *steps: DecodeGraphs | None, pool: Any) -> None:
+        """Capture the layer's pass after each of the target's decode graphs ``steps`` (None:
+        not captured), over the same buckets and slabs, into the graph memory pool ``pool``."""
+        for step in steps:
+            if step is None:
+                continue
+            self.graphs[step.q] = DecodeGraphs.capture(
+                self.cache, self._slabs, max_batch_size=step.buckets[-1],
+                max_model_len=step.width * self.cache.block_size, pool=pool, q=step.q,
+                what="the MTP layer's pass")
+
     def after(self, plan: list[Scheduled], accepted: dict[int, int], scheduler: Scheduler,
-              room: Callable[[Sequence], int], held: dict[int, int] | None = None) -> None:
+              room: Callable[[Sequence], int], held: dict[int, int] | None = None,
+              replayed: DecodeGraphs | None = None) -> None:
         """Run the layer over the kept positions of ``plan`` (``accepted``: drafts accepted per
         ``id(seq)``) and set the drafts of the decoding requests, up to ``room(seq)`` each.
         ``held``: per ``id(seq)``, the token a prefill chose whose KV is to be held for a
-        generation server, not taken yet (the pass covers its prompt)."""
+        generation server, not taken yet (the pass covers its prompt). ``replayed``: the
+        target's decode graphs the step replayed (its hidden states in their slabs), if any."""
         import torch
 
         held = held or {}
-
-        chunks: list[Chunk] = []
+        chunks: list[Chunk | None] = []  # per plan entry; None: nothing of it to run
         rows: list[int] = []
         ids: list[int] = []
         wanting: list[tuple[Sequence, int]] = []
@@ -92,6 +110,7 @@ class MtpDrafts:
         for p in plan:
             c, seq = p.chunk, p.seq
             q0, q = q, q + len(c.token_ids)
+            chunks.append(None)
             if seq.state.finished or seq not in scheduler.running:
                 continue
             kept = len(c.token_ids) - c.draft + accepted.get(id(seq), 0)
@@ -99,16 +118,19 @@ class MtpDrafts:
             if len(following) < kept:
                 continue  # its last token is not taken (a prefill parked for its KV hold)
             want = c.sample and room(seq) > 0
-            chunks.append(Chunk(following, c.start, seq.blocks, want))
+            chunks[-1] = Chunk(following, c.start, seq.blocks, want)
             rows.extend(range(q0, q0 + kept))
             ids.extend(following)
             if want:
                 wanting.append((seq, c.start + kept - 1))  # its last kept position
-        if not chunks:
+        if not rows:
             return
-        device = self.cache.device
-        hidden = self.hidden.index_select(0, torch.tensor(rows, device=device))
-        last = self._forward(chunks, ids, hidden)
+        graphs = self.graphs.get(replayed.q) if replayed is not None else None
+        if graphs is not None:  # the hidden states are in the replayed step's slabs
+            last = graphs.replay(chunks)
+        else:
+            hidden = self.hidden.index_select(0, torch.tensor(rows, device=self.cache.device))
+            last = self._forward([c for c in chunks if c is not None], ids, hidden)
         drafts = self.layer.logits(last).argmax(dim=-1).tolist()
         for (seq, _), token in zip(wanting, drafts, strict=True):
             seq.draft = [int(token)]
@@ -142,13 +164,24 @@ class MtpDrafts:
 
         layout = self.cache.layout(chunks)
         embeds = self.layer.inputs(torch.tensor(ids, device=hidden.device), hidden)
-        with torch.inference_mode(), self.cache.step(layout):
-            out = self.layer.block.model(
-                inputs_embeds=embeds, position_ids=layout.position_ids,
-                attention_mask=self._no_mask, use_cache=True,
-                **{self._cache_kwarg: self.cache},
-            ).last_hidden_state[0]
+        with torch.inference_mode():
+            out = self._block(layout, embeds)
         return out.index_select(0, layout.logits_index)
+
+    def _slabs(self, layout: KernelLayout) -> Any:
+        """The layer over a decode graph's static ``layout``, the hidden states read in place
+        from the buffer's first rows: its output row per token [T, H] (what ``capture``
+        records)."""
+        tokens = layout.input_ids.shape[1]
+        return self._block(layout, self.layer.inputs(layout.input_ids[0], self.hidden[:tokens]))
+
+    def _block(self, layout: Any, embeds: Any) -> Any:
+        """The layer's block over ``embeds`` [1, T, H] in ``layout``: [T, H]."""
+        with self.cache.step(layout):
+            return self.layer.block.model(
+                inputs_embeds=embeds, position_ids=layout.position_ids,
+                attention_mask=self._no_mask, use_cache=True, **{self._cache_kwarg: self.cache},
+            ).last_hidden_state[0]
 
 
 def _following(seq: Sequence, start: int, count: int, held: int | None) -> list[int]:

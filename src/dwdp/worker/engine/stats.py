@@ -40,7 +40,8 @@ class EngineStats:
     remote_prefill_tokens: int = 0
     """Prompt tokens whose KV was read from a context server (a counter)."""
     graph_replays: int = 0
-    """Decode steps run as a CUDA graph replay (a counter; ``EngineConfig.cuda_graphs``)."""
+    """Decode and verify steps run as a CUDA graph replay (a counter;
+    ``EngineConfig.cuda_graphs``)."""
     piecewise_replays: int = 0
     """Other steps run as piecewise graph replays (a counter; ``dwdp.worker.engine.piecewise``)."""
     prefix_cache_queries: int = 0
