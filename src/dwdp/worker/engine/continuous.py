@@ -37,7 +37,7 @@ from dwdp.worker.engine.paged import (
 from dwdp.worker.engine.piecewise import PiecewiseGraphs
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
-from dwdp.worker.engine.sampler import choose, choose_each
+from dwdp.worker.engine.sampler import Choice, choose, choose_each, greedy_tokens
 from dwdp.worker.engine.scheduler import Scheduled, Scheduler
 from dwdp.worker.engine.scheduler import Sequence as SchedSequence
 from dwdp.worker.engine.speculative import Drafter, DraftLayer
@@ -524,8 +524,13 @@ class ContinuousEngine(EngineBase):
         # after the commits: a stop string found here ends a request of this step and frees
         # its blocks, which the commit (prefix caching: full blocks registered) still needed
         self._settle()
-        rows = _first_rows(sampled, logits)
-        choices = choose(rows, [p.seq.state for p in sampled])
+        states = [p.seq.state for p in sampled]
+        # a verify step of greedy requests: every row's token in one copy, drafts' included
+        greedy = greedy_tokens(logits, states) if any(p.chunk.draft for p in sampled) else None
+        if greedy is None:
+            choices = choose(_first_rows(sampled, logits), states)
+        else:
+            choices = [Choice(greedy[r]) for r in _starts(sampled)]
         accepted: dict[int, int] = {}
         held: list[tuple[SchedSequence, Any]] = []
         row = 0
@@ -539,7 +544,8 @@ class ContinuousEngine(EngineBase):
                 continue
             self._take(seq, choice)
             if p.chunk.draft:
-                accepted[id(seq)] = self._verify(seq, p.chunk, choice.token, logits, first)
+                accepted[id(seq)] = self._verify(seq, p.chunk, choice.token, logits, first,
+                                                 greedy)
         if self.mtp is not None:
             self.mtp.after(plan, accepted, self.scheduler, self._room,
                            {id(seq): choice.token for seq, choice in held},
@@ -582,16 +588,20 @@ class ContinuousEngine(EngineBase):
                    spec.drafts_at(len(self.scheduler.running)))
 
     def _verify(self, seq: SchedSequence, chunk: Chunk, token: int, logits: Any,
-                first: int) -> int:
+                first: int, greedy: list[int] | None) -> int:
         """After a draft chunk's first token (``token``, from logits row ``first``) was taken:
         take the token of each next row while the one before it equals the draft there
         (module ``dwdp.worker.engine.speculative``), then keep the accepted drafts' KV and give
-        back the rejected tail's blocks (``Scheduler.accept``); returns the drafts accepted."""
+        back the rejected tail's blocks (``Scheduler.accept``); returns the drafts accepted.
+        ``greedy``: every row's token when the step's requests are all plain greedy
+        (``greedy_tokens``), else ``None`` (the rows are chosen here)."""
         state, draft = seq.state, chunk.token_ids[len(chunk.token_ids) - chunk.draft :]
         accepted = 0
         if token == draft[0] and not state.finished:
-            rows = logits[first + 1 : first + 1 + len(draft)]
-            for choice in choose_each(rows, state):
+            at = slice(first + 1, first + 1 + len(draft))
+            chosen = (map(Choice, greedy[at]) if greedy is not None
+                      else choose_each(logits[at], state))
+            for choice in chosen:
                 accepted += 1
                 self._take(seq, choice)
                 token = choice.token
@@ -689,6 +699,15 @@ def _decodes_remotely(seq: SchedSequence) -> bool:
     return params is not None and params.do_remote_decode
 
 
+def _starts(sampled: list[Scheduled]) -> list[int]:
+    """Each sampling chunk's first logits row."""
+    starts, row = [], 0
+    for p in sampled:
+        starts.append(row)
+        row += p.chunk.rows
+    return starts
+
+
 def _first_rows(sampled: list[Scheduled], logits: Any) -> Any:
     """Each sampling chunk's first logits row: ``logits`` itself unless a draft chunk keeps
     more than one."""
@@ -696,8 +715,4 @@ def _first_rows(sampled: list[Scheduled], logits: Any) -> Any:
         return logits
     import torch
 
-    starts, row = [], 0
-    for p in sampled:
-        starts.append(row)
-        row += p.chunk.rows
-    return logits[torch.tensor(starts, device=logits.device)]
+    return logits[torch.tensor(_starts(sampled), device=logits.device)]

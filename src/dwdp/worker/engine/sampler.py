@@ -113,6 +113,18 @@ def choose(logits: Any, states: list[RequestState]) -> list[Choice]:
     return out
 
 
+def greedy_tokens(logits: Any, states: list[RequestState]) -> list[int] | None:
+    """The argmax of every row of ``logits`` (a step's kept rows, whatever request each is of),
+    in one copy to the host, when every request of ``states`` is plain greedy without a
+    grammar (its rows depend on nothing it takes: ``choose_each``); else ``None``. A verify
+    step's drafts then cost no copy of their own."""
+    import torch
+
+    if not all(_plain(s) and s.constraint is None for s in states):
+        return None
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def choose_each(rows: Any, state: RequestState) -> Iterator[Choice]:
     """The token of each of ``rows`` ([n, vocab]) for one request, in order, as the caller
     takes them (a verify step's draft positions): the request's state may change between rows
