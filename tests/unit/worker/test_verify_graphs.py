@@ -79,9 +79,9 @@ CHILD = textwrap.dedent(
         assert e.allocator.num_in_use == 0
         return out, e.drafts, list(e.stats.spec_accepted_per_pos), e.stats.spec_drafts
 
-    def stand_in(graphs, forward, width):
+    def stand_in(graphs, forward, widths):
         # the capture needs CUDA: here a bucket's "graph" is the forward over its static
-        # layout, written into the bucket's static output
+        # layout, written into the bucket's static outputs (a tuple for the MTP layer's)
         class Eager:
             def __init__(self, batch):
                 self.batch = batch
@@ -91,23 +91,30 @@ CHILD = textwrap.dedent(
                 self.replays += 1
                 with torch.inference_mode():
                     out = forward(graphs.layout(self.batch))
-                graphs.outputs[self.batch].copy_(out)
+                mine = graphs.outputs[self.batch]
+                for o, m in zip(out if isinstance(out, tuple) else (out,),
+                                mine if isinstance(mine, tuple) else (mine,)):
+                    m.copy_(o)
 
         for b in graphs.buckets:
             graphs.graphs[b] = Eager(b)
-            graphs.outputs[b] = torch.empty(b * graphs.q, width)
+            rows = b * graphs.q
+            first = torch.empty(rows, widths[0])
+            graphs.outputs[b] = (first if len(widths) == 1 else
+                                 (first, torch.empty(rows, dtype=torch.long)))
         return graphs
 
     want = run(engine())
     e = engine()
     runner, vocab = e.runner, model.config.vocab_size
     made = {q: stand_in(DecodeGraphs(runner.cache, max_batch_size=4, max_model_len=96, q=q),
-                        runner.forward, vocab) for q in (1, 1 + k)}
+                        runner.forward, (vocab,)) for q in (1, 1 + k)}
     runner.graphs, runner.verify = made[1], made[1 + k]
     if e.mtp is not None:
         hidden = model.config.hidden_size
         e.mtp.graphs = {q: stand_in(DecodeGraphs(runner.cache, max_batch_size=4,
-                                                 max_model_len=96, q=q), e.mtp._slabs, hidden)
+                                                 max_model_len=96, q=q), e.mtp._slabs,
+                                         (hidden, "tokens"))
                         for q in (1, 1 + k)}
     got = run(e)
     assert got == want, (got, want)

@@ -156,8 +156,8 @@ class DecodeGraphs:
     ) -> DecodeGraphs:
         """Capture one graph per bucket, largest first, into the memory pool ``pool``
         (``torch.cuda.graph_pool_handle()``). ``forward(layout)`` runs the model over a layout
-        and returns a row per token [rows, ...] (the logits). Raises ``CudaGraphError`` naming
-        ``what`` and the bucket and the first line of the failure."""
+        and returns a row per token [rows, ...] (the logits), or a tuple of such. Raises
+        ``CudaGraphError`` naming ``what`` and the bucket and the first line of the failure."""
         import torch
 
         self = cls(cache, max_batch_size=max_batch_size, max_model_len=max_model_len, q=q)
@@ -188,7 +188,8 @@ class DecodeGraphs:
     def replay(self, chunks: Sequence[Chunk | None]) -> Any:
         """Copy the step's inputs into the smallest bucket holding it and replay; returns each
         chunk's last ``Chunk.rows`` output rows, in order ([sum of rows, ...]; a view of the
-        graph's output when every chunk keeps its whole slab, valid until the next replay).
+        graph's output when every chunk keeps its whole slab, valid until the next replay; of
+        each tensor when the forward returned a tuple).
         A ``None`` chunk is a padding slab (its requests' place kept, nothing of it kept)."""
         n = len(chunks)
         batch = next(b for b in self.buckets if b >= n)
@@ -197,13 +198,13 @@ class DecodeGraphs:
         self.replays += 1
         out, q = self.outputs[batch], self.q
         if all(c is not None and c.rows == q for c in chunks):
-            return out[: n * q]
+            return _rows(out, slice(0, n * q))
         kept = [i * q + r for i, c in enumerate(chunks) if c is not None
                 for r in range(len(c.token_ids) - c.rows, len(c.token_ids))]
         self.host_rows[: len(kept)] = self.host_rows.new_tensor(kept)
         index = self.rows_index[: len(kept)]
         index.copy_(self.host_rows[: len(kept)], non_blocking=True)
-        return out.index_select(0, index)
+        return _rows(out, index)
 
     def _fill(self, chunks: Sequence[Chunk | None], batch: int) -> None:
         """The static inputs of bucket ``batch`` from ``chunks``: every slab's token ids,
@@ -252,3 +253,10 @@ class DecodeGraphs:
                                                              dtype=torch.int32)
         self._row_blocks[row], self._row_filled[row] = blocks, count
         return count
+
+
+def _rows(out: Any, rows: Any) -> Any:
+    """Rows ``rows`` (a slice or an index tensor) of ``out``, a tensor or a tuple of them."""
+    if isinstance(out, tuple):
+        return tuple(_rows(o, rows) for o in out)
+    return out[rows] if isinstance(rows, slice) else out.index_select(0, rows)

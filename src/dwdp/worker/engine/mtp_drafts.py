@@ -127,11 +127,12 @@ class MtpDrafts:
             return
         graphs = self.graphs.get(replayed.q) if replayed is not None else None
         if graphs is not None:  # the hidden states are in the replayed step's slabs
-            last = graphs.replay(chunks)
+            last, tokens = graphs.replay(chunks)
         else:
             hidden = self.hidden.index_select(0, torch.tensor(rows, device=self.cache.device))
             last = self._forward([c for c in chunks if c is not None], ids, hidden)
-        drafts = self.layer.logits(last).argmax(dim=-1).tolist()
+            tokens = self.layer.logits(last).argmax(dim=-1)
+        drafts = tokens.tolist()
         for (seq, _), token in zip(wanting, drafts, strict=True):
             seq.draft = [int(token)]
         self._chain(wanting, last, scheduler, room)
@@ -168,12 +169,13 @@ class MtpDrafts:
             out = self._block(layout, embeds)
         return out.index_select(0, layout.logits_index)
 
-    def _slabs(self, layout: KernelLayout) -> Any:
+    def _slabs(self, layout: KernelLayout) -> tuple[Any, Any]:
         """The layer over a decode graph's static ``layout``, the hidden states read in place
-        from the buffer's first rows: its output row per token [T, H] (what ``capture``
-        records)."""
+        from the buffer's first rows: its output row per token [T, H] and the draft token
+        each row predicts [T] (what ``capture`` records)."""
         tokens = layout.input_ids.shape[1]
-        return self._block(layout, self.layer.inputs(layout.input_ids[0], self.hidden[:tokens]))
+        out = self._block(layout, self.layer.inputs(layout.input_ids[0], self.hidden[:tokens]))
+        return out, self.layer.logits(out).argmax(dim=-1)
 
     def _block(self, layout: Any, embeds: Any) -> Any:
         """The layer's block over ``embeds`` [1, T, H] in ``layout``: [T, H]."""
