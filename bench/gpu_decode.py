@@ -60,9 +60,14 @@ Usage: python bench/gpu_decode.py [--layers 4] [--quick] [--out bench/results]
                                   [--levels 1,8,32,64] [--max-output 96]
                                   [--requests-per-slot 2] [--skip SECTIONS] [--workdir DIR]
                                   [--structured json] [--structured-rounds 2]
+                                  [--spec-ngram K]
 ``--quick``: batches 1,8 at context 256, reference at batch 1, serving at 1 and 8 (a smoke run);
 ``--skip engine,eager,serve,generate,reference``: leave those sections out (``generate``: the
 serving section's transformers baseline).
+``--spec-ngram K``: also the engine with n-gram drafts of K tokens (speculative decoding, CUDA
+graphs: verify steps replay the verify graphs), the same rows as ``engine``; its lines give the
+step, the tokens a request gets per step, the acceptance and the time per output token of a
+request over the engine's without drafts (``details.spec`` of each row).
 ``--device cpu --tiny``: a tiny float32 model on the CPU (checks the bench itself; capture
 fails there by design and is reported under ``errors``).
 Writes OUT/gpu_decode.json (``rows``: ``batch``, ``context``, ``engine_step_ms``,
@@ -167,20 +172,29 @@ def step_bytes(model: Any, batch: int, context: int) -> int:
     return int(other + rows + experts / e * touched + kv_per_token * batch * context)
 
 
-def engine_config(graphs: bool) -> Any:
+def engine_config(graphs: bool, spec: Any = None) -> Any:
     from dwdp.worker.engine.base import EngineConfig
 
     return EngineConfig(max_batch_size=MAX_BATCH, max_num_tokens=MAX_NUM_TOKENS,
                         max_model_len=MAX_MODEL_LEN, kv_capacity_tokens=MAX_BATCH * MAX_MODEL_LEN,
-                        cuda_graphs=graphs)
+                        cuda_graphs=graphs, speculative=spec)
 
 
-def make_engine(model: Any, tok: Any, graphs: bool) -> tuple[Any, dict | None]:
-    """A ``ContinuousEngine`` (not started), its graphs captured when ``graphs``; returns it
-    and the capture's ``GraphStats`` as a dict (``None`` without graphs)."""
+def spec_config(k: int) -> Any:
+    """``--spec-ngram K``: n-gram drafts of ``K`` tokens, vLLM's lookup defaults (1 to K)."""
+    from dwdp.worker.engine.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=k)
+
+
+def make_engine(model: Any, tok: Any, graphs: bool, spec: Any = None) -> tuple[Any, dict | None]:
+    """A ``ContinuousEngine`` (not started), its graphs captured when ``graphs`` (with
+    ``spec``, a ``SpeculativeConfig``, its verify graphs too); returns it and the capture's
+    ``GraphStats`` as a dict (``None`` without graphs)."""
     from dwdp.worker.engine.continuous import ContinuousEngine
 
-    engine = ContinuousEngine(model, tok, model_name="bench", config=engine_config(graphs))
+    engine = ContinuousEngine(model, tok, model_name="bench",
+                              config=engine_config(graphs, spec))
     if not graphs:
         return engine, None
     start = time.perf_counter()
@@ -219,6 +233,7 @@ def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: in
             stats = engine.stats
             replays = getattr(stats, "graph_replays", None)
             tokens, preempted = stats.generation_tokens, stats.preemptions
+            drafted, accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
             _sync(device)
             start = time.perf_counter()
             for _ in range(steps):
@@ -228,10 +243,13 @@ def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: in
             if any(s.finished for s in states):
                 raise RuntimeError("a request ended inside the timed window")
             after = getattr(stats, "graph_replays", None)
+            drafted = stats.spec_draft_tokens - drafted
             return {"step_ms": wall / steps * 1e3,
                     "tokens_per_step": (stats.generation_tokens - tokens) / steps,
                     "graph_replays": None if replays is None else after - replays,
-                    "preemptions": stats.preemptions - preempted}
+                    "preemptions": stats.preemptions - preempted,
+                    "acceptance": (stats.spec_accepted_tokens - accepted) / drafted
+                    if drafted else None}
         finally:
             _end_all(engine, states)
 
@@ -251,11 +269,11 @@ def _end_all(engine: Any, states: list) -> None:
 
 
 def engine_rows(model: Any, tok: Any, args: argparse.Namespace, graphs: bool,
-                errors: dict[str, str]) -> tuple[dict, dict | None]:
+                errors: dict[str, str], spec: Any = None) -> tuple[dict, dict | None]:
     """``{(batch, context): row}`` of one engine (see ``decode_step``; rows that failed are
-    absent and named in ``errors``) and its capture's stats."""
-    name = "engine" if graphs else "eager"
-    made = guarded(errors, f"{name}.build", lambda: make_engine(model, tok, graphs))
+    absent and named in ``errors``) and its capture's stats; ``spec``: with drafts."""
+    name = "spec" if spec is not None else "engine" if graphs else "eager"
+    made = guarded(errors, f"{name}.build", lambda: make_engine(model, tok, graphs, spec))
     if made is None:
         return {}, None
     engine, captured = made
@@ -515,6 +533,11 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
                     result.setdefault("graphs", captured)
                     _release()
                     save(args, result)
+            if args.spec_ngram:
+                measured["spec"], _ = engine_rows(model, tok, args, True, errors,
+                                                  spec_config(args.spec_ngram))
+                _release()
+                save(args, result)
             if "serve" not in args.skip:
                 result["serve"] = serve(model, tok, args, errors)
                 save(args, result)
@@ -550,7 +573,7 @@ def table_rows(args: argparse.Namespace, measured: dict[str, dict], nbytes: dict
     for b in args.batches:
         for c in args.contexts:
             got = {name: measured.get(name, {}).get((b, c))
-                   for name in ("engine", "eager", "reference")}
+                   for name in ("engine", "eager", "reference", "spec")}
             step = {name: (r["step_ms"] if r else None) for name, r in got.items()}
             size = nbytes.get(f"{b}x{c}")
             rows.append({"batch": b, "context": c, "engine_step_ms": step["engine"],
@@ -589,6 +612,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
             f"{_f(_ratio(r['engine_step_ms'], r['reference_step_ms']), '.2f'):>7} "
             f"{_f(_ratio(r['engine_step_ms'], r['floor_ms']), '.1f'):>9} "
             f"{_f(eng and eng['tokens_per_step'], '.1f'):>8}")
+    if args.spec_ngram:
+        lines += spec_report(result.get("rows", []), args)
     long, short = by.get((32, 2048)), by.get((32, 256))
     if long and short:
         lines.append("batch 32: engine step at context 2048 / at 256 = "
@@ -613,6 +638,25 @@ def report(result: dict, args: argparse.Namespace) -> str:
         lines.append(f"ERROR {name}: {err}")
     lines.append(f"elapsed {result.get('elapsed_s', 0):.0f} s")
     return "\n".join(lines)
+
+
+def spec_report(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    """The ``--spec-ngram`` lines: per row the step with drafts, its tokens a request and
+    step, and the time per output token of a request over the engine's without drafts."""
+    lines = [f"n-gram drafts ({args.spec_ngram} a step, CUDA graphs; verify steps replay the "
+             "verify graphs): step ms, tokens per request and step, acceptance, ITL vs engine",
+             f"{'batch':>5} {'ctx':>5} {'step':>8} {'tok/req':>7} {'accept':>6} {'ITL':>8} "
+             f"{'ITL/eng':>7}"]
+    for r in rows:
+        spec, eng = r["details"].get("spec"), r["engine_step_ms"]
+        if not spec:
+            continue
+        per = spec["tokens_per_step"] / r["batch"]
+        itl = spec["step_ms"] / per if per else None
+        lines.append(f"{r['batch']:>5} {r['context']:>5} {spec['step_ms']:>8.3f} {per:>7.2f} "
+                     f"{_f(spec['acceptance'], '.2f'):>6} {_f(itl):>8} "
+                     f"{_f(_ratio(itl, eng), '.2f'):>7}")
+    return lines
 
 
 def structured_report(s: dict, args: argparse.Namespace) -> list[str]:
@@ -673,6 +717,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="serve each level free and with every request constrained")
     ap.add_argument("--structured-rounds", type=int, default=2,
                     help="with --structured: rounds of (free, constrained) per level")
+    ap.add_argument("--spec-ngram", type=int, default=0, metavar="K",
+                    help="also the engine with n-gram drafts of K tokens (spec rows)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (smoke runs)")
     args = ap.parse_args(argv)
