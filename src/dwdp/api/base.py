@@ -1,7 +1,10 @@
 """The base of every API model: camelCase aliases, strict scalars, unknown fields refused.
 
-Python code uses the snake_case field names; YAML and the CRD use the camelCase aliases;
-both are accepted on input (``populate_by_name``). Scalars are strict (``"4"`` is not a
+Python code uses the snake_case field names (the constructors accept them:
+``populate_by_name``); documents (YAML, the CRD's objects, a launch config file) use the
+camelCase aliases only, as the apiserver reads them (``model_validate(..., by_name=False)``:
+``num_speculative_tokens`` in a document is an unknown field, as the apiserver's strict field
+validation says). Scalars are strict (``"4"`` is not a
 whole number, ``"true"`` is not a boolean), as the apiserver's schema check is, so the
 models and the CRD reach the same verdict on the same document.
 """

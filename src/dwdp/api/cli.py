@@ -154,7 +154,7 @@ def _launch_problems(doc: Any) -> list[Any]:
         rule = "is a DwdpDeployment, not a worker launch config: validate it without --launch"
         return [Problem(("kind",), "DwdpDeployment", rule)]
     problems = all_problems(LaunchConfig, doc)
-    return problems or launch_problems(LaunchConfig.model_validate(doc))
+    return problems or launch_problems(LaunchConfig.model_validate(doc, by_name=False))
 
 
 def _cmd_partition(args: argparse.Namespace) -> int:

@@ -1364,7 +1364,7 @@ def parse_deployment(data: object) -> DwdpDeployment:
     problems = deployment_problems(data)
     if problems:
         raise DwdpValidationError(problems, subject="DwdpDeployment")
-    return DwdpDeployment.model_validate(data)
+    return DwdpDeployment.model_validate(data, by_name=False)
 
 
 def launch_config_for(

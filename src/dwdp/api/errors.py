@@ -185,9 +185,21 @@ def problems_from_validation_error(
             problems.extend(Problem(path, UNSET, rule) for path, rule in rules)
             continue
         value = UNSET if kind == "missing" else err.get("input", UNSET)
-        rule = _PLAIN_WORDS.get(kind) or _lower_first(err["msg"])
+        rule = _PLAIN_WORDS.get(kind) or _length_rule(err) or _lower_first(err["msg"])
         problems.append(Problem((*prefix, *loc), value, rule))
     return problems
+
+
+def _length_rule(err: Mapping[str, Any]) -> str | None:
+    """A list's length rule in plain words ("must have 3 items" where the least and the most
+    are equal), ``None`` for any other error."""
+    ctx = err.get("ctx") or {}
+    low, high = ctx.get("min_length"), ctx.get("max_length")
+    if err["type"] == "too_short":
+        return f"must have {'' if low == high else 'at least '}{low} items"
+    if err["type"] == "too_long":
+        return f"must have {'' if low == high else 'at most '}{high} items"
+    return None
 
 
 MAX_PASSES = 4
@@ -211,7 +223,7 @@ def all_problems(model: type[BaseModel], data: object) -> list[Problem]:
     doc = copy.deepcopy(data)
     for _ in range(MAX_PASSES):
         try:
-            model.model_validate(doc)
+            model.model_validate(doc, by_name=False)  # a document: camelCase names only
             break
         except ValidationError as exc:
             new = [p for p in problems_from_validation_error(exc, model=model)

@@ -173,7 +173,7 @@ def load_launch_config(path: str | None) -> LaunchConfig:
     if not isinstance(data, dict):
         raise WorkerStartupError(f"launch config {path}: expected a mapping at the top level")
     try:
-        return LaunchConfig.model_validate(data)
+        return LaunchConfig.model_validate(data, by_name=False)
     except ValidationError as exc:
         first = problems_from_validation_error(exc, model=LaunchConfig)[0]
         raise WorkerStartupError(f"launch config {path}: {first}") from exc
