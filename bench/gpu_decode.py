@@ -214,7 +214,10 @@ def decode_step(engine: Any, batch: int, context: int, *, steps: int, warmup: in
     rng = random.Random(batch * 100003 + context)
     prefill_steps = batch * context // MAX_NUM_TOKENS + batch + 8
     # the first requests decode while the last ones still prefill: room for those steps too
-    params = SamplingParams(max_tokens=prefill_steps + warmup + steps + 16, ignore_eos=True)
+    spec = engine.config.speculative  # with drafts a step may give 1 + k tokens a request
+    per_step = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    params = SamplingParams(max_tokens=prefill_steps + (warmup + steps) * per_step + 16,
+                            ignore_eos=True)
     prompts = [[rng.randrange(engine.vocab_size) for _ in range(context)] for _ in range(batch)]
     states = [RequestState(f"d{batch}x{context}-{i}", p, params) for i, p in enumerate(prompts)]
     with engine._step_lock:
@@ -736,8 +739,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--batches/--levels: at most {MAX_BATCH} (the engine's max_batch_size)")
     if args.max_output < 16:
         ap.error(f"--max-output: {args.max_output}, at least 16 (the shortest served output)")
-    if max(args.contexts) + args.warmup + args.steps + 16 > MAX_MODEL_LEN:
-        ap.error(f"--contexts: context + warmup + steps + 16 must fit {MAX_MODEL_LEN} tokens")
+    if max(args.contexts) + (args.warmup + args.steps) * (1 + args.spec_ngram) + 16 \
+            > MAX_MODEL_LEN:
+        ap.error(f"--contexts: context + (warmup + steps) x (1 + --spec-ngram) + 16 must fit "
+                 f"{MAX_MODEL_LEN} tokens")
     return args
 
 
