@@ -48,7 +48,7 @@ CHILD = textwrap.dedent(
     path = cached_demo_mtp_model(cache_dir() / "models")
     model, tok = load_checkpoint(path)
     layer = load_mtp(path, validate_checkpoint(path), dtype=torch.float32, device="cpu")
-    method, k = sys.argv[1], int(sys.argv[2])
+    method, k, sampled = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sampled"
     spec = (SpeculativeConfig(method="mtp", num_speculative_tokens=k) if method == "mtp" else
             SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1,
                               prompt_lookup_max=3))
@@ -57,7 +57,9 @@ CHILD = textwrap.dedent(
               for (a, b), (c, d) in zip(CAPITALS[3:5], CAPITALS[5:7])]
     prompts = [tok(t)["input_ids"] for t in asks + quotes]
     # uneven lengths: requests end at different steps, the batch shrinks across buckets
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (14, 9, 12, 6, 11)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True,
+                             **({"temperature": 0.8, "seed": n} if sampled else {}))
+              for n in (14, 9, 12, 6, 11)]
     config = EngineConfig(max_model_len=96, max_batch_size=4, block_size=4,
                           max_num_tokens=64, prefix_caching=False, speculative=spec)
 
@@ -129,11 +131,15 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("method", "k"), [("mtp", 1), ("mtp", 2), ("ngram", 3)])
+@pytest.mark.parametrize(("method", "k", "sampling"), [
+    ("mtp", 1, "greedy"), ("mtp", 2, "greedy"), ("mtp", 2, "sampled"), ("ngram", 3, "greedy")])
 def test_verify_and_mtp_steps_through_the_graphs_slabs_answer_and_draft_as_eager_steps(
-        method, k):
+        method, k, sampling):
     """MTP with one and two drafts a step (the second from the layer's own output, eagerly)
     and n-gram drafts of 3: uneven drafts a request (none, some, all accepted), requests ending
     at different steps (slabs of padding in a bucket), answers, drafts and acceptance per
-    position those of eager steps."""
-    run_interpreted(CHILD, method, str(k))
+    position those of eager steps. Greedy requests get the MTP pass queued right behind the
+    step (``MtpDrafts.launch``: its tokens and lengths found on the device), seeded sampled
+    ones the pass after the host took the step's tokens (``MtpDrafts.after``); a rejected
+    tail's blocks go back and other blocks take their places in the graphs' tables."""
+    run_interpreted(CHILD, method, str(k), sampling)

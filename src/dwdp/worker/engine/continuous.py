@@ -26,7 +26,7 @@ from dwdp.worker.engine.blocks import BlockAllocator
 from dwdp.worker.engine.graphs import CudaGraphError, DecodeGraphs, GraphStats
 from dwdp.worker.engine.kv_connector import KvConnector, KvHoldFull, KvTransferParams
 from dwdp.worker.engine.kv_events import KvEventPublisher
-from dwdp.worker.engine.mtp_drafts import MtpDrafts, hidden_rows
+from dwdp.worker.engine.mtp_drafts import EarlyPass, MtpDrafts, hidden_rows
 from dwdp.worker.engine.paged import (
     Chunk,
     KernelLayout,
@@ -37,7 +37,13 @@ from dwdp.worker.engine.paged import (
 from dwdp.worker.engine.piecewise import PiecewiseGraphs
 from dwdp.worker.engine.protocol import EngineError, RequestError, SamplingParams
 from dwdp.worker.engine.requests import RequestState
-from dwdp.worker.engine.sampler import Choice, choose, choose_each, greedy_tokens
+from dwdp.worker.engine.sampler import (
+    Choice,
+    choose,
+    choose_each,
+    greedy_tokens,
+    plain_greedy,
+)
 from dwdp.worker.engine.scheduler import Scheduled, Scheduler
 from dwdp.worker.engine.scheduler import Sequence as SchedSequence
 from dwdp.worker.engine.speculative import Drafter, DraftLayer
@@ -514,6 +520,7 @@ class ContinuousEngine(EngineBase):
         self.stats.preemptions = self.scheduler.preemptions
         self._count_kv()
         logits = self.runner.execute([p.chunk for p in plan])  # queued; the host goes on
+        early = self._early_mtp(plan)  # queued behind it: the MTP layer's pass
         sampled = [p for p in plan if p.chunk.sample]
         for p in plan:
             seq, n = p.seq, len(p.chunk.token_ids) - p.chunk.draft  # drafts: once verified
@@ -526,7 +533,12 @@ class ContinuousEngine(EngineBase):
         self._settle()
         states = [p.seq.state for p in sampled]
         # a verify step of greedy requests: every row's token in one copy, drafts' included
-        greedy = greedy_tokens(logits, states) if any(p.chunk.draft for p in sampled) else None
+        if early is not None:  # the step's tokens and the next drafts in one copy
+            greedy: list[int] | None = early.tokens([p.chunk for p in sampled])
+        elif any(p.chunk.draft for p in sampled):
+            greedy = greedy_tokens(logits, states)
+        else:
+            greedy = None
         if greedy is None:
             choices = choose(_first_rows(sampled, logits), states)
         else:
@@ -546,7 +558,10 @@ class ContinuousEngine(EngineBase):
             if p.chunk.draft:
                 accepted[id(seq)] = self._verify(seq, p.chunk, choice.token, logits, first,
                                                  greedy)
-        if self.mtp is not None:
+        if early is not None:
+            assert self.mtp is not None
+            self.mtp.finish(early, plan, accepted, self.scheduler, self._room)
+        elif self.mtp is not None:
             self.mtp.after(plan, accepted, self.scheduler, self._room,
                            {id(seq): choice.token for seq, choice in held},
                            self.runner.replayed)
@@ -559,6 +574,19 @@ class ContinuousEngine(EngineBase):
         self._publish_kv_events()
 
     # -- speculative decoding ----------------------------------------------------------------
+    def _early_mtp(self, plan: list[Scheduled]) -> EarlyPass | None:
+        """The MTP layer's pass queued right behind the step (``MtpDrafts.launch``) when the
+        step replayed decode or verify graphs for plain greedy requests only, none of them
+        held for a generation server; ``None`` otherwise (``MtpDrafts.after`` runs once the
+        host has the step's tokens)."""
+        replayed = self.runner.replayed
+        if self.mtp is None or replayed is None or not plain_greedy(
+                [p.seq.state for p in plan]):
+            return None
+        if self.kv is not None and any(_decodes_remotely(p.seq) for p in plan):
+            return None
+        return self.mtp.launch([p.chunk for p in plan], replayed)
+
     def _propose(self) -> None:
         """Before a step is scheduled: each running request with one pending token (it
         decodes) proposes its draft tokens (``Drafter``), as many as its ``max_tokens`` and

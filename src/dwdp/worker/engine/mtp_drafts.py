@@ -137,6 +137,66 @@ class MtpDrafts:
             seq.draft = [int(token)]
         self._chain(wanting, last, scheduler, room)
 
+    def launch(self, chunks: list[Chunk], replayed: DecodeGraphs) -> EarlyPass | None:
+        """Queue the layer's pass right behind a replayed decode or verify step of plain greedy
+        requests (``chunks``, the step's, in ``replayed``'s slabs), before the host has its
+        tokens: on the device, each slab's greedy tokens (the logits' argmax), the drafts they
+        accept (while a token equals the draft after it) and so its kept positions, which
+        become the pass's tokens (the token at position ``p + 1`` is the target's argmax at
+        ``p`` wherever ``p`` is kept), lengths and cache slots (the rest on the scratch
+        block). ``None`` when no graphs of this slab were captured."""
+        import torch
+
+        graphs = self.graphs.get(replayed.q)
+        if graphs is None:
+            return None
+        q, n = replayed.q, len(chunks)
+        batch = next(b for b in replayed.buckets if b >= n)
+        graphs._fill(chunks, batch)  # positions, tables; lengths and slots of every row
+        tokens = batch * q
+        target = replayed.outputs[batch].argmax(dim=-1)  # [batch * q], slab by slab
+        slab = target.view(batch, q)
+        q_len_at, seq_len_at = graphs.offsets[1], graphs.offsets[2]
+        lens = graphs.ints[q_len_at : q_len_at + batch].long()
+        col = torch.arange(q, device=target.device)
+        drafts = replayed.longs[0, :tokens].view(batch, q)[:, 1:]
+        match = (slab[:, :-1] == drafts) & (col[None, 1:] < lens[:, None])
+        kept = 1 + match.long().cumprod(dim=1).sum(dim=1)  # [batch]
+        graphs.longs[0, :tokens].copy_(target)
+        graphs.ints[q_len_at : q_len_at + batch].copy_(kept)
+        starts = graphs.longs[1, :tokens].view(batch, q)[:, 0]
+        graphs.ints[seq_len_at : seq_len_at + batch].copy_(starts + kept)
+        graphs.longs[2, :tokens].view(batch, q).masked_fill_(
+            col[None, :] >= kept[:, None], graphs.scratch_slot)
+        graphs.graphs[batch].replay()
+        graphs.replays += 1
+        hidden, proposed = graphs.outputs[batch]
+        last_rows = torch.arange(batch, device=target.device) * q + kept - 1
+        packed = torch.cat([target, proposed.index_select(0, last_rows)])
+        return EarlyPass(q, batch, packed, hidden.index_select(0, last_rows))
+
+    def finish(self, early: EarlyPass, plan: list[Scheduled], accepted: dict[int, int],
+               scheduler: Scheduler, room: Callable[[Sequence], int]) -> None:
+        """Set the drafts of ``plan``'s decoding requests from the pass ``launch`` queued
+        (``accepted``: the drafts the host accepted, as the device did), up to ``room(seq)``
+        each: the first from it, the others as :meth:`after` makes them."""
+        import torch
+
+        drafts = early.drafts()
+        wanting: list[tuple[Sequence, int]] = []
+        rows: list[int] = []
+        for i, p in enumerate(plan):
+            c, seq = p.chunk, p.seq
+            if seq.state.finished or seq not in scheduler.running or room(seq) <= 0:
+                continue
+            kept = len(c.token_ids) - c.draft + accepted.get(id(seq), 0)
+            seq.draft = [drafts[i]]
+            wanting.append((seq, c.start + kept - 1))
+            rows.append(i)
+        if wanting and self.k > 1:
+            last = early.last.index_select(0, torch.tensor(rows, device=early.last.device))
+            self._chain(wanting, last, scheduler, room)
+
     def _chain(self, wanting: list[tuple[Sequence, int]], hidden: Any, scheduler: Scheduler,
                room: Callable[[Sequence], int]) -> None:
         """Drafts after the first: the layer one position on per round, fed its own output
@@ -184,6 +244,33 @@ class MtpDrafts:
                 inputs_embeds=embeds, position_ids=layout.position_ids,
                 attention_mask=self._no_mask, use_cache=True, **{self._cache_kwarg: self.cache},
             ).last_hidden_state[0]
+
+
+class EarlyPass:
+    """The MTP layer's pass :meth:`MtpDrafts.launch` queued behind a replayed step: on the
+    device ``packed`` (each slab row's greedy token, then each slab's first draft) and
+    ``last`` (the layer's output at each slab's last kept row, [batch, H]); one copy to the
+    host serves the step's tokens and the drafts."""
+
+    def __init__(self, q: int, batch: int, packed: Any, last: Any) -> None:
+        self.q, self.batch, self.packed, self.last = q, batch, packed, last
+        self._host: list[int] | None = None
+
+    def _fetch(self) -> list[int]:
+        if self._host is None:
+            self._host = self.packed.tolist()
+        return self._host
+
+    def tokens(self, chunks: list[Chunk]) -> list[int]:
+        """The greedy token of every logits row the step keeps (``Chunk.rows`` of each chunk,
+        in order: what ``sampler.greedy_tokens`` gives)."""
+        host, q = self._fetch(), self.q
+        return [host[i * q + r] for i, c in enumerate(chunks)
+                for r in range(len(c.token_ids) - c.rows, len(c.token_ids))]
+
+    def drafts(self) -> list[int]:
+        """Each slab's first draft, request by request."""
+        return self._fetch()[self.batch * self.q :]
 
 
 def _following(seq: Sequence, start: int, count: int, held: int | None) -> list[int]:

@@ -120,9 +120,15 @@ def greedy_tokens(logits: Any, states: list[RequestState]) -> list[int] | None:
     step's drafts then cost no copy of their own."""
     import torch
 
-    if not all(_plain(s) and s.constraint is None for s in states):
+    if not plain_greedy(states):
         return None
     return torch.argmax(logits, dim=-1).tolist()
+
+
+def plain_greedy(states: list[RequestState]) -> bool:
+    """Whether every request of ``states`` takes its rows' argmax, whatever it takes before
+    (plain greedy, no grammar): its tokens can be chosen on the device."""
+    return all(_plain(s) and s.constraint is None for s in states)
 
 
 def choose_each(rows: Any, state: RequestState) -> Iterator[Choice]:

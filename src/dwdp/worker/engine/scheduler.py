@@ -224,7 +224,10 @@ class Scheduler:
         keep = self.allocator.blocks_for(seq.computed + 1)
         if len(seq.blocks) > keep:
             self.allocator.free(seq.blocks[keep:])
-            del seq.blocks[keep:]
+            # a new list, not one cut in place: the decode graphs rewrite a request's table
+            # row only past what they wrote for the same list (DecodeGraphs._fill_table), and
+            # the blocks that later take these places may be other blocks
+            seq.blocks = seq.blocks[:keep]
 
     def reserve(self, seq: Sequence, tokens: int) -> bool:
         """Give ``seq`` the blocks for ``tokens`` tokens if they are free (never preempting);
