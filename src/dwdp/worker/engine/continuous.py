@@ -532,8 +532,9 @@ class ContinuousEngine(EngineBase):
         # its blocks, which the commit (prefix caching: full blocks registered) still needed
         self._settle()
         states = [p.seq.state for p in sampled]
-        # a verify step of greedy requests: every row's token in one copy, drafts' included
-        if early is not None:  # the step's tokens and the next drafts in one copy
+        # greedy requests: every row's token in one copy (drafts' rows, and with the MTP pass
+        # queued behind the step, the next drafts too)
+        if early is not None:
             greedy: list[int] | None = early.tokens([p.chunk for p in sampled])
         elif any(p.chunk.draft for p in sampled):
             greedy = greedy_tokens(logits, states)

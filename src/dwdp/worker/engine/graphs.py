@@ -185,18 +185,39 @@ class DecodeGraphs:
         ``q`` tokens a request, within the buckets."""
         return 0 < len(chunks) <= self.buckets[-1] and is_decode_only(chunks, self.q)
 
-    def replay(self, chunks: Sequence[Chunk | None]) -> Any:
-        """Copy the step's inputs into the smallest bucket holding it and replay; returns each
-        chunk's last ``Chunk.rows`` output rows, in order ([sum of rows, ...]; a view of the
-        graph's output when every chunk keeps its whole slab, valid until the next replay; of
-        each tensor when the forward returned a tuple).
-        A ``None`` chunk is a padding slab (its requests' place kept, nothing of it kept)."""
-        n = len(chunks)
-        batch = next(b for b in self.buckets if b >= n)
+    def bucket(self, n: int) -> int:
+        """The smallest bucket holding a step of ``n`` requests."""
+        return next(b for b in self.buckets if b >= n)
+
+    def slabs(self, batch: int) -> tuple[Any, Any, Any]:
+        """Bucket ``batch``'s static inputs, slab by slab: ``longs`` as [3, batch, q] (token
+        ids, positions, slots) and the rows' ``q_len`` and ``seq_len`` [batch] (int32); what a
+        replay reads, to change on the device between ``run``'s fill and its replay."""
+        q_len, seq_len = self.offsets[1], self.offsets[2]
+        return (self.longs[:, : batch * self.q].view(3, batch, self.q),
+                self.ints[q_len : q_len + batch], self.ints[seq_len : seq_len + batch])
+
+    def run(self, chunks: Sequence[Chunk | None],
+            prepare: Callable[[int], None] | None = None) -> tuple[int, Any]:
+        """Copy the step's inputs into the smallest bucket holding it, call ``prepare(batch)``
+        (device work that edits the inputs, ``slabs``), and replay; returns the bucket and its
+        whole output (every slab row; valid until the next replay). A ``None`` chunk is a
+        padding slab (its request's place kept)."""
+        batch = self.bucket(len(chunks))
         self._fill(chunks, batch)
+        if prepare is not None:
+            prepare(batch)
         self.graphs[batch].replay()
         self.replays += 1
-        out, q = self.outputs[batch], self.q
+        return batch, self.outputs[batch]
+
+    def replay(self, chunks: Sequence[Chunk | None]) -> Any:
+        """``run`` the step; returns each chunk's last ``Chunk.rows`` output rows, in order
+        ([sum of rows, ...]; a view of the graph's output when every chunk keeps its whole
+        slab, valid until the next replay; of each tensor when the forward returned a tuple).
+        A ``None`` chunk is a padding slab (nothing of it kept)."""
+        n, q = len(chunks), self.q
+        _, out = self.run(chunks)
         if all(c is not None and c.rows == q for c in chunks):
             return _rows(out, slice(0, n * q))
         kept = [i * q + r for i, c in enumerate(chunks) if c is not None

@@ -150,29 +150,24 @@ class MtpDrafts:
         graphs = self.graphs.get(replayed.q)
         if graphs is None:
             return None
-        q, n = replayed.q, len(chunks)
-        batch = next(b for b in replayed.buckets if b >= n)
-        graphs._fill(chunks, batch)  # positions, tables; lengths and slots of every row
-        tokens = batch * q
-        target = replayed.outputs[batch].argmax(dim=-1)  # [batch * q], slab by slab
-        slab = target.view(batch, q)
-        q_len_at, seq_len_at = graphs.offsets[1], graphs.offsets[2]
-        lens = graphs.ints[q_len_at : q_len_at + batch].long()
-        col = torch.arange(q, device=target.device)
-        drafts = replayed.longs[0, :tokens].view(batch, q)[:, 1:]
-        match = (slab[:, :-1] == drafts) & (col[None, 1:] < lens[:, None])
+        q = replayed.q
+        batch = replayed.bucket(len(chunks))
+        slab = replayed.outputs[batch].argmax(dim=-1).view(batch, q)  # the greedy tokens
+        inputs, lengths, _ = replayed.slabs(batch)  # the step's tokens and lengths
+        col = torch.arange(q, device=slab.device)
+        match = (slab[:, :-1] == inputs[0, :, 1:]) & (col[None, 1:] < lengths[:, None])
         kept = 1 + match.long().cumprod(dim=1).sum(dim=1)  # [batch]
-        graphs.longs[0, :tokens].copy_(target)
-        graphs.ints[q_len_at : q_len_at + batch].copy_(kept)
-        starts = graphs.longs[1, :tokens].view(batch, q)[:, 0]
-        graphs.ints[seq_len_at : seq_len_at + batch].copy_(starts + kept)
-        graphs.longs[2, :tokens].view(batch, q).masked_fill_(
-            col[None, :] >= kept[:, None], graphs.scratch_slot)
-        graphs.graphs[batch].replay()
-        graphs.replays += 1
-        hidden, proposed = graphs.outputs[batch]
-        last_rows = torch.arange(batch, device=target.device) * q + kept - 1
-        packed = torch.cat([target, proposed.index_select(0, last_rows)])
+
+        def prepare(bucket: int) -> None:  # after run's fill of the step's positions
+            ids, lens, seq_lens = graphs.slabs(bucket)
+            ids[0].copy_(slab)
+            lens.copy_(kept)
+            seq_lens.copy_(ids[1, :, 0] + kept)
+            ids[2].masked_fill_(col[None, :] >= kept[:, None], graphs.scratch_slot)
+
+        _, (hidden, proposed) = graphs.run(chunks, prepare)
+        last_rows = torch.arange(batch, device=slab.device) * q + kept - 1
+        packed = torch.cat([slab.reshape(-1), proposed.index_select(0, last_rows)])
         return EarlyPass(q, batch, packed, hidden.index_select(0, last_rows))
 
     def finish(self, early: EarlyPass, plan: list[Scheduled], accepted: dict[int, int],

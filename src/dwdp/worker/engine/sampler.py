@@ -139,7 +139,7 @@ def choose_each(rows: Any, state: RequestState) -> Iterator[Choice]:
     host in one copy."""
     import torch
 
-    if _plain(state) and state.constraint is None:  # a grammar's mask moves with each token
+    if plain_greedy([state]):  # a grammar's mask moves with each token
         yield from (Choice(t) for t in torch.argmax(rows, dim=-1).tolist())
         return
     for i in range(rows.shape[0]):

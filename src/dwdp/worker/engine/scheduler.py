@@ -55,6 +55,9 @@ class Sequence:
 
     state: RequestState
     blocks: list[int] = field(default_factory=list)
+    """Its KV blocks in position order. Grown in place; never cut in place (a cut is a new
+    list): the decode graphs keep a request's table row while its list is the same object
+    (``DecodeGraphs._fill_table``)."""
     computed: int = 0
     pull: KvTransferParams | None = None
     """The remote prompt KV to read before its first step (a remote prefill): the engine's
