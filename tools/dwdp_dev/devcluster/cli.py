@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="image of images/NAME/Dockerfile, or of tools/images/NAME/Dockerfile for a test"
         " image (rank-standin) (repeatable; default operator; the worker image"
-        " holds CUDA wheels: about 6.7 GB unpacked, 6 to 9 minutes to build cold)",
+        " holds CUDA wheels: about 6.7 GB unpacked, about 5 minutes to build cold on 2 cores)",
     )
     up = add("up", "start the cluster (idempotent); waits for a Ready node", _up)
     up.add_argument(
