@@ -10,7 +10,8 @@
 # --local: no engine or daemon; `dwdp dev images` builds a debootstrap Debian base (umoci) and
 # the images on it with buildah (vfs, chroot isolation) into the local OCI store
 # ~/.cache/dwdp/images (what the local cluster's process kubelet runs pods from), cached by a
-# hash of the inputs; needs root, debootstrap, umoci, buildah and skopeo (default: operator).
+# hash of the inputs; needs root, debootstrap, buildah, skopeo and Go (it builds umoci 0.6)
+# (default: operator).
 # Push one with: skopeo copy oci:<layout>:<tag> docker://REGISTRY/dwdp-NAME:TAG (the layout is
 # printed).
 #

@@ -4,7 +4,7 @@
 #
 #   install_system_packages [PACKAGE:PROGRAM ...]   (more packages, each if its program is missing)
 #
-# debootstrap, umoci, buildah and skopeo build the operator and worker images into the local OCI
+# debootstrap, buildah and skopeo build the operator and worker images into the local OCI
 # store; containerd, runc, the CNI plugins and iptables run the real node (dwdp dev up), and
 # containerd unpacks image layers with pigz's unpigz when it is there (the worker image's 3.4 GB
 # layer: 17 s against gzip's 41 s on 2 cores).
@@ -12,7 +12,7 @@
 install_system_packages() {
   local packages=() pair
   # PACKAGE:PROGRAM, the program telling that the package is installed; the caller's after
-  for pair in debootstrap:debootstrap umoci:umoci buildah:buildah skopeo:skopeo \
+  for pair in debootstrap:debootstrap buildah:buildah skopeo:skopeo \
     containerd:containerd runc:runc iptables:iptables pigz:unpigz \
     containernetworking-plugins:/usr/lib/cni/bridge "$@"; do
     command -v "${pair#*:}" >/dev/null 2>&1 || packages+=("${pair%%:*}")

@@ -12,7 +12,7 @@ See docs/design.md §8.
   cluster DNS (``clusterdns``) in a network namespace of their own.
 - ``kubelet``: the process kubelet (``--node process``) that runs pods as local processes
   from the host's virtual environment (no images).
-- ``images``: the daemonless, cached image build (``dwdp dev images``: debootstrap, umoci,
+- ``images``: the daemonless, cached image build (``dwdp dev images``: debootstrap, umoci (built),
   buildah) into the local OCI store ``<cache>/images``.
 - ``testing``: the pytest fixtures' implementation (``cluster``, ``process_cluster``,
   ``namespace``, the images).

@@ -9,7 +9,8 @@ by a fresh clone. A file lock keeps two concurrent builds from racing. The real 
 sandbox process (``go/pause``, static, standard library only) and its DNS server
 (``go/coredns``, a module of its own) are built the same way into ``<cache>/bin/pause-<hash>``
 and ``<cache>/bin/coredns-<hash>`` by :func:`build_pause` and :func:`build_coredns`, only when
-a real node is asked for.
+a real node is asked for; umoci (``go/umoci``), which the image store uses, by
+:func:`build_umoci`.
 """
 
 from __future__ import annotations
@@ -197,6 +198,19 @@ def build_coredns() -> Path:
     return _build_small(
         "coredns", module, ".", [module / n for n in ("main.go", "go.mod", "go.sum")]
     )
+
+
+def build_umoci() -> Path:
+    """Build umoci v0.6.0 (``go/umoci``: a module whose ``tool`` is umoci's command, pinned by
+    its go.mod and go.sum) if its inputs changed; return its path (``<cache>/bin/umoci-<hash>``;
+    seconds, after fetching its modules from the Go module proxy). The image store's layouts
+    are made and unpacked with it: Debian bookworm's umoci 0.4.7 cannot read zstd layers.
+
+    Raises BuildError if there is no Go toolchain and none is cached, or the build fails.
+    """
+    module = paths.GO_DIR / "umoci"
+    return _build_small("umoci", module, "github.com/opencontainers/umoci/cmd/umoci",
+                        [module / n for n in ("go.mod", "go.sum")])
 
 
 def _build_small(name: str, cwd: Path, package: str, sources: list[Path]) -> Path:

@@ -43,8 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     im = add(
         "images",
         "build images (default: the operator's) into the local OCI store ~/.cache/dwdp/images"
-        " without a daemon (debootstrap, umoci, buildah) if their inputs changed; a real node"
-        " imports them at `dwdp dev up`",
+        " without a daemon (debootstrap, buildah, umoci built with Go) if their inputs changed;"
+        " a real node imports them at `dwdp dev up`",
         _images,
     )
     im.add_argument(

@@ -70,11 +70,11 @@ BASE_MIRROR = "http://deb.debian.org/debian"
 RECIPE = "3"
 """Bumped when the way images are built changes (part of every hash)."""
 LAYER_COMPRESSION = "zstd"
-"""How the layers buildah pushes into the store are compressed. zstd, not gzip: the worker's
-6.5 GB of dependencies compress about 8 times faster on 2 cores (and a little smaller), and
-a node's containerd (1.5 or later) and ``umoci unpack`` read them about 4 times faster. A
-registry whose clients predate zstd takes a gzip copy: ``skopeo copy
---dest-compress-format gzip``."""
+"""How the store's layers are compressed (those buildah pushes, the product layer). zstd, not
+gzip: the worker's 6.5 GB of dependencies compress about 8 times faster on 2 cores (and a
+little smaller), and a node's containerd (1.5 or later) reads them faster. umoci 0.5 or later
+reads them (:func:`_umoci`). A registry whose clients predate zstd takes a gzip copy:
+``skopeo copy --dest-compress-format gzip``."""
 REGISTRY = "ghcr.io/dwdp"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SKIP = ("__pycache__",)
@@ -145,6 +145,17 @@ def _need(*tools: str) -> None:
             f"building images needs {', '.join(missing)} on PATH "
             f"(Debian: apt-get install {' '.join(missing)})"
         )
+
+
+def _umoci() -> str:
+    """The umoci this module runs: v0.6.0, built from the Go module proxy and cached
+    (:func:`build.build_umoci`); Debian bookworm's 0.4.7 cannot unpack zstd layers."""
+    from dwdp_dev.devcluster import build
+
+    try:
+        return str(build.build_umoci())
+    except build.BuildError as exc:
+        raise ImageError(f"umoci (for the image layouts): {exc}") from None
 
 
 def _repo() -> Path:
@@ -321,7 +332,7 @@ def ensure_base(progress: Callable[[str], None] | None = None) -> Path:
     layout = store_dir() / "base" / f"{BASE_SUITE}-{base_hash()}"
     if _index_tag(layout, "base"):
         return layout
-    _need("debootstrap", "umoci")
+    _need("debootstrap")
     with _locked(store_dir() / "base" / ".lock"):
         if _index_tag(layout, "base"):
             return layout
@@ -332,9 +343,9 @@ def ensure_base(progress: Callable[[str], None] | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=layout.parent))
         try:
             oci, bundle = tmp / "oci", tmp / "bundle"
-            _run(["umoci", "init", "--layout", str(oci)], logf)
-            _run(["umoci", "new", "--image", f"{oci}:base"], logf)
-            _run(["umoci", "unpack", "--image", f"{oci}:base", str(bundle)], logf)
+            _run([_umoci(), "init", "--layout", str(oci)], logf)
+            _run([_umoci(), "new", "--image", f"{oci}:base"], logf)
+            _run([_umoci(), "unpack", "--image", f"{oci}:base", str(bundle)], logf)
             rootfs = bundle / "rootfs"
             _run(
                 [
@@ -355,10 +366,10 @@ def ensure_base(progress: Callable[[str], None] | None = None) -> Path:
             for rel in ("etc/resolv.conf", "etc/hostname"):
                 (rootfs / rel).unlink(missing_ok=True)
             _say(progress, f"images: base unpacked ({time.monotonic() - start:.0f} s), packing")
-            _run(["umoci", "repack", "--image", f"{oci}:base", str(bundle)], logf)
+            _run([_umoci(), "repack", "--image", f"{oci}:base", str(bundle)], logf)
             _run(
                 [
-                    "umoci",
+                    _umoci(),
                     "config",
                     "--image",
                     f"{oci}:base",
@@ -373,7 +384,7 @@ def ensure_base(progress: Callable[[str], None] | None = None) -> Path:
                 ],
                 logf,
             )
-            _run(["umoci", "gc", "--layout", str(oci)], logf)
+            _run([_umoci(), "gc", "--layout", str(oci)], logf)
             shutil.rmtree(layout, ignore_errors=True)
             os.replace(oci, layout)
         finally:
@@ -601,7 +612,7 @@ def _build(
     (:func:`_add_product`); any other in one ``buildah build``."""
     base_layout = store_dir() / "base" / f"{BASE_SUITE}-{base_hash()}"
     _need(
-        "buildah", "skopeo", "umoci", *([] if _index_tag(base_layout, "base") else ["debootstrap"])
+        "buildah", "skopeo", *([] if _index_tag(base_layout, "base") else ["debootstrap"])
     )
     ensure_base(progress)
     start = time.monotonic()
@@ -779,10 +790,11 @@ def _add_product(runtime: Path, product: Path, layout: Path, tag: str, logf: Pat
             (staging / small).unlink()
             shutil.copy2(runtime / small, staging / small)
         image = f"{staging}:{tag}"
-        _run(["umoci", "raw", "add-layer", "--image", image, "--history.created_by",
+        _run([_umoci(), "raw", "add-layer", "--compress", LAYER_COMPRESSION, "--image", image,
+              "--history.created_by",
               "COPY --from=product /product/ /", str(product)], logf)
         labels = {"version": tag, **_stamp()}
-        _run(["umoci", "config", "--image", image,
+        _run([_umoci(), "config", "--image", image,
               *(w for k, v in labels.items()
                 for w in ("--config.label", f"org.opencontainers.image.{k.lower()}={v}"))],
              logf)
@@ -881,7 +893,6 @@ def unpack(image: StoredImage) -> Path:
     """Unpack the image's root filesystem once per manifest digest; return the rootfs folder
     (``<store>/rootfs/<digest>/rootfs``; callers mount it read-only, e.g. as an overlay's
     lower layer)."""
-    _need("umoci")
     dest = store_dir() / "rootfs" / _rootfs_key(image.digest)
     rootfs = dest / "rootfs"
     if rootfs.is_dir():
@@ -893,7 +904,7 @@ def unpack(image: StoredImage) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         logf = store_dir() / "rootfs" / "unpack.log"
         _run(
-            ["umoci", "unpack", "--image", f"{image.layout}:{image.tag}", str(tmp)],
+            [_umoci(), "unpack", "--image", f"{image.layout}:{image.tag}", str(tmp)],
             logf,
             what=f"umoci unpack of {image.reference}",
         )
