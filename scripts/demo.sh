@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The README's demo command. From nothing on a fresh machine: makes the virtual environment
-# .venv with every Python package, builds the local control plane (cached), then runs the
-# driver scripts/demo.py: the embedded cluster, the operator installed by its Helm chart, a
-# tiny DeepSeek-V3-family checkpoint, examples/04-demo.yaml applied (2 DWDP groups of 4 ranks
-# and a generation server, with vllm-router in front), requests through the router (a context
-# rank prefills, the generation server decodes; each answer says which) checked against a
+# The README's demo command. From nothing on a fresh machine: installs the system packages the
+# real node and the image builds need (scripts/system-packages.sh), then makes the virtual
+# environment .venv with every Python package, builds the local control plane and builds the
+# operator and worker images beside each other (each cached; the worker's dependencies take
+# minutes the first time), then runs the driver scripts/demo.py: the embedded cluster (a real
+# node: containerd, the kubelet, kube-proxy), the operator installed by its Helm chart, a tiny
+# DeepSeek-V3-family checkpoint, examples/04-demo.yaml applied (2 DWDP groups of 4 ranks and a
+# generation server, with vllm-router in front), requests through the router (a context rank
+# prefills, the generation server decodes; each answer says which) checked against a
 # single-process reference, time to Ready and requests/s through the router, teardown.
-# The cluster's node is a real one (containerd, the kubelet, kube-proxy): the system packages
-# it and the image builds need are installed first (scripts/system-packages.sh), and the driver
-# builds the operator and worker images (cached; the worker's takes minutes the first time).
 # Options go to the driver: --keep (leave it running; prints how to reach and stop it),
 # --state-dir DIR, --requests N, --node process (process kubelets instead: no packages, no
 # images; pods run from .venv).
@@ -59,28 +59,33 @@ venv() {
   fi
 }
 
-log "set-up 1/3: system packages, the control plane's Go modules and .venv, beside each other"
+# `dwdp dev build` and `dwdp dev images` need only the standard library (python3 -m
+# dwdp_dev.devcluster, src/ and tools/ on PYTHONPATH): the control plane's build and the images
+# do not wait for .venv.
+dev() { PYTHONPATH="$PWD/src:$PWD/tools" "$PY" -m dwdp_dev.devcluster "$@"; }
+
+log "set-up 1/2: system packages, .venv, the control plane and the images, beside each other"
 if [ "$node" = real ]; then  # process kubelets need no packages and no images
   . scripts/system-packages.sh
   bg system-packages install_system_packages
 fi
-if command -v go >/dev/null 2>&1; then  # a no-op once downloaded (the build reports no Go)
-  bg go-modules sh -c "cd tools/dwdp_dev/devcluster/go && go mod download"
-fi
-venv
-printf '   .venv ready after %d s\n' "$SECONDS"
-export PATH="$PWD/.venv/bin:$PATH"
-[ -z "${pids[go-modules]:-}" ] || await go-modules
-[ -z "${pids[system-packages]:-}" ] || await system-packages
-
-log "set-up 2/3: the local control plane (cached; the first build takes minutes) beside the images"
-bg control-plane dwdp dev build --tools
+control_plane() {  # the Go modules, then the build (without Go it reports what is missing)
+  if command -v go >/dev/null 2>&1; then
+    (cd tools/dwdp_dev/devcluster/go && go mod download)
+  fi
+  dev build --tools
+}
+bg control-plane control_plane
+bg venv venv
 if [ "$node" = real ]; then
+  await system-packages
   # the images print their own progress; the worker's dependencies take minutes the first time
-  dwdp dev images --only operator --only worker >/dev/null
+  dev images --only operator --only worker >/dev/null
 fi
 await control-plane
+await venv
+export PATH="$PWD/.venv/bin:$PATH"
 rm -rf "$logs"
 
-log "set-up 3/3: the demo (the node imports the worker image beside the operator's install)"
+log "set-up 2/2: the demo (the node imports the worker image beside the operator's install)"
 exec .venv/bin/python scripts/demo.py "$@"
