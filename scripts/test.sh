@@ -52,7 +52,8 @@ mypy
 # 5. Tests: everything but gpu. Without arguments, two pytest processes run side by side: the
 # cluster and multi-process tests (in order, as one session: they share the control plane and
 # the images, and several assert on timing windows; mostly they wait on the control plane) and
-# the unit tests (CPU-bound; their output is printed when both end). With arguments (pytest
+# the unit tests (CPU-bound; their output is printed when both end). Each lists its slowest
+# tests (--durations: where the minutes go). With arguments (pytest
 # options, test paths), one pytest runs everything they select, in order. The total is printed
 # last (the README quotes it).
 status=0
@@ -62,9 +63,9 @@ if [ $# -eq 0 ]; then
   # UCX_NET_DEVICES=lo: the unit tests' NIXL agents talk over loopback only; without it UCX
   # offers every interface of the host, veths of the cluster tests beside them included, which
   # come and go (the likely cause of two KV reads that timed out in a fresh clone's run).
-  UCX_NET_DEVICES=lo pytest -m "not gpu" tests/unit > "$unit_log" 2>&1 &
+  UCX_NET_DEVICES=lo pytest -m "not gpu" --durations=15 tests/unit > "$unit_log" 2>&1 &
   unit_pid=$!
-  pytest -m "not gpu" tests/cluster tests/mp || status=$?
+  pytest -m "not gpu" --durations=25 tests/cluster tests/mp || status=$?
   unit_status=0
   wait "$unit_pid" || unit_status=$?
   log "pytest -m 'not gpu' tests/unit (ran beside the others; exit status $unit_status)"
