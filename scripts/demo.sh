@@ -47,15 +47,10 @@ await() {  # await STEP: wait for it; stop the demo if it failed
   fi
   printf '   %s done in %d s\n' "$step" $(($(cat "$logs/$step.end") - began[$step]))
 }
-venv() {
-  if [ ! -x .venv/bin/python ]; then
-    "$PY" -m venv .venv
-  fi
+venv() {  # .venv (scripts/venv.sh), unless it already imports the demo's packages
   if ! .venv/bin/python -c "import dwdp.worker.loading.checkpoint, dwdp.operator, fastapi, httpx, kopf" 2>/dev/null; then
-    # -qq: errors only (with -q pip warns about every release of lm-eval's pytablewriter whose
-    # metadata it refuses, some 480 lines)
-    .venv/bin/python -m pip install -qq --upgrade pip
-    .venv/bin/python -m pip install -qq -e ".[test]" -e ./tools
+    . scripts/venv.sh
+    install_venv
   fi
 }
 

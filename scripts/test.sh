@@ -15,17 +15,10 @@ log() { printf '\n== %s\n' "$*"; }
 . scripts/system-packages.sh
 install_system_packages openmpi-bin:mpirun libopenmpi-dev:mpicc
 
-# 2. Python packages in .venv.
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  log "creating .venv"
-  "$PY" -m venv .venv
-fi
+# 2. Python packages in .venv (scripts/venv.sh).
 log "installing Python packages"
-# -qq: errors only (with -q pip warns about every release of lm-eval's pytablewriter whose
-# metadata it refuses, some 480 lines)
-.venv/bin/python -m pip install -qq --upgrade pip
-.venv/bin/python -m pip install -qq -e ".[test]" -e ./tools
+. scripts/venv.sh
+install_venv
 export PATH="$PWD/.venv/bin:$PATH"
 
 # 3. The local control plane (built once, reused while its inputs are unchanged).
