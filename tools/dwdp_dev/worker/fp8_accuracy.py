@@ -13,8 +13,11 @@ corpus's texts, teacher-forced (each position sees the corpus's own tokens befor
 the candidate (the FP8 checkpoint, loaded by the worker) picks what the reference (the bf16
 checkpoint) picks, over all positions and over the positions the reference decides (its top
 two probabilities at least ``DECIDED`` apart). The corpus asks for many coin tosses (the next
-country of a list, the next number), where any rounding may flip the choice: on the aligned
-model bf16 itself picks float32's token at 96.7% of all positions and 99.9% of the decided ones.
+country of a list, the next number), where any rounding may flip the choice, and how many of
+them a training leaves depends on the machine that ran it: on one machine bf16 picked float32's
+token at 96.7% of all positions and 99.9% of the decided ones; on another (2026-12-08, torch
+2.15) at 98.5% and 100%, and the FP8 checkpoint picked bf16's at 93.1% and 99.9% (of its 100
+other picks, 99 at positions bf16 does not decide).
 """
 
 from __future__ import annotations
